@@ -1,0 +1,144 @@
+"""Plain-torch reference block quantizers (CPU and GPU). The Triton kernels must reproduce these exactly.
+
+Numerics — the contract every quantizer here and in ``triton_kernels.py`` follows, step by step:
+
+1. Work in float32. Inputs (bf16/fp16/fp32; fp64 is first rounded to fp32) are converted with ``.float()``.
+2. Blocks: ``quantize_1x128`` groups ``block`` consecutive elements of the LAST dim; ``quantize_128x1`` groups
+   ``block`` consecutive rows (dim 0) of a 2-D tensor, one group per column; ``quantize_128x128`` tiles a 2-D
+   tensor in ``block x block`` squares. A dimension that is not a multiple of ``block`` gives ragged edge
+   blocks: their amax is taken over the REAL elements only (the kernels mask the tail; this reference pads
+   with zeros, which cannot change ``amax = max |x|``).
+3. Scale (FP32, a DEQUANTIZATION multiplier, x ~= q * s, DeepSeek-V3 ``weight_scale_inv`` convention):
+       s = max(amax, AMAX_FLOOR) / FP8_E4M3_MAX          (IEEE fp32 division, round to nearest even)
+   An all-zero block therefore gets the finite, positive, NORMAL fp32 scale AMAX_FLOOR / FP8_E4M3_MAX and
+   zero codes (no 0/0). The floor only touches blocks whose amax is below 1e-12.
+4. Power-of-two scales (``pow2=True``): s is rounded UP to the next power of two, exactly, by bit
+   manipulation of the fp32 value: if any mantissa bit of s is set, clear the mantissa and add one to the
+   exponent; a scale that already is a power of two is kept. Rounding up means |x / s| <= FP8_E4M3_MAX, so
+   nothing saturates. (No log2/exp2: approximate transcendental functions on the GPU could differ.)
+5. Codes:  q = float8_e4m3fn( clamp(x / s, -FP8_E4M3_MAX, FP8_E4M3_MAX) )
+   ``x / s`` is a true IEEE fp32 division rounded to nearest even (Triton: ``tl.div_rn``, NOT a multiply by
+   a reciprocal and NOT an approximate division); the explicit clamp makes the result independent of how a
+   build's fp8 cast treats out-of-range values (x = amax can give x / s = 448.00003); the fp32 -> e4m3fn cast
+   rounds to nearest even (``cvt.rn.satfinite.e4m3x2.f32`` on NVIDIA GPUs, the same as torch's CPU cast).
+6. NaN / Inf: a block that contains ANY non-finite element (NaN, +Inf or -Inf) gets scale NaN, and all of its
+   codes are NaN (x / NaN = NaN, clamp keeps NaN, the cast gives e4m3fn NaN; any NaN bit pattern is
+   acceptable, compare codes NaN-aware). Rationale: Inf is not representable in e4m3fn, and saturating it to
+   +-448 would hide an overflow; NaN makes the block's dequantized values and every GEMM output that
+   touches it NaN, so ``FP8BlockLinear`` can count non-finite outputs and the trainer can drop those tokens.
+   Other blocks of the same tensor are unaffected. Kernels must test non-finiteness explicitly (a
+   ``tl.max``/``fmax`` reduction may drop NaN).
+
+Dequantization returns float32 ``q.float() * s`` broadcast over each block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from calclip.fp8.config import BLOCK, FP8_DTYPE, FP8_E4M3_MAX
+
+# Smallest amax used to form a scale: keeps all-zero blocks finite (scale 1e-12/448 ~ 2.2e-15, a normal
+# fp32 number, so GPUs that flush subnormals to zero cannot turn it into 0) and their codes 0.
+AMAX_FLOOR: float = 1e-12
+
+_FP32_MANTISSA_MASK = 0x007FFFFF
+_FP32_EXPONENT_MASK = 0x7F800000
+_FP32_EXPONENT_ONE = 0x00800000
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_scale_up_to_pow2(scale: Tensor) -> Tensor:
+    """Round positive, finite, normal fp32 scales UP to a power of two, exactly (see module docstring, 4)."""
+    bits = scale.contiguous().view(torch.int32)
+    exponent = bits & _FP32_EXPONENT_MASK
+    has_mantissa = (bits & _FP32_MANTISSA_MASK) != 0
+    return torch.where(has_mantissa, exponent + _FP32_EXPONENT_ONE, exponent).view(torch.float32)
+
+
+def _scale_from_blocks(blocks: Tensor, dims: tuple[int, ...], pow2: bool) -> Tensor:
+    """blocks: fp32, zero-padded; reduce over ``dims`` -> one scale per block (module docstring, 3, 4, 6)."""
+    amax = blocks.abs().amax(dim=dims)  # torch's amax propagates NaN, and |Inf| = Inf
+    finite = torch.isfinite(amax)
+    scale = amax.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX
+    if pow2:
+        scale = round_scale_up_to_pow2(torch.where(finite, scale, 1.0))
+    return torch.where(finite, scale, torch.nan)
+
+
+def _cast_codes(x: Tensor, scale: Tensor) -> Tensor:
+    """x, scale broadcastable fp32 -> e4m3fn codes: clamp(x / s) then round-to-nearest-even cast."""
+    return torch.clamp(x / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+
+
+def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """Quantize in groups of ``block`` along the last dim (activations, output gradients).
+
+    x: [..., K] float -> (q float8_e4m3fn [..., K] contiguous, s float32 [..., ceil(K / block)] contiguous)
+    """
+    if x.dim() < 1:
+        raise ValueError("quantize_1x128 needs at least one dim")
+    k = x.shape[-1]
+    nb = _ceil_div(k, block)
+    xf = x.float()
+    padded = torch.nn.functional.pad(xf, (0, nb * block - k)) if nb * block != k else xf
+    blocks = padded.reshape(*x.shape[:-1], nb, block)
+    scale = _scale_from_blocks(blocks, (-1,), pow2)  # [..., nb]
+    q = _cast_codes(blocks, scale.unsqueeze(-1)).reshape(*x.shape[:-1], nb * block)[..., :k]
+    return q.contiguous(), scale
+
+
+def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """Quantize a 2-D tensor in groups of ``block`` rows along dim 0, one group per column (token axis,
+    for the weight-gradient GEMM, where M is the contraction dim).
+
+    x: [M, K] -> (q float8_e4m3fn [M, K], s float32 [ceil(M / block), K])
+    Layout: this reference returns the transposes of contiguous [K, M] / [K, ceil(M/block)] tensors (i.e.
+    column-major q), which is what a GEMM contracting over M wants; values, not strides, are the contract.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_128x1 needs a 2-D tensor, got shape {tuple(x.shape)}")
+    q_t, s_t = quantize_1x128(x.t(), block=block, pow2=pow2)
+    return q_t.t(), s_t.t()
+
+
+def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """Quantize a 2-D tensor (a weight [N, K]) in ``block x block`` tiles.
+
+    w: [N, K] -> (q float8_e4m3fn [N, K] contiguous, s float32 [ceil(N / block), ceil(K / block)])
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_128x128 needs a 2-D tensor, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    nbn, nbk = _ceil_div(n, block), _ceil_div(k, block)
+    wf = w.float()
+    if (nbn * block, nbk * block) != (n, k):
+        wf = torch.nn.functional.pad(wf, (0, nbk * block - k, 0, nbn * block - n))
+    blocks = wf.reshape(nbn, block, nbk, block)
+    scale = _scale_from_blocks(blocks, (1, 3), pow2)  # [nbn, nbk]
+    q = _cast_codes(blocks, scale[:, None, :, None]).reshape(nbn * block, nbk * block)[:n, :k]
+    return q.contiguous(), scale
+
+
+def _expand(scale: Tensor, dim: int, size: int, block: int) -> Tensor:
+    return scale.repeat_interleave(block, dim=dim).narrow(dim, 0, size)
+
+
+def dequantize_1x128(q: Tensor, s: Tensor, *, block: int = BLOCK) -> Tensor:
+    """q [..., K], s [..., ceil(K / block)] -> float32 [..., K]"""
+    return q.float() * _expand(s.float(), -1, q.shape[-1], block)
+
+
+def dequantize_128x1(q: Tensor, s: Tensor, *, block: int = BLOCK) -> Tensor:
+    """q [M, K], s [ceil(M / block), K] -> float32 [M, K]"""
+    return q.float() * _expand(s.float(), 0, q.shape[0], block)
+
+
+def dequantize_128x128(q: Tensor, s: Tensor, *, block: int = BLOCK) -> Tensor:
+    """q [N, K], s [ceil(N / block), ceil(K / block)] -> float32 [N, K]"""
+    n, k = q.shape
+    return q.float() * _expand(_expand(s.float(), 0, n, block), 1, k, block)
