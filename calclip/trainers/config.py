@@ -1,0 +1,321 @@
+"""Configuration of the calibrated trainers: flat ``GRPOConfig`` fields, so ``TrlParser`` reads YAML and CLI
+overrides unchanged.
+
+Every new field is documented once (``metadata["help"]``) and validated in ``__post_init__`` with a message that
+names the field and its allowed values. Every ``GRPOConfig`` field keeps its meaning; the few TRL loss options the
+calibrated loss does not implement are rejected here (named) rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+CLIP_MODES = ("static", "clip_higher", "dual_clip", "calibrated")
+CALIBRATION_SCHEDULES = ("interval", "every_step")
+CALIBRATION_UPPER_MODES = ("balance", "quantile", "fixed")
+TIS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+OLD_LOGPS_SOURCES = ("trainer", "rollout")
+FP8_BACKWARD_MODES = ("fp8", "bf16")
+FP8_GEMM_BACKENDS = ("auto", "scaled_mm", "triton", "emulated")
+# Aggregations the calibrated loss reproduces exactly (calclip.losses.aggregation.AGGREGATIONS).
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# DAPO paper (arXiv 2503.14476): clip-higher with eps_low 0.2, eps_high 0.28.
+CLIP_HIGHER_DEFAULT_EPSILON_HIGH = 0.28
+
+
+def _one_of(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _int_at_least(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass
+class CalibratedGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus FP8 block quantization, Calibrated Clipping, rollout correction (TIS) and monitoring.
+
+    The clip bounds are ratio bounds ``[low, high]``. ``static``/``clip_higher``/``dual_clip`` use
+    ``[1 - epsilon, 1 + epsilon_high]``; ``calibrated`` starts at ``calibration_init_bounds`` and then applies the
+    calibrator's bounds (DESIGN.md, "The calibration, defined exactly"), with ``epsilon``/``epsilon_high`` as the
+    BF16 base bounds the calibration matches.
+    """
+
+    # ---- clipping ----
+    clip_mode: str = field(
+        default="calibrated",
+        metadata={
+            "help": "How the PPO ratio is clipped. 'static': [1-epsilon, 1+epsilon_high] (TRL's). 'clip_higher': the "
+            "same with epsilon_high defaulting to 0.28 (DAPO). 'dual_clip': static bounds plus the dual-clip floor "
+            "dual_clip_c*A for A<0 tokens. 'calibrated': bounds fitted to BF16 shadow ratio quantiles "
+            "(Calibrated Clipping)."
+        },
+    )
+    dual_clip_c: float = field(
+        default=3.0,
+        metadata={"help": "Dual-clip constant c > 1: the loss of an A<0 token is at most -c*A. Used by clip_mode "
+                  "'dual_clip'."},
+    )
+
+    # ---- calibration ----
+    calibration_schedule: str = field(
+        default="interval",
+        metadata={
+            "help": "'interval': recalibrate every calibration_interval optimizer steps with two BF16 shadow "
+            "forwards and hold [L, H] in between (the paper's). 'every_step': keep alpha and p from the last shadow "
+            "calibration and refit L and H on every off-policy mini-batch's FP8 ratios."
+        },
+    )
+    calibration_interval: int = field(
+        default=20,
+        metadata={"help": "Optimizer steps between BF16 shadow calibrations (also the cadence of the FP8-vs-BF16 "
+                  "monitoring in the other clip modes)."},
+    )
+    calibration_ema: float = field(
+        default=0.0,
+        metadata={"help": "EMA weight in [0, 1) of the previous bounds: bound <- ema*bound + (1-ema)*new. The first "
+                  "calibration replaces the initial bounds."},
+    )
+    calibration_upper: str = field(
+        default="balance",
+        metadata={"help": "Upper bound rule: 'balance' (match the BF16 update-mass balance, the paper's), "
+                  "'quantile' (BF16 upper-clip share), 'fixed' (1+epsilon_high)."},
+    )
+    calibration_init_bounds: list[float] = field(
+        default_factory=lambda: [0.6, 1.8],
+        metadata={"help": "Ratio bounds [low, high] in force before the first calibration."},
+    )
+    calibration_low_min: float = field(default=0.2, metadata={"help": "Lower rail of the calibrated low bound."})
+    calibration_low_max: float = field(default=1.0, metadata={"help": "Upper rail of the calibrated low bound."})
+    calibration_high_min: float = field(default=1.0, metadata={"help": "Lower rail of the calibrated high bound."})
+    calibration_high_max: float = field(default=5.0, metadata={"help": "Upper rail of the calibrated high bound."})
+
+    # ---- rollout correction ----
+    tis_mode: str = field(
+        default="none",
+        metadata={
+            "help": "Rollout-correction importance weights pi_old/pi_rollout multiplying the per-token loss: 'none', "
+            "'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'. Rollout log-probs come from "
+            "vLLM or, on the transformers generate path, from the processed scores of the sampled tokens."
+        },
+    )
+    tis_cap: float = field(default=2.0, metadata={"help": "Upper cap C of the TIS/MIS weights (truncate or mask)."})
+    tis_lower_cap: float | None = field(
+        default=None, metadata={"help": "Optional lower cap of the TIS/MIS weights (truncate or mask below it)."}
+    )
+    old_logps_source: str = field(
+        default="trainer",
+        metadata={
+            "help": "'trainer': old log-probs from the trainer's forward at generation time (TRL's). 'rollout' "
+            "(bypass): the rollout's sampled-token log-probs are the old log-probs, so the ratio also carries the "
+            "rollout/trainer mismatch."
+        },
+    )
+
+    # ---- FP8 ----
+    fp8: bool = field(
+        default=True,
+        metadata={"help": "Quantize the policy's linear layers to block FP8 (DeepSeek-V3 recipe) for rollout and "
+                  "training alike. Off: the policy trains in its own dtype."},
+    )
+    fp8_backward: str = field(
+        default="fp8", metadata={"help": "'fp8': dgrad/wgrad GEMMs in FP8. 'bf16': straight-through BF16 backward."}
+    )
+    fp8_gemm: str = field(
+        default="auto", metadata={"help": "FP8 GEMM backend: 'auto', 'scaled_mm', 'triton' or 'emulated' (CPU)."}
+    )
+    fp8_keep_first_n_layers: int = field(default=0, metadata={"help": "First decoder layers kept in BF16."})
+    fp8_keep_last_n_layers: int = field(default=0, metadata={"help": "Last decoder layers kept in BF16."})
+    fp8_keep_patterns: list[str] = field(
+        default_factory=lambda: ["lm_head"],
+        metadata={"help": "Regexes (re.search on module names) of linear layers kept in BF16."},
+    )
+    fp8_power_of_two_scales: bool = field(
+        default=False, metadata={"help": "Round every FP8 scale up to a power of two."}
+    )
+
+    # ---- monitoring ----
+    entropy_spike_window: int = field(
+        default=20, metadata={"help": "Optimizer steps in the rolling window of the entropy-spike detector."}
+    )
+    entropy_spike_warmup: int = field(
+        default=5, metadata={"help": "Optimizer steps observed before the entropy-spike detector can fire."}
+    )
+    entropy_spike_z: float = field(
+        default=4.0,
+        metadata={"help": "z-score of the step entropy (all tokens or A<0 tokens) against the rolling window above "
+                  "which a spike is raised."},
+    )
+    recalibrate_on_spike: bool = field(
+        default=True, metadata={"help": "Request an immediate shadow calibration when an entropy spike fires."}
+    )
+    repeat_ngram_size: int = field(
+        default=4,
+        metadata={"help": "n of the garbled-output signal completions/repeat_ngram_frac (share of repeated n-grams)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_calclip_fields()
+        if self.clip_mode == "clip_higher" and self.epsilon_high is None:
+            self.epsilon_high = CLIP_HIGHER_DEFAULT_EPSILON_HIGH
+        if self.clip_mode == "clip_higher" and self.epsilon_high <= self.epsilon:
+            raise ValueError(
+                f"epsilon_high ({self.epsilon_high}) must be > epsilon ({self.epsilon}) with clip_mode='clip_higher'"
+            )
+        if self.clip_mode == "calibrated" and not self.calibration_is_meaningful:
+            warnings.warn(
+                "clip_mode='calibrated' but every mini-batch is on-policy (steps_per_generation "
+                f"({self.steps_per_generation}) <= gradient_accumulation_steps ({self.gradient_accumulation_steps}), "
+                "num_iterations == 1, old_logps_source='trainer'): the ratio is exactly 1, so calibration never "
+                "sees a moved policy and the bounds stay at calibration_init_bounds. Raise steps_per_generation or "
+                "num_iterations.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    @property
+    def calibration_is_meaningful(self) -> bool:
+        """True when some mini-batches see a policy that moved since the old log-probs (DESIGN.md, Schedules)."""
+        return (
+            self.steps_per_generation > self.gradient_accumulation_steps
+            or self.num_iterations > 1
+            or self.old_logps_source == "rollout"
+        )
+
+    @property
+    def clip_epsilon_high(self) -> float:
+        """The upper epsilon in force: ``epsilon_high``, or ``epsilon`` when unset (TRL's rule)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def _validate_calclip_fields(self) -> None:
+        _one_of("clip_mode", self.clip_mode, CLIP_MODES)
+        _one_of("calibration_schedule", self.calibration_schedule, CALIBRATION_SCHEDULES)
+        _one_of("calibration_upper", self.calibration_upper, CALIBRATION_UPPER_MODES)
+        _one_of("tis_mode", self.tis_mode, TIS_MODES)
+        _one_of("old_logps_source", self.old_logps_source, OLD_LOGPS_SOURCES)
+        _one_of("fp8_backward", self.fp8_backward, FP8_BACKWARD_MODES)
+        _one_of("fp8_gemm", self.fp8_gemm, FP8_GEMM_BACKENDS)
+        _one_of("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
+
+        if not _is_number(self.dual_clip_c) or self.dual_clip_c <= 1.0:
+            raise ValueError(f"dual_clip_c must be a number > 1, got {self.dual_clip_c!r}")
+        _int_at_least("calibration_interval", self.calibration_interval, 1)
+        if not _is_number(self.calibration_ema) or not 0.0 <= self.calibration_ema < 1.0:
+            raise ValueError(f"calibration_ema must be in [0, 1), got {self.calibration_ema!r}")
+        for name in ("calibration_low_min", "calibration_low_max", "calibration_high_min", "calibration_high_max"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if not 0.0 <= self.calibration_low_min <= self.calibration_low_max <= 1.0:
+            raise ValueError(
+                "calibration_low_min/calibration_low_max must satisfy 0 <= low_min <= low_max <= 1, got "
+                f"({self.calibration_low_min}, {self.calibration_low_max})"
+            )
+        if not 1.0 <= self.calibration_high_min <= self.calibration_high_max:
+            raise ValueError(
+                "calibration_high_min/calibration_high_max must satisfy 1 <= high_min <= high_max, got "
+                f"({self.calibration_high_min}, {self.calibration_high_max})"
+            )
+        bounds = self.calibration_init_bounds
+        if (
+            not isinstance(bounds, (list, tuple))
+            or len(bounds) != 2
+            or not all(_is_number(b) for b in bounds)
+            or not bounds[0] < 1.0 < bounds[1]
+        ):
+            raise ValueError(f"calibration_init_bounds must be [low, high] with low < 1 < high, got {bounds!r}")
+        self.calibration_init_bounds = [float(b) for b in bounds]
+
+        if not _is_number(self.tis_cap) or self.tis_cap <= 0.0:
+            raise ValueError(f"tis_cap must be a number > 0, got {self.tis_cap!r}")
+        if self.tis_lower_cap is not None and (
+            not _is_number(self.tis_lower_cap) or not 0.0 <= self.tis_lower_cap < self.tis_cap
+        ):
+            raise ValueError(f"tis_lower_cap must be None or in [0, tis_cap), got {self.tis_lower_cap!r}")
+        if self.tis_mode != "none" and self.old_logps_source == "rollout":
+            raise ValueError(
+                "tis_mode must be 'none' when old_logps_source='rollout': the old log-probs are the rollout's, so "
+                "the correction weight pi_old/pi_rollout is identically 1"
+            )
+        if self.tis_mode != "none" and self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "tis_mode and vllm_importance_sampling_correction both correct the rollout mismatch: set "
+                "tis_mode='none' (TRL's correction is then applied) or vllm_importance_sampling_correction=False"
+            )
+
+        for name in ("fp8_keep_first_n_layers", "fp8_keep_last_n_layers", "repeat_ngram_size"):
+            _int_at_least(name, getattr(self, name), 1 if name == "repeat_ngram_size" else 0)
+        if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):
+            raise ValueError(f"fp8_keep_patterns must be a list of regex strings, got {self.fp8_keep_patterns!r}")
+        _int_at_least("entropy_spike_window", self.entropy_spike_window, 2)
+        _int_at_least("entropy_spike_warmup", self.entropy_spike_warmup, 2)
+        if not _is_number(self.entropy_spike_z) or self.entropy_spike_z <= 0.0:
+            raise ValueError(f"entropy_spike_z must be a number > 0, got {self.entropy_spike_z!r}")
+
+        # TRL loss options the calibrated loss does not implement: fail loudly instead of ignoring them.
+        unsupported = {
+            "top_entropy_quantile": self.top_entropy_quantile != 1.0,
+            "use_adaptive_entropy": self.use_adaptive_entropy,
+            "off_policy_mask_threshold": self.off_policy_mask_threshold is not None,
+            "delta": self.delta is not None,
+        }
+        for name, is_set in unsupported.items():
+            if is_set:
+                raise ValueError(
+                    f"{name} is not supported by CalibratedGRPOTrainer's loss; leave it at its GRPOConfig default "
+                    f"(got {getattr(self, name)!r})"
+                )
+
+
+@dataclass
+class CalibratedDAPOConfig(CalibratedGRPOConfig):
+    """DAPO preset (arXiv 2503.14476): clip-higher base bounds 0.8/1.28, token-level ``dapo`` loss, dynamic sampling,
+    overlong filtering and the soft overlong punishment. ``clip_mode`` stays ``calibrated`` (the 0.2/0.28 epsilons
+    are the base bounds the calibration matches); ``clip_mode='clip_higher'`` gives plain DAPO.
+    The dynamic-sampling and overlong logic lives in ``calclip.trainers.dapo``.
+    """
+
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clip epsilon (DAPO: 0.2)."})
+    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip epsilon (DAPO: 0.28)."})
+    loss_type: str = field(default="dapo", metadata={"help": "Token-level loss over the global batch (DAPO)."})
+    mask_truncated_completions: bool = field(
+        default=True, metadata={"help": "Overlong filtering: truncated completions are masked out of the loss."}
+    )
+    dynamic_sampling: bool = field(
+        default=True,
+        metadata={"help": "Drop groups whose rewards all agree and generate more until the batch is full."},
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=4,
+        metadata={"help": "Most generation rounds per batch for dynamic sampling; then the batch is kept as is."},
+    )
+    overlong_buffer_length: int = field(
+        default=64,
+        metadata={"help": "L_cache of the soft overlong punishment: completions longer than max_completion_length - "
+                  "L_cache are penalized linearly, down to -overlong_penalty_factor at max_completion_length."},
+    )
+    overlong_penalty_factor: float = field(
+        default=1.0, metadata={"help": "Largest soft overlong penalty (0 turns the punishment off)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        _int_at_least("dynamic_sampling_max_rounds", self.dynamic_sampling_max_rounds, 1)
+        _int_at_least("overlong_buffer_length", self.overlong_buffer_length, 0)
+        if self.max_completion_length is not None and self.overlong_buffer_length >= self.max_completion_length:
+            raise ValueError(
+                f"overlong_buffer_length ({self.overlong_buffer_length}) must be < max_completion_length "
+                f"({self.max_completion_length})"
+            )
+        if not _is_number(self.overlong_penalty_factor) or self.overlong_penalty_factor < 0.0:
+            raise ValueError(f"overlong_penalty_factor must be a number >= 0, got {self.overlong_penalty_factor!r}")
