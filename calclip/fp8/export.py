@@ -1,0 +1,326 @@
+"""Block-FP8 export of a calclip FP8 policy: a standard checkpoint and the per-step vLLM weight-sync stream.
+
+Both produce, for every linear layer that calclip trains in FP8, the tensors a block-FP8 consumer loads:
+
+    <module>.weight            float8_e4m3fn [N, K]
+    <module>.weight_scale_inv  float32       [ceil(N / 128), ceil(K / 128)]   (dequantization multiplier)
+
+quantized by calclip's own reference quantizer (``calclip.fp8.reference.quantize_128x128``) with the block size
+and power-of-two flag the layer trains with, so the FP8 codes and scales are bit-identical to the ones the
+training forward multiplies with. Everything else (embeddings, norms, the BF16-kept linears, lm_head) is
+written in BF16 (checkpoint) or passed through unchanged (sync stream; vLLM's loader casts it).
+
+Names and shapes were checked against the consumers' sources (see docs/vllm.md for the citations):
+
+- transformers ``FineGrainedFP8Config`` / ``FP8Linear`` (integrations/finegrained_fp8.py, 5.24): parameters
+  ``weight`` (e4m3fn [N, K]) and ``weight_scale_inv`` (fp32 [ceil(N/bn), ceil(K/bk)]); the config reads
+  ``quant_method``, ``activation_scheme``, ``weight_block_size``, ``modules_to_not_convert`` (``ignored_layers``
+  is accepted as an alias only when ``modules_to_not_convert`` is absent).
+- vLLM ``Fp8Config.from_config`` (model_executor/layers/quantization/fp8.py) reads ``quant_method`` ("fp8" in it
+  means FP8-serialized), ``activation_scheme``, ``weight_block_size`` and ``ignored_layers``; releases from late
+  2025 on fall back to ``modules_to_not_convert`` when ``ignored_layers`` is empty, older ones do not. The export
+  therefore writes both keys with the same list. ``Fp8LinearMethod.create_weights`` registers ``weight`` and
+  ``weight_scale_inv`` (the checkpoint format) in every version read; the post-load step keeps
+  ``weight_scale_inv`` in older releases and renames it to ``weight_scale`` in newer ones, which is why the sync
+  stream sends the CHECKPOINT format inside vLLM's layerwise reload (``calclip.trainers.vllm_sync``).
+
+torch + safetensors + json only: no transformers, no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from calclip.fp8.config import BLOCK, FP8_DTYPE, Fp8Config
+from calclip.fp8.reference import quantize_128x128
+
+# Checkpoint-format scale name: DeepSeek-V3's, transformers' FP8Linear's and vLLM's Fp8LinearMethod.create_weights'.
+SCALE_NAME = "weight_scale_inv"
+# The name vLLM releases with the refactored post-load step give the processed scale (kernel format). Only useful
+# for in-place kernel-format updates; see docs/vllm.md before using it.
+VLLM_PROCESSED_SCALE_NAME = "weight_scale"
+
+# Parameter-name wrappers that training frameworks insert and checkpoints never contain (TRL strips the same ones).
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+# vLLM fuses these projections into one column-parallel layer (Llama-family ``packed_modules_mapping``).
+LLAMA_PACKED_MODULES: Mapping[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+@dataclass(frozen=True)
+class Fp8WeightSpec:
+    """How one linear layer's weight is quantized in training (and therefore in the export)."""
+
+    block_size: int = BLOCK
+    power_of_two_scales: bool = False
+
+
+def clean_param_name(name: str) -> str:
+    """Strip framework wrapper prefixes (activation checkpointing, FSDP1, torch.compile) from a name."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _fp8_config_of(module: nn.Module) -> Fp8Config | None:
+    for attr in ("fp8_config", "config"):
+        cfg = getattr(module, attr, None)
+        if isinstance(cfg, Fp8Config):
+            return cfg
+    return None
+
+
+def _is_fp8_linear(module: nn.Module) -> bool:
+    try:
+        from calclip.fp8.linear import FP8BlockLinear
+    except ImportError:  # the FP8 module layer is optional for pure export tests
+        FP8BlockLinear = ()  # noqa: N806
+    return (bool(FP8BlockLinear) and isinstance(module, FP8BlockLinear)) or type(module).__name__ == "FP8BlockLinear"
+
+
+def fp8_weight_specs(model: nn.Module) -> dict[str, Fp8WeightSpec]:
+    """Module name (wrapper prefixes stripped) -> quantization spec, for every FP8BlockLinear in ``model``."""
+    specs = {}
+    for name, module in model.named_modules():
+        if not _is_fp8_linear(module):
+            continue
+        cfg = _fp8_config_of(module)
+        spec = Fp8WeightSpec() if cfg is None else Fp8WeightSpec(cfg.block_size, cfg.power_of_two_scales)
+        specs[clean_param_name(name)] = spec
+    return specs
+
+
+def bf16_linear_names(model: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec]) -> list[str]:
+    """Names of the nn.Linear modules that stay in high precision (``modules_to_not_convert``), in model order."""
+    names = []
+    for name, module in model.named_modules():
+        name = clean_param_name(name)
+        if isinstance(module, nn.Linear) and name not in fp8_modules:
+            names.append(name)
+    return names
+
+
+def block_fp8_quantization_config(*, block_size: int = BLOCK, modules_to_not_convert: Iterable[str] = ()) -> dict:
+    """The ``quantization_config`` of a block-FP8 checkpoint, readable by transformers and vLLM.
+
+    ``fmt`` is not read by either loader (transformers keeps unknown keys out of FineGrainedFP8Config, vLLM
+    ignores it); it is written because DeepSeek-V3-style checkpoints carry it and tools grep for it.
+    """
+    skip = list(modules_to_not_convert)
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block_size, block_size],
+        "modules_to_not_convert": skip,
+        # vLLM releases before the modules_to_not_convert fallback read only this key.
+        "ignored_layers": list(skip),
+    }
+
+
+def quantize_weight_for_export(weight: Tensor, spec: Fp8WeightSpec) -> tuple[Tensor, Tensor]:
+    """weight [N, K] -> (q float8_e4m3fn [N, K], weight_scale_inv float32 [ceil(N/b), ceil(K/b)]).
+
+    The training quantizer's own reference; raises on non-finite blocks (a NaN scale would silently turn every
+    output of the layer NaN in the inference engine).
+    """
+    q, s = quantize_128x128(weight.detach(), block=spec.block_size, pow2=spec.power_of_two_scales)
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError("weight has non-finite values: refusing to export NaN block scales")
+    return q, s
+
+
+def quantize_named_params(
+    named_params: Iterable[tuple[str, Tensor]],
+    fp8_modules: Mapping[str, Fp8WeightSpec],
+    *,
+    scale_name: str = SCALE_NAME,
+) -> Iterator[tuple[str, Tensor]]:
+    """Rewrite a (name, tensor) stream: ``<fp8 module>.weight`` becomes the FP8 codes plus ``<module>.<scale_name>``.
+
+    Every other tensor passes through unchanged. Names are matched after stripping wrapper prefixes, and the
+    cleaned name is yielded. Lazy: one weight is quantized at a time, while the caller's gather (FSDP/ZeRO-3) for
+    that parameter is still open.
+    """
+    for name, tensor in named_params:
+        name = clean_param_name(name)
+        module_name, _, leaf = name.rpartition(".")
+        spec = fp8_modules.get(module_name) if leaf == "weight" else None
+        if spec is None:
+            yield name, tensor
+            continue
+        q, s = quantize_weight_for_export(tensor, spec)
+        yield name, q
+        yield f"{module_name}.{scale_name}", s
+
+
+def fp8_weight_sync_tensors(
+    model: nn.Module,
+    *,
+    fp8_modules: Mapping[str, Fp8WeightSpec] | None = None,
+    scale_name: str = SCALE_NAME,
+) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) for every parameter of ``model`` as vLLM's block-FP8 checkpoint loader expects them.
+
+    FP8 linears: ``weight`` float8_e4m3fn [N, K] and ``weight_scale_inv`` float32 [ceil(N/128), ceil(K/128)];
+    other parameters unchanged (tied parameters once, as ``named_parameters`` yields them). Send these inside
+    vLLM's layerwise reload (checkpoint format); ``calclip.trainers.vllm_sync`` does that for TRL.
+    """
+    if fp8_modules is None:
+        fp8_modules = fp8_weight_specs(model)
+    yield from quantize_named_params(
+        ((n, p.data) for n, p in model.named_parameters()), fp8_modules, scale_name=scale_name
+    )
+
+
+def fp8_state_dict(
+    model: nn.Module,
+    *,
+    fp8_modules: Mapping[str, Fp8WeightSpec] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, Tensor]:
+    """The checkpoint tensors: FP8 codes + scales for FP8 linears, ``dtype`` for every other floating tensor.
+
+    Persistent buffers are included (as in ``state_dict``); a tensor that shares storage with one already
+    written (tied embeddings) is written once, under its first name, as transformers' ``save_pretrained`` does.
+    """
+    if fp8_modules is None:
+        fp8_modules = fp8_weight_specs(model)
+    out: dict[str, Tensor] = {}
+    seen_storage: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, tensor in quantize_named_params(model.state_dict().items(), fp8_modules):
+        if tensor.dtype not in (FP8_DTYPE,) and not name.endswith(SCALE_NAME):
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            if tensor.device.type != "meta" and key in seen_storage:
+                continue
+            seen_storage.add(key)
+            if tensor.is_floating_point():
+                tensor = tensor.detach().to(dtype)
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
+
+
+def export_fp8_checkpoint(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    config_dict: Mapping,
+    fp8_modules: Mapping[str, Fp8WeightSpec] | None = None,
+    modules_to_not_convert: Iterable[str] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` of a block-FP8 checkpoint to ``out_dir``.
+
+    config_dict: the model's HF config as a dict (``model.config.to_dict()``); its ``quantization_config`` is
+        replaced and its dtype keys set to ``dtype``.
+    modules_to_not_convert: defaults to every nn.Linear that is not an FP8 linear (lm_head and the layers kept
+        in BF16 by ``Fp8Config``).
+    All FP8 linears must share one block size (``weight_block_size`` is per checkpoint).
+    Returns the output directory. Tokenizer files are the caller's (``tokenizer.save_pretrained(out_dir)``).
+    """
+    from safetensors.torch import save_file
+
+    if fp8_modules is None:
+        fp8_modules = fp8_weight_specs(model)
+    if not fp8_modules:
+        raise ValueError("model has no FP8 linear layers: convert it with calclip.fp8.quantize_model first")
+    blocks = {spec.block_size for spec in fp8_modules.values()}
+    if len(blocks) != 1:
+        raise ValueError(f"all FP8 linears must share one block size for weight_block_size, got {sorted(blocks)}")
+    if modules_to_not_convert is None:
+        modules_to_not_convert = bf16_linear_names(model, fp8_modules)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = fp8_state_dict(model, fp8_modules=fp8_modules, dtype=dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    config = json.loads(json.dumps(dict(config_dict), default=str))  # deep copy, JSON-clean
+    config["quantization_config"] = block_fp8_quantization_config(
+        block_size=blocks.pop(), modules_to_not_convert=modules_to_not_convert
+    )
+    dtype_name = str(dtype).removeprefix("torch.")
+    config["dtype"] = dtype_name
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype_name
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def vllm_block_fp8_problems(
+    linear_shapes: Mapping[str, tuple[int, int]],
+    *,
+    block_size: int = BLOCK,
+    packed_modules: Mapping[str, tuple[str, ...]] = LLAMA_PACKED_MODULES,
+    tp_size: int = 1,
+) -> dict[str, str]:
+    """Which FP8 linears vLLM's block-FP8 linear method cannot serve, and why (empty dict: all fine).
+
+    linear_shapes: module name -> (N, K) of every FP8 linear. Rules, from vLLM's fp8 path (docs/vllm.md):
+    - K % block_size == 0: the activation quantizer (per_token_group_quant_fp8) asserts the last dim of x is a
+      multiple of the group size.
+    - a projection fused by vLLM (q/k/v -> qkv_proj, gate/up -> gate_up_proj) needs N % block_size == 0 for
+      every shard (Fp8LinearMethod.create_weights / validate_fp8_block_shape), and all shards of a fused layer
+      must be FP8 or none (is_layer_skipped raises on a mixed fused layer).
+    - with tensor parallelism, N / tp_size (column-parallel) and K / tp_size (row-parallel) must also be
+      multiples of block_size; checked conservatively for both dims when tp_size > 1.
+    Keep the reported modules in BF16 for training too (``Fp8Config.keep_patterns``) so that rollout and
+    training still run the same graph.
+    """
+    problems: dict[str, str] = {}
+    shard_to_fused = {shard: fused for fused, shards in packed_modules.items() for shard in shards}
+    for name, (n, k) in linear_shapes.items():
+        reasons = []
+        if k % block_size:
+            reasons.append(f"K={k} is not a multiple of {block_size} (activation groups)")
+        leaf = name.rpartition(".")[2]
+        if leaf in shard_to_fused and n % block_size:
+            reasons.append(f"N={n} is not a multiple of {block_size} in fused {shard_to_fused[leaf]}")
+        if tp_size > 1 and ((n // tp_size) % block_size or (k // tp_size) % block_size or n % tp_size or k % tp_size):
+            reasons.append(f"N={n}, K={k} do not split into {block_size}-multiples over tp_size={tp_size}")
+        if reasons:
+            problems[name] = "; ".join(reasons)
+    # A fused layer must be all-FP8 or all-BF16 in vLLM.
+    for name in linear_shapes:
+        parent, _, leaf = name.rpartition(".")
+        fused = shard_to_fused.get(leaf)
+        if fused is None:
+            continue
+        for sibling in packed_modules[fused]:
+            sibling_name = f"{parent}.{sibling}" if parent else sibling
+            if sibling_name not in linear_shapes:
+                problems.setdefault(name, f"fused {fused} mixes FP8 and BF16 shards ({sibling_name} is BF16)")
+    return problems
+
+
+def vllm_keep_patterns(problems: Mapping[str, str], packed_modules=LLAMA_PACKED_MODULES) -> tuple[str, ...]:
+    """Regexes for ``Fp8Config.keep_patterns`` that keep every problem module (and its fused siblings) in BF16."""
+    shard_to_fused = {shard: fused for fused, shards in packed_modules.items() for shard in shards}
+    names = set()
+    for name in problems:
+        parent, _, leaf = name.rpartition(".")
+        for sibling in packed_modules.get(shard_to_fused.get(leaf, ""), (leaf,)):
+            names.add(f"{parent}.{sibling}" if parent else sibling)
+    return tuple(f"^{re.escape(n)}$" for n in sorted(names))
+
+
+def linear_shapes(model: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> dict[str, tuple]:
+    """Module name -> (out_features, in_features) of the FP8 linears (input to ``vllm_block_fp8_problems``)."""
+    if fp8_modules is None:
+        fp8_modules = fp8_weight_specs(model)
+    return {
+        clean_param_name(name): (m.out_features, m.in_features)
+        for name, m in model.named_modules()
+        if clean_param_name(name) in fp8_modules
+    }
