@@ -1,0 +1,479 @@
+"""Triton kernels for the FP8 block recipe: three quantizers and the block-scaled FP8 GEMM.
+
+Every quantizer has the signature of its plain-torch twin in ``calclip.fp8.reference`` and reproduces it
+EXACTLY: the same fp32 scales bit for bit and the same e4m3fn codes (NaN blocks: NaN scale and NaN codes).
+The numerics contract (IEEE ``div_rn`` for both the scale and ``x / s``, ``AMAX_FLOOR``, exact power-of-two
+round-up, clamp before the cast, NaN for blocks with a non-finite element) is written out once, in
+``reference.py``'s module docstring; the kernels below follow it step by step.
+
+Each op is a pair: a small ``@triton.jit`` kernel and a launcher that checks its inputs, allocates outputs,
+builds the grid and launches. Kernels read every input once (no separate amax pass): a program loads a tile
+of whole 128-element groups into registers, reduces it, and writes codes and scales.
+
+On CUDA the launchers autotune the tile shapes over a few configs (keyed on the inner dim and a bucket of the
+outer one, so a new sequence length does not retune); set ``CALCLIP_TRITON_AUTOTUNE=0`` to use the default
+config only. On CPU tensors the kernels run under ``TRITON_INTERPRET=1`` (tests only): the interpreter's own
+fp32 -> fp8 cast truncates instead of rounding and cannot produce NaN, so in that mode the kernels encode the
+e4m3fn bits in software (``_e4m3fn_bits``) and store them through a uint8 view. The GPU tests check that this
+software encoder equals the hardware ``cvt.rn.satfinite.e4m3x2.f32`` on every fp32 input they try.
+
+This module imports triton at the top; ``calclip.fp8.quant`` / ``gemm`` import it lazily, only on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from calclip.fp8.config import BLOCK, FP8_DTYPE, FP8_E4M3_MAX
+from calclip.fp8.reference import AMAX_FLOOR
+
+__all__ = [
+    "quantize_1x128",
+    "quantize_128x1",
+    "quantize_128x128",
+    "fp8_block_gemm_triton",
+]
+
+# fp32 bit fields for the exact power-of-two round-up of a scale (reference.round_scale_up_to_pow2).
+_FP32_MANTISSA_MASK = 0x007FFFFF
+_FP32_EXPONENT_MASK = 0x7F800000
+_FP32_EXPONENT_ONE = 0x00800000
+# e4m3fn: 3 mantissa bits, exponent bias 7; smallest normal 2**-6; subnormal step 2**-9; NaN code 0x7F.
+_E4M3_MANTISSA_BITS = 3
+_E4M3_BIAS = 7
+_E4M3_MIN_NORMAL = 2.0**-6
+_E4M3_SUBNORMAL_STEPS = 2.0**9  # 1 / subnormal step
+_E4M3_NAN_CODE = 0x7F
+# Adding then subtracting 1.5 * 2**23 rounds an fp32 in [0, 2**22) to the nearest integer, ties to even.
+_RNE_MAGIC = 12582912.0
+
+_AUTOTUNE = os.environ.get("CALCLIP_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _bucket(n: int) -> int:
+    """Autotune key for an outer (token) dim: next power of two, capped, so varying lengths reuse a tuning."""
+    return min(triton.next_power_of_2(max(n, 1)), 1 << 16)
+
+
+def _check_block(block: int) -> None:
+    if block != BLOCK:
+        raise ValueError(f"the Triton kernels support block={BLOCK} only, got block={block}")
+
+
+def _check_device(*tensors: Tensor) -> bool:
+    """Return True when the kernels must encode fp8 in software (CPU tensors under TRITON_INTERPRET=1)."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type == "cuda":
+        return False
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return True
+    raise ValueError(f"Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {device}")
+
+
+def _as_float_input(x: Tensor) -> Tensor:
+    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"expected a bf16/fp16/fp32/fp64 tensor, got {x.dtype}")
+    return x.float() if x.dtype == torch.float64 else x  # fp64 is rounded to fp32 first, as the reference does
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shared pieces: one scale per block, and codes from a block and its scale.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _any_nonfinite(x, axis: tl.constexpr):
+    """True where a block holds NaN or +-Inf. Tested explicitly: a max reduction may drop NaN."""
+    return tl.max(((tl.abs(x) == float("inf")) | (x != x)).to(tl.int32), axis=axis) > 0
+
+
+@triton.jit
+def _block_scale(amax, nonfinite, POW2: tl.constexpr):
+    """amax, nonfinite: reduced per block (same shape) -> fp32 dequantization scale, NaN for non-finite blocks.
+
+    s = max(amax, AMAX_FLOOR) / FP8_E4M3_MAX with IEEE division; POW2 rounds s up to a power of two exactly.
+    """
+    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_E4M3_MAX)
+    if POW2:
+        bits = scale.to(tl.int32, bitcast=True)
+        exponent = bits & _FP32_EXPONENT_MASK
+        has_mantissa = (bits & _FP32_MANTISSA_MASK) != 0
+        scale = tl.where(has_mantissa, exponent + _FP32_EXPONENT_ONE, exponent).to(tl.float32, bitcast=True)
+    return tl.where(nonfinite, float("nan"), scale)
+
+
+@triton.jit
+def _scaled_codes(x, scale, nonfinite):
+    """x fp32, scale and nonfinite broadcastable to x -> fp32 values on the fp8 grid's range [-448, 448] or NaN."""
+    codes = tl.clamp(tl.math.div_rn(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return tl.where(nonfinite, float("nan"), codes)  # explicit: clamp's NaN behaviour is unspecified
+
+
+@triton.jit
+def _e4m3fn_bits(v):
+    """fp32 in [-448, 448] or NaN -> e4m3fn bit pattern (int32 in [0, 255]), round to nearest even.
+
+    The software twin of the hardware cast, used only under the interpreter (see the module docstring).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = tl.abs(v)
+    # Subnormals (|v| < 2**-6) count steps of 2**-9; the carry to 8 is the smallest normal's code.
+    sub_code = ((mag * _E4M3_SUBNORMAL_STEPS + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int32)
+    # Normals: round the fp32 mantissa to 3 bits, ties to even; a carry ripples into the exponent.
+    mag_bits = mag.to(tl.int32, bitcast=True)
+    drop = 23 - _E4M3_MANTISSA_BITS
+    mag_bits = mag_bits + ((1 << (drop - 1)) - 1) + ((mag_bits >> drop) & 1)
+    normal_code = (mag_bits >> drop) - ((127 - _E4M3_BIAS) << _E4M3_MANTISSA_BITS)
+    code = tl.where(mag < _E4M3_MIN_NORMAL, sub_code, normal_code) | sign
+    return tl.where(v != v, _E4M3_NAN_CODE, code)
+
+
+@triton.jit
+def _store_codes(q_ptrs, codes, mask, SOFT_FP8: tl.constexpr):
+    """Store fp32 codes as e4m3fn: hardware cast, or software bits through a uint8 pointer (interpreter)."""
+    if SOFT_FP8:
+        tl.store(q_ptrs, _e4m3fn_bits(codes).to(tl.uint8), mask=mask)
+    else:
+        tl.store(q_ptrs, codes.to(q_ptrs.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+def _codes_out(q: Tensor, soft_fp8: bool) -> Tensor:
+    return q.view(torch.uint8) if soft_fp8 else q
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1x128: groups of 128 along the last dim (activations, output gradients).
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_1x128_kernel(
+    x_ptr, q_ptr, s_ptr,  # x [R, K] (last dim contiguous), q [R, K] contiguous, s [R, NB] contiguous
+    R, K, NB, stride_xr,
+    R_BUCKET,  # autotune key only
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+):
+    """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    mask = (rows[:, None, None] < R) & (cols < K)  # ragged last group and ragged last row tile
+    x = tl.load(x_ptr + rows[:, None, None] * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
+    nonfinite = _any_nonfinite(x, 2)
+    scale = _block_scale(tl.max(tl.abs(x), axis=2), nonfinite, POW2)  # [BLOCK_R, GROUPS]
+    codes = _scaled_codes(x, scale[:, :, None], nonfinite[:, :, None])
+    _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
+    s_mask = (rows[:, None] < R) & (groups[None, :] < NB)
+    tl.store(s_ptr + rows[:, None] * NB + groups[None, :], scale, mask=s_mask)
+
+
+_QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4}, num_warps=8)
+_QUANT_1X128_CONFIGS = [
+    _QUANT_1X128_DEFAULT,
+    triton.Config({"BLOCK_R": 8, "GROUPS": 4}, num_warps=4),
+    triton.Config({"BLOCK_R": 32, "GROUPS": 2}, num_warps=8),
+    triton.Config({"BLOCK_R": 16, "GROUPS": 8}, num_warps=8),
+    triton.Config({"BLOCK_R": 4, "GROUPS": 8}, num_warps=4),
+    triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
+]
+_quantize_1x128_tuned = triton.autotune(configs=_QUANT_1X128_CONFIGS, key=["K", "R_BUCKET"])(_quantize_1x128_kernel)
+
+
+def _launch(kernel, tuned, default: triton.Config, grid, soft_fp8: bool, *args, **kwargs):
+    """Run the autotuned kernel on CUDA, or the default config (interpreter, or CALCLIP_TRITON_AUTOTUNE=0)."""
+    if _AUTOTUNE and not soft_fp8:
+        tuned[grid](*args, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs, **default.kwargs, num_warps=default.num_warps, num_stages=default.num_stages)
+
+
+def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """Quantize in groups of 128 along the last dim (activations, output gradients). Matches the reference.
+
+    x: [..., K] bf16/fp16/fp32 (fp64 rounded to fp32), any leading dims, K ragged allowed
+    -> (q float8_e4m3fn [..., K] contiguous, s float32 [..., ceil(K / 128)] contiguous, x ~= q * s)
+    """
+    _check_block(block)
+    soft_fp8 = _check_device(x)
+    if x.dim() < 1:
+        raise ValueError("quantize_1x128 needs at least one dim")
+    x = _as_float_input(x)
+    k, nb = x.shape[-1], _ceil_div(x.shape[-1], block)
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(*x.shape[:-1], nb, dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return q, s
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r = x2.shape[0]
+
+    def grid(meta):
+        return (triton.cdiv(r, meta["BLOCK_R"]), triton.cdiv(nb, meta["GROUPS"]))
+
+    _launch(_quantize_1x128_kernel, _quantize_1x128_tuned, _QUANT_1X128_DEFAULT, grid, soft_fp8,
+            x2, _codes_out(q, soft_fp8), s, r, k, nb, x2.stride(0), _bucket(r),
+            POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    return q, s
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 128x1: groups of 128 rows along dim 0, one per column (the token axis of the weight-gradient GEMM).
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_128x1_kernel(
+    x_ptr, q_ptr, s_ptr,  # x [M, K] any strides; q^T [K, M] contiguous; s^T [K, NB] contiguous
+    M, K, NB, stride_xm, stride_xk,
+    M_BUCKET,  # autotune key only
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program: one group of GROUP rows x BLOCK_K columns; reduces over rows, stores codes transposed."""
+    pid_m = tl.program_id(0)
+    rows = (pid_m * GROUP + tl.arange(0, GROUP)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)  # ragged last row group and column tile
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    nonfinite = _any_nonfinite(x, 0)  # [BLOCK_K]
+    scale = _block_scale(tl.max(tl.abs(x), axis=0), nonfinite, POW2)
+    codes = _scaled_codes(x, scale[None, :], nonfinite[None, :])
+    _store_codes(q_ptr + cols[None, :] * M + rows[:, None], codes, mask, SOFT_FP8)
+    tl.store(s_ptr + cols * NB + pid_m, scale, mask=cols < K)
+
+
+_QUANT_128X1_DEFAULT = triton.Config({"BLOCK_K": 64}, num_warps=8)
+_QUANT_128X1_CONFIGS = [
+    _QUANT_128X1_DEFAULT,
+    triton.Config({"BLOCK_K": 32}, num_warps=4),
+    triton.Config({"BLOCK_K": 64}, num_warps=4),
+    triton.Config({"BLOCK_K": 128}, num_warps=8),
+    triton.Config({"BLOCK_K": 128}, num_warps=16),
+]
+_quantize_128x1_tuned = triton.autotune(configs=_QUANT_128X1_CONFIGS, key=["K", "M_BUCKET"])(_quantize_128x1_kernel)
+
+
+def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """Quantize a 2-D tensor in groups of 128 rows along dim 0, one group per column. Matches the reference.
+
+    x: [M, K] bf16/fp16/fp32, any strides, M and K ragged allowed
+    -> (q float8_e4m3fn [M, K], s float32 [ceil(M / 128), K]); like the reference, both are transposes of
+       contiguous [K, M] / [K, ceil(M / 128)] tensors (column-major), the layout a GEMM contracting over M reads.
+    """
+    _check_block(block)
+    soft_fp8 = _check_device(x)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_128x1 needs a 2-D tensor, got shape {tuple(x.shape)}")
+    x = _as_float_input(x)
+    m, k = x.shape
+    nb = _ceil_div(m, block)
+    q_t = torch.empty(k, m, dtype=FP8_DTYPE, device=x.device)
+    s_t = torch.empty(k, nb, dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return q_t.t(), s_t.t()
+
+    def grid(meta):
+        return (nb, triton.cdiv(k, meta["BLOCK_K"]))
+
+    _launch(_quantize_128x1_kernel, _quantize_128x1_tuned, _QUANT_128X1_DEFAULT, grid, soft_fp8,
+            x, _codes_out(q_t, soft_fp8), s_t, m, k, nb, x.stride(0), x.stride(1), _bucket(m),
+            POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    return q_t.t(), s_t.t()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 128x128: square weight blocks.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_128x128_kernel(
+    w_ptr, q_ptr, s_ptr,  # w [N, K] any strides; q [N, K] contiguous; s [NBN, NBK] contiguous
+    N, K, NBK, stride_wn, stride_wk,
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """One program: GROUP rows x GROUPS blocks of GROUP columns, a [GROUP, GROUPS, GROUP] tile."""
+    pid_n = tl.program_id(0)
+    rows = (pid_n * GROUP + tl.arange(0, GROUP)).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    mask = (rows[:, None, None] < N) & (cols < K)  # ragged edge blocks: real elements only
+    w = tl.load(w_ptr + rows[:, None, None] * stride_wn + cols * stride_wk, mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    nonfinite = tl.max(_any_nonfinite(w, 2).to(tl.int32), axis=0) > 0  # [GROUPS]
+    amax = tl.max(tl.max(tl.abs(w), axis=2), axis=0)
+    scale = _block_scale(amax, nonfinite, POW2)
+    codes = _scaled_codes(w, scale[None, :, None], nonfinite[None, :, None])
+    _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
+    tl.store(s_ptr + pid_n * NBK + groups, scale, mask=groups < NBK)
+
+
+_QUANT_128X128_DEFAULT = triton.Config({"GROUPS": 1}, num_warps=8)
+_QUANT_128X128_CONFIGS = [
+    _QUANT_128X128_DEFAULT,
+    triton.Config({"GROUPS": 1}, num_warps=4),
+    triton.Config({"GROUPS": 1}, num_warps=16),
+    triton.Config({"GROUPS": 2}, num_warps=16),
+]
+_quantize_128x128_tuned = triton.autotune(configs=_QUANT_128X128_CONFIGS, key=["N", "K"])(_quantize_128x128_kernel)
+
+
+def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """Quantize a 2-D tensor (a weight [N, K]) in 128x128 tiles. Matches the reference.
+
+    w: [N, K] bf16/fp16/fp32, any strides, ragged N and K allowed
+    -> (q float8_e4m3fn [N, K] contiguous, s float32 [ceil(N / 128), ceil(K / 128)] contiguous)
+    """
+    _check_block(block)
+    soft_fp8 = _check_device(w)
+    if w.dim() != 2:
+        raise ValueError(f"quantize_128x128 needs a 2-D tensor, got shape {tuple(w.shape)}")
+    w = _as_float_input(w)
+    n, k = w.shape
+    nbn, nbk = _ceil_div(n, block), _ceil_div(k, block)
+    q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(nbn, nbk, dtype=torch.float32, device=w.device)
+    if w.numel() == 0:
+        return q, s
+
+    def grid(meta):
+        return (nbn, triton.cdiv(nbk, meta["GROUPS"]))
+
+    _launch(_quantize_128x128_kernel, _quantize_128x128_tuned, _QUANT_128X128_DEFAULT, grid, soft_fp8,
+            w, _codes_out(q, soft_fp8), s, n, k, nbk, w.stride(0), w.stride(1),
+            POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    return q, s
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Block-scaled FP8 GEMM: y = (qa * sa) @ (qb * sb)^T, scales applied per 128-wide K chunk in fp32.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_block_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr,  # a [M, K], b [N, K] e4m3fn, c [M, N]; sa [M or M/128, KB], sb [N or N/128, KB]
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_sam, stride_sak, stride_sbn, stride_sbk,
+    M_BUCKET,  # autotune key only
+    A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,  # rows sharing one scale: 1 (1x128) or 128 (128x128)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One program: a [BLOCK_M, BLOCK_N] tile of c. BLOCK_K is the quantization block (128): every K step's
+    partial product is exact in fp32 up to accumulation order, then scaled by sa (per row) x sb (per column)."""
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles share their B column tiles while those are hot in L2.
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    # Rows/columns past M/N wrap around (in bounds, never stored), so only K needs a load mask.
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N]
+    sa_ptrs = sa_ptr + (offs_m // A_SCALE_ROWS) * stride_sam
+    sb_ptrs = sb_ptr + (offs_n // B_SCALE_ROWS) * stride_sbn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kb * BLOCK_K  # ragged last K block: zero codes contribute nothing
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        sa = tl.load(sa_ptrs + kb * stride_sak)
+        sb = tl.load(sb_ptrs + kb * stride_sbk)
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+_GEMM_DEFAULT = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=4)
+_GEMM_CONFIGS = [
+    _GEMM_DEFAULT,
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "GROUP_M": 8}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=5),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),  # small M (decode)
+]
+_fp8_block_gemm_tuned = triton.autotune(configs=_GEMM_CONFIGS, key=["M_BUCKET", "N", "K"])(_fp8_block_gemm_kernel)
+
+_GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _scale_rows(rows: int, s: Tensor, kb: int, name: str) -> int:
+    """Rows of an operand sharing one scale: 1 for per-row (1x128) scales [rows, KB], 128 for [ceil(rows/128), KB]."""
+    if s.dim() != 2 or s.dtype != torch.float32 or s.shape[1] != kb:
+        raise ValueError(f"{name} must be float32 [{rows} or {_ceil_div(rows, BLOCK)}, {kb}], got "
+                         f"{s.dtype} {tuple(s.shape)}")
+    if s.shape[0] == rows:
+        return 1  # when rows <= 1 both readings coincide
+    if s.shape[0] == _ceil_div(rows, BLOCK):
+        return BLOCK
+    raise ValueError(f"{name} has {s.shape[0]} rows; expected {rows} (1x128) or {_ceil_div(rows, BLOCK)} (128x128)")
+
+
+def fp8_block_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_dtype: torch.dtype) -> Tensor:
+    """y = dequant(qa, sa) @ dequant(qb, sb)^T with per-128-K-chunk scaling and fp32 accumulation.
+
+    qa: [M, K] float8_e4m3fn, any strides;   sa: float32 [M, ceil(K/128)] (1x128) or [ceil(M/128), ceil(K/128)]
+    qb: [N, K] float8_e4m3fn, any strides;   sb: float32 [ceil(N/128), ceil(K/128)] (128x128) or [N, ceil(K/128)]
+    -> y [M, N] out_dtype (bf16/fp16/fp32), contiguous. Scales may have any strides. M, N, K ragged allowed.
+
+    The recipe's three GEMMs: forward y = x W^T: (qx, sx, qw, sw); dgrad dx = dy W: (qdy, sdy, qw.t(), sw.t());
+    wgrad dW = dy^T x with 128x1 quantization along tokens: (qdy.t(), sdy.t(), qx.t(), sx.t()) — all views,
+    no copies. Fastest when both operands are K-contiguous (Hopper's FP8 MMA reads K-major operands; other
+    layouts cost a transpose in shared memory).
+    """
+    soft_fp8 = _check_device(qa, sa, qb, sb)
+    if qa.dtype != FP8_DTYPE or qb.dtype != FP8_DTYPE:
+        raise TypeError(f"qa and qb must be {FP8_DTYPE}, got {qa.dtype} and {qb.dtype}")
+    if qa.dim() != 2 or qb.dim() != 2 or qa.shape[1] != qb.shape[1]:
+        raise ValueError(f"need qa [M, K] and qb [N, K], got {tuple(qa.shape)} and {tuple(qb.shape)}")
+    if out_dtype not in _GEMM_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_GEMM_OUT_DTYPES}, got {out_dtype}")
+    (m, k), n = qa.shape, qb.shape[0]
+    kb = _ceil_div(k, BLOCK)
+    a_rows, b_rows = _scale_rows(m, sa, kb, "sa"), _scale_rows(n, sb, kb, "sb")
+    y = torch.empty(m, n, dtype=out_dtype, device=qa.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _launch(_fp8_block_gemm_kernel, _fp8_block_gemm_tuned, _GEMM_DEFAULT, grid, soft_fp8,
+            qa, qb, y, sa, sb, m, n, k,
+            qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1), y.stride(0), y.stride(1),
+            sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), _bucket(m),
+            A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows, BLOCK_K=BLOCK)
+    return y
