@@ -1,0 +1,90 @@
+"""Swap nn.Linear layers for FP8BlockLinear in place (torchao's ``convert_to_float8_training`` shape), and back.
+
+Which layers convert: exact ``nn.Linear`` instances (subclasses are left alone: they may override forward)
+whose fully qualified name matches none of ``config.keep_patterns`` (``re.search``; "lm_head" by default),
+whose decoder layer index is not kept by ``keep_first_n_layers`` / ``keep_last_n_layers`` /
+``keep_last_fraction``, and for which ``module_filter_fn(module, fqn)`` (when given) returns True.
+Embeddings and norms are not nn.Linear, and attention score math is not a module, so they stay in BF16.
+
+The decoder layer index comes from the module name: the integer after ``layers.`` / ``h.`` / ``blocks.``
+(``model.layers.3.mlp.up_proj`` is layer 3); the layer count is the largest index + 1. Modules outside any
+decoder layer are unaffected by the layer options.
+
+The converted names are recorded, sorted, in ``model._calclip_fp8_modules`` (and the config in
+``model._calclip_fp8_config``) for export; ``dequantize_model`` removes both. Forward hooks registered on an
+original nn.Linear are not carried over to its replacement.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+from torch import nn
+
+from calclip.fp8.config import Fp8Config
+from calclip.fp8.linear import FP8BlockLinear
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)")
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def decoder_layer_index(fqn: str) -> int | None:
+    """Index of the decoder layer a module name lies in, or None (e.g. "lm_head")."""
+    match = _LAYER_INDEX.search(fqn)
+    return int(match.group(1)) if match else None
+
+
+def _kept_layers(names: list[str], config: Fp8Config) -> set[int]:
+    indices = {i for i in map(decoder_layer_index, names) if i is not None}
+    if not indices:
+        return set()
+    n_layers = max(indices) + 1
+    n_last = max(config.keep_last_n_layers, math.ceil(config.keep_last_fraction * n_layers))
+    kept = set(range(min(config.keep_first_n_layers, n_layers)))
+    kept |= set(range(max(n_layers - n_last, 0), n_layers))
+    return kept
+
+
+def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
+                   module_filter_fn: ModuleFilter | None = None) -> nn.Module:
+    """Replace eligible nn.Linear layers of ``model`` by FP8BlockLinear sharing their Parameters; returns
+    ``model`` (modified in place). Converting an already converted model converts the remaining layers."""
+    config = config if config is not None else Fp8Config()
+    if isinstance(model, nn.Linear) and type(model) is nn.Linear:
+        raise ValueError("quantize_model swaps submodules; wrap a bare nn.Linear in a container first")
+    named = list(model.named_modules())
+    kept_layers = _kept_layers([name for name, _ in named], config)
+    patterns = [re.compile(p) for p in config.keep_patterns]
+    converted = set(getattr(model, "_calclip_fp8_modules", ()))
+    for fqn, module in named:
+        if type(module) is not nn.Linear or not fqn:
+            continue
+        if any(p.search(fqn) for p in patterns) or decoder_layer_index(fqn) in kept_layers:
+            continue
+        if module_filter_fn is not None and not module_filter_fn(module, fqn):
+            continue
+        _set_submodule(model, fqn, FP8BlockLinear.from_linear(module, config))
+        converted.add(fqn)
+    model._calclip_fp8_modules = tuple(sorted(converted))
+    model._calclip_fp8_config = config
+    return model
+
+
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """Replace every FP8BlockLinear by a plain nn.Linear sharing its Parameters; returns ``model``."""
+    for fqn, module in list(model.named_modules()):
+        if isinstance(module, FP8BlockLinear) and fqn:
+            _set_submodule(model, fqn, module.to_linear())
+    for attr in ("_calclip_fp8_modules", "_calclip_fp8_config"):
+        if attr in model.__dict__:
+            delattr(model, attr)
+    return model

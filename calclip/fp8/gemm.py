@@ -1,0 +1,175 @@
+"""Block-scaled FP8 GEMM: y[M, N] = dequant(A)[M, K] @ dequant(B)[N, K]^T, with pluggable backends.
+
+Both operands are given in "K-last" form, codes [rows, K] plus FP32 dequantization scales, and each has a
+block granularity relative to that form:
+
+    "1x128"    scale [rows, ceil(K/128)]            groups of 128 along K   (activations, gradients)
+    "128x128"  scale [ceil(rows/128), ceil(K/128)]  square tiles            (weights)
+
+The three GEMMs of a linear layer (DeepSeek-V3 recipe) in this form, with x [M, K], W [N, K], dy [M, N]:
+
+    forward  y  = x  @ W^T    A = Q1x128(x)                     B = Q128x128(W)              (1x128, 128x128)
+    dgrad    dx = dy @ W      A = Q1x128(dy)                    B = Q128x128(W)^T            (1x128, 128x128)
+    wgrad    dW = dy^T @ x    A = Q128x1(dy)^T                  B = Q128x1(x)^T              (1x128, 1x128)
+
+A 128x128-quantized matrix transposes for free (codes.t(), scales.t()) and a 128x1 quantization is the
+transposed 1x128 quantization, so no operand is re-quantized for the backward GEMMs.
+
+Backends:
+    "emulated"   dequantize both operands to fp32, fp32 matmul, cast (CPU and GPU; the numerical reference)
+    "scaled_mm"  torch._scaled_mm with blockwise FP32 scales (CUDA sm_90); only layout pairs listed in
+                 SCALED_MM_LAYOUTS and shapes accepted by ``scaled_mm_supports``, else falls back as below
+    "triton"     calclip.fp8.triton_kernels.fp8_block_gemm_triton (CUDA), else "emulated"
+    "auto"       "scaled_mm" when allowed, else "triton" on CUDA, else "emulated"
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+
+from calclip.fp8.config import BLOCK
+from calclip.fp8.quant import triton_kernels
+from calclip.fp8.reference import dequantize_1x128, dequantize_128x128
+
+GRANULARITIES = ("1x128", "128x128")
+BACKENDS = ("auto", "scaled_mm", "triton", "emulated")
+
+# (a_blocks, b_blocks) pairs that torch._scaled_mm computes CORRECTLY on the H200. PyTorch also accepts
+# (1x128, 1x128) and (128x128, 1x128), but benchmarks/probe_scaled_mm2.py found at least one accepted layout
+# giving wrong results, so a pair joins this set only after tests/fp8 GPU tests compare it with "emulated".
+SCALED_MM_LAYOUTS: frozenset[tuple[str, str]] = frozenset({("1x128", "128x128")})
+
+
+def _check_operand(name: str, q: Tensor, s: Tensor, blocks: str, block: int) -> None:
+    if blocks not in GRANULARITIES:
+        raise ValueError(f"{name}_blocks must be one of {GRANULARITIES}, got {blocks!r}")
+    if q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"q{name} must be a 2-D float8_e4m3fn tensor, got {q.dtype} {tuple(q.shape)}")
+    rows, k = q.shape
+    nbk = -(-k // block)
+    want = (rows, nbk) if blocks == "1x128" else (-(-rows // block), nbk)
+    if tuple(s.shape) != want or s.dtype != torch.float32:
+        raise ValueError(f"s{name} for {blocks} blocks of q{name} {tuple(q.shape)} must be float32 {want}, "
+                         f"got {s.dtype} {tuple(s.shape)}")
+
+
+def _dequantize(q: Tensor, s: Tensor, blocks: str, block: int) -> Tensor:
+    if blocks == "1x128":
+        return dequantize_1x128(q, s, block=block)
+    return dequantize_128x128(q, s, block=block)
+
+
+def emulated_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_dtype: torch.dtype,
+                        a_blocks: str = "1x128", b_blocks: str = "128x128", block: int = BLOCK) -> Tensor:
+    """fp32 reference: (qa*sa) [M,K] @ (qb*sb)^T [K,N] -> out_dtype [M,N]. Autocast is switched off so a
+    surrounding bf16 autocast region cannot lower the emulation's fp32 matmul."""
+    with torch.autocast(qa.device.type, enabled=False):
+        a = _dequantize(qa, sa, a_blocks, block)
+        b = _dequantize(qb, sb, b_blocks, block)
+        return (a @ b.t()).to(out_dtype)
+
+
+def scaled_mm_supports(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out_dtype: torch.dtype) -> bool:
+    """Conservative shape/layout guard for the torch._scaled_mm path (CUDA-side checks not repeated here).
+
+    torch checks K % 16 and N % 16; cuBLAS' handling of a ragged last K block is untested, so K % 128 == 0;
+    probe_scaled_mm3.py tests whether scale leading dimensions must be 16-byte aligned, which torch's exact
+    stride checks cannot pad: until it settles that, every scale leading dimension must be a multiple of 4
+    floats (rows of a 1x128 operand, ceil(K/128) of a 128x128 operand). BF16 output only (measured path).
+    """
+    if (a_blocks, b_blocks) not in SCALED_MM_LAYOUTS or out_dtype != torch.bfloat16:
+        return False
+    if k % BLOCK or n % 16 or m % 16:
+        return False
+    nbk = k // BLOCK
+    for rows, blocks in ((m, a_blocks), (n, b_blocks)):
+        lead = rows if blocks == "1x128" else nbk
+        if lead % 4:
+            return False
+    return True
+
+
+def _scale_layout(s: Tensor, blocks: str) -> Tensor:
+    """Strides ScaledBlas.cpp demands for a row-major operand T [R, K]: 1x128 scales (R, K/128) with strides
+    (1, R) ("outer-dim-major", column-major); 128x128 scales (R/128, K/128) row-major."""
+    return s.t().contiguous().t() if blocks == "1x128" else s.contiguous()
+
+
+def scaled_mm_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_dtype: torch.dtype,
+                         a_blocks: str = "1x128", b_blocks: str = "128x128") -> Tensor:
+    """torch._scaled_mm with blockwise scales. a = qa row-major [M,K]; b = qb^T column-major [K,N]; torch
+    validates b through b.t() = qb [N,K] with scale_b.t(), hence scale_b = layout(sb).t(). Callers must
+    check ``scaled_mm_supports`` (or be a GPU test probing a new layout)."""
+    a = qa.contiguous()
+    b = qb.contiguous().t()
+    scale_a = _scale_layout(sa, a_blocks)
+    scale_b = _scale_layout(sb, b_blocks).t()
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+_triton_accepts_blocks: bool | None = None
+
+
+def _triton_gemm(a_blocks: str, b_blocks: str):
+    """The Triton block GEMM, or None if unavailable for this layout pair. The kernel module's
+    ``fp8_block_gemm_triton(qa, sa, qb, sb, *, out_dtype)`` covers (1x128, 128x128); other pairs need it to
+    take ``a_blocks``/``b_blocks`` keywords."""
+    global _triton_accepts_blocks
+    module = triton_kernels()
+    fn = getattr(module, "fp8_block_gemm_triton", None) if module is not None else None
+    if fn is None:
+        return None
+    if _triton_accepts_blocks is None:
+        params = inspect.signature(fn).parameters
+        _triton_accepts_blocks = "a_blocks" in params and "b_blocks" in params
+    if _triton_accepts_blocks:
+        return lambda *args, **kw: fn(*args, a_blocks=a_blocks, b_blocks=b_blocks, **kw)
+    return fn if (a_blocks, b_blocks) == ("1x128", "128x128") else None
+
+
+def _is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dtype, a_blocks: str,
+                    b_blocks: str, block: int = BLOCK) -> str:
+    """The backend that will actually run: a requested one falls back (scaled_mm -> triton -> emulated)
+    when its device, layout pair or shape is not supported."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "emulated" or not qa.is_cuda or block != BLOCK:
+        return "emulated"
+    m, k = qa.shape
+    n = qb.shape[0]
+    if backend in ("auto", "scaled_mm") and _is_sm90(qa.device) and scaled_mm_supports(
+            a_blocks, b_blocks, m, n, k, out_dtype):
+        return "scaled_mm"
+    if _triton_gemm(a_blocks, b_blocks) is not None:
+        return "triton"
+    return "emulated"
+
+
+def fp8_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_dtype: torch.dtype,
+                   backend: str = "auto", a_blocks: str = "1x128", b_blocks: str = "128x128",
+                   block: int = BLOCK) -> Tensor:
+    """y[M, N] = (qa * sa)[M, K] @ (qb * sb)[N, K]^T in out_dtype.
+
+    qa: float8_e4m3fn [M, K], sa: fp32 per ``a_blocks``; qb: float8_e4m3fn [N, K], sb: fp32 per ``b_blocks``
+    (see the module docstring). Any M, N, K; non-finite (NaN) scales propagate NaN into the rows/columns
+    they touch.
+    """
+    _check_operand("a", qa, sa, a_blocks, block)
+    _check_operand("b", qb, sb, b_blocks, block)
+    if qa.shape[1] != qb.shape[1]:
+        raise ValueError(f"contraction dims differ: qa {tuple(qa.shape)}, qb {tuple(qb.shape)}")
+    chosen = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks,
+                             block=block)
+    if chosen == "scaled_mm":
+        return scaled_mm_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks)
+    if chosen == "triton":
+        return _triton_gemm(a_blocks, b_blocks)(qa, sa, qb, sb, out_dtype=out_dtype)
+    return emulated_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks,
+                               block=block)

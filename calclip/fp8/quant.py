@@ -1,0 +1,59 @@
+"""Quantizer dispatch: Triton kernels for CUDA tensors when they are importable, else the torch reference.
+
+Both implementations follow the numerics of ``calclip.fp8.reference`` (module docstring there), so callers do
+not care which one ran. ``calclip.fp8.triton_kernels`` is imported lazily, on the first CUDA tensor, so CPU
+machines without triton never import it; a missing or broken module falls back to the reference.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from torch import Tensor
+
+from calclip.fp8 import reference
+from calclip.fp8.config import BLOCK
+
+_UNSET = object()
+_triton_module: object = _UNSET
+
+
+def triton_kernels() -> ModuleType | None:
+    """The ``calclip.fp8.triton_kernels`` module, or None when it (or triton) cannot be imported."""
+    global _triton_module
+    if _triton_module is _UNSET:
+        try:
+            from calclip.fp8 import triton_kernels as module
+        except ImportError:  # no triton on this machine, or the module is not there
+            module = None
+        _triton_module = module
+    return _triton_module  # type: ignore[return-value]
+
+
+def _impl(x: Tensor, name: str, block: int):
+    if x.is_cuda and block == BLOCK:
+        module = triton_kernels()
+        fn = getattr(module, name, None) if module is not None else None
+        if fn is not None:
+            return fn
+    return getattr(reference, name)
+
+
+def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """[..., K] -> (q e4m3fn [..., K], s fp32 [..., ceil(K/block)]); groups along the last dim."""
+    return _impl(x, "quantize_1x128", block)(x, block=block, pow2=pow2)
+
+
+def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """[M, K] -> (q e4m3fn [M, K], s fp32 [ceil(M/block), K]); groups along dim 0 (the token axis)."""
+    return _impl(x, "quantize_128x1", block)(x, block=block, pow2=pow2)
+
+
+def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """[N, K] -> (q e4m3fn [N, K], s fp32 [ceil(N/block), ceil(K/block)]); square tiles."""
+    return _impl(w, "quantize_128x128", block)(w, block=block, pow2=pow2)
+
+
+dequantize_1x128 = reference.dequantize_1x128
+dequantize_128x1 = reference.dequantize_128x1
+dequantize_128x128 = reference.dequantize_128x128
