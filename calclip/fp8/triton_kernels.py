@@ -368,6 +368,22 @@ def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tu
 
 
 @triton.jit
+def _fp8_block_gemm_step(acc, a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, k0, K,
+                         stride_ak, stride_bk, stride_sak, stride_sbk, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += (a_blk @ b_blk) * sa x sb for the K block starting at k0 (a multiple of BLOCK_K).
+
+    a_ptrs [BLOCK_M, 1] / b_ptrs [1, BLOCK_N] point at column 0 of their rows; sa_ptrs / sb_ptrs at scale column 0.
+    """
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K  # ragged last K block: masked codes are zero and contribute nothing
+    a = tl.load(a_ptrs + offs_k[None, :] * stride_ak, mask=k_mask[None, :], other=0.0)
+    b = tl.load(b_ptrs + offs_k[:, None] * stride_bk, mask=k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+    sa = tl.load(sa_ptrs + (k0 // BLOCK_K) * stride_sak)
+    sb = tl.load(sb_ptrs + (k0 // BLOCK_K) * stride_sbk)
+    return acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
+
+
+@triton.jit
 def _fp8_block_gemm_kernel(
     a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr,  # a [M, K], b [N, K] e4m3fn, c [M, N]; sa [M or M/128, KB], sb [N or N/128, KB]
     M, N, K,
@@ -375,6 +391,7 @@ def _fp8_block_gemm_kernel(
     stride_sam, stride_sak, stride_sbn, stride_sbk,
     M_BUCKET,  # autotune key only
     A_SCALE_ROWS: tl.constexpr, B_SCALE_ROWS: tl.constexpr,  # rows sharing one scale: 1 (1x128) or 128 (128x128)
+    INTERPRET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] tile of c. BLOCK_K is the quantization block (128): every K step's
@@ -391,22 +408,22 @@ def _fp8_block_gemm_kernel(
     # Rows/columns past M/N wrap around (in bounds, never stored), so only K needs a load mask.
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N]
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am  # [BLOCK_M, 1]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn  # [1, BLOCK_N]
     sa_ptrs = sa_ptr + (offs_m // A_SCALE_ROWS) * stride_sam
     sb_ptrs = sb_ptr + (offs_n // B_SCALE_ROWS) * stride_sbn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kb * BLOCK_K  # ragged last K block: zero codes contribute nothing
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        sa = tl.load(sa_ptrs + kb * stride_sak)
-        sb = tl.load(sb_ptrs + kb * stride_sbk)
-        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    if INTERPRET:  # the interpreter passes K as a 1-element array, which numpy >= 2.4 will not turn into an int
+        k0 = 0
+        while k0 < K:
+            acc = _fp8_block_gemm_step(acc, a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, k0, K,
+                                       stride_ak, stride_bk, stride_sak, stride_sbk, BLOCK_K)
+            k0 += BLOCK_K
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc = _fp8_block_gemm_step(acc, a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, k0, K,
+                                       stride_ak, stride_bk, stride_sak, stride_sbk, BLOCK_K)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -475,5 +492,5 @@ def fp8_block_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out
             qa, qb, y, sa, sb, m, n, k,
             qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1), y.stride(0), y.stride(1),
             sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), _bucket(m),
-            A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows, BLOCK_K=BLOCK)
+            A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows, INTERPRET=soft_fp8, BLOCK_K=BLOCK)
     return y
