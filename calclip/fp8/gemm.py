@@ -25,8 +25,6 @@ Backends:
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import Tensor
 
@@ -110,24 +108,16 @@ def scaled_mm_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
-_triton_accepts_blocks: bool | None = None
+_TRITON_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _triton_gemm(a_blocks: str, b_blocks: str):
-    """The Triton block GEMM, or None if unavailable for this layout pair. The kernel module's
-    ``fp8_block_gemm_triton(qa, sa, qb, sb, *, out_dtype)`` covers (1x128, 128x128); other pairs need it to
-    take ``a_blocks``/``b_blocks`` keywords."""
-    global _triton_accepts_blocks
+def _triton_gemm(out_dtype: torch.dtype):
+    """``triton_kernels.fp8_block_gemm_triton(qa, sa, qb, sb, *, out_dtype)``, or None when unavailable. It
+    reads each operand's granularity from its scale shape ([rows, KB] 1x128, [ceil(rows/128), KB] 128x128;
+    both readings coincide when rows == 1), so every layout pair goes through it."""
     module = triton_kernels()
     fn = getattr(module, "fp8_block_gemm_triton", None) if module is not None else None
-    if fn is None:
-        return None
-    if _triton_accepts_blocks is None:
-        params = inspect.signature(fn).parameters
-        _triton_accepts_blocks = "a_blocks" in params and "b_blocks" in params
-    if _triton_accepts_blocks:
-        return lambda *args, **kw: fn(*args, a_blocks=a_blocks, b_blocks=b_blocks, **kw)
-    return fn if (a_blocks, b_blocks) == ("1x128", "128x128") else None
+    return fn if out_dtype in _TRITON_OUT_DTYPES else None
 
 
 def _is_sm90(device: torch.device) -> bool:
@@ -147,7 +137,7 @@ def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dt
     if backend in ("auto", "scaled_mm") and _is_sm90(qa.device) and scaled_mm_supports(
             a_blocks, b_blocks, m, n, k, out_dtype):
         return "scaled_mm"
-    if _triton_gemm(a_blocks, b_blocks) is not None:
+    if _triton_gemm(out_dtype) is not None:
         return "triton"
     return "emulated"
 
@@ -170,6 +160,6 @@ def fp8_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_dtype:
     if chosen == "scaled_mm":
         return scaled_mm_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks)
     if chosen == "triton":
-        return _triton_gemm(a_blocks, b_blocks)(qa, sa, qb, sb, out_dtype=out_dtype)
+        return _triton_gemm(out_dtype)(qa, sa, qb, sb, out_dtype=out_dtype)
     return emulated_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks,
                                block=block)

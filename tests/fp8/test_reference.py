@@ -1,0 +1,212 @@
+"""Reference block quantizers against hand-worked blocks, and the emulated block GEMM against float64."""
+
+import math
+
+import pytest
+import torch
+
+from calclip.fp8 import gemm
+from calclip.fp8.config import FP8_E4M3_MAX, Fp8Config
+from calclip.fp8.reference import (
+    AMAX_FLOOR,
+    dequantize_1x128,
+    dequantize_128x1,
+    dequantize_128x128,
+    quantize_1x128,
+    quantize_128x1,
+    quantize_128x128,
+    round_scale_up_to_pow2,
+)
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_hand_worked_block_exact_codes():
+    # amax 4 -> s = 4/448 = 1/112; x / s = 112 x: 1 -> 112, -2 -> -224, 0.5 -> 56, 4 -> 448 (all e4m3 values);
+    # 0.3 -> 33.6, between e4m3 neighbours 32 and 36 (step 4 in [32, 64)): nearest is 32.
+    x = torch.zeros(1, 128)
+    x[0, :5] = torch.tensor([1.0, -2.0, 0.5, 4.0, 0.3])
+    q, s = quantize_1x128(x)
+    assert s.shape == (1, 1) and s.dtype == torch.float32
+    assert s.item() == torch.tensor(4.0) / FP8_E4M3_MAX  # fp32 division, bit-exact
+    assert q[0, :5].float().tolist() == [112.0, -224.0, 56.0, 448.0, 32.0]
+    assert torch.all(q[0, 5:].float() == 0)
+
+
+def test_round_to_nearest_even_ties():
+    # amax 448 -> s = 1 exactly, so codes are the e4m3 rounding of x itself. 34 is halfway between 32
+    # (mantissa 000) and 36 (001): ties-to-even gives 32; 38 between 36 (001) and 40 (010) gives 40.
+    x = torch.tensor([[448.0, 34.0, 38.0, -34.0, 0.0] + [0.0] * 123])
+    q, s = quantize_1x128(x)
+    assert s.item() == 1.0
+    assert q[0, :4].float().tolist() == [448.0, 32.0, 40.0, -32.0]
+
+
+def test_ragged_edges_use_real_elements_only():
+    x = torch.zeros(2, 200)  # blocks [0, 128) and [128, 200): the second has 72 real elements
+    x[:, 0] = 1.0
+    x[0, 199] = -7.0
+    x[1, 130] = 3.5
+    q, s = quantize_1x128(x)
+    assert s.shape == (2, 2)
+    assert s[0, 1].item() == torch.tensor(7.0) / FP8_E4M3_MAX and s[1, 1].item() == torch.tensor(3.5) / FP8_E4M3_MAX
+    assert q[0, 199].item() == -FP8_E4M3_MAX and q[1, 130].item() == FP8_E4M3_MAX
+    w = torch.zeros(200, 300)  # 2 x 3 blocks; block (1, 2) covers rows 128..199, cols 256..299
+    w[150, 290] = 5.0
+    w[5, 5] = 2.0
+    qw, sw = quantize_128x128(w)
+    assert sw.shape == (2, 3)
+    assert sw[1, 2].item() == torch.tensor(5.0) / FP8_E4M3_MAX and sw[0, 0].item() == torch.tensor(2.0) / FP8_E4M3_MAX
+    assert qw[150, 290].item() == FP8_E4M3_MAX
+    floor = torch.tensor(AMAX_FLOOR) / FP8_E4M3_MAX
+    assert sw[0, 1].item() == floor.item() and sw[1, 0].item() == floor.item()
+
+
+def test_zero_blocks_get_finite_positive_scale_and_zero_codes():
+    for quantize, shape in ((quantize_1x128, (3, 256)), (quantize_128x1, (256, 3)), (quantize_128x128, (256, 256))):
+        q, s = quantize(torch.zeros(shape))
+        assert torch.all(torch.isfinite(s)) and torch.all(s > 0)
+        assert s.min().item() >= torch.finfo(torch.float32).tiny  # normal: survives flush-to-zero on GPUs
+        assert torch.all(q.float() == 0)
+
+
+def test_saturation_clamps_to_e4m3_max():
+    torch.manual_seed(0)
+    x = torch.randn(64, 1024) * torch.logspace(-6, 6, 64)[:, None]
+    q, s = quantize_1x128(x)
+    qf = q.float()
+    assert torch.all(torch.isfinite(qf)) and qf.abs().max().item() == FP8_E4M3_MAX
+    # the element with the block's amax maps to +-448 exactly, whatever x / s rounded to
+    blocks = x.reshape(64, 8, 128)
+    idx = blocks.abs().argmax(dim=-1, keepdim=True)
+    assert torch.all(torch.gather(qf.reshape(64, 8, 128), -1, idx).abs() == FP8_E4M3_MAX)
+
+
+def test_power_of_two_scales():
+    v = torch.tensor([3.0 / 448, 2.0**-4, 1e-3, 0.7, 2.0**-20 * 1.5, 1.0])
+    got = round_scale_up_to_pow2(v)
+    want = [2.0 ** math.ceil(math.log2(float(t))) for t in v.double()]
+    assert got.tolist() == want
+    x = torch.zeros(1, 256)
+    x[0, 0], x[0, 1] = 3.0, 1.0  # amax 3: s = 3/448 -> 2^-7; codes 384 and 128 (no saturation)
+    x[0, 128] = 28.0  # amax 28 = 448 * 2^-4: already a power of two, kept
+    q, s = quantize_1x128(x, pow2=True)
+    assert s[0].tolist() == [2.0**-7, 2.0**-4]
+    assert q[0, :2].float().tolist() == [384.0, 128.0] and q[0, 128].item() == FP8_E4M3_MAX
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF])
+def test_nonfinite_block_gets_nan_scale_and_codes(bad):
+    torch.manual_seed(1)
+    x = torch.randn(3, 300)
+    clean_q, clean_s = quantize_1x128(x)
+    x[1, 140] = bad
+    q, s = quantize_1x128(x)
+    assert torch.isnan(s[1, 1]) and torch.all(torch.isnan(q[1, 128:256].float()))
+    mask = torch.ones_like(s, dtype=torch.bool)
+    mask[1, 1] = False
+    assert torch.equal(s[mask], clean_s[mask])
+    keep = torch.ones(3, 300, dtype=torch.bool)
+    keep[1, 128:256] = False
+    assert torch.equal(q.float()[keep], clean_q.float()[keep])
+    assert torch.isnan(dequantize_1x128(q, s)[1, 128:256]).all()
+    w = torch.randn(200, 300)
+    w[130, 10] = bad
+    qw, sw = quantize_128x128(w)
+    assert torch.isnan(sw[1, 0]) and torch.isnan(sw).sum() == 1
+    assert torch.isnan(qw[128:200, :128].float()).all() and not torch.isnan(qw[:128].float()).any()
+    qt, st = quantize_128x1(w)
+    assert torch.isnan(st[1, 10]) and torch.isnan(st).sum() == 1
+
+
+def test_roundtrip_error_bound_and_layout_consistency():
+    torch.manual_seed(2)
+    x = torch.randn(2, 37, 333) * 3
+    q, s = quantize_1x128(x)
+    assert q.shape == x.shape and s.shape == (2, 37, 3)
+    deq = dequantize_1x128(q, s)
+    s_full = s.repeat_interleave(128, -1)[..., :333]
+    # e4m3: relative half-ulp 2^-4 for normals, absolute half-step 2^-10 * s for subnormals
+    bound = torch.maximum(x.abs() * 2.0**-4, s_full * 2.0**-10) * (1 + 1e-6)
+    assert torch.all((deq - x).abs() <= bound)
+    # leading dims are independent rows
+    q2, s2 = quantize_1x128(x.reshape(-1, 333))
+    assert torch.equal(q2.view(torch.uint8), q.reshape(-1, 333).view(torch.uint8)) and torch.equal(s2, s.reshape(-1, 3))
+    # 128x1 is the transposed 1x128 quantization
+    m = torch.randn(300, 70)
+    qt, st = quantize_128x1(m)
+    qr, sr = quantize_1x128(m.t())
+    assert st.shape == (3, 70) and torch.equal(st, sr.t())
+    assert torch.equal(qt.view(torch.uint8), qr.t().view(torch.uint8))
+    assert torch.all((dequantize_128x1(qt, st) - m).abs() <= m.abs() * 2.0**-4 + st.repeat_interleave(128, 0)[:300] * 2.0**-10)
+    # a 128x128 block's scale is the largest 1x128 scale of its rows (same amax, monotone rounding)
+    w = torch.randn(260, 390)
+    _, sw = quantize_128x128(w)
+    _, srow = quantize_1x128(w)
+    pad = torch.nn.functional.pad(srow, (0, 0, 0, 384 - 260))
+    assert torch.equal(sw, pad.reshape(3, 128, 4).amax(1))
+    s_full = sw.repeat_interleave(128, 0).repeat_interleave(128, 1)[:260, :390]
+    assert torch.all((dequantize_128x128(*quantize_128x128(w)) - w).abs() <= torch.maximum(w.abs() * 2.0**-4, s_full * 2.0**-10))
+
+
+def test_bf16_input_matches_fp32_upcast():
+    torch.manual_seed(3)
+    x = torch.randn(4, 256).bfloat16()
+    q1, s1 = quantize_1x128(x)
+    q2, s2 = quantize_1x128(x.float())
+    assert torch.equal(s1, s2) and torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
+
+
+@pytest.mark.parametrize("m,n,k", [(33, 70, 200), (128, 256, 384), (1, 5, 130)])
+def test_emulated_gemm_all_layouts_vs_float64(m, n, k):
+    torch.manual_seed(4)
+    x, w, dy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+    qx, sx = quantize_1x128(x)
+    qw, sw = quantize_128x128(w)
+    qdy, sdy = quantize_1x128(dy)
+    qdyt, sdyt = quantize_128x1(dy)
+    qxt, sxt = quantize_128x1(x)
+    d = lambda t: t.double()  # noqa: E731
+    cases = [
+        ((qx, sx, qw, sw, "1x128", "128x128"), d(dequantize_1x128(qx, sx)) @ d(dequantize_128x128(qw, sw)).t()),
+        ((qdy, sdy, qw.t(), sw.t(), "1x128", "128x128"), d(dequantize_1x128(qdy, sdy)) @ d(dequantize_128x128(qw, sw))),
+        ((qdyt.t(), sdyt.t(), qxt.t(), sxt.t(), "1x128", "1x128"),
+         d(dequantize_128x1(qdyt, sdyt)).t() @ d(dequantize_128x1(qxt, sxt))),
+    ]
+    for (qa, sa, qb, sb, ga, gb), ref in cases:
+        for backend in gemm.BACKENDS:  # on CPU every backend resolves to the emulation
+            assert gemm.resolve_backend(backend, qa, qb, out_dtype=torch.float32, a_blocks=ga, b_blocks=gb) == "emulated"
+        y = gemm.fp8_block_gemm(qa, sa, qb, sb, out_dtype=torch.float32, backend="auto", a_blocks=ga, b_blocks=gb)
+        assert y.shape == ref.shape and y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_gemm_rejects_bad_operands():
+    qa, sa = quantize_1x128(torch.randn(8, 256))
+    qb, sb = quantize_128x128(torch.randn(16, 256))
+    with pytest.raises(ValueError, match="backend"):
+        gemm.fp8_block_gemm(qa, sa, qb, sb, out_dtype=torch.float32, backend="cublas")
+    with pytest.raises(ValueError, match="sb"):
+        gemm.fp8_block_gemm(qa, sa, qb, sb, out_dtype=torch.float32, b_blocks="1x128")
+    with pytest.raises(ValueError, match="contraction"):
+        gemm.fp8_block_gemm(qa, sa, qb[:, :128], sb[:, :1], out_dtype=torch.float32)
+    assert not gemm.scaled_mm_supports("1x128", "1x128", 256, 256, 512, torch.bfloat16)  # unverified pair
+    assert gemm.scaled_mm_supports("1x128", "128x128", 256, 256, 512, torch.bfloat16)
+    assert not gemm.scaled_mm_supports("1x128", "128x128", 256, 256, 576, torch.bfloat16)  # ragged K
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_size", 0), ("power_of_two_scales", 1), ("backward", "fp16"), ("gemm", "cublas"),
+    ("keep_first_n_layers", -1), ("keep_last_n_layers", 1.5), ("keep_last_fraction", 1.0),
+    ("keep_patterns", "lm_head"), ("keep_patterns", ("(",)), ("cache_weights", "yes"),
+])
+def test_config_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"Fp8Config.{field}"):
+        Fp8Config(**{field: value})
+
+
+def test_config_defaults_and_frozen():
+    cfg = Fp8Config(keep_patterns=["lm_head", r"\.mlp\."])
+    assert cfg.keep_patterns == ("lm_head", r"\.mlp\.") and cfg.block_size == 128 and cfg.backward == "fp8"
+    with pytest.raises(Exception):
+        cfg.backward = "bf16"
