@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from calclip.fp8.config import BLOCK, FP8_DTYPE, Fp8Config
+from calclip.fp8.config import BLOCK, FP8_DTYPE
+from calclip.fp8.linear import FP8BlockLinear
 from calclip.fp8.reference import quantize_128x128
 
 # Checkpoint-format scale name: DeepSeek-V3's, transformers' FP8Linear's and vLLM's Fp8LinearMethod.create_weights'.
@@ -73,32 +74,13 @@ def clean_param_name(name: str) -> str:
     return name
 
 
-def _fp8_config_of(module: nn.Module) -> Fp8Config | None:
-    for attr in ("fp8_config", "config"):
-        cfg = getattr(module, attr, None)
-        if isinstance(cfg, Fp8Config):
-            return cfg
-    return None
-
-
-def _is_fp8_linear(module: nn.Module) -> bool:
-    try:
-        from calclip.fp8.linear import FP8BlockLinear
-    except ImportError:  # the FP8 module layer is optional for pure export tests
-        FP8BlockLinear = ()  # noqa: N806
-    return (bool(FP8BlockLinear) and isinstance(module, FP8BlockLinear)) or type(module).__name__ == "FP8BlockLinear"
-
-
 def fp8_weight_specs(model: nn.Module) -> dict[str, Fp8WeightSpec]:
     """Module name (wrapper prefixes stripped) -> quantization spec, for every FP8BlockLinear in ``model``."""
-    specs = {}
-    for name, module in model.named_modules():
-        if not _is_fp8_linear(module):
-            continue
-        cfg = _fp8_config_of(module)
-        spec = Fp8WeightSpec() if cfg is None else Fp8WeightSpec(cfg.block_size, cfg.power_of_two_scales)
-        specs[clean_param_name(name)] = spec
-    return specs
+    return {
+        clean_param_name(name): Fp8WeightSpec(module.fp8_config.block_size, module.fp8_config.power_of_two_scales)
+        for name, module in model.named_modules()
+        if isinstance(module, FP8BlockLinear)
+    }
 
 
 def bf16_linear_names(model: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec]) -> list[str]:
