@@ -1,0 +1,213 @@
+"""vLLM rollouts on the same block-FP8 weights the policy trains with (TRL 1.16's ``VLLMGeneration``).
+
+TRL pushes BF16 parameters into vLLM, which would then quantize them again with its own arithmetic (or, for an
+FP8 engine, fail to load them). Three small seams change that, and nothing of TRL's generation code is copied:
+
+1. ``_iter_named_params`` (the one stream both sync paths read): every FP8 linear's ``weight`` is replaced by
+   calclip's FP8 codes + ``weight_scale_inv`` (``calclip.fp8.export.quantize_named_params``), i.e. the
+   checkpoint format of a block-FP8 model. TRL derives the server-mode metadata (name, dtype, shape) from this
+   same stream, so server mode announces ``float8_e4m3fn`` / ``float32`` tensors by itself.
+2. Colocate mode: TRL calls ``model.load_weights`` tensor by tensor. vLLM's FP8 layers are post-processed after
+   loading (``weight_scale_inv`` becomes ``weight_scale`` in newer releases, scales may be re-laid out for
+   DeepGEMM), so the checkpoint-format tensors are loaded inside vLLM's layerwise reload: the stream calls
+   ``initialize_layerwise_reload(model)`` before its first tensor and ``finalize_layerwise_reload(model,
+   model_config)`` after its last one — exactly what vLLM's own weight-transfer engine does on
+   ``start_weight_update`` / ``finish_weight_update``. Server mode needs nothing: TRL 1.16's client already wraps
+   every ``update_named_params`` in ``/start_weight_update`` ... ``/finish_weight_update``.
+3. ``_init_vllm``: the engine is built block-FP8: ``quantization="fp8"`` plus ``hf_overrides`` carrying the
+   checkpoint's ``quantization_config`` (weight_block_size [128, 128], ignored layers) and ``load_format="dummy"``
+   (TRL syncs the real weights before the first rollout: ``_last_loaded_step`` starts at -1), or, with
+   ``export_dir``, the engine loads a checkpoint written by ``calclip.fp8.export.export_fp8_checkpoint``. TRL
+   builds ``LLM(...)`` with fixed arguments, so the extra ones are merged in by wrapping the ``LLM`` name that
+   ``trl.generation.vllm_generation`` calls, for the duration of ``_init_vllm`` only.
+
+Log-probs: TRL requests ``logprobs_mode="processed_logprobs"`` and returns them as ``sampling_per_token_logps``;
+they now come from the FP8 engine, so TIS / bypass corrections compare FP8 rollout and FP8 training forward.
+
+vLLM is imported lazily (only inside the engine hooks); this module imports without vLLM.
+Version notes and everything that has not run against a live engine: docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from calclip.fp8.export import (
+    SCALE_NAME,
+    Fp8WeightSpec,
+    bf16_linear_names,
+    block_fp8_quantization_config,
+    fp8_weight_specs,
+    linear_shapes,
+    quantize_named_params,
+    vllm_block_fp8_problems,
+)
+
+# The two hooks of vLLM's layerwise reload (vllm/model_executor/model_loader/reload/__init__.py, the releases
+# TRL 1.16 supports: vllm>=0.22,<=0.31).
+_RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module whose parameter names are the checkpoint's (DDP/accelerate ``.module``, torch.compile)."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def fp8_quantization_config(model: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> dict:
+    """The block-FP8 ``quantization_config`` for ``model``: its FP8 linears' block size, the rest ignored."""
+    model = unwrap_model(model)
+    if fp8_modules is None:
+        fp8_modules = fp8_weight_specs(model)
+    if not fp8_modules:
+        raise ValueError("model has no FP8 linear layers: convert it with calclip.fp8.quantize_model first")
+    blocks = {spec.block_size for spec in fp8_modules.values()}
+    if len(blocks) != 1:
+        raise ValueError(f"all FP8 linears must share one block size, got {sorted(blocks)}")
+    return block_fp8_quantization_config(
+        block_size=blocks.pop(), modules_to_not_convert=bf16_linear_names(model, fp8_modules)
+    )
+
+
+def check_vllm_compatible(model: nn.Module, *, tensor_parallel_size: int = 1) -> None:
+    """Raise with the modules to keep in BF16 when vLLM's block-FP8 linear cannot serve the model's FP8 layers."""
+    model = unwrap_model(model)
+    specs = fp8_weight_specs(model)
+    block = next(iter(specs.values())).block_size if specs else 128
+    problems = vllm_block_fp8_problems(linear_shapes(model, specs), block_size=block, tp_size=tensor_parallel_size)
+    if problems:
+        lines = "\n".join(f"  {name}: {why}" for name, why in sorted(problems.items()))
+        raise ValueError(
+            "vLLM's block-FP8 linear cannot serve these FP8 layers; keep them in BF16 for training too "
+            "(Fp8Config.keep_patterns, see calclip.fp8.export.vllm_keep_patterns):\n" + lines
+        )
+
+
+def fp8_engine_kwargs(
+    model: nn.Module, *, export_dir: str | None = None, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None
+) -> dict[str, Any]:
+    """Extra ``vllm.LLM`` arguments that make the engine block-FP8 with calclip's layer split.
+
+    Without ``export_dir``: keep TRL's ``model=<name_or_path>`` (its config and tokenizer), override the HF
+    config's ``quantization_config`` and start from dummy weights; the first sync loads calclip's codes.
+    With ``export_dir`` (a checkpoint from ``export_fp8_checkpoint`` + tokenizer files): load it as is.
+    """
+    if export_dir is not None:
+        return {"model": str(export_dir), "quantization": "fp8"}
+    return {
+        "quantization": "fp8",
+        "hf_overrides": {"quantization_config": fp8_quantization_config(model, fp8_modules)},
+        "load_format": "dummy",
+    }
+
+
+@contextlib.contextmanager
+def merged_call_kwargs(namespace: Any, attr: str, extra: Mapping[str, Any]):
+    """Temporarily replace ``namespace.attr`` (a callable) by one that merges ``extra`` into its kwargs."""
+    original = getattr(namespace, attr)
+
+    def call(*args, **kwargs):
+        return original(*args, **{**kwargs, **extra})
+
+    setattr(namespace, attr, call)
+    try:
+        yield
+    finally:
+        setattr(namespace, attr, original)
+
+
+def layerwise_reload_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    begin: Callable[[], None],
+    end: Callable[[], None],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``named_tensors``, calling ``begin()`` before the first item and ``end()`` after the last one.
+
+    ``end`` runs only when the stream is exhausted: a sync that fails half-way leaves vLLM in reload state and
+    the exception propagates (the engine must not generate from half-loaded weights).
+    """
+    begin()
+    yield from named_tensors
+    end()
+
+
+class FP8VLLMGenerationMixin:
+    """Mix in before TRL's ``VLLMGeneration``: FP8 weights + scales in the sync, a block-FP8 engine.
+
+    Attributes read (set them on the class or instance before ``__init__`` runs ``_init_vllm``):
+      fp8_export_dir: optional checkpoint directory for the engine (see ``fp8_engine_kwargs``).
+      fp8_check_vllm_shapes: raise early when vLLM cannot serve an FP8 layer (default True).
+    """
+
+    fp8_export_dir: str | None = None
+    fp8_check_vllm_shapes: bool = True
+
+    def _fp8_specs(self) -> dict[str, Fp8WeightSpec]:
+        specs = getattr(self, "_calclip_fp8_specs", None)
+        if specs is None:
+            specs = fp8_weight_specs(unwrap_model(self.model))
+            self._calclip_fp8_specs = specs
+        return specs
+
+    def _init_vllm(self):
+        if self.mode != "colocate":  # the server was started from the exported checkpoint (docs/vllm.md)
+            return super()._init_vllm()
+        if self.fp8_check_vllm_shapes:
+            check_vllm_compatible(self.model, tensor_parallel_size=self.tensor_parallel_size)
+        import trl.generation.vllm_generation as trl_vllm_generation
+
+        extra = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=self._fp8_specs())
+        with merged_call_kwargs(trl_vllm_generation, "LLM", extra):
+            return super()._init_vllm()
+
+    def _vllm_model_and_config(self):
+        engine = self.llm.llm_engine
+        return engine.model_executor.driver_worker.model_runner.model, engine.model_config
+
+    def _iter_named_params(self):
+        stream = quantize_named_params(super()._iter_named_params(), self._fp8_specs(), scale_name=SCALE_NAME)
+        if self.mode != "colocate":
+            return stream
+        reload = __import__(_RELOAD_MODULE, fromlist=["initialize_layerwise_reload"])
+        model, model_config = self._vllm_model_and_config()
+        return layerwise_reload_stream(
+            stream,
+            begin=lambda: reload.initialize_layerwise_reload(model),
+            end=lambda: reload.finalize_layerwise_reload(model, model_config),
+        )
+
+
+def fp8_vllm_generation_class(base: type | None = None) -> type:
+    """``FP8VLLMGeneration``: the mixin over TRL's ``VLLMGeneration`` (imported lazily; TRL needs no vLLM)."""
+    if base is None:
+        from trl.generation.vllm_generation import VLLMGeneration as base
+    return type("FP8VLLMGeneration", (FP8VLLMGenerationMixin, base), {})
+
+
+@contextlib.contextmanager
+def use_fp8_vllm_generation(*, export_dir: str | None = None, check_vllm_shapes: bool = True):
+    """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
+
+    For ``CalibratedGRPOTrainer.__init__``:  ``with use_fp8_vllm_generation(): super().__init__(...)``.
+    ``trl.trainer.grpo_trainer`` imports ``VLLMGeneration`` into its namespace and calls it once in __init__.
+    """
+    import trl.trainer.grpo_trainer as grpo_module
+
+    cls = fp8_vllm_generation_class(grpo_module.VLLMGeneration)
+    cls.fp8_export_dir = export_dir
+    cls.fp8_check_vllm_shapes = check_vllm_shapes
+    original = grpo_module.VLLMGeneration
+    grpo_module.VLLMGeneration = cls
+    try:
+        yield cls
+    finally:
+        grpo_module.VLLMGeneration = original
