@@ -141,13 +141,12 @@ def _pos_mass(ratio: Tensor, adv: Tensor, high: float | Tensor) -> Tensor:
 def _balance_high(ratio_pos: Tensor, adv_pos: Tensor, target: Tensor) -> Tensor:
     """Smallest r_t (t in N+) with M+(r_t; r) >= target, else max r over N+ (step 4, `balance`).
 
-    M+(H) includes every token with r <= H, so tied ratios enter the cumulative mass together: the mass at a
-    sorted position is read at the last position of its group of equal values.
+    Scans the cumulative mass in ascending order of r. Ties need no special case although M+(H) counts every
+    token with r <= H: the first position where the partial sum reaches the target lies in the first group
+    of equal ratios whose full mass M+ reaches it, and every position of a group carries the same value.
     """
-    sorted_ratio, order = torch.sort(ratio_pos, stable=True)
-    cumulative = torch.cumsum(adv_pos[order] * sorted_ratio, dim=0)
-    group_end = torch.searchsorted(sorted_ratio, sorted_ratio, right=True) - 1
-    reached = cumulative[group_end] >= target
+    sorted_ratio, order = torch.sort(ratio_pos)
+    reached = torch.cumsum(adv_pos[order] * sorted_ratio, dim=0) >= target
     if not bool(reached.any()):
         return sorted_ratio[-1]
     return sorted_ratio[torch.nonzero(reached)[0, 0]]
