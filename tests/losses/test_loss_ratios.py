@@ -90,3 +90,17 @@ def test_registry_has_no_aliases():
     # A duplicate value in a plain Enum becomes a silent alias (in __members__, not in iteration); @unique in
     # registry.py turns it into an import error. Either way no key may be an alias.
     assert len(ClipMode.__members__) == len(list(ClipMode)) == len(set(clip_mode_names()))
+
+
+def test_losses_import_only_torch():
+    # DESIGN.md layering rule: calclip.losses never imports trl, transformers or accelerate (fresh interpreter,
+    # since other tests in this session may have imported them).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, calclip.losses\n"
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & {'trl', 'transformers', 'accelerate'})\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
