@@ -129,7 +129,8 @@ def _e4m3fn_bits(v):
     """
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
-    mag = tl.abs(v)
+    is_nan = v != v
+    mag = tl.where(is_nan, 0.0, tl.abs(v))  # NaN is encoded at the end; keep it out of the integer casts
     # Subnormals (|v| < 2**-6) count steps of 2**-9; the carry to 8 is the smallest normal's code.
     sub_code = ((mag * _E4M3_SUBNORMAL_STEPS + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int32)
     # Normals: round the fp32 mantissa to 3 bits, ties to even; a carry ripples into the exponent.
@@ -138,7 +139,7 @@ def _e4m3fn_bits(v):
     mag_bits = mag_bits + ((1 << (drop - 1)) - 1) + ((mag_bits >> drop) & 1)
     normal_code = (mag_bits >> drop) - ((127 - _E4M3_BIAS) << _E4M3_MANTISSA_BITS)
     code = tl.where(mag < _E4M3_MIN_NORMAL, sub_code, normal_code) | sign
-    return tl.where(v != v, _E4M3_NAN_CODE, code)
+    return tl.where(is_nan, _E4M3_NAN_CODE, code)
 
 
 @triton.jit

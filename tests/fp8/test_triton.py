@@ -1,0 +1,260 @@
+"""Triton kernels == the torch reference: scales bit for bit, FP8 codes exactly; the block GEMM vs float64.
+
+Runs on CUDA normally. On a CPU machine it runs the same kernels under Triton's interpreter when
+``TRITON_INTERPRET=1`` is set and triton is installed (small sizes); otherwise every test skips with the reason.
+Under the interpreter the kernels encode e4m3fn bits in software (the interpreter's own fp8 cast truncates,
+see ``triton_kernels``' docstring); ``test_software_e4m3_encoder_equals_hardware_cast`` ties that encoder to the
+GPU's cast, so interpreter results stand for GPU results.
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/fp8/test_triton.py     # CPU
+    python -m pytest -q tests/fp8/test_triton.py                         # CUDA
+"""
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRET:
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 to run the kernels on CPU", allow_module_level=True)
+
+from calclip.fp8 import reference as ref  # noqa: E402
+from calclip.fp8 import triton_kernels as tk  # noqa: E402
+from calclip.fp8.config import BLOCK, FP8_DTYPE, FP8_E4M3_MAX  # noqa: E402
+
+NAN, INF = float("nan"), float("inf")
+# GEMM: an fp32 output may differ from the float64 emulation only by accumulation order. On Hopper the FP8 MMA
+# accumulates a 128-wide K block with reduced precision (~2**-14 relative, DeepSeek-V3 report), hence the GPU
+# bound; the interpreter multiplies in fp32.
+GEMM_FP32_RTOL = 1e-6 if INTERPRET else 3e-4
+# bf16 output rounding dominates: half an ulp (2**-8 relative) on the GPU; the interpreter's fp32 -> bf16
+# cast truncates (a full ulp).
+GEMM_BF16_RTOL = 8e-3 if INTERPRET else 4e-3
+
+
+def _codes_equal(q, q_ref):
+    """Number of e4m3fn codes that differ, counting any two NaN codes (0x7F / 0xFF) as equal."""
+    a, b = q.contiguous().view(torch.uint8), q_ref.contiguous().view(torch.uint8)
+    both_nan = ((a & 0x7F) == 0x7F) & ((b & 0x7F) == 0x7F)
+    return int(((a != b) & ~both_nan).sum())
+
+
+def _scales_equal(s, s_ref):
+    """True when every scale has the same fp32 bits (NaN == NaN)."""
+    s, s_ref = s.contiguous(), s_ref.contiguous()
+    same = (s.view(torch.int32) == s_ref.view(torch.int32)) | (s.isnan() & s_ref.isnan())
+    return bool(same.all())
+
+
+def _same_layout(t, t_ref):
+    """Same strides on every dim longer than 1 (a size-1 dim's stride is meaningless)."""
+    return all(a == b for a, b, n in zip(t.stride(), t_ref.stride(), t.shape) if n > 1)
+
+
+def _assert_matches_reference(name, x, pow2=False):
+    q, s = getattr(tk, name)(x, pow2=pow2)
+    q_ref, s_ref = getattr(ref, name)(x.cpu(), pow2=pow2)
+    assert q.dtype == FP8_DTYPE and s.dtype == torch.float32
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape
+    assert _same_layout(q, q_ref) and _same_layout(s, s_ref), "layout differs from the reference"
+    assert _scales_equal(s.cpu(), s_ref), f"{name}: scales differ"
+    assert _codes_equal(q.cpu(), q_ref) == 0, f"{name}: {_codes_equal(q.cpu(), q_ref)} codes differ"
+
+
+def _wide_range(shape, dtype, seed):
+    """Random data over 11 decades along the last dim: blocks whose small values hit e4m3 subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-8, 3, shape[-1])
+    return x.to(dtype).to(DEVICE)
+
+
+SHAPES_1X128 = [(1, 1), (3, 200), (2, 5, 576), (17, 128), (4, 1536)]
+SHAPES_2D = [(1, 1), (200, 70), (128, 128), (300, 130), (130, 576)]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES_1X128)
+def test_quantize_1x128_matches_reference(shape, dtype, pow2):
+    _assert_matches_reference("quantize_1x128", _wide_range(shape, dtype, seed=sum(shape)), pow2)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES_2D)
+def test_quantize_128x1_matches_reference(shape, dtype, pow2):
+    x = _wide_range(shape[::-1], dtype, seed=sum(shape)).t()  # wide range along dim 0, the grouped dim
+    _assert_matches_reference("quantize_128x1", x.contiguous(), pow2)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES_2D)
+def test_quantize_128x128_matches_reference(shape, dtype, pow2):
+    _assert_matches_reference("quantize_128x128", _wide_range(shape, dtype, seed=sum(shape)), pow2)
+
+
+@pytest.mark.parametrize("name", ["quantize_1x128", "quantize_128x1", "quantize_128x128"])
+def test_strided_and_float64_inputs(name):
+    base = _wide_range((260, 300), torch.float32, seed=1)
+    _assert_matches_reference(name, base.t())  # non-contiguous view
+    _assert_matches_reference(name, base[3:200:2, 5:290])  # sliced, odd strides
+    _assert_matches_reference(name, base.double())  # fp64 is rounded to fp32 first
+
+
+def _special_values():
+    """[6, 384]: zero blocks, exact saturation, NaN/Inf blocks next to clean ones, tiny and huge amax."""
+    x = torch.randn(6, 384)
+    x[0, :128] = 0.0  # all-zero block: AMAX_FLOOR scale, zero codes
+    x[0, 128:256] = 1e-30  # below AMAX_FLOOR: floored scale, codes from the floored scale
+    x[1, 5] = NAN  # NaN block; the row's other blocks stay clean
+    x[2, 130] = INF
+    x[3, 300] = -INF
+    x[4, :128] = 3e38  # near fp32 max: scale stays finite, codes saturate at +-448
+    x[4, 7] = -3e38
+    x[5, :] = torch.linspace(-1, 1, 384) * FP8_E4M3_MAX  # amax 448 exactly: scale 1, codes are the roundings
+    return x
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("name", ["quantize_1x128", "quantize_128x1", "quantize_128x128"])
+def test_special_values_match_reference(name, pow2):
+    x = _special_values().to(DEVICE)
+    _assert_matches_reference(name, x.t().contiguous() if name == "quantize_128x1" else x, pow2)
+
+
+def test_nonfinite_policy_nan_block_only():
+    q, s = tk.quantize_1x128(_special_values().to(DEVICE))
+    s = s.cpu()
+    assert s[1, 0].isnan() and s[2, 1].isnan() and s[3, 2].isnan()
+    assert torch.isfinite(s[1, 1:]).all() and torch.isfinite(s[2, [0, 2]]).all() and (s[0, 0] > 0)
+    assert q.cpu()[1, :128].float().isnan().all() and not q.cpu()[1, 128:].float().isnan().any()
+
+
+def test_every_e4m3_value_and_midpoint_rounds_to_nearest_even():
+    # amax 448 gives scale 1, so codes are the e4m3 rounding of x itself; every representable magnitude and
+    # every midpoint between neighbours (ties go to the even mantissa), both signs, subnormals included.
+    values = torch.arange(0, 0x7F, dtype=torch.uint8).view(FP8_DTYPE).float()  # 0 .. 448, all finite codes
+    mids = (values[:-1] + values[1:]) / 2
+    nudged = torch.cat([mids * (1 + 2**-20), mids * (1 - 2**-20)])  # just off the ties
+    allv = torch.cat([values, mids, nudged])
+    allv = torch.cat([allv, -allv])
+    rows = -(-allv.numel() // (BLOCK - 1))
+    body = torch.zeros(rows * (BLOCK - 1))
+    body[: allv.numel()] = allv
+    x = torch.cat([torch.full((rows, 1), FP8_E4M3_MAX), body.reshape(rows, BLOCK - 1)], dim=1)
+    _assert_matches_reference("quantize_1x128", x.to(DEVICE))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compares the software encoder with the GPU's hardware cast")
+def test_software_e4m3_encoder_equals_hardware_cast():
+    # The interpreter path (SOFT_FP8=True) must equal the hardware cvt.rn.satfinite path bit for bit.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 1024, generator=g) * torch.logspace(-12, 4, 1024)
+    x[0, :7] = torch.tensor([NAN, INF, -INF, 0.0, -0.0, 1e-45, FP8_E4M3_MAX])
+    x = x.cuda()
+    k = x.shape[1]
+    q_hw, s_hw = tk.quantize_1x128(x)
+    q_sw = torch.empty_like(q_hw)
+    s_sw = torch.empty_like(s_hw)
+    tk._quantize_1x128_kernel[(x.shape[0] // 16, 2)](
+        x, q_sw.view(torch.uint8), s_sw, x.shape[0], k, k // BLOCK, x.stride(0), 0,
+        POW2=False, SOFT_FP8=True, BLOCK_R=16, GROUPS=4, GROUP=BLOCK)
+    assert _scales_equal(s_sw, s_hw)
+    assert _codes_equal(q_sw, q_hw) == 0
+
+
+def test_empty_and_rejected_inputs():
+    q, s = tk.quantize_1x128(torch.zeros(0, 300, device=DEVICE))
+    assert q.shape == (0, 300) and s.shape == (0, 3)
+    q, s = tk.quantize_128x128(torch.zeros(5, 0, device=DEVICE))
+    assert q.shape == (5, 0) and s.shape == (1, 0)
+    with pytest.raises(ValueError, match="block=128"):
+        tk.quantize_1x128(torch.zeros(2, 64, device=DEVICE), block=64)
+    with pytest.raises(ValueError, match="2-D"):
+        tk.quantize_128x128(torch.zeros(2, 3, 4, device=DEVICE))
+    with pytest.raises(TypeError):
+        tk.quantize_1x128(torch.zeros(2, 8, dtype=torch.int32, device=DEVICE))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Block GEMM
+# ---------------------------------------------------------------------------------------------------------
+
+GEMM_SHAPES = [(1, 1, 1), (64, 64, 128), (100, 130, 200), (129, 257, 576), (5, 300, 70), (256, 192, 640)]
+
+
+def _gemm_operands(m, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.02
+    dy = torch.randn(m, n, generator=g) * 1e-3
+    return x, w, dy
+
+
+def _rel_err(y, y_ref):
+    return ((y.double().cpu() - y_ref).norm() / y_ref.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
+def test_gemm_three_recipe_layouts_vs_float64(m, n, k):
+    x, w, dy = _gemm_operands(m, n, k, seed=m + n + k)
+    qx, sx = ref.quantize_1x128(x)
+    qw, sw = ref.quantize_128x128(w)
+    qdy, sdy = ref.quantize_1x128(dy)
+    qdy_t, sdy_t = ref.quantize_128x1(dy)
+    qx_t, sx_t = ref.quantize_128x1(x)
+    xd, wd = ref.dequantize_1x128(qx, sx).double(), ref.dequantize_128x128(qw, sw).double()
+    dyd = ref.dequantize_1x128(qdy, sdy).double()
+    dy_t, x_t = ref.dequantize_128x1(qdy_t, sdy_t).double(), ref.dequantize_128x1(qx_t, sx_t).double()
+    cases = {
+        "forward": ((qx, sx, qw, sw), xd @ wd.t()),
+        "dgrad": ((qdy, sdy, qw.t(), sw.t()), dyd @ wd),
+        "wgrad": ((qdy_t.t(), sdy_t.t(), qx_t.t(), sx_t.t()), dy_t.t() @ x_t),
+    }
+    for name, (operands, y_ref) in cases.items():
+        operands = [t.to(DEVICE) for t in operands]
+        y = tk.fp8_block_gemm_triton(*operands, out_dtype=torch.float32)
+        assert y.shape == y_ref.shape and y.dtype == torch.float32 and y.is_contiguous()
+        assert _rel_err(y, y_ref) < GEMM_FP32_RTOL, f"{name}: rel err {_rel_err(y, y_ref):.2e}"
+        y16 = tk.fp8_block_gemm_triton(*operands, out_dtype=torch.bfloat16)
+        assert y16.dtype == torch.bfloat16 and _rel_err(y16, y_ref) < GEMM_BF16_RTOL, name
+
+
+def test_gemm_nan_scale_poisons_only_its_rows_and_columns():
+    x, w, _ = _gemm_operands(130, 140, 300, seed=3)
+    x[7, 200] = NAN  # row 7, K block 1
+    w[135, 10] = INF  # weight block row 1 (rows 128..139), K block 0
+    qx, sx = ref.quantize_1x128(x)
+    qw, sw = ref.quantize_128x128(w)
+    y = tk.fp8_block_gemm_triton(qx.to(DEVICE), sx.to(DEVICE), qw.to(DEVICE), sw.to(DEVICE),
+                                 out_dtype=torch.float32).cpu()
+    bad = torch.zeros_like(y, dtype=torch.bool)
+    bad[7, :] = True
+    bad[:, 128:] = True
+    assert y[bad].isnan().all() and torch.isfinite(y[~bad]).all()
+
+
+def test_gemm_rejects_bad_operands():
+    qa = torch.zeros(4, 256, dtype=FP8_DTYPE, device=DEVICE)
+    sa = torch.ones(4, 2, device=DEVICE)
+    qb = torch.zeros(256, 256, dtype=FP8_DTYPE, device=DEVICE)
+    sb = torch.ones(2, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="sb"):
+        tk.fp8_block_gemm_triton(qa, sa, qb, torch.ones(3, 2, device=DEVICE), out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="qa"):
+        tk.fp8_block_gemm_triton(qa, sa, qb[:, :128], sb[:, :1], out_dtype=torch.float32)
+    with pytest.raises(TypeError):
+        tk.fp8_block_gemm_triton(qa.float(), sa, qb, sb, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="out_dtype"):
+        tk.fp8_block_gemm_triton(qa, sa, qb, sb, out_dtype=torch.int32)
+    y = tk.fp8_block_gemm_triton(qa[:0], sa[:0], qb, sb, out_dtype=torch.bfloat16)
+    assert y.shape == (0, 256)
