@@ -184,25 +184,26 @@ def test_hand_worked_quantile_and_fixed():
 
 
 def test_ties_in_the_balance_search():
-    # N-: rb = rq = [1.0, 1.0], |A| = 1 -> alpha 0, L = 1.0, M-(L; rq) = 2, and M-(0.8; rb) = 2.
-    # N+: rq = [1.1, 1.1, 1.1, 1.5] with A = 1; rb chosen so p = M+(1.2; rb) / 2.
+    # N-: rq = [1.0, 1.0], |A| = 1 -> L = 1.0 (all of rq- is 1.0) and M-(L; rq) = 2.
+    # N+: rq = [1.1, 1.1, 1.1, 1.5] with A = 1, so M+(1.1; rq) = 3.3 (the tie group counts together) and
+    # M+(1.5; rq) = 4.8. rb is chosen to set p = M+(1.2; rb) / M-(0.8; rb), hence the target p * 2.
     rq_neg = [1.0, 1.0]
     rq_pos = [1.1, 1.1, 1.1, 1.5]
     adv = torch.tensor([-1.0, -1.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     mask = torch.ones(6)
 
-    def high_for(rb_pos):
-        rb = torch.tensor(rq_neg + rb_pos, dtype=torch.float64)
+    def high_for(rb_pos, rb_neg=(1.0, 1.0)):
+        rb = torch.tensor(list(rb_neg) + rb_pos, dtype=torch.float64)
         rq = torch.tensor(rq_neg + rq_pos, dtype=torch.float64)
         return calibrate_bounds(rb, rq, adv, mask, eps_low=EPS, eps_high=EPS).high
 
-    # p = 2.0 / 2 = 1 -> target 2: the first 1.1 alone (mass 1.1) does not reach it, the group of three
-    # (M+(1.1) = 3.3) does, so H = 1.1.
+    # p = 2.0 / 2 -> target 2: the first 1.1 alone (1.1) falls short, the tie group (3.3) reaches it: H = 1.1.
     assert high_for([1.0, 1.0, 1.3, 1.3]) == pytest.approx(1.1)
     # p = 3.4 / 2 -> target 3.4 > M+(1.1) = 3.3: the whole tie group is not enough, H = 1.5.
     assert high_for([1.0, 1.1, 1.1, 0.2]) == pytest.approx(1.5)
-    # p = 4.4 / 2 -> target 4.4 > M+(1.5) = 4.8? no: 4.8 >= 4.4, H = 1.5; and p above everything -> max.
-    assert high_for([1.1, 1.1, 1.1, 1.1]) == pytest.approx(1.5)
+    # p = 4.4 / 1 (rb- = [1.0, 0.5]: M-(0.8; rb) = 1) -> target 8.8 > M+(1.5) = 4.8: no value reaches it and
+    # H falls back to max rq over N+.
+    assert high_for([1.1, 1.1, 1.1, 1.1], rb_neg=(1.0, 0.5)) == pytest.approx(1.5)
 
 
 def test_target_reached_exactly_and_boundary_ratios():
@@ -221,8 +222,7 @@ def test_target_reached_exactly_and_boundary_ratios():
     assert result.high == 2.0
     assert result.beta == 0.25  # rb = 2.0 only; 1.25 is not above the bound
     # The target hit exactly: p = 1.25 (M+(1.25; rb) = 1.0 + 1.0 + 0.5 = 2.5, M-(0.75; rb) = 2), L = 1.0,
-    # M-(1.0; rq) = 2,
-    # target = 2.5 = M+(1.5; rq) exactly -> H = 1.5, the value whose mass equals the target.
+    # M-(1.0; rq) = 2, target = 2.5 = M+(1.5; rq) exactly -> H = 1.5, the value whose mass equals the target.
     rb = torch.tensor([1.0, 1.0, 1.0, 1.5, 1.0, 0.5], dtype=torch.float64)
     rq = torch.tensor([1.0, 1.0, 1.0, 1.5, 2.0, 3.0], dtype=torch.float64)
     adv = torch.tensor([-1.0, -1.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
