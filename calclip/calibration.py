@@ -12,8 +12,8 @@ exactly"; the step numbers below refer to it).
 - ``ClipCalibrator``: the stateful object a trainer holds (schedules, EMA, rails, ranks, checkpointing).
 - ``torch_distributed_all_gather``: the ``all_gather`` callable for ``ClipCalibrator`` under torch.distributed.
 
-Statistics are computed in float64: the update masses are sums over up to millions of tokens, and a bound
-that flips with the summation order would make ranks disagree.
+Statistics are computed in float64: the update masses are sums over up to millions of tokens, where float32
+rounding would be large enough to move the balance search across data steps.
 """
 
 from __future__ import annotations
@@ -446,7 +446,10 @@ class ClipCalibrator:
         advantages: Tensor,  # [B] or [B, T]
         mask: Tensor,  # [B, T] bool or float
     ) -> dict[str, float]:
-        """A shadow calibration (steps 1-7): update the bounds and the stored alpha, p, beta."""
+        """A shadow calibration (steps 1-7): update the bounds and the stored alpha, p, beta.
+
+        It is credited to the step last passed to ``needs_calibration`` (the schedule's clock).
+        """
         (rb, rq), adv, num_nonfinite = _select_tokens(mask, advantages, ratio_bf16, ratio_fp8)
         rb, rq, adv, num_nonfinite = self._gather(rb, rq, adv, num_nonfinite=num_nonfinite)
         result = _calibrate_tokens(

@@ -586,3 +586,15 @@ def test_state_dict_is_a_deep_copy_of_plain_values():
     state = cal.state_dict()
     assert copy.deepcopy(state) == state
     assert all(isinstance(v, (int, float, bool, type(None), dict)) for v in state.values())
+
+
+def test_calibration_imports_torch_only():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, calclip.calibration; "
+        "bad = [m for m in ('trl', 'transformers', 'accelerate') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
