@@ -64,7 +64,8 @@ def load_model(name_or_path: str, *, dtype=None):
     if name_or_path == TINY_MODEL_NAME:
         from calclip import testing
 
-        model, tokenizer = testing.tiny_model_and_tokenizer()
+        tokenizer = testing.build_tiny_tokenizer()
+        model = testing.build_tiny_model(tokenizer)
         return (model.to(dtype) if dtype is not None else model), tokenizer
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
