@@ -1,0 +1,534 @@
+"""``CalibratedGRPOTrainer``: TRL's ``GRPOTrainer`` with a block-FP8 policy, Calibrated Clipping, rollout
+correction (TIS/MIS) and the monitoring of DESIGN.md.
+
+Seams (TRL 1.16; every override calls ``super()`` except the loss):
+
+- ``__init__``: after ``super().__init__()`` the policy's linear layers are swapped for FP8 ones
+  (``calclip.fp8.quantize_model`` reuses the Parameters, and the optimizer and ``accelerator.prepare`` only run in
+  ``train()``, so swapping after TRL's set-up is safe). The same quantized modules serve generation and training:
+  one precision flow. The reference model (``beta > 0``) stays in its own dtype.
+- ``_generate_single_turn``: on the transformers ``generate`` path TRL has no rollout log-probs. We ask ``generate``
+  for its processed scores (the exact distribution each token was sampled from, after temperature, top-k, top-p,
+  min-p and repetition penalty) and keep the sampled tokens' log-probs. Nothing is recomputed, so these are the
+  rollout engine's log-probs in the same sense as vLLM's ``processed_logprobs``, and TRL carries them on as
+  ``sampling_per_token_logps``. Cost: the scores of one generation (B x T x V floats) are held until it ends.
+- ``_generate_and_score_completions``: after ``super()``, when a shadow calibration may fall in the optimizer steps
+  this generation batch feeds, the BF16 shadow old log-probs are computed with the same (not yet updated) weights
+  TRL just used for ``old_per_token_logps``; also logs the garbled-output signal.
+- ``_compute_loss`` (replaced; TRL's body is not copied): per-token log-probs from TRL's
+  ``_get_per_token_logps_and_entropies``, bounds from the clip mode / calibrator, then
+  ``calclip.losses.clipped_surrogate`` with TRL's normalization (``grpo``/``bnpo``/``dr_grpo`` divided by the
+  accumulation steps; ``dapo`` by ``num_items_in_batch / num_processes * accumulation / steps_per_generation``),
+  plus TRL's KL term, static entropy bonus and MoE aux loss. With clip_mode static, fp8 off and no TIS the loss and
+  gradients equal ``GRPOTrainer``'s (tests/trainers/test_parity.py).
+- ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: calibrator and spike-detector state in every checkpoint
+  (``calclip_state.pt``), restored on ``resume_from_checkpoint``, like TRL's own adaptive-entropy state.
+
+Calibration happens only on mini-batches whose policy moved since the old log-probs were taken (DESIGN.md,
+Schedules): in the ``steps_per_generation * num_iterations`` micro-batches a generation feeds, the first
+``gradient_accumulation_steps`` are exactly on-policy (r = 1) unless the old log-probs are the rollout's (bypass).
+On such a moved mini-batch, when the calibrator says a shadow calibration is due, one extra no-grad forward under
+``bf16_shadow`` gives the BF16 current log-probs; with the BF16 old log-probs from generation time they form the
+BF16 ratios, and the FP8 ratios are the ones the loss uses. The new bounds apply from that mini-batch on. With FP8
+off the shadow policy is the policy itself, so the BF16 ratios are the FP8 ones and no extra forward runs. In the
+non-calibrated clip modes the same shadow forwards run on the same schedule when FP8 is on, for monitoring only.
+
+Metrics (under ``train/``, through TRL's ``self._metrics``): ``calib/low``, ``calib/high`` (bounds in force),
+``calib/alpha``, ``calib/balance_p`` (shadow steps), ``clip/neg_low_frac_fp8`` (share of A<0 tokens whose ratio is
+below the lower bound in force: the penalties dropped), ``clip/neg_low_frac_bf16`` (shadow steps: share of A<0
+tokens whose BF16 shadow ratio is below 1 - epsilon, i.e. what BF16 training would drop, the calibration's target),
+``clip/pos_high_frac``, ``clip/dual_frac``, ``mismatch/token_mult_prob_error`` and ``mismatch/kl_k3`` (old vs rollout
+log-probs), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``, ``entropy/neg_adv``,
+``entropy/spike``, ``fp8/nonfinite_tokens`` (tokens whose FP8 linear output was non-finite),
+``loss/nonfinite_tokens``, ``completions/repeat_ngram_frac``; and TRL's ``clip_ratio/*``, ``kl``,
+``policy_loss``, ``aux_loss``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import warnings
+
+import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl import GRPOTrainer
+
+from calclip.calibration import ClipCalibrator, torch_distributed_all_gather
+from calclip.fp8 import Fp8Config, bf16_shadow, pop_nonfinite_count, quantize_model
+from calclip.losses import (
+    aggregate,
+    clipped_surrogate,
+    entropy_stats,
+    importance_ratio,
+    kl_k3,
+    masked_mean,
+    rollout_correction_weights,
+    token_log_ratio,
+    token_mult_prob_error,
+)
+from calclip.losses.metrics import masked_share
+from calclip.losses.registry import ClipMode, get_clip_mode
+from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
+from calclip.trainers.config import CalibratedGRPOConfig
+
+CALCLIP_STATE_NAME = "calclip_state.pt"
+BF16_OLD_LOGPS_KEY = "bf16_old_per_token_logps"
+
+# Inputs TRL forwards to the model besides input_ids/attention_mask (multimodal models).
+_FORWARD_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)  # fmt: skip
+# Stats summed over ranks (counts); every other stat is averaged over ranks.
+_SUMMED_STATS = ("fp8/nonfinite_tokens", "loss/nonfinite_tokens")
+
+
+class _SampledLogprobRecorder:
+    """Makes ``model.generate`` also return the sampled tokens' log-probs under the processed scores.
+
+    Installed as an instance attribute for the duration of one TRL generation call and removed afterwards, so TRL's
+    own generate call (and its arguments) stay untouched: the wrapper adds ``output_scores`` and
+    ``return_dict_in_generate``, keeps the log-probs, and returns the token tensor TRL expects.
+    """
+
+    def __init__(self) -> None:
+        self.logprobs: torch.Tensor | None = None  # [B, T_generated]
+
+    @contextlib.contextmanager
+    def attached(self, model):
+        original = model.generate
+        had_instance_attribute = "generate" in vars(model)
+
+        def generate(*args, **kwargs):
+            if kwargs.get("generation_config") is not None:
+                config = copy.deepcopy(kwargs["generation_config"])
+                config.output_scores = config.return_dict_in_generate = True
+                kwargs["generation_config"] = config
+            else:
+                kwargs.update(output_scores=True, return_dict_in_generate=True)
+            out = original(*args, **kwargs)
+            prompt_length = out.sequences.size(1) - len(out.scores)
+            tokens = out.sequences[:, prompt_length:]
+            self.logprobs = torch.stack(
+                [
+                    torch.log_softmax(score.float(), dim=-1).gather(-1, tokens[:, t : t + 1]).squeeze(-1)
+                    for t, score in enumerate(out.scores)
+                ],
+                dim=1,
+            )
+            return out.sequences
+
+        model.generate = generate
+        try:
+            yield self
+        finally:
+            if had_instance_attribute:
+                model.generate = original
+            else:
+                del model.generate  # back to the class method
+
+
+class CalibratedGRPOTrainer(GRPOTrainer):
+    """Drop-in ``GRPOTrainer`` (same arguments) that takes a ``CalibratedGRPOConfig``.
+
+    Attributes: ``calibrator`` (``calclip.calibration.ClipCalibrator``), ``spike_detector``
+    (``EntropySpikeDetector``), ``clip_mode`` (``ClipMode``), ``clip_bounds`` (the (low, high) in force).
+    """
+
+    _tag_names = [*GRPOTrainer._tag_names, "calclip"]
+    _name = "CalibratedGRPO"
+
+    def __init__(self, model, reward_funcs=None, args: CalibratedGRPOConfig | None = None, *posargs, **kwargs):
+        if args is None:
+            model_name = model if isinstance(model, str) else model.config._name_or_path or "model"
+            args = CalibratedGRPOConfig(f"{str(model_name).split('/')[-1]}-CalibratedGRPO")
+        if not isinstance(args, CalibratedGRPOConfig):
+            raise TypeError(
+                f"{type(self).__name__} takes a CalibratedGRPOConfig (every GRPOConfig field works there), "
+                f"got {type(args).__name__}"
+            )
+        super().__init__(model, reward_funcs, args, *posargs, **kwargs)
+        self.clip_mode = get_clip_mode(args.clip_mode)
+        if args.fp8:
+            self._quantize_policy()
+        self.calibrator = ClipCalibrator(
+            eps_low=args.epsilon,
+            eps_high=args.clip_epsilon_high,
+            upper=args.calibration_upper,
+            schedule=args.calibration_schedule,
+            interval=args.calibration_interval,
+            ema=args.calibration_ema,
+            init_low=args.calibration_init_bounds[0],
+            init_high=args.calibration_init_bounds[1],
+            low_rails=(args.calibration_low_min, args.calibration_low_max),
+            high_rails=(args.calibration_high_min, args.calibration_high_max),
+            # Statistics over the tokens of every rank, so every rank applies the same bounds (DESIGN.md step 7).
+            all_gather=torch_distributed_all_gather() if self.accelerator.num_processes > 1 else None,
+        )
+        self.spike_detector = EntropySpikeDetector(
+            window=args.entropy_spike_window, warmup=args.entropy_spike_warmup, z_threshold=args.entropy_spike_z
+        )
+        self._step_entropies: list[tuple[float, float]] = []  # (entropy, A<0 entropy) of this step's micro-batches
+
+    # ------------------------------------------------------------------------------------------ FP8 policy
+
+    def _quantize_policy(self) -> None:
+        args = self.args
+        fp8_config = Fp8Config(
+            backward=args.fp8_backward,
+            gemm=args.fp8_gemm,
+            power_of_two_scales=args.fp8_power_of_two_scales,
+            keep_first_n_layers=args.fp8_keep_first_n_layers,
+            keep_last_n_layers=args.fp8_keep_last_n_layers,
+            # TRL computes log-probs from lm_head.weight directly (fused LM head), so the LM head always stays BF16.
+            keep_patterns=tuple(dict.fromkeys([*args.fp8_keep_patterns, "lm_head"])),
+        )
+        quantize_model(self.accelerator.unwrap_model(self.model), fp8_config)
+
+    def _bf16_shadow(self):
+        """The BF16 shadow of the policy (quantization switched off); a no-op context without FP8."""
+        if not self.args.fp8:
+            return contextlib.nullcontext()
+        return bf16_shadow(self.accelerator.unwrap_model(self.model))
+
+    # ------------------------------------------------------------------------------------------ bounds
+
+    @property
+    def clip_bounds(self) -> tuple[float, float]:
+        """(low, high) ratio bounds in force."""
+        if self.clip_mode is ClipMode.CALIBRATED:
+            return self.calibrator.bounds
+        return 1.0 - self.args.epsilon, 1.0 + self.args.clip_epsilon_high
+
+    @property
+    def _generate_every(self) -> int:
+        return self.args.steps_per_generation * self.num_iterations
+
+    def _policy_moved(self, inputs) -> bool:
+        """Whether this training micro-batch's policy moved since its old log-probs were taken."""
+        if self.args.old_logps_source == "rollout":
+            return True
+        # Micro-batch index within its generation round: the first accumulation window is exactly on-policy.
+        in_round = self._step % self._generate_every
+        return in_round >= self.args.gradient_accumulation_steps and "old_per_token_logps" in inputs
+
+    def _shadow_active(self) -> bool:
+        """Shadow calibrations run in calibrated mode, and for FP8-vs-BF16 monitoring in the other modes."""
+        return self.args.fp8 or self.clip_mode is ClipMode.CALIBRATED
+
+    def _shadow_due_this_round(self) -> bool:
+        """Whether a shadow calibration may fall in the optimizer steps fed by the generation happening now."""
+        if not (self._shadow_active() and self.args.calibration_is_meaningful):
+            return False
+        num_steps = max(1, math.ceil(self._generate_every / self.args.gradient_accumulation_steps))
+        first = self.state.global_step
+        return any(self.calibrator.needs_calibration(step) for step in range(first, first + num_steps))
+
+    # ------------------------------------------------------------------------------------------ generation
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        recorder = _SampledLogprobRecorder()
+        with recorder.attached(self.accelerator.unwrap_model(self.model)):
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        if logprobs is None and recorder.logprobs is not None:
+            sampled = recorder.logprobs.cpu()
+            logprobs = [sampled[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+        return completion_ids, logprobs
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        if mode == "train" and self.args.fp8 and self._shadow_due_this_round():
+            output[BF16_OLD_LOGPS_KEY] = self._shadow_logps(output)
+        self._log_repeated_ngrams(output, mode)
+        return output
+
+    def _shadow_logps(self, batch) -> torch.Tensor:
+        """BF16 shadow log-probs of the batch's completion tokens under the current weights (no grad)."""
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad(), self._bf16_shadow():
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model,
+                input_ids,
+                attention_mask,
+                batch["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size,
+                **{key: batch.get(key) for key in _FORWARD_KEYS},
+            )
+        return logps
+
+    def _log_repeated_ngrams(self, batch, mode: str) -> None:
+        mask = batch["completion_mask"].bool().cpu()
+        sequences = [ids[keep].tolist() for ids, keep in zip(batch["completion_ids"].cpu(), mask)]
+        repeated, total = repeated_ngram_counts(sequences, self.args.repeat_ngram_size)
+        counts = torch.tensor([repeated, total], dtype=torch.float64, device=self.accelerator.device)
+        repeated, total = self.accelerator.reduce(counts, reduction="sum").tolist()
+        self._metrics[mode]["completions/repeat_ngram_frac"].append(repeated / total if total else 0.0)
+
+    # ------------------------------------------------------------------------------------------ loss
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        completion_ids = inputs["completion_ids"]
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{key: inputs.get(key) for key in _FORWARD_KEYS},
+        )
+        advantages = inputs["advantages"]
+        old_logps = self._old_logps(inputs, logps)
+        stats: dict[str, torch.Tensor] = {}
+        calibration_stats = self._calibrate(inputs, logps, old_logps, advantages, mask) if mode == "train" else {}
+        low, high = self.clip_bounds
+        is_weights = self._rollout_correction(inputs, old_logps, mask, stats)
+
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        num_items = None
+        if self.loss_type == "dapo":
+            # TRL: num_items_in_batch spans the generation batch of all ranks; rescale to one accumulation window.
+            num_items = inputs["num_items_in_batch"] / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * accumulation / self.args.steps_per_generation
+        loss, surrogate_stats = clipped_surrogate(
+            logps,
+            old_logps,
+            advantages,
+            mask,
+            low=low,
+            high=high,
+            dual_clip_c=self.args.dual_clip_c if self.clip_mode is ClipMode.DUAL_CLIP else None,
+            level=self.importance_sampling_level,
+            aggregation=self.loss_type,
+            max_completion_length=self.max_completion_length,
+            num_items=num_items,
+            is_weights=is_weights,
+        )
+        policy_loss = loss.detach()
+        if self.loss_type != "dapo":
+            loss = loss / accumulation
+
+        if self.beta != 0.0:
+            loss = loss + self.beta * self._kl_term(inputs, logps, old_logps, mask, num_items, stats) / (
+                1 if self.loss_type == "dapo" else accumulation
+            )
+        if self._entropy_bonus_enabled:
+            # TRL's bonus: the mean per-token entropy, scaled only for gradient accumulation.
+            keep = mask != 0
+            mean_entropy = torch.where(keep, entropies, 0.0).sum() / keep.sum().clamp(min=1)
+            loss = loss - self.entropy_coef * mean_entropy / accumulation
+            stats["policy_loss"] = policy_loss
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            stats["aux_loss"] = aux_loss.detach()
+
+        self._log_loss_metrics(mode, stats, surrogate_stats, calibration_stats, inputs, logps, old_logps, entropies,
+                               advantages, mask)  # fmt: skip
+        return loss
+
+    def _old_logps(self, inputs, logps) -> torch.Tensor:
+        if self.args.old_logps_source == "rollout":
+            if "sampling_per_token_logps" not in inputs:
+                raise RuntimeError(
+                    "old_logps_source='rollout' needs rollout log-probs, but this generation path returned none "
+                    "(transformers continuous batching does not expose them)"
+                )
+            return inputs["sampling_per_token_logps"]
+        # TRL skips the old log-prob forward when every mini-batch is on-policy: then old == current (detached).
+        old = inputs.get("old_per_token_logps")
+        return logps.detach() if old is None else old
+
+    def _rollout_correction(self, inputs, old_logps, mask, stats) -> torch.Tensor | None:
+        if self.args.tis_mode == "none":
+            # TRL's own vLLM correction, applied exactly as GRPOTrainer does when it is on.
+            return inputs.get("importance_sampling_ratio")
+        if "sampling_per_token_logps" not in inputs:
+            raise RuntimeError(f"tis_mode={self.args.tis_mode!r} needs rollout log-probs; this generation path has none")
+        weights, tis_stats = rollout_correction_weights(
+            old_logps,
+            inputs["sampling_per_token_logps"],
+            mask,
+            mode=self.args.tis_mode,
+            cap=self.args.tis_cap,
+            lower_cap=self.args.tis_lower_cap,
+        )
+        stats.update(tis_stats)
+        return weights
+
+    def _kl_term(self, inputs, logps, old_logps, mask, num_items, stats) -> torch.Tensor:
+        """TRL's k3 KL to the reference model, aggregated like the policy loss (before accumulation scaling)."""
+        ref = inputs["ref_per_token_logps"]
+        per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if self.args.use_bias_correction_kl:
+            ratio, _ = importance_ratio(logps, old_logps, mask, level=self.importance_sampling_level)
+            per_token_kl = per_token_kl * ratio
+        stats["kl"] = masked_mean(per_token_kl, mask)
+        return aggregate(
+            per_token_kl, mask, self.loss_type, max_completion_length=self.max_completion_length, num_items=num_items
+        )
+
+    # ------------------------------------------------------------------------------------------ calibration
+
+    def _calibrate(self, inputs, logps, old_logps, advantages, mask) -> dict[str, float]:
+        """Run a shadow calibration or an every_step refit when due on this (moved) mini-batch; return its stats."""
+        if not (self._shadow_active() and self._policy_moved(inputs)):
+            return {}
+        ratio_fp8 = torch.exp(token_log_ratio(logps.detach(), old_logps))
+        step = self.state.global_step
+        if self.calibrator.needs_calibration(step):
+            ratio_bf16, bf16_logps = self._shadow_ratio(inputs, logps, ratio_fp8)
+            if ratio_bf16 is not None:
+                stats = self.calibrator.calibrate(ratio_bf16, ratio_fp8, advantages, mask)
+                low_in_force = self.clip_bounds[0]  # the new bound in calibrated mode
+                stats.update(self._shadow_shares(ratio_bf16, ratio_fp8, advantages, mask, low_in_force))
+                if bf16_logps is not None:
+                    local = token_mult_prob_error(logps, bf16_logps, mask)
+                    stats["mismatch/fp8_bf16_token_mult_prob_error"] = self._mean_over_ranks(local)
+                return stats
+        if self.args.calibration_schedule == "every_step" and self.clip_mode is ClipMode.CALIBRATED:
+            if self.calibrator.calibrated:
+                return self.calibrator.refit(ratio_fp8, advantages, mask)
+        return {}
+
+    def _shadow_ratio(self, inputs, logps, ratio_fp8):
+        """BF16 shadow ratios of the mini-batch (and the BF16 current log-probs), or (None, None) without data."""
+        if not self.args.fp8:
+            return ratio_fp8, None  # the shadow of an unquantized policy is the policy itself
+        bf16_old = inputs.get(BF16_OLD_LOGPS_KEY)
+        if bf16_old is None:
+            return None, None  # stays due; the next generation computes the shadow old log-probs
+        bf16_logps = self._shadow_logps(inputs)
+        return torch.exp(token_log_ratio(bf16_logps, bf16_old)), bf16_logps
+
+    def _shadow_shares(self, ratio_bf16, ratio_fp8, advantages, mask, low_in_force) -> dict[str, float]:
+        """Global shares of A<0 tokens FP8 clips below the bound in force vs BF16 below 1 - epsilon."""
+        adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+        neg = (mask != 0) & (adv < 0)
+        counts = torch.stack(
+            [(neg & (ratio_fp8 < low_in_force)).sum(), (neg & (ratio_bf16 < 1.0 - self.args.epsilon)).sum(), neg.sum()]
+        ).to(torch.float64)
+        fp8_hits, bf16_hits, total = self.accelerator.reduce(counts, reduction="sum").tolist()
+        return {
+            "clip/neg_low_frac_fp8": fp8_hits / total if total else 0.0,
+            "clip/neg_low_frac_bf16": bf16_hits / total if total else 0.0,
+        }
+
+    def _mean_over_ranks(self, value: torch.Tensor) -> float:
+        return self.accelerator.gather(value.detach().reshape(1).float()).nanmean().item()
+
+    # ------------------------------------------------------------------------------------------ metrics
+
+    def _log_loss_metrics(self, mode, stats, surrogate_stats, calibration_stats, inputs, logps, old_logps, entropies,
+                          advantages, mask) -> None:  # fmt: skip
+        low, high = self.clip_bounds
+        stats.update(entropy_stats(entropies, advantages, mask))
+        stats["clip/neg_low_frac_fp8"] = surrogate_stats["clip/neg_low_frac"]
+        stats["clip/pos_high_frac"] = surrogate_stats["clip/pos_high_frac"]
+        stats["clip/dual_frac"] = surrogate_stats["clip/dual_frac"]
+        # Tokens the loss dropped for a non-finite log-prob/advantage, and (FP8) tokens whose FP8 linear output was
+        # non-finite in any forward since the last loss step (generation and shadow forwards included).
+        stats["loss/nonfinite_tokens"] = surrogate_stats["nonfinite_tokens"]
+        if self.args.fp8:
+            stats["fp8/nonfinite_tokens"] = pop_nonfinite_count(self.accelerator.unwrap_model(self.model)).to(
+                logps.device
+            )
+        # TRL's clip_ratio/* (shares of all completion tokens), against the bounds in force.
+        ratio, _ = importance_ratio(logps.detach(), old_logps, mask, level=self.importance_sampling_level)
+        adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+        is_low = (ratio < low) & (adv < 0)
+        is_high = (ratio > high) & (adv > 0)
+        # Like TRL: over completion tokens, or over sequences for a sequence-level ratio ([B, 1]).
+        keep = (mask != 0) if is_low.size(-1) == mask.size(-1) else torch.ones_like(is_low)
+        stats["clip_ratio/low_mean"] = masked_share(is_low, keep)
+        stats["clip_ratio/high_mean"] = masked_share(is_high, keep)
+        stats["clip_ratio/region_mean"] = masked_share(is_low | is_high, keep)
+        if "sampling_per_token_logps" in inputs and self.args.old_logps_source == "trainer":
+            rollout = inputs["sampling_per_token_logps"]
+            stats["mismatch/token_mult_prob_error"] = token_mult_prob_error(old_logps, rollout, mask)
+            stats["mismatch/kl_k3"] = kl_k3(old_logps, rollout, mask)
+
+        # One collective for all per-micro-batch stats; keys depend only on the config, so every rank agrees.
+        names = sorted(stats)
+        local = torch.stack([stats[name].detach().float().reshape(()) for name in names])
+        gathered = self.accelerator.gather(local.unsqueeze(0)).view(-1, len(names))
+        for i, name in enumerate(names):
+            column = gathered[:, i]
+            value = column.sum() if name in _SUMMED_STATS else column.nanmean()
+            self._metrics[mode][name].append(value.item())
+        for name, value in calibration_stats.items():
+            self._metrics[mode][name].append(float(value))
+        self._metrics[mode]["calib/low"].append(low)
+        self._metrics[mode]["calib/high"].append(high)
+
+        if mode == "train":
+            names_index = {name: i for i, name in enumerate(names)}
+            self._step_entropies.append(
+                (
+                    gathered[:, names_index["entropy"]].nanmean().item(),
+                    gathered[:, names_index["entropy/neg_adv"]].nanmean().item(),
+                )
+            )
+            if self.accelerator.sync_gradients:
+                self._end_of_step_monitoring()
+
+    def _end_of_step_monitoring(self) -> None:
+        """Entropy-spike detection on the optimizer step's entropy (all ranks hold the same values)."""
+        entropy = sum(e for e, _ in self._step_entropies) / len(self._step_entropies)
+        entropy_neg = sum(e for _, e in self._step_entropies) / len(self._step_entropies)
+        self._step_entropies = []
+        step = self.state.global_step
+        report = self.spike_detector.update(entropy, entropy_neg, step=step)
+        self._metrics["train"]["entropy/spike"].append(float(report.spike))
+        if not report.spike:
+            return
+        message = report.message(step, entropy, entropy_neg)
+        if self.args.recalibrate_on_spike and self.clip_mode is ClipMode.CALIBRATED:
+            self.calibrator.request_recalibration()
+            message += "; recalibration requested"
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        if self.accelerator.is_main_process and "wandb" in (self.args.report_to or []):
+            send_wandb_alert("calclip: entropy spike", message)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def calclip_state_dict(self) -> dict:
+        return {"calibrator": self.calibrator.state_dict(), "spike_detector": self.spike_detector.state_dict()}
+
+    def load_calclip_state_dict(self, state: dict) -> None:
+        self.calibrator.load_state_dict(state["calibrator"])
+        self.spike_detector.load_state_dict(state["spike_detector"])
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            output_dir = os.path.join(self._get_output_dir(trial=trial), checkpoint_folder)
+            torch.save(self.calclip_state_dict(), os.path.join(output_dir, CALCLIP_STATE_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, CALCLIP_STATE_NAME)
+        if os.path.exists(path):
+            self.load_calclip_state_dict(torch.load(path, weights_only=False))
+        else:
+            warnings.warn(f"{path} not found: calibrator and spike detector start fresh", UserWarning, stacklevel=2)

@@ -1,0 +1,155 @@
+"""Parity with stock TRL: with clip_mode static, FP8 off and no TIS, CalibratedGRPOTrainer's loss, gradients and
+TRL metrics equal GRPOTrainer's on the same batch (TRL 1.16, the version pinned in pyproject.toml)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from calclip.testing import (
+    build_tiny_model,
+    build_tiny_tokenizer,
+    digit_share_reward,
+    tiny_prompt_dataset,
+    tiny_training_args,
+)
+from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.grpo import CalibratedGRPOTrainer
+
+B, P, T = 6, 7, 9
+
+
+@pytest.fixture(scope="module")
+def base():
+    tokenizer = build_tiny_tokenizer()
+    return tokenizer, build_tiny_model(tokenizer, seed=3), tiny_prompt_dataset(4)
+
+
+def _trainers(base, tmp_path, **overrides):
+    tokenizer, model, dataset = base
+    common = dict(num_generations=2, per_device_train_batch_size=B, max_completion_length=T, **overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stock = GRPOTrainer(
+            model=copy.deepcopy(model),
+            reward_funcs=digit_share_reward,
+            args=tiny_training_args(GRPOConfig, tmp_path / "stock", **common),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        ours = CalibratedGRPOTrainer(
+            model=copy.deepcopy(model),
+            reward_funcs=digit_share_reward,
+            args=tiny_training_args(
+                CalibratedGRPOConfig, tmp_path / "ours", clip_mode="static", fp8=False, tis_mode="none", **common
+            ),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    for trainer in (stock, ours):
+        # Set by Trainer's training loop; the loss reads it for gradient-accumulation scaling.
+        trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+        trainer.model.train()
+    return stock, ours
+
+
+def _batch(trainer, *, with_old: bool, with_ref: bool, seed: int = 0):
+    """A generation batch as TRL's _generate_and_score_completions returns it, with ragged prompts/completions."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = len(trainer.processing_class)
+    prompt_ids = torch.randint(4, vocab, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[0, :3] = 0  # left padding
+    prompt_mask[4, :1] = 0
+    prompt_ids[prompt_mask == 0] = trainer.processing_class.pad_token_id
+    completion_ids = torch.randint(4, vocab, (B, T), generator=g)
+    completion_mask = torch.ones(B, T, dtype=torch.long)
+    completion_mask[1, 5:] = 0  # right padding
+    completion_mask[3, 2:] = 0
+    completion_ids[completion_mask == 0] = trainer.processing_class.pad_token_id
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(B, generator=g),
+        # the generation batch's token count over all ranks (more than this mini-batch holds)
+        "num_items_in_batch": completion_mask.sum() * 3,
+    }
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), T
+        )
+    if with_old:
+        # a moved policy: ratios spread well beyond [0.8, 1.2] so both clip branches and both signs are exercised
+        batch["old_per_token_logps"] = logps + 0.4 * torch.randn(B, T, generator=g)
+    if with_ref:
+        batch["ref_per_token_logps"] = logps + 0.2 * torch.randn(B, T, generator=g)
+    return batch
+
+
+def _loss_and_grads(trainer, batch):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, copy.deepcopy(batch))
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+CASES = {
+    "grpo": dict(loss_type="grpo"),
+    "bnpo": dict(loss_type="bnpo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "dapo": dict(loss_type="dapo"),
+    "dapo_asymmetric": dict(loss_type="dapo", epsilon=0.2, epsilon_high=0.28),
+    "grpo_sequence_level": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "bnpo_entropy_bonus": dict(loss_type="bnpo", entropy_coef=0.05),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loss_and_gradients_equal_stock_grpo(base, tmp_path, case):
+    stock, ours = _trainers(base, tmp_path, **CASES[case])
+    # off-policy (old log-probs in the batch) and on-policy (TRL then uses the detached current log-probs)
+    for seed, with_old in enumerate((True, False)):
+        for trainer in (stock, ours):
+            trainer._metrics["train"].clear()
+        batch = _batch(stock, with_old=with_old, with_ref=False, seed=seed)
+        stock_loss, stock_grads = _loss_and_grads(stock, batch)
+        our_loss, our_grads = _loss_and_grads(ours, batch)
+
+        assert stock_loss.abs() > 1e-4  # a batch that actually produces a loss
+        torch.testing.assert_close(our_loss, stock_loss, rtol=1e-5, atol=1e-7)
+        assert stock_grads.keys() == our_grads.keys() and len(stock_grads) > 0
+        for name, grad in stock_grads.items():
+            torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+        # TRL's own metrics keep their values
+        for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            assert ours._metrics["train"][key] == pytest.approx(stock._metrics["train"][key], rel=1e-5, abs=1e-7)
+        if with_old:
+            assert stock._metrics["train"]["clip_ratio/region_mean"][0] > 0.1  # clipping is exercised
+
+
+def test_kl_term_equals_stock_grpo(base, tmp_path):
+    stock, ours = _trainers(base, tmp_path, loss_type="dapo")
+    for trainer in (stock, ours):
+        trainer.beta = 0.04  # the reference model only matters at generation; the batch carries its log-probs
+    batch = _batch(stock, with_old=True, with_ref=True, seed=1)
+    stock_loss, stock_grads = _loss_and_grads(stock, batch)
+    our_loss, our_grads = _loss_and_grads(ours, batch)
+    torch.testing.assert_close(our_loss, stock_loss, rtol=1e-5, atol=1e-7)
+    for name, grad in stock_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+    assert ours._metrics["train"]["kl"][0] == pytest.approx(stock._metrics["train"]["kl"][0], rel=1e-5)
+
+
+def test_static_bounds_differ_from_calibrated_loss(base, tmp_path):
+    """The parity above is not vacuous: the same trainer with other bounds gives another loss."""
+    stock, ours = _trainers(base, tmp_path, loss_type="grpo")
+    batch = _batch(stock, with_old=True, with_ref=False)
+    stock_loss, _ = _loss_and_grads(stock, batch)
+    ours.args.epsilon = 0.05
+    our_loss, _ = _loss_and_grads(ours, batch)
+    assert not torch.isclose(our_loss, stock_loss, rtol=1e-3)
