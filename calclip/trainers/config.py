@@ -14,15 +14,19 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-CLIP_MODES = ("static", "clip_higher", "dual_clip", "calibrated")
-CALIBRATION_SCHEDULES = ("interval", "every_step")
-CALIBRATION_UPPER_MODES = ("balance", "quantile", "fixed")
-TIS_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+from calclip.calibration import SCHEDULES as CALIBRATION_SCHEDULES
+from calclip.calibration import UPPER_MODES as CALIBRATION_UPPER_MODES
+from calclip.fp8.config import BACKWARD_MODES as FP8_BACKWARD_MODES
+from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
+from calclip.losses.aggregation import AGGREGATIONS
+from calclip.losses.importance import IS_MODES as TIS_MODES
+from calclip.losses.registry import clip_mode_names
+
+# The allowed values come from the modules that implement them, so the config and the code cannot disagree.
+CLIP_MODES = clip_mode_names()
 OLD_LOGPS_SOURCES = ("trainer", "rollout")
-FP8_BACKWARD_MODES = ("fp8", "bf16")
-FP8_GEMM_BACKENDS = ("auto", "scaled_mm", "triton", "emulated")
-# Aggregations the calibrated loss reproduces exactly (calclip.losses.aggregation.AGGREGATIONS).
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# Aggregations the calibrated loss reproduces exactly (TRL 1.16 normalizations).
+SUPPORTED_LOSS_TYPES = AGGREGATIONS
 # DAPO paper (arXiv 2503.14476): clip-higher with eps_low 0.2, eps_high 0.28.
 CLIP_HIGHER_DEFAULT_EPSILON_HIGH = 0.28
 
@@ -235,6 +239,20 @@ class CalibratedGRPOConfig(GRPOConfig):
         ):
             raise ValueError(f"calibration_init_bounds must be [low, high] with low < 1 < high, got {bounds!r}")
         self.calibration_init_bounds = [float(b) for b in bounds]
+        if not (
+            self.calibration_low_min <= bounds[0] <= self.calibration_low_max
+            and self.calibration_high_min <= bounds[1] <= self.calibration_high_max
+        ):
+            raise ValueError(
+                f"calibration_init_bounds {bounds} must lie within the rails [calibration_low_min, "
+                f"calibration_low_max] = [{self.calibration_low_min}, {self.calibration_low_max}] and "
+                f"[calibration_high_min, calibration_high_max] = [{self.calibration_high_min}, "
+                f"{self.calibration_high_max}]"
+            )
+        if not 0.0 < self.epsilon < 1.0:
+            raise ValueError(f"epsilon must lie in (0, 1) (the lower ratio bound is 1 - epsilon), got {self.epsilon!r}")
+        if self.epsilon_high is not None and not self.epsilon_high > 0.0:
+            raise ValueError(f"epsilon_high must be > 0 or None, got {self.epsilon_high!r}")
 
         if not _is_number(self.tis_cap) or self.tis_cap <= 0.0:
             raise ValueError(f"tis_cap must be a number > 0, got {self.tis_cap!r}")

@@ -1,0 +1,131 @@
+"""CalibratedGRPOConfig / CalibratedDAPOConfig: defaults, validation naming the field, YAML + CLI parsing."""
+
+import warnings
+
+import pytest
+from trl import TrlParser
+
+from calclip.losses.registry import clip_mode_names
+from calclip.trainers.config import CalibratedDAPOConfig, CalibratedGRPOConfig
+
+CPU = dict(report_to="none", use_cpu=True, bf16=False, num_generations=2, per_device_train_batch_size=2)
+
+
+def make(cls=CalibratedGRPOConfig, **overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(output_dir="unused", **{**CPU, **overrides})
+
+
+def test_defaults_are_the_documented_ones():
+    config = make(steps_per_generation=4)
+    assert config.clip_mode == "calibrated" and config.fp8 is True
+    assert config.calibration_schedule == "interval" and config.calibration_interval == 20
+    assert config.calibration_init_bounds == [0.6, 1.8]
+    assert config.tis_mode == "none" and config.tis_cap == 2.0 and config.old_logps_source == "trainer"
+    assert config.fp8_keep_patterns == ["lm_head"]
+    assert config.clip_epsilon_high == config.epsilon == 0.2  # TRL's rule: epsilon_high defaults to epsilon
+    assert config.calibration_is_meaningful  # 4 mini-batches per generation, 1 per optimizer step
+
+
+def test_every_grpo_field_keeps_working():
+    config = make(loss_type="bnpo", beta=0.04, num_iterations=2, epsilon=0.1, epsilon_high=0.3, temperature=0.7)
+    assert (config.loss_type, config.beta, config.num_iterations) == ("bnpo", 0.04, 2)
+    assert config.clip_epsilon_high == 0.3 and config.temperature == 0.7
+
+
+def test_clip_modes_are_the_registry_keys():
+    for mode in clip_mode_names():
+        assert make(clip_mode=mode, steps_per_generation=2).clip_mode == mode
+
+
+def test_clip_higher_defaults_epsilon_high_to_dapo_value():
+    assert make(clip_mode="clip_higher").epsilon_high == pytest.approx(0.28)
+    assert make(clip_mode="clip_higher", epsilon_high=0.4).epsilon_high == pytest.approx(0.4)
+
+
+def test_dapo_preset():
+    config = make(CalibratedDAPOConfig, steps_per_generation=2, max_completion_length=128)
+    assert (config.epsilon, config.epsilon_high, config.loss_type) == (0.2, 0.28, "dapo")
+    assert config.mask_truncated_completions and config.dynamic_sampling
+    assert config.dynamic_sampling_max_rounds >= 1 and 0 < config.overlong_buffer_length < 128
+
+
+BAD = [
+    (dict(clip_mode="calibrate"), "clip_mode"),
+    (dict(dual_clip_c=1.0), "dual_clip_c"),
+    (dict(calibration_schedule="sometimes"), "calibration_schedule"),
+    (dict(calibration_interval=0), "calibration_interval"),
+    (dict(calibration_ema=1.0), "calibration_ema"),
+    (dict(calibration_upper="max"), "calibration_upper"),
+    (dict(calibration_init_bounds=[1.2, 1.8]), "calibration_init_bounds"),
+    (dict(calibration_init_bounds=[0.6]), "calibration_init_bounds"),
+    (dict(calibration_init_bounds=[0.1, 1.8]), "calibration_init_bounds"),  # below calibration_low_min
+    (dict(calibration_low_min=0.9, calibration_low_max=0.8), "calibration_low_min"),
+    (dict(calibration_high_max=0.9), "calibration_high_min"),
+    (dict(tis_mode="truncate"), "tis_mode"),
+    (dict(tis_cap=0.0), "tis_cap"),
+    (dict(tis_lower_cap=3.0), "tis_lower_cap"),
+    (dict(tis_mode="token_truncate", old_logps_source="rollout"), "tis_mode"),
+    (dict(old_logps_source="vllm"), "old_logps_source"),
+    (dict(fp8_backward="fp16"), "fp8_backward"),
+    (dict(fp8_gemm="cublas"), "fp8_gemm"),
+    (dict(fp8_keep_first_n_layers=-1), "fp8_keep_first_n_layers"),
+    (dict(fp8_keep_patterns="lm_head"), "fp8_keep_patterns"),
+    (dict(entropy_spike_window=1), "entropy_spike_window"),
+    (dict(entropy_spike_z=0.0), "entropy_spike_z"),
+    (dict(repeat_ngram_size=0), "repeat_ngram_size"),
+    (dict(loss_type="cispo"), "loss_type"),
+    (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
+    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+    (dict(delta=2.0), "delta"),
+    (dict(clip_mode="clip_higher", epsilon_high=0.1), "epsilon_high"),
+]
+
+
+@pytest.mark.parametrize("overrides,field_name", BAD, ids=[f"{name}-{i}" for i, (_, name) in enumerate(BAD)])
+def test_bad_config_fails_naming_the_field(overrides, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        make(**overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides,field_name",
+    [(dict(dynamic_sampling_max_rounds=0), "dynamic_sampling_max_rounds"),
+     (dict(overlong_buffer_length=256), "overlong_buffer_length"),
+     (dict(overlong_penalty_factor=-1.0), "overlong_penalty_factor")],
+)  # fmt: skip
+def test_bad_dapo_config_fails_naming_the_field(overrides, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        make(CalibratedDAPOConfig, max_completion_length=256, **overrides)
+
+
+def test_warns_when_calibration_is_meaningless():
+    on_policy = dict(output_dir="unused", **CPU)  # steps_per_generation defaults to gradient_accumulation_steps
+    with pytest.warns(UserWarning, match="on-policy"):
+        CalibratedGRPOConfig(**on_policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        CalibratedGRPOConfig(**on_policy, num_iterations=2)  # moved policy: no warning
+        CalibratedGRPOConfig(**on_policy, old_logps_source="rollout")  # bypass: no warning
+        CalibratedGRPOConfig(**on_policy, clip_mode="static")  # no calibration: no warning
+
+
+def test_yaml_and_cli_overrides_parse_into_the_config(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "output_dir: out\nreport_to: none\nuse_cpu: true\nbf16: false\nnum_generations: 2\n"
+        "per_device_train_batch_size: 2\nsteps_per_generation: 4\nclip_mode: dual_clip\ndual_clip_c: 2.5\n"
+        "calibration_init_bounds: [0.5, 2.0]\nfp8_keep_patterns: [lm_head, 'layers\\.0\\.']\ntis_mode: token_mask\n"
+    )
+    parser = TrlParser((CalibratedGRPOConfig,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (config,) = parser.parse_args_and_config(
+            args=["--config", str(path), "--calibration_interval", "5", "--fp8", "false"]
+        )
+    assert isinstance(config, CalibratedGRPOConfig)
+    assert (config.clip_mode, config.dual_clip_c, config.tis_mode) == ("dual_clip", 2.5, "token_mask")
+    assert config.calibration_init_bounds == [0.5, 2.0]
+    assert config.fp8_keep_patterns == ["lm_head", "layers\\.0\\."]
+    assert config.calibration_interval == 5 and config.fp8 is False
