@@ -1,0 +1,216 @@
+"""GPU checks of calclip.fp8 at LLM shapes: Triton quantizers bit-exact vs the reference, every GEMM backend vs
+the float32 emulation, and FP8BlockLinear vs nn.Linear by SQNR floors. CUDA only; skipped otherwise.
+
+    python -m pytest -q tests/fp8/test_gpu_linear.py
+"""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from calclip.fp8 import reference as ref  # noqa: E402
+from calclip.fp8 import triton_kernels as tk  # noqa: E402
+from calclip.fp8.gemm import fp8_block_gemm, resolve_backend  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# FP8 E4M3 with 1x128 / 128x128 scales rounds each operand to 3 mantissa bits: ~29 dB per product on random
+# data (measured on CPU with the emulation: 28.8 dB for output, dgrad and wgrad). The floor leaves ~4 dB margin.
+SQNR_FLOOR_DB = 25.0
+# Same codes and scales, different accumulation order (Hopper FP8 MMA: ~2**-14 within a K block) + bf16 output.
+BACKEND_VS_EMULATED_RTOL = 5e-3
+IS_SM90 = torch.cuda.get_device_capability()[0] == 9
+
+
+def _sqnr_db(y_ref, y):
+    y_ref, y = y_ref.double(), y.double()
+    return (10 * torch.log10(y_ref.pow(2).sum() / (y_ref - y).pow(2).sum().clamp_min(1e-300))).item()
+
+
+def _rel_err(y, y_ref):
+    y, y_ref = y.double(), y_ref.double()
+    return ((y - y_ref).norm() / y_ref.norm()).item()
+
+
+def _codes_differ(q, q_ref):
+    a, b = q.contiguous().view(torch.uint8), q_ref.contiguous().view(torch.uint8)
+    both_nan = ((a & 0x7F) == 0x7F) & ((b & 0x7F) == 0x7F)
+    return int(((a != b) & ~both_nan).sum())
+
+
+def _scales_equal(s, s_ref):
+    s, s_ref = s.contiguous(), s_ref.contiguous()
+    return bool(((s.view(torch.int32) == s_ref.view(torch.int32)) | (s.isnan() & s_ref.isnan())).all())
+
+
+def _llm_like(shape, seed, dtype=torch.bfloat16):
+    """Activations with outlier channels (a few columns 30x larger), like a transformer's residual stream."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, generator=g, device="cuda")
+    cols = torch.randint(0, shape[-1], (max(1, shape[-1] // 256),), generator=g, device="cuda")
+    x[..., cols] *= 30.0
+    return x.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantizers: Triton == reference, bit for bit, at LLM shapes (incl. SmolLM2's ragged 576 / 1536).
+# ---------------------------------------------------------------------------------------------------------
+
+QUANT_CASES = [
+    ("quantize_1x128", (8192, 4096)),
+    ("quantize_1x128", (4, 2048, 576)),
+    ("quantize_1x128", (3000, 1536)),
+    ("quantize_1x128", (7, 14336)),
+    ("quantize_128x1", (8192, 4096)),
+    ("quantize_128x1", (3000, 576)),
+    ("quantize_128x1", (1000, 1536)),
+    ("quantize_128x128", (14336, 4096)),
+    ("quantize_128x128", (1536, 576)),
+    ("quantize_128x128", (576, 1536)),
+    ("quantize_128x128", (49152, 576)),
+]
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("name,shape", QUANT_CASES)
+def test_triton_quantizers_bit_exact_at_llm_shapes(name, shape, pow2):
+    x = _llm_like(shape, seed=sum(shape))
+    if name == "quantize_128x1":
+        x[:200] *= 1e-4  # some token groups with tiny values (subnormal codes)
+    q, s = getattr(tk, name)(x, pow2=pow2)
+    q_ref, s_ref = getattr(ref, name)(x, pow2=pow2)  # the reference runs on the GPU too
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape
+    assert _scales_equal(s, s_ref)
+    assert _codes_differ(q, q_ref) == 0
+
+
+def test_triton_quantizers_fp32_input_and_nonfinite_at_scale():
+    x = torch.randn(4096, 1536, device="cuda") * 100
+    x[17, 1000] = float("nan")
+    x[2000, 3] = float("inf")
+    for name in ("quantize_1x128", "quantize_128x1", "quantize_128x128"):
+        q, s = getattr(tk, name)(x)
+        q_ref, s_ref = getattr(ref, name)(x)
+        assert _scales_equal(s, s_ref), name
+        assert _codes_differ(q, q_ref) == 0, name
+        assert s.isnan().any(), name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GEMM backends vs the float32 emulation (same codes and scales).
+# ---------------------------------------------------------------------------------------------------------
+
+# (m, n, k): aligned LLM shapes, SmolLM2's ragged ones, and K=384/640 where scaled_mm must NOT be chosen
+# (docs/scaled_mm_layouts.md: it returns garbage unless K/128 is a multiple of 4).
+GEMM_SHAPES = [(2048, 4096, 4096), (1024, 14336, 4096), (1024, 4096, 14336), (1000, 1536, 576),
+               (1000, 576, 1536), (256, 512, 384), (256, 512, 640), (33, 4096, 4096)]
+
+
+def _recipe_operands(m, n, k, seed):
+    x = _llm_like((m, k), seed)
+    w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+    dy = (torch.randn(m, n, device="cuda") * 1e-3).to(torch.bfloat16)
+    qx, sx = tk.quantize_1x128(x)
+    qw, sw = tk.quantize_128x128(w)
+    qdy, sdy = tk.quantize_1x128(dy)
+    qdy_t, sdy_t = tk.quantize_128x1(dy)
+    qx_t, sx_t = tk.quantize_128x1(x)
+    return {
+        "forward": ((qx, sx, qw, sw), ("1x128", "128x128")),
+        "dgrad": ((qdy, sdy, qw.t(), sw.t()), ("1x128", "128x128")),
+        "wgrad": ((qdy_t.t(), sdy_t.t(), qx_t.t(), sx_t.t()), ("1x128", "1x128")),
+    }
+
+
+@pytest.mark.parametrize("backend", ["triton", "scaled_mm", "auto"])
+@pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
+def test_gemm_backends_match_emulation(m, n, k, backend):
+    for name, (operands, (a_blocks, b_blocks)) in _recipe_operands(m, n, k, seed=m + n + k).items():
+        chosen = resolve_backend(backend, operands[0], operands[2], out_dtype=torch.bfloat16,
+                                 a_blocks=a_blocks, b_blocks=b_blocks)
+        if backend == "triton":
+            assert chosen == "triton"
+        if chosen == "scaled_mm":
+            contraction = operands[0].shape[1]
+            assert contraction % 512 == 0, f"{name}: scaled_mm chosen for K={contraction} (wrong results there)"
+        y_emu = fp8_block_gemm(*operands, out_dtype=torch.float32, backend="emulated", a_blocks=a_blocks,
+                               b_blocks=b_blocks)
+        y = fp8_block_gemm(*operands, out_dtype=torch.bfloat16, backend=backend, a_blocks=a_blocks,
+                           b_blocks=b_blocks)
+        assert y.dtype == torch.bfloat16 and y.shape == y_emu.shape
+        err = _rel_err(y, y_emu)
+        assert err < BACKEND_VS_EMULATED_RTOL, f"{name} via {chosen}: rel err {err:.2e}"
+
+
+@pytest.mark.skipif(not IS_SM90, reason="torch._scaled_mm blockwise scaling is sm_90 only")
+def test_triton_and_scaled_mm_agree_on_forward():
+    ops = _recipe_operands(4096, 4096, 4096, seed=5)["forward"][0]
+    y_t = tk.fp8_block_gemm_triton(*ops, out_dtype=torch.float32)
+    y_s = fp8_block_gemm(*ops, out_dtype=torch.bfloat16, backend="scaled_mm")
+    assert _rel_err(y_s, y_t) < BACKEND_VS_EMULATED_RTOL
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FP8BlockLinear on the GPU vs nn.Linear.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _linear_pair(k, n, gemm, backward, seed):
+    from calclip.fp8 import FP8BlockLinear, Fp8Config
+
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+    fp8 = FP8BlockLinear(k, n, bias=True, device="cuda", dtype=torch.bfloat16,
+                         config=Fp8Config(gemm=gemm, backward=backward))
+    with torch.no_grad():
+        fp8.weight.copy_(lin.weight)
+        fp8.bias.copy_(lin.bias)
+    return lin, fp8
+
+
+def _run(module, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = module(x)
+    y.backward(dy)
+    return y.detach(), x.grad, module.weight.grad, module.bias.grad
+
+
+LINEAR_SHAPES = [(2, 1024, 576, 1536), (2, 1024, 1536, 576), (1, 4096, 4096, 4096), (1, 2048, 4096, 14336),
+                 (3, 333, 640, 384)]
+
+
+@pytest.mark.parametrize("backward", ["fp8", "bf16"])
+@pytest.mark.parametrize("gemm", ["auto", "triton"])
+@pytest.mark.parametrize("b,t,k,n", LINEAR_SHAPES)
+def test_fp8_linear_vs_nn_linear_sqnr(b, t, k, n, gemm, backward):
+    lin, fp8 = _linear_pair(k, n, gemm, backward, seed=k + n)
+    x = _llm_like((b, t, k), seed=t)
+    dy = (torch.randn(b, t, n, device="cuda") * 1e-2).to(torch.bfloat16)
+    # The reference is nn.Linear in fp32 on the same bf16 values: it measures the FP8 error alone.
+    ref_lin = torch.nn.Linear(k, n, device="cuda")
+    with torch.no_grad():
+        ref_lin.weight.copy_(lin.weight.float())
+        ref_lin.bias.copy_(lin.bias.float())
+    y_ref, dx_ref, dw_ref, db_ref = _run(ref_lin, x.float(), dy.float())
+    y, dx, dw, db = _run(fp8, x, dy)
+    assert y.dtype == dx.dtype == dw.dtype == torch.bfloat16
+    results = {"output": _sqnr_db(y_ref, y), "dgrad": _sqnr_db(dx_ref, dx), "wgrad": _sqnr_db(dw_ref, dw)}
+    floors = {"output": SQNR_FLOOR_DB, "dgrad": SQNR_FLOOR_DB if backward == "fp8" else SQNR_FLOOR_DB + 3,
+              "wgrad": SQNR_FLOOR_DB if backward == "fp8" else 40.0}  # bf16 wgrad sees unquantized x and dy
+    for key, value in results.items():
+        assert value > floors[key], f"{key}: SQNR {value:.1f} dB <= {floors[key]} dB ({results})"
+    assert _rel_err(db, db_ref) < 1e-2  # bias grad is a plain bf16 sum
+
+
+@pytest.mark.parametrize("b,t,k,n", LINEAR_SHAPES[:3])
+def test_fp8_linear_gpu_backends_match_emulated(b, t, k, n):
+    # Same quantizers (bit-exact), so the GPU GEMMs may differ from the emulation only by accumulation order.
+    _, fast = _linear_pair(k, n, "auto", "fp8", seed=1)
+    _, emu = _linear_pair(k, n, "emulated", "fp8", seed=1)
+    x = _llm_like((b, t, k), seed=2)
+    dy = (torch.randn(b, t, n, device="cuda") * 1e-2).to(torch.bfloat16)
+    for got, want, name in zip(_run(fast, x, dy), _run(emu, x, dy), ("output", "dgrad", "wgrad", "bias")):
+        assert _rel_err(got, want) < BACKEND_VS_EMULATED_RTOL, name
