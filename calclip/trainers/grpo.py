@@ -83,6 +83,8 @@ _FORWARD_KEYS = (
     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )  # fmt: skip
 # Stats summed over ranks (counts); every other stat is averaged over ranks.
+# Logged on every mini-batch; the calibrator's copies of them are not logged a second time.
+_PER_STEP_STATS = ("calib/low", "calib/high", "clip/neg_low_frac_fp8", "clip/pos_high_frac")
 _SUMMED_STATS = ("fp8/nonfinite_tokens", "loss/nonfinite_tokens")
 
 
@@ -209,11 +211,14 @@ class CalibratedGRPOTrainer(GRPOTrainer):
 
     def _policy_moved(self, inputs) -> bool:
         """Whether this training micro-batch's policy moved since its old log-probs were taken."""
-        if self.args.old_logps_source == "rollout":
-            return True
-        # Micro-batch index within its generation round: the first accumulation window is exactly on-policy.
+        if self.args.old_logps_source == "rollout" and self.use_vllm:
+            return True  # a separate rollout engine: its log-probs differ from the trainer's from the start
+        # Micro-batch index within its generation round: the first accumulation window is exactly on-policy (on the
+        # generate path the rollout runs the trainer's own quantized modules, so this holds in bypass mode too).
         in_round = self._step % self._generate_every
-        return in_round >= self.args.gradient_accumulation_steps and "old_per_token_logps" in inputs
+        if in_round < self.args.gradient_accumulation_steps:
+            return False
+        return self.args.old_logps_source == "rollout" or "old_per_token_logps" in inputs
 
     def _shadow_active(self) -> bool:
         """Shadow calibrations run in calibrated mode, and for FP8-vs-BF16 monitoring in the other modes."""
@@ -397,8 +402,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             ratio_bf16, bf16_logps = self._shadow_ratio(inputs, logps, ratio_fp8)
             if ratio_bf16 is not None:
                 stats = self.calibrator.calibrate(ratio_bf16, ratio_fp8, advantages, mask)
-                low_in_force = self.clip_bounds[0]  # the new bound in calibrated mode
-                stats.update(self._shadow_shares(ratio_bf16, ratio_fp8, advantages, mask, low_in_force))
+                stats.update(self._shadow_share(ratio_bf16, advantages, mask))
                 if bf16_logps is not None:
                     local = token_mult_prob_error(logps, bf16_logps, mask)
                     stats["mismatch/fp8_bf16_token_mult_prob_error"] = self._mean_over_ranks(local)
@@ -418,18 +422,13 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         bf16_logps = self._shadow_logps(inputs)
         return torch.exp(token_log_ratio(bf16_logps, bf16_old)), bf16_logps
 
-    def _shadow_shares(self, ratio_bf16, ratio_fp8, advantages, mask, low_in_force) -> dict[str, float]:
-        """Global shares of A<0 tokens FP8 clips below the bound in force vs BF16 below 1 - epsilon."""
+    def _shadow_share(self, ratio_bf16, advantages, mask) -> dict[str, float]:
+        """Global share of A<0 tokens whose BF16 shadow ratio is below 1 - epsilon: what BF16 training would drop."""
         adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
         neg = (mask != 0) & (adv < 0)
-        counts = torch.stack(
-            [(neg & (ratio_fp8 < low_in_force)).sum(), (neg & (ratio_bf16 < 1.0 - self.args.epsilon)).sum(), neg.sum()]
-        ).to(torch.float64)
-        fp8_hits, bf16_hits, total = self.accelerator.reduce(counts, reduction="sum").tolist()
-        return {
-            "clip/neg_low_frac_fp8": fp8_hits / total if total else 0.0,
-            "clip/neg_low_frac_bf16": bf16_hits / total if total else 0.0,
-        }
+        counts = torch.stack([(neg & (ratio_bf16 < 1.0 - self.args.epsilon)).sum(), neg.sum()]).to(torch.float64)
+        hits, total = self.accelerator.reduce(counts, reduction="sum").tolist()
+        return {"clip/neg_low_frac_bf16": hits / total if total else 0.0}
 
     def _mean_over_ranks(self, value: torch.Tensor) -> float:
         return self.accelerator.gather(value.detach().reshape(1).float()).nanmean().item()
@@ -474,7 +473,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             value = column.sum() if name in _SUMMED_STATS else column.nanmean()
             self._metrics[mode][name].append(value.item())
         for name, value in calibration_stats.items():
-            self._metrics[mode][name].append(float(value))
+            if name not in _PER_STEP_STATS:  # the bounds in force and the FP8 clip shares are logged every step
+                self._metrics[mode][name].append(float(value))
         self._metrics[mode]["calib/low"].append(low)
         self._metrics[mode]["calib/high"].append(high)
 

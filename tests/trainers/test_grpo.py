@@ -1,0 +1,204 @@
+"""Short offline runs of CalibratedGRPOTrainer on a tiny Llama: every clip mode, with and without FP8 and TIS.
+
+Each run is one generation round of 16 completions split into 4 mini-batches over 2 optimizer steps, so the second
+optimizer step sees a moved policy and calibrates.
+"""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+from calclip.fp8 import FP8BlockLinear
+from calclip.testing import (
+    build_tiny_model,
+    build_tiny_tokenizer,
+    digit_share_reward,
+    tiny_prompt_dataset,
+    tiny_training_args,
+)
+from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.grpo import BF16_OLD_LOGPS_KEY, CalibratedGRPOTrainer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+def make_trainer(tokenizer, tmp_path, **overrides):
+    args = tiny_training_args(CalibratedGRPOConfig, tmp_path, **overrides)
+    return CalibratedGRPOTrainer(
+        model=build_tiny_model(tokenizer),
+        reward_funcs=digit_share_reward,
+        args=args,
+        train_dataset=tiny_prompt_dataset(8),
+        processing_class=tokenizer,
+    )
+
+
+def logged(trainer, key):
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+RUNS = {
+    "static_fp8": dict(clip_mode="static", fp8=True),
+    "clip_higher_bf16_token_mask": dict(clip_mode="clip_higher", fp8=False, tis_mode="token_mask"),
+    "dual_clip_fp8_token_truncate": dict(clip_mode="dual_clip", fp8=True, tis_mode="token_truncate", tis_cap=1.5),
+    "calibrated_fp8_sequence_truncate": dict(clip_mode="calibrated", fp8=True, tis_mode="sequence_truncate"),
+    "calibrated_bf16_every_step_quantile": dict(
+        clip_mode="calibrated", fp8=False, calibration_schedule="every_step", calibration_upper="quantile",
+        max_steps=4, calibration_interval=3, loss_type="grpo",
+    ),
+    "calibrated_fp8_bypass_ema": dict(clip_mode="calibrated", fp8=True, old_logps_source="rollout",
+                                      calibration_ema=0.5, loss_type="bnpo"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_short_run(tokenizer, tmp_path, name):
+    overrides = RUNS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(tokenizer, tmp_path, **overrides)
+        assert any(isinstance(m, FP8BlockLinear) for m in trainer.model.modules()) == overrides["fp8"]
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+
+    # parameters changed, FP8 layers included
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert "model.layers.0.self_attn.q_proj.weight" in changed and "lm_head.weight" in changed
+
+    # every logged metric is finite
+    for entry in trainer.state.log_history:
+        for key, value in entry.items():
+            if isinstance(value, float):
+                assert math.isfinite(value), (key, value)
+
+    # bounds in force stay within the rails; static modes keep their configured bounds
+    lows, highs = logged(trainer, "calib/low"), logged(trainer, "calib/high")
+    assert len(lows) == trainer.args.max_steps
+    args = trainer.args
+    if args.clip_mode == "calibrated":
+        assert all(args.calibration_low_min <= v <= args.calibration_low_max for v in lows)
+        assert all(args.calibration_high_min <= v <= args.calibration_high_max for v in highs)
+        assert trainer.calibrator.calibrated  # the moved mini-batches calibrated
+        if args.calibration_schedule == "interval":  # (every_step refits per mini-batch; the log is their mean)
+            assert (lows[-1], highs[-1]) == pytest.approx(trainer.calibrator.bounds)
+        assert (lows[0], highs[0]) == pytest.approx(args.calibration_init_bounds)  # step 1 is on-policy
+        assert trainer.calibrator.bounds != tuple(args.calibration_init_bounds)
+    else:
+        assert lows == pytest.approx([1 - args.epsilon] * len(lows))
+        assert highs == pytest.approx([1 + args.clip_epsilon_high] * len(highs))
+    if args.calibration_schedule == "every_step":
+        assert trainer.calibrator.state_dict()["num_refits"] >= 1
+
+    # monitoring: FP8 runs compare against the BF16 shadow on calibration steps
+    if args.fp8:
+        assert len(logged(trainer, "clip/neg_low_frac_bf16")) >= 1
+        assert logged(trainer, "mismatch/fp8_bf16_token_mult_prob_error")[0] > 1.0  # FP8 noise is visible
+    for key in ("entropy", "entropy/neg_adv", "entropy/spike", "clip/neg_low_frac_fp8", "completions/repeat_ngram_frac"):
+        assert logged(trainer, key), key
+    if args.tis_mode != "none":
+        weights = logged(trainer, "tis/weight_mean")
+        assert weights and all(0.0 <= w <= args.tis_cap for w in weights)
+    if args.old_logps_source == "trainer":
+        assert all(v >= 1.0 for v in logged(trainer, "mismatch/token_mult_prob_error"))
+
+
+def test_on_policy_config_never_calibrates(tokenizer, tmp_path):
+    with pytest.warns(UserWarning, match="on-policy"):
+        trainer = make_trainer(tokenizer, tmp_path, clip_mode="calibrated", fp8=False, steps_per_generation=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert not trainer.calibrator.calibrated
+    assert trainer.calibrator.bounds == tuple(trainer.args.calibration_init_bounds)
+
+
+def _generation_batch(trainer, tokenizer):
+    trainer.model.train()
+    inputs = [row for row in tiny_prompt_dataset(2) for _ in range(trainer.num_generations)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trainer._generate_and_score_completions(copy.deepcopy(inputs))
+
+
+def _trainer_logps(trainer, batch):
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+            batch["completion_ids"].size(1),
+        )
+    return logps
+
+
+def test_rollout_logprobs_on_the_generate_path_are_the_sampling_distribution(tokenizer, tmp_path):
+    """Without top-k/top-p the processed scores are logits / temperature: the rollout log-probs equal the trainer's
+    log-probs of the same tokens (up to KV-cache numerics). With top-k the sampling distribution is renormalized
+    over k tokens, so every rollout log-prob is at least the trainer's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(tokenizer, tmp_path, clip_mode="static", fp8=False, temperature=0.7)
+    batch = _generation_batch(trainer, tokenizer)
+    mask = batch["completion_mask"].bool()
+    rollout = batch["sampling_per_token_logps"]
+    assert rollout.shape == mask.shape and torch.isfinite(rollout[mask]).all()
+    torch.testing.assert_close(rollout[mask], _trainer_logps(trainer, batch)[mask], rtol=0, atol=1e-4)
+
+    trainer.generation_config.top_k = 5
+    batch = _generation_batch(trainer, tokenizer)
+    mask = batch["completion_mask"].bool()
+    gap = batch["sampling_per_token_logps"][mask] - _trainer_logps(trainer, batch)[mask]
+    assert (gap > -1e-4).all() and (gap > 1e-2).any()
+    assert "generate" not in vars(trainer.model)  # the generate wrapper was removed
+
+
+def test_shadow_old_logps_are_computed_only_when_a_calibration_is_due(tokenizer, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(tokenizer, tmp_path, clip_mode="calibrated", fp8=True, calibration_interval=10)
+    batch = _generation_batch(trainer, tokenizer)  # step 0: the first calibration is due
+    assert BF16_OLD_LOGPS_KEY in batch
+    shadow_old, fp8_old = batch[BF16_OLD_LOGPS_KEY], batch["old_per_token_logps"]
+    mask = batch["completion_mask"].bool()
+    assert 0 < (shadow_old - fp8_old)[mask].abs().max() < 1.0  # FP8 noise, not another model
+
+    trainer.calibrator.calibrate(torch.ones(1, 2), torch.ones(1, 2), torch.tensor([1.0]), torch.ones(1, 2))
+    trainer.state.global_step = 3  # calibrated at 0; next due at step 10, beyond this round's steps 3 and 4
+    assert BF16_OLD_LOGPS_KEY not in _generation_batch(trainer, tokenizer)
+    trainer.calibrator.request_recalibration()
+    assert BF16_OLD_LOGPS_KEY in _generation_batch(trainer, tokenizer)
+
+
+def test_entropy_spike_warns_logs_and_requests_recalibration(tokenizer, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(tokenizer, tmp_path, clip_mode="calibrated", fp8=False, entropy_spike_warmup=3)
+    trainer.calibrator.calibrate(torch.ones(1, 2), torch.ones(1, 2), torch.tensor([1.0]), torch.ones(1, 2))
+    for value in (3.0, 3.01, 2.99, 3.0):
+        trainer._step_entropies = [(value, value)]
+        trainer._end_of_step_monitoring()
+    assert trainer._metrics["train"]["entropy/spike"] == [0.0] * 4
+    assert not trainer.calibrator.needs_calibration(1)
+    trainer._step_entropies = [(3.0, 3.0), (5.0, 5.0)]  # the step mean, 4.0, is far above the history
+    with pytest.warns(RuntimeWarning, match="entropy spike"):
+        trainer._end_of_step_monitoring()
+    assert trainer._metrics["train"]["entropy/spike"][-1] == 1.0
+    assert trainer.calibrator.needs_calibration(1)  # recalibration requested
+    assert trainer.spike_detector.num_spikes == 1
+
+
+def test_plain_grpo_config_is_rejected(tokenizer, tmp_path):
+    from trl import GRPOConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = tiny_training_args(GRPOConfig, tmp_path)
+    with pytest.raises(TypeError, match="CalibratedGRPOConfig"):
+        CalibratedGRPOTrainer(model=build_tiny_model(tokenizer), reward_funcs=digit_share_reward, args=args,
+                              train_dataset=tiny_prompt_dataset(4), processing_class=tokenizer)  # fmt: skip
