@@ -1,0 +1,114 @@
+"""Shared pieces of the calclip benchmarks: environment header, timing, rotating inputs, tables.
+
+Timing: ``triton.testing.do_bench`` median (it clears the L2 cache before every call and times only the call).
+Inputs additionally rotate over several sets whose total size exceeds the H200's 50 MB L2, so no call reads
+operands a previous call left in cache. Data is random normal (never zeros: FP8 kernels and clock boosting
+behave differently on zeros).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+# Benchmarks run from a checkout: `python benchmarks/bench_x.py` puts benchmarks/ on sys.path, not the root.
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+L2_BYTES = 50 * 2**20  # H200
+ROTATE_BYTES = 4 * L2_BYTES  # each timed call touches fresh memory
+MAX_SETS = 8
+
+
+def header(title: str) -> None:
+    print(f"== {title} ==")
+    print(f"date {time.strftime('%Y-%m-%d %H:%M:%S')}  python {platform.python_version()}  torch {torch.__version__}"
+          f"  cuda {torch.version.cuda}", end="")
+    try:
+        import triton
+
+        print(f"  triton {triton.__version__}")
+    except ImportError:
+        print("  triton MISSING")
+    if torch.cuda.is_available():
+        print(f"device {torch.cuda.get_device_name()}  capability {torch.cuda.get_device_capability()}")
+    else:
+        print("device: no CUDA — benchmarks need a GPU")
+        sys.exit(0)
+
+
+def try_import(module: str):
+    """Import ``module`` or print why not and return None (benchmarks still run what they can)."""
+    try:
+        return importlib.import_module(module)
+    except Exception:  # noqa: BLE001 — report any failure, keep benchmarking the kernels
+        print(f"!! cannot import {module}:")
+        traceback.print_exc(limit=3, file=sys.stdout)
+        return None
+
+
+def n_sets(bytes_per_set: int) -> int:
+    return max(2, min(MAX_SETS, -(-ROTATE_BYTES // max(bytes_per_set, 1))))
+
+
+def rotating(make, bytes_per_set: int):
+    """Build ``n_sets`` input sets with ``make(i)``; return a callable giving the next set on every call."""
+    sets = [make(i) for i in range(n_sets(bytes_per_set))]
+    cycle = itertools.cycle(sets)
+    return lambda: next(cycle)
+
+
+def bench_ms(fn, *, warmup: int = 25, rep: int = 100, grad_to_none=None) -> float:
+    """Median milliseconds of ``fn()`` (triton do_bench; L2 cleared between calls)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,
+                                         return_mode="median"))
+
+
+def safe_bench(fn, **kwargs) -> float | None:
+    """bench_ms, or None after printing the error (one failing variant must not stop a table)."""
+    try:
+        fn()  # compile / autotune outside the timed region
+        torch.cuda.synchronize()
+        return bench_ms(fn, **kwargs)
+    except Exception as err:  # noqa: BLE001
+        print(f"   !! {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")
+        return None
+
+
+def tflops(flop: float, ms: float | None) -> str:
+    return "-" if ms is None else f"{flop / ms / 1e9:.0f}"
+
+
+def ratio(base_ms: float | None, ms: float | None) -> str:
+    return "-" if base_ms is None or ms is None else f"{base_ms / ms:.2f}x"
+
+
+def fmt_ms(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.3f}"
+
+
+def table(columns: list[str], rows: list[list[str]]) -> None:
+    """Print a Markdown table (pastes straight into docs/benchmarks.md)."""
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    print("| " + " | ".join("-" * w for w in widths) + " |")
+    for r in rows:
+        print("| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |")
+    sys.stdout.flush()
+
+
+def scaled_mm_forward(qx, sx, qw, sw, out_dtype=torch.bfloat16):
+    """Direct torch._scaled_mm forward (used when calclip.fp8.gemm cannot be imported). Layouts measured in
+    docs/scaled_mm_layouts.md: 1x128 scales column-major (M, K/128); weight scales sw.t() of contiguous
+    (N/128, K/128). Correct only when K/128 is a multiple of 4."""
+    return torch._scaled_mm(qx, qw.t(), scale_a=sx.t().contiguous().t(), scale_b=sw.t(), out_dtype=out_dtype)

@@ -1,0 +1,90 @@
+"""Quantization kernels vs a device copy moving the same number of bytes.
+
+    python benchmarks/bench_quant.py [--quick]
+
+A quantizer reads its input (BF16, 2 bytes/element) and writes FP8 codes (1 byte/element) plus FP32 scales.
+The baseline is ``dst.copy_(src)`` on uint8 buffers sized so that copy's traffic (read + write) equals the
+quantizer's. GB/s counts read + write bytes. Target (issue 3): each kernel >= 90% of copy bandwidth.
+The torch reference quantizer is timed at one shape to show what the kernels replace.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from _common import fmt_ms, header, rotating, safe_bench, table, try_import
+
+TARGET = 0.90
+BLOCK = 128
+
+
+def traffic_bytes(kind: str, shape: tuple[int, ...], in_bytes: int) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    rows, cols = (numel // shape[-1], shape[-1])
+    n_scales = {"1x128": rows * -(-cols // BLOCK), "128x1": -(-rows // BLOCK) * cols,
+                "128x128": -(-rows // BLOCK) * -(-cols // BLOCK)}[kind]
+    return numel * in_bytes + numel + 4 * n_scales
+
+
+CASES = [
+    ("1x128", (8192, 4096)), ("1x128", (16384, 4096)), ("1x128", (8192, 14336)), ("1x128", (16384, 14336)),
+    ("1x128", (8192, 576)), ("1x128", (8192, 1536)),
+    ("128x1", (8192, 4096)), ("128x1", (16384, 4096)), ("128x1", (8192, 14336)), ("128x1", (8192, 576)),
+    ("128x1", (8192, 1536)),
+    ("128x128", (4096, 4096)), ("128x128", (14336, 4096)), ("128x128", (4096, 14336)), ("128x128", (1536, 576)),
+]
+QUICK = {("1x128", (8192, 4096)), ("1x128", (8192, 14336)), ("128x1", (8192, 4096)), ("128x1", (8192, 14336)),
+         ("128x128", (14336, 4096))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    header("bench_quant: quantization kernels vs device copy of the same bytes")
+    tk = try_import("calclip.fp8.triton_kernels")
+    reference = try_import("calclip.fp8.reference")
+    if tk is None:
+        return
+    fns = {"1x128": tk.quantize_1x128, "128x1": tk.quantize_128x1, "128x128": tk.quantize_128x128}
+    rows, worst = [], None
+    for kind, shape in CASES:
+        if args.quick and (kind, shape) not in QUICK:
+            continue
+        print(f"-- {kind} {shape}", flush=True)
+        traffic = traffic_bytes(kind, shape, in_bytes=2)
+        nxt_x = rotating(lambda _: torch.randn(shape, device="cuda", dtype=torch.bfloat16), traffic)
+        half = traffic // 2
+        nxt_copy = rotating(lambda _: (torch.randint(0, 255, (half,), device="cuda", dtype=torch.uint8),
+                                       torch.empty(half, device="cuda", dtype=torch.uint8)), traffic)
+        t_copy = safe_bench(lambda: (lambda p: p[1].copy_(p[0]))(nxt_copy()))
+        fn = fns[kind]
+        t_q = safe_bench(lambda: fn(nxt_x()))
+        t_q_pow2 = safe_bench(lambda: fn(nxt_x(), pow2=True))
+        frac = None if t_copy is None or t_q is None else t_copy / t_q
+        if frac is not None:
+            worst = frac if worst is None else min(worst, frac)
+        gbs = (lambda t: "-" if t is None else f"{traffic / t / 1e6:.0f}")
+        rows.append([kind, "x".join(map(str, shape)), f"{traffic / 1e6:.0f}", fmt_ms(t_copy), gbs(t_copy),
+                     fmt_ms(t_q), gbs(t_q), "-" if frac is None else f"{100 * frac:.0f}%",
+                     "-" if t_q_pow2 is None or t_copy is None else f"{100 * t_copy / t_q_pow2:.0f}%"])
+    table(["kind", "shape", "MB moved", "copy ms", "copy GB/s", "kernel ms", "kernel GB/s", "of copy",
+           "of copy (pow2)"], rows)
+    if worst is not None:
+        print(f"worst kernel/copy bandwidth: {100 * worst:.0f}%, target >= {100 * TARGET:.0f}% -> "
+              f"{'MET' if worst >= TARGET else 'MISSED'}")
+    if reference is not None:
+        x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+        t_ref = safe_bench(lambda: reference.quantize_1x128(x))
+        t_tk = safe_bench(lambda: tk.quantize_1x128(x))
+        if t_ref and t_tk:
+            print(f"torch reference quantize_1x128 8192x4096 on GPU: {t_ref:.3f} ms, Triton {t_tk:.3f} ms "
+                  f"({t_ref / t_tk:.1f}x faster)")
+
+
+if __name__ == "__main__":
+    main()
