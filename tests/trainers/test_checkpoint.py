@@ -1,0 +1,103 @@
+"""Calibrator and spike-detector state travel with every checkpoint and come back on resume_from_checkpoint."""
+
+import os
+import warnings
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from calclip.testing import (
+    build_tiny_model,
+    build_tiny_tokenizer,
+    digit_share_reward,
+    tiny_prompt_dataset,
+    tiny_training_args,
+)
+from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.grpo import CALCLIP_STATE_NAME, CalibratedGRPOTrainer
+
+# Two generation rounds of 2 optimizer steps; calibration every 2 steps, so steps 2 and 4 calibrate on their
+# moved mini-batches and the checkpoint at step 2 holds a calibrated, non-initial state.
+RUN = dict(
+    clip_mode="calibrated", fp8=True, max_steps=4, calibration_interval=2, calibration_ema=0.3,
+    save_strategy="steps", save_steps=2, entropy_spike_warmup=2,
+)  # fmt: skip
+
+
+class _StateAtTrainBegin(TrainerCallback):
+    """Records the trainer's calclip state when training starts, i.e. right after a resume loaded it."""
+
+    def __init__(self):
+        self.trainer, self.state = None, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.state = self.trainer.calclip_state_dict()
+
+
+def _trainer(tmp_path, callback=None):
+    tokenizer = build_tiny_tokenizer()
+    trainer = CalibratedGRPOTrainer(
+        model=build_tiny_model(tokenizer),
+        reward_funcs=digit_share_reward,
+        args=tiny_training_args(CalibratedGRPOConfig, tmp_path, **RUN),
+        train_dataset=tiny_prompt_dataset(16),
+        processing_class=tokenizer,
+        callbacks=[callback] if callback else None,
+    )
+    if callback is not None:
+        callback.trainer = trainer
+    return trainer
+
+
+def test_checkpoint_and_resume_restore_bounds_and_calibrator_state(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        uninterrupted = _trainer(tmp_path)
+        uninterrupted.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    saved = torch.load(checkpoint / CALCLIP_STATE_NAME, weights_only=False)
+    assert os.path.exists(tmp_path / "checkpoint-4" / CALCLIP_STATE_NAME)  # every checkpoint carries it
+
+    # the step-2 checkpoint holds a calibrated state, different from the initial one and from the final one
+    calibrator = saved["calibrator"]
+    assert calibrator["num_calibrations"] == 1 and calibrator["last_calibration_step"] == 1
+    assert (calibrator["low"], calibrator["high"]) != (0.6, 1.8)
+    assert saved["spike_detector"]["num_steps"] == 2 and len(saved["spike_detector"]["entropy"]) == 2
+    final = uninterrupted.calclip_state_dict()
+    assert final["calibrator"]["num_calibrations"] == 2 and final != saved
+
+    callback = _StateAtTrainBegin()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = _trainer(tmp_path / "resumed", callback)
+        assert resumed.calibrator.bounds == (0.6, 1.8)  # fresh before the resume
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+
+    # exactly the checkpointed state was in force when the resumed run started
+    assert callback.state == saved
+    # so the first resumed step (step 3, on-policy: no calibration) applies the uninterrupted run's bounds
+    def bounds_at(trainer, step):
+        (entry,) = [e for e in trainer.state.log_history if e.get("step") == step and "calib/low" in e]
+        return entry["calib/low"], entry["calib/high"]
+
+    saved_bounds = (saved["calibrator"]["low"], saved["calibrator"]["high"])
+    assert bounds_at(resumed, 3) == bounds_at(uninterrupted, 3) == saved_bounds
+    # step 4 recalibrates on the resumed run's own (re-generated) batch, building on the restored state
+    assert resumed.calibrator.state_dict()["num_calibrations"] == 2
+    assert resumed.spike_detector.num_steps == 4
+
+
+def test_missing_state_file_warns_and_starts_fresh(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _trainer(tmp_path)
+        trainer.train()
+    os.remove(tmp_path / "checkpoint-2" / CALCLIP_STATE_NAME)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fresh = _trainer(tmp_path / "fresh")
+    fresh.create_optimizer_and_scheduler(num_training_steps=4)
+    with pytest.warns(UserWarning, match="start fresh"):
+        fresh._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-2"))
+    assert fresh.calibrator.bounds == (0.6, 1.8)
