@@ -265,6 +265,11 @@ class CalibratedGRPOConfig(GRPOConfig):
                 "tis_mode must be 'none' when old_logps_source='rollout': the old log-probs are the rollout's, so "
                 "the correction weight pi_old/pi_rollout is identically 1"
             )
+        if self.use_transformers_continuous_batching and (self.tis_mode != "none" or self.old_logps_source == "rollout"):
+            raise ValueError(
+                "tis_mode and old_logps_source='rollout' need rollout log-probs, which "
+                "use_transformers_continuous_batching does not return; use the generate path or vLLM"
+            )
         if self.tis_mode != "none" and self.use_vllm and self.vllm_importance_sampling_correction:
             raise ValueError(
                 "tis_mode and vllm_importance_sampling_correction both correct the rollout mismatch: set "

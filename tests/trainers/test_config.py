@@ -68,6 +68,7 @@ BAD = [
     (dict(tis_lower_cap=3.0), "tis_lower_cap"),
     (dict(tis_mode="token_truncate", old_logps_source="rollout"), "tis_mode"),
     (dict(old_logps_source="vllm"), "old_logps_source"),
+    (dict(tis_mode="token_mask", use_transformers_continuous_batching=True), "tis_mode"),
     (dict(fp8_backward="fp16"), "fp8_backward"),
     (dict(fp8_gemm="cublas"), "fp8_gemm"),
     (dict(fp8_keep_first_n_layers=-1), "fp8_keep_first_n_layers"),
