@@ -94,14 +94,16 @@ def _as_float_input(x: Tensor) -> Tensor:
 
 
 @triton.jit
-def _any_nonfinite(x, axis: tl.constexpr):
-    """True where a block holds NaN or +-Inf. Tested explicitly: a max reduction may drop NaN."""
-    return tl.max(((tl.abs(x) == float("inf")) | (x != x)).to(tl.int32), axis=axis) > 0
+def _abs_max(x, axis: tl.constexpr):
+    """max |x| along ``axis``, +Inf if any element is NaN or +-Inf: one reduction gives both the amax and the
+    non-finite test (``amax == inf``). NaN is mapped to Inf first because a max reduction may drop NaN."""
+    return tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=axis)
 
 
 @triton.jit
 def _block_scale(amax, nonfinite, POW2: tl.constexpr):
-    """amax, nonfinite: reduced per block (same shape) -> fp32 dequantization scale, NaN for non-finite blocks.
+    """amax (from _abs_max), nonfinite (amax == inf), per block -> fp32 dequantization scale, NaN for
+    non-finite blocks.
 
     s = max(amax, AMAX_FLOOR) / FP8_E4M3_MAX with IEEE division; POW2 rounds s up to a power of two exactly.
     """
@@ -174,8 +176,9 @@ def _quantize_1x128_kernel(
     cols = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
     mask = (rows[:, None, None] < R) & (cols < K)  # ragged last group and ragged last row tile
     x = tl.load(x_ptr + rows[:, None, None] * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
-    nonfinite = _any_nonfinite(x, 2)
-    scale = _block_scale(tl.max(tl.abs(x), axis=2), nonfinite, POW2)  # [BLOCK_R, GROUPS]
+    amax = _abs_max(x, 2)  # [BLOCK_R, GROUPS]
+    nonfinite = amax == float("inf")
+    scale = _block_scale(amax, nonfinite, POW2)
     codes = _scaled_codes(x, scale[:, :, None], nonfinite[:, :, None])
     _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
     s_mask = (rows[:, None] < R) & (groups[None, :] < NB)
@@ -252,8 +255,9 @@ def _quantize_128x1_kernel(
     mask = (rows[:, None] < M) & (cols[None, :] < K)  # ragged last row group and column tile
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    nonfinite = _any_nonfinite(x, 0)  # [BLOCK_K]
-    scale = _block_scale(tl.max(tl.abs(x), axis=0), nonfinite, POW2)
+    amax = _abs_max(x, 0)  # [BLOCK_K]
+    nonfinite = amax == float("inf")
+    scale = _block_scale(amax, nonfinite, POW2)
     codes = _scaled_codes(x, scale[None, :], nonfinite[None, :])
     _store_codes(q_ptr + cols[None, :] * M + rows[:, None], codes, mask, SOFT_FP8)
     tl.store(s_ptr + cols * NB + pid_m, scale, mask=cols < K)
@@ -318,8 +322,8 @@ def _quantize_128x128_kernel(
     mask = (rows[:, None, None] < N) & (cols < K)  # ragged edge blocks: real elements only
     w = tl.load(w_ptr + rows[:, None, None] * stride_wn + cols * stride_wk, mask=mask, other=0.0)
     w = w.to(tl.float32)
-    nonfinite = tl.max(_any_nonfinite(w, 2).to(tl.int32), axis=0) > 0  # [GROUPS]
-    amax = tl.max(tl.max(tl.abs(w), axis=2), axis=0)
+    amax = tl.max(_abs_max(w, 2), axis=0)  # [GROUPS]
+    nonfinite = amax == float("inf")
     scale = _block_scale(amax, nonfinite, POW2)
     codes = _scaled_codes(w, scale[None, :, None], nonfinite[None, :, None])
     _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
