@@ -265,7 +265,8 @@ class CalibratedGRPOConfig(GRPOConfig):
                 "tis_mode must be 'none' when old_logps_source='rollout': the old log-probs are the rollout's, so "
                 "the correction weight pi_old/pi_rollout is identically 1"
             )
-        if self.use_transformers_continuous_batching and (self.tis_mode != "none" or self.old_logps_source == "rollout"):
+        needs_rollout_logps = self.tis_mode != "none" or self.old_logps_source == "rollout"
+        if self.use_transformers_continuous_batching and needs_rollout_logps:
             raise ValueError(
                 "tis_mode and old_logps_source='rollout' need rollout log-probs, which "
                 "use_transformers_continuous_batching does not return; use the generate path or vLLM"

@@ -82,9 +82,9 @@ _FORWARD_KEYS = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )  # fmt: skip
-# Stats summed over ranks (counts); every other stat is averaged over ranks.
 # Logged on every mini-batch; the calibrator's copies of them are not logged a second time.
 _PER_STEP_STATS = ("calib/low", "calib/high", "clip/neg_low_frac_fp8", "clip/pos_high_frac")
+# Stats summed over ranks (counts); every other stat is averaged over ranks.
 _SUMMED_STATS = ("fp8/nonfinite_tokens", "loss/nonfinite_tokens")
 
 
@@ -285,7 +285,9 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         completion_ids = inputs["completion_ids"]
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
@@ -366,7 +368,9 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             # TRL's own vLLM correction, applied exactly as GRPOTrainer does when it is on.
             return inputs.get("importance_sampling_ratio")
         if "sampling_per_token_logps" not in inputs:
-            raise RuntimeError(f"tis_mode={self.args.tis_mode!r} needs rollout log-probs; this generation path has none")
+            raise RuntimeError(
+                f"tis_mode={self.args.tis_mode!r} needs rollout log-probs; this generation path returned none"
+            )
         weights, tis_stats = rollout_correction_weights(
             old_logps,
             inputs["sampling_per_token_logps"],

@@ -99,7 +99,8 @@ def test_short_run(tokenizer, tmp_path, name):
     if args.fp8:
         assert len(logged(trainer, "clip/neg_low_frac_bf16")) >= 1
         assert logged(trainer, "mismatch/fp8_bf16_token_mult_prob_error")[0] > 1.0  # FP8 noise is visible
-    for key in ("entropy", "entropy/neg_adv", "entropy/spike", "clip/neg_low_frac_fp8", "completions/repeat_ngram_frac"):
+    per_step = ("entropy", "entropy/neg_adv", "entropy/spike", "clip/neg_low_frac_fp8", "completions/repeat_ngram_frac")
+    for key in per_step:
         assert logged(trainer, key), key
     if args.tis_mode != "none":
         weights = logged(trainer, "tis/weight_mean")
