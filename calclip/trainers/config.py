@@ -142,7 +142,8 @@ class CalibratedGRPOConfig(GRPOConfig):
     fp8_keep_last_n_layers: int = field(default=0, metadata={"help": "Last decoder layers kept in BF16."})
     fp8_keep_patterns: list[str] = field(
         default_factory=lambda: ["lm_head"],
-        metadata={"help": "Regexes (re.search on module names) of linear layers kept in BF16."},
+        metadata={"help": "Regexes (re.search on module names) of linear layers kept in BF16. The LM head always "
+                  "stays BF16 (TRL's fused log-prob head reads lm_head.weight directly)."},
     )
     fp8_power_of_two_scales: bool = field(
         default=False, metadata={"help": "Round every FP8 scale up to a power of two."}

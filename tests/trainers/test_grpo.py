@@ -28,10 +28,10 @@ def tokenizer():
     return build_tiny_tokenizer()
 
 
-def make_trainer(tokenizer, tmp_path, **overrides):
+def make_trainer(tokenizer, tmp_path, hidden_size=128, **overrides):
     args = tiny_training_args(CalibratedGRPOConfig, tmp_path, **overrides)
     return CalibratedGRPOTrainer(
-        model=build_tiny_model(tokenizer),
+        model=build_tiny_model(tokenizer, hidden_size=hidden_size, intermediate_size=2 * hidden_size),
         reward_funcs=digit_share_reward,
         args=args,
         train_dataset=tiny_prompt_dataset(8),
@@ -52,6 +52,9 @@ RUNS = {
         clip_mode="calibrated", fp8=False, calibration_schedule="every_step", calibration_upper="quantile",
         max_steps=4, calibration_interval=3, loss_type="grpo",
     ),
+    # hidden 192, intermediate 384: ragged 128-blocks in every FP8 GEMM
+    "calibrated_fp8_ragged_blocks_fp8_backward_bf16": dict(clip_mode="calibrated", fp8=True, hidden_size=192,
+                                                          fp8_backward="bf16", tis_mode="token_mask"),
     "calibrated_fp8_bypass_ema": dict(clip_mode="calibrated", fp8=True, old_logps_source="rollout",
                                       calibration_ema=0.5, loss_type="bnpo"),
 }  # fmt: skip
