@@ -39,18 +39,21 @@ __all__ = [
     "fp8_block_gemm_triton",
 ]
 
+# Constants used inside kernels must be tl.constexpr globals (Triton rejects plain Python globals in @jit code).
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 # fp32 bit fields for the exact power-of-two round-up of a scale (reference.round_scale_up_to_pow2).
-_FP32_MANTISSA_MASK = 0x007FFFFF
-_FP32_EXPONENT_MASK = 0x7F800000
-_FP32_EXPONENT_ONE = 0x00800000
+_FP32_MANTISSA_MASK = tl.constexpr(0x007FFFFF)
+_FP32_EXPONENT_MASK = tl.constexpr(0x7F800000)
+_FP32_EXPONENT_ONE = tl.constexpr(0x00800000)
 # e4m3fn: 3 mantissa bits, exponent bias 7; smallest normal 2**-6; subnormal step 2**-9; NaN code 0x7F.
-_E4M3_MANTISSA_BITS = 3
-_E4M3_BIAS = 7
-_E4M3_MIN_NORMAL = 2.0**-6
-_E4M3_SUBNORMAL_STEPS = 2.0**9  # 1 / subnormal step
-_E4M3_NAN_CODE = 0x7F
+_E4M3_MANTISSA_BITS = tl.constexpr(3)
+_E4M3_BIAS = tl.constexpr(7)
+_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+_E4M3_SUBNORMAL_STEPS = tl.constexpr(2.0**9)  # 1 / subnormal step
+_E4M3_NAN_CODE = tl.constexpr(0x7F)
 # Adding then subtracting 1.5 * 2**23 rounds an fp32 in [0, 2**22) to the nearest integer, ties to even.
-_RNE_MAGIC = 12582912.0
+_RNE_MAGIC = tl.constexpr(12582912.0)
 
 _AUTOTUNE = os.environ.get("CALCLIP_TRITON_AUTOTUNE", "1") != "0"
 
@@ -107,7 +110,7 @@ def _block_scale(amax, nonfinite, POW2: tl.constexpr):
 
     s = max(amax, AMAX_FLOOR) / FP8_E4M3_MAX with IEEE division; POW2 rounds s up to a power of two exactly.
     """
-    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_E4M3_MAX)
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
     if POW2:
         bits = scale.to(tl.int32, bitcast=True)
         exponent = bits & _FP32_EXPONENT_MASK
@@ -119,7 +122,7 @@ def _block_scale(amax, nonfinite, POW2: tl.constexpr):
 @triton.jit
 def _scaled_codes(x, scale, nonfinite):
     """x fp32, scale and nonfinite broadcastable to x -> fp32 values on the fp8 grid's range [-448, 448] or NaN."""
-    codes = tl.clamp(tl.math.div_rn(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    codes = tl.clamp(tl.math.div_rn(x, scale), -_FP8_MAX, _FP8_MAX)
     return tl.where(nonfinite, float("nan"), codes)  # explicit: clamp's NaN behaviour is unspecified
 
 
