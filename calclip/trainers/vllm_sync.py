@@ -19,7 +19,9 @@ FP8 engine, fail to load them). Three small seams change that, and nothing of TR
    (TRL syncs the real weights before the first rollout: ``_last_loaded_step`` starts at -1), or, with
    ``export_dir``, the engine loads a checkpoint written by ``calclip.fp8.export.export_fp8_checkpoint``. TRL
    builds ``LLM(...)`` with fixed arguments, so the extra ones are merged in by wrapping the ``LLM`` name that
-   ``trl.generation.vllm_generation`` calls, for the duration of ``_init_vllm`` only.
+   ``trl.generation.vllm_generation`` calls, for the duration of ``_init_vllm`` only. The engine's layer split is
+   read from the quantized model; a trainer that quantizes after ``GRPOTrainer.__init__`` (which constructs the
+   generation object) defers the engine start to ``start_fp8_engine()`` (``fp8_defer_engine``).
 
 Log-probs: TRL requests ``logprobs_mode="processed_logprobs"`` and returns them as ``sampling_per_token_logps``;
 they now come from the FP8 engine, so TIS / bypass corrections compare FP8 rollout and FP8 training forward.
@@ -46,6 +48,7 @@ from calclip.fp8.export import (
     linear_shapes,
     quantize_named_params,
     vllm_block_fp8_problems,
+    vllm_keep_patterns,
 )
 
 # The two hooks of vLLM's layerwise reload (vllm/model_executor/model_loader/reload/__init__.py, the releases
@@ -77,17 +80,25 @@ def fp8_quantization_config(model: nn.Module, fp8_modules: Mapping[str, Fp8Weigh
     )
 
 
-def check_vllm_compatible(model: nn.Module, *, tensor_parallel_size: int = 1) -> None:
-    """Raise with the modules to keep in BF16 when vLLM's block-FP8 linear cannot serve the model's FP8 layers."""
+def check_vllm_compatible(
+    model: nn.Module, *, tensor_parallel_size: int = 1, keep_field: str = "Fp8Config.keep_patterns"
+) -> None:
+    """Raise with the modules to keep in BF16 when vLLM's block-FP8 linear cannot serve the model's FP8 layers.
+
+    keep_field: the setting the message tells the user to extend (the trainer passes its config field,
+    ``fp8_keep_patterns``); the message lists ready-made regexes for it (``vllm_keep_patterns``).
+    """
     model = unwrap_model(model)
     specs = fp8_weight_specs(model)
     block = next(iter(specs.values())).block_size if specs else 128
     problems = vllm_block_fp8_problems(linear_shapes(model, specs), block_size=block, tp_size=tensor_parallel_size)
     if problems:
         lines = "\n".join(f"  {name}: {why}" for name, why in sorted(problems.items()))
+        patterns = list(vllm_keep_patterns(problems))
         raise ValueError(
-            "vLLM's block-FP8 linear cannot serve these FP8 layers; keep them in BF16 for training too "
-            "(Fp8Config.keep_patterns, see calclip.fp8.export.vllm_keep_patterns):\n" + lines
+            f"vLLM's block-FP8 linear cannot serve {len(problems)} FP8 layer(s); keep them in BF16 (with their "
+            f"fused siblings) for training too, one precision flow, by adding these regexes to {keep_field}:\n"
+            f"  {patterns}\nLayers:\n{lines}"
         )
 
 
@@ -146,28 +157,54 @@ class FP8VLLMGenerationMixin:
     Attributes read (set them on the class or instance before ``__init__`` runs ``_init_vllm``):
       fp8_export_dir: optional checkpoint directory for the engine (see ``fp8_engine_kwargs``).
       fp8_check_vllm_shapes: raise early when vLLM cannot serve an FP8 layer (default True).
+      fp8_defer_engine: colocate mode only: ``__init__`` does not start the engine; ``start_fp8_engine()`` does,
+        once the policy has been quantized (default False). TRL constructs the generation object inside
+        ``GRPOTrainer.__init__``, before a trainer can quantize its policy; the engine's layer split
+        (``modules_to_not_convert``) must come from the quantized model, not be predicted from a config.
     """
 
     fp8_export_dir: str | None = None
     fp8_check_vllm_shapes: bool = True
+    fp8_defer_engine: bool = False
+    _fp8_engine_pending: bool = False
 
     def _fp8_specs(self) -> dict[str, Fp8WeightSpec]:
         specs = getattr(self, "_calclip_fp8_specs", None)
         if specs is None:
             specs = fp8_weight_specs(unwrap_model(self.model))
+            if not specs:  # an FP8 engine would be fed BF16 weights it cannot load
+                raise ValueError("FP8 vLLM generation needs an FP8 policy: convert it with quantize_model first")
             self._calclip_fp8_specs = specs
         return specs
 
     def _init_vllm(self):
+        if self.mode == "colocate" and self.fp8_defer_engine:
+            self._fp8_engine_pending = True  # start_fp8_engine() builds it
+            return None
+        return self._start_engine()
+
+    def start_fp8_engine(self) -> None:
+        """Start the engine deferred by ``fp8_defer_engine`` (no-op when none is pending, e.g. server mode)."""
+        if self._fp8_engine_pending:
+            self._start_engine()
+            self._fp8_engine_pending = False
+
+    def _start_engine(self):
         if self.mode != "colocate":  # the server was started from the exported checkpoint (docs/vllm.md)
             return super()._init_vllm()
         if self.fp8_check_vllm_shapes:
             check_vllm_compatible(self.model, tensor_parallel_size=self.tensor_parallel_size)
         import trl.generation.vllm_generation as trl_vllm_generation
 
+        self._calclip_fp8_specs = None  # the model's layer split as it is now, for the engine and every sync
         extra = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=self._fp8_specs())
         with merged_call_kwargs(trl_vllm_generation, "LLM", extra):
-            return super()._init_vllm()
+            return super()._init_vllm()  # TRL's: LLM(...), sleep mode, barrier
+
+    def sync_weights(self):
+        if self._fp8_engine_pending:
+            raise RuntimeError("the FP8 vLLM engine has not been started: call start_fp8_engine() after quantizing")
+        return super().sync_weights()
 
     def _vllm_model_and_config(self):
         engine = self.llm.llm_engine
@@ -194,17 +231,25 @@ def fp8_vllm_generation_class(base: type | None = None) -> type:
 
 
 @contextlib.contextmanager
-def use_fp8_vllm_generation(*, export_dir: str | None = None, check_vllm_shapes: bool = True):
+def use_fp8_vllm_generation(
+    *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False
+):
     """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
 
-    For ``CalibratedGRPOTrainer.__init__``:  ``with use_fp8_vllm_generation(): super().__init__(...)``.
     ``trl.trainer.grpo_trainer`` imports ``VLLMGeneration`` into its namespace and calls it once in __init__.
+    With ``defer_engine`` (what ``CalibratedGRPOTrainer`` uses, since it quantizes after ``super().__init__()``):
+
+        with use_fp8_vllm_generation(defer_engine=True):
+            super().__init__(...)
+        quantize_model(self.model, fp8_config)
+        self.vllm_generation.start_fp8_engine()
     """
     import trl.trainer.grpo_trainer as grpo_module
 
     cls = fp8_vllm_generation_class(grpo_module.VLLMGeneration)
     cls.fp8_export_dir = export_dir
     cls.fp8_check_vllm_shapes = check_vllm_shapes
+    cls.fp8_defer_engine = defer_engine
     original = grpo_module.VLLMGeneration
     grpo_module.VLLMGeneration = cls
     try:
