@@ -6,7 +6,10 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
 - ``__init__``: after ``super().__init__()`` the policy's linear layers are swapped for FP8 ones
   (``calclip.fp8.quantize_model`` reuses the Parameters, and the optimizer and ``accelerator.prepare`` only run in
   ``train()``, so swapping after TRL's set-up is safe). The same quantized modules serve generation and training:
-  one precision flow. The reference model (``beta > 0``) stays in its own dtype.
+  one precision flow. The reference model (``beta > 0``) stays in its own dtype. With ``use_vllm`` the rollout engine
+  runs the same FP8 codes (``calclip.trainers.vllm_sync``): TRL's generation object is built block-FP8, its colocated
+  engine starts only after the quantization (its ``modules_to_not_convert`` are the quantized model's BF16 linears),
+  and every weight sync sends FP8 codes + ``weight_scale_inv`` for exactly the FP8 layers.
 - ``_generate_single_turn``: on the transformers ``generate`` path TRL has no rollout log-probs. We ask ``generate``
   for its processed scores (the exact distribution each token was sampled from, after temperature, top-k, top-p,
   min-p and repetition penalty) and keep the sampled tokens' log-probs. Nothing is recomputed, so these are the
@@ -73,6 +76,7 @@ from calclip.losses.metrics import masked_share
 from calclip.losses.registry import ClipMode, get_clip_mode
 from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
 from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
 
 CALCLIP_STATE_NAME = "calclip_state.pt"
 BF16_OLD_LOGPS_KEY = "bf16_old_per_token_logps"
@@ -152,10 +156,17 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 f"{type(self).__name__} takes a CalibratedGRPOConfig (every GRPOConfig field works there), "
                 f"got {type(args).__name__}"
             )
-        super().__init__(model, reward_funcs, args, *posargs, **kwargs)
+        fp8_vllm = args.use_vllm and args.fp8
+        # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
+        # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.
+        vllm_hook = use_fp8_vllm_generation(defer_engine=True, check_vllm_shapes=False)
+        with vllm_hook if fp8_vllm else contextlib.nullcontext():
+            super().__init__(model, reward_funcs, args, *posargs, **kwargs)
         self.clip_mode = get_clip_mode(args.clip_mode)
         if args.fp8:
             self._quantize_policy()
+        if fp8_vllm:
+            self._start_fp8_vllm()
         self.calibrator = ClipCalibrator(
             eps_low=args.epsilon,
             eps_high=args.clip_epsilon_high,
@@ -189,6 +200,16 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             keep_patterns=tuple(dict.fromkeys([*args.fp8_keep_patterns, "lm_head"])),
         )
         quantize_model(self.accelerator.unwrap_model(self.model), fp8_config)
+
+    def _start_fp8_vllm(self) -> None:
+        """Refuse FP8 layers vLLM's block-FP8 linear cannot serve, then start the deferred colocated engine.
+
+        The engine's quantization_config (modules_to_not_convert) and every sync's FP8 tensors are read from the
+        quantized policy, so both are exactly the layers trained in FP8. A server's tensor parallelism is its own.
+        """
+        tp = self.args.vllm_tensor_parallel_size if self.vllm_mode == "colocate" else 1
+        check_vllm_compatible(self.vllm_generation.model, tensor_parallel_size=tp, keep_field="fp8_keep_patterns")
+        self.vllm_generation.start_fp8_engine()
 
     def _bf16_shadow(self):
         """The BF16 shadow of the policy (quantization switched off); a no-op context without FP8."""

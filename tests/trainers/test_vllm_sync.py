@@ -11,7 +11,10 @@ Expected tensor spec = vLLM ``Fp8LinearMethod.create_weights`` with block quant
 ``weight`` float8_e4m3fn [N, K] and ``weight_scale_inv`` float32 [ceil(N/128), ceil(K/128)].
 """
 
+import ast
+import re
 import subprocess
+import warnings
 import sys
 import types
 from contextlib import nullcontext
@@ -180,3 +183,212 @@ def test_use_fp8_vllm_generation_swaps_trl_class_only_inside():
         assert grpo_module.VLLMGeneration is cls and issubclass(cls, original)
         assert cls.fp8_export_dir == "/ckpt"
     assert grpo_module.VLLMGeneration is original
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CalibratedGRPOTrainer(use_vllm=True, fp8=True): TRL 1.16's GRPOTrainer.__init__ builds the (calclip) generation
+# object, TRL's _init_vllm builds the engine, TRL's _generate_single_turn syncs and generates; only vLLM's names
+# (LLM, SamplingParams, VLLMClient, the layerwise-reload hooks) are fakes that record what they receive.
+
+from calclip.testing import (  # noqa: E402
+    build_tiny_model,
+    build_tiny_tokenizer,
+    digit_share_reward,
+    tiny_prompt_dataset,
+    tiny_training_args,
+)
+from calclip.trainers.config import CalibratedGRPOConfig  # noqa: E402
+from calclip.trainers.grpo import CalibratedGRPOTrainer  # noqa: E402
+
+# What the fake engine "samples" for every prompt (token characters) and the log-probs it reports for them.
+FAKE_COMPLETION = "12"
+FAKE_LOGPROBS = [-0.5, -1.25, -2.0]  # the two digits, then EOS
+
+
+class FakeVLLM:
+    """Stands in for ``vllm.LLM`` (colocate) and TRL's ``VLLMClient`` (server); records every call."""
+
+    def __init__(self, recorder, tokenizer):
+        self.recorder, self.tokenizer = recorder, tokenizer
+        self.engine_kwargs = []
+        self.fp8_modules_at_engine_start = None
+
+    def llm(self, model_of):
+        fake = self
+
+        class LLM:
+            def __init__(self, **kwargs):
+                fake.engine_kwargs.append(kwargs)
+                fake.fp8_modules_at_engine_start = sorted(
+                    n for n, m in model_of().named_modules() if isinstance(m, FP8BlockLinear))
+                vllm_model = types.SimpleNamespace(load_weights=lambda weights: fake.recorder.events.extend(
+                    ("load", n, t) for n, t in weights))
+                self.vllm_model = vllm_model
+                self.llm_engine = types.SimpleNamespace(
+                    model_executor=types.SimpleNamespace(
+                        driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=vllm_model))),
+                    model_config=types.SimpleNamespace(max_model_len=512))
+
+            def reset_prefix_cache(self):
+                fake.recorder.events.append(("reset",))
+
+            def generate(self, prompts, sampling_params, use_tqdm):
+                fake.recorder.events.append(("generate", len(prompts)))
+                return [fake.request_output(p["prompt_token_ids"]) for p in prompts]
+
+        return LLM
+
+    def request_output(self, prompt_ids):
+        ids = [*self.tokenizer.convert_tokens_to_ids(list(FAKE_COMPLETION)), self.tokenizer.eos_token_id]
+        logprobs = [{i: types.SimpleNamespace(rank=1, logprob=lp)} for i, lp in zip(ids, FAKE_LOGPROBS)]
+        return types.SimpleNamespace(prompt_token_ids=prompt_ids,
+                                     outputs=[types.SimpleNamespace(token_ids=ids, logprobs=logprobs)])
+
+    def client(self):
+        fake = self
+
+        class VLLMClient:
+            def __init__(self, **kwargs):
+                pass
+
+            def init_communicator(self, device):
+                pass
+
+            def get_server_info(self):
+                return {"model_config": {"logprobs_mode": "processed_logprobs"}}
+
+            def update_named_params(self, metadata, stream):
+                fake.recorder.events.append(("metadata", metadata))
+                fake.recorder.events.extend(("load", n, t) for n, t in stream)
+
+            def reset_prefix_cache(self):
+                fake.recorder.events.append(("reset",))
+
+        return VLLMClient
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, fake_reload, tokenizer):
+    fake = FakeVLLM(fake_reload, tokenizer)
+    holder = {}
+    monkeypatch.setattr(trl_vllm_generation, "LLM", fake.llm(lambda: holder["model"]), raising=False)
+    monkeypatch.setattr(trl_vllm_generation, "SamplingParams", lambda **kw: kw, raising=False)
+    monkeypatch.setattr(trl_vllm_generation, "VLLMClient", fake.client())
+    monkeypatch.setattr(trl_vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(trl_vllm_generation, "ensure_master_addr_port", lambda: None)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        # TRL's _init_vllm sets these; they must be unset while the training arguments are built (accelerate would
+        # see a multi-process launch) and unset again afterwards: setenv records the original, delenv clears it.
+        monkeypatch.setenv(var, "0")
+        monkeypatch.delenv(var)
+    fake.holder = holder
+    return fake
+
+
+def make_vllm_trainer(fake, tokenizer, tmp_path, *, num_key_value_heads=4, **overrides):
+    """hidden 128, 4 heads of 32, kv heads 4: every projection is a whole number of 128x128 blocks."""
+    model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256,
+                             num_key_value_heads=num_key_value_heads, dtype=torch.bfloat16)
+    fake.holder["model"] = model
+    options = dict(use_vllm=True, vllm_mode="colocate", fp8=True, fp8_keep_last_n_layers=1)
+    args = tiny_training_args(CalibratedGRPOConfig, tmp_path, **{**options, **overrides})
+    return CalibratedGRPOTrainer(model=model, reward_funcs=digit_share_reward, args=args,
+                                 train_dataset=tiny_prompt_dataset(8), processing_class=tokenizer)
+
+
+LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+FP8_LAYERS = [f"model.layers.0.{m}" for m in LAYER_LINEARS]  # fp8_keep_last_n_layers=1 keeps layer 1 in BF16
+BF16_LAYERS = [f"model.layers.1.{m}" for m in LAYER_LINEARS] + ["lm_head"]
+
+
+def test_trainer_builds_block_fp8_engine_after_quantizing(fake_vllm, tokenizer, tmp_path):
+    import trl.trainer.grpo_trainer as grpo_module
+
+    original = grpo_module.VLLMGeneration
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path)
+    assert grpo_module.VLLMGeneration is original  # TRL's class is back once __init__ is done
+    (kw,) = fake_vllm.engine_kwargs
+    # the engine started once, after the policy's quantization: its layer split is the trained one
+    assert fake_vllm.fp8_modules_at_engine_start == sorted(FP8_LAYERS)
+    assert kw["quantization"] == "fp8" and kw["load_format"] == "dummy"
+    assert kw["hf_overrides"]["quantization_config"] == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+        "modules_to_not_convert": BF16_LAYERS, "ignored_layers": BF16_LAYERS,
+    }
+    assert kw["logprobs_mode"] == "processed_logprobs"  # TRL's own argument survives: TIS/bypass need it
+    assert trainer.vllm_generation.llm is not None and not trainer.vllm_generation._fp8_engine_pending
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_trainer_sync_sends_training_fp8_codes_for_exactly_the_fp8_layers(fake_vllm, tokenizer, tmp_path, mode):
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, vllm_mode=mode)
+    model = trainer.model
+    fake_vllm.recorder.events.clear()
+    trainer.vllm_generation.sync_weights()  # TRL 1.16's own method, on the trainer's generation object
+    events = fake_vllm.recorder.events
+    loads = {name: t for kind, name, t in (e for e in events if e[0] == "load")}
+    assert len(loads) == sum(e[0] == "load" for e in events)  # each tensor once
+    if mode == "colocate":
+        assert events[0][0] == "init" and events[-2][0] == "finalize" and events[-1] == ("reset",)
+
+    scaled = sorted(n.removesuffix(".weight_scale_inv") for n in loads if n.endswith(".weight_scale_inv"))
+    assert scaled == sorted(FP8_LAYERS)
+    for name in FP8_LAYERS:
+        q, s, _ = model.get_submodule(name).quantized_weight()
+        weight, scale = loads[f"{name}.weight"], loads[f"{name}.weight_scale_inv"]
+        assert weight.dtype == FP8 and scale.dtype == torch.float32
+        assert torch.equal(weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale, s)
+    for name in BF16_LAYERS:
+        assert loads[f"{name}.weight"].dtype == torch.bfloat16
+        assert torch.equal(loads[f"{name}.weight"], model.get_submodule(name).weight)
+    assert set(loads) == {n for n, _ in model.named_parameters()} | {f"{n}.weight_scale_inv" for n in FP8_LAYERS}
+
+
+def test_trainer_refuses_layers_vllm_cannot_serve_and_names_the_fix(fake_vllm, tokenizer, tmp_path):
+    # 2 kv heads of 32: k_proj/v_proj have N = 64, so the fused qkv_proj cannot be block-FP8 in vLLM
+    with pytest.raises(ValueError, match="fp8_keep_patterns") as err:
+        make_vllm_trainer(fake_vllm, tokenizer, tmp_path, num_key_value_heads=2)
+    message = str(err.value)
+    assert "model.layers.0.self_attn.k_proj: N=64 is not a multiple of 128 in fused qkv_proj" in message
+    assert not fake_vllm.engine_kwargs  # refused before any engine starts
+    # the message proposes regexes that keep the bad layers and their fused sibling q_proj; they are the fix
+    suggested = ast.literal_eval(message.split("fp8_keep_patterns:\n", 1)[1].split("\n", 1)[0].strip())
+    kept = {f"model.layers.0.self_attn.{m}_proj" for m in "qkv"}
+    assert {n for n in kept if any(re.search(p, n) for p in suggested)} == kept
+    make_vllm_trainer(fake_vllm, tokenizer, tmp_path, num_key_value_heads=2,
+                      fp8_keep_patterns=["lm_head", *suggested])
+    assert fake_vllm.engine_kwargs and not any("self_attn.q_proj" in n or "self_attn.k_proj" in n
+                                              for n in fake_vllm.fp8_modules_at_engine_start)
+
+
+@pytest.mark.parametrize("options", [dict(old_logps_source="rollout"),
+                                     dict(tis_mode="token_truncate", vllm_importance_sampling_correction=False)])
+def test_rollout_logps_come_from_the_fp8_engine(fake_vllm, tokenizer, tmp_path, options):
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, **options)
+    fake_vllm.recorder.events.clear()
+    trainer.model.train()
+    inputs = [row for row in tiny_prompt_dataset(1) for _ in range(trainer.num_generations)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batch = trainer._generate_and_score_completions(inputs)
+    kinds = [e[0] for e in fake_vllm.recorder.events]
+    assert kinds.index("finalize") < kinds.index("generate")  # FP8 weights synced before the first rollout
+    mask = batch["completion_mask"].bool()
+    expected = torch.tensor(FAKE_LOGPROBS).expand(mask.size(0), -1)
+    assert torch.equal(batch["sampling_per_token_logps"][mask].view(mask.size(0), -1), expected)
+    logps = torch.zeros_like(batch["sampling_per_token_logps"])
+    if trainer.args.old_logps_source == "rollout":  # bypass: the old log-probs are the engine's
+        assert torch.equal(trainer._old_logps(batch, logps), batch["sampling_per_token_logps"])
+        assert trainer._policy_moved(batch)
+    else:  # TIS weights compare the trainer's FP8 old log-probs with the engine's
+        stats = {}
+        weights = trainer._rollout_correction(batch, trainer._old_logps(batch, logps), batch["completion_mask"], stats)
+        old = trainer._old_logps(batch, logps)
+        ratio = torch.exp(old - batch["sampling_per_token_logps"]).clamp(max=trainer.args.tis_cap)
+        assert torch.allclose(weights[mask], ratio[mask]) and "tis/weight_mean" in stats
