@@ -35,10 +35,11 @@ from calclip.fp8.reference import dequantize_1x128, dequantize_128x128
 GRANULARITIES = ("1x128", "128x128")
 BACKENDS = ("auto", "scaled_mm", "triton", "emulated")
 
-# (a_blocks, b_blocks) pairs that torch._scaled_mm computes CORRECTLY on the H200. PyTorch also accepts
-# (1x128, 1x128) and (128x128, 1x128), but benchmarks/probe_scaled_mm2.py found at least one accepted layout
-# giving wrong results, so a pair joins this set only after tests/fp8 GPU tests compare it with "emulated".
-SCALED_MM_LAYOUTS: frozenset[tuple[str, str]] = frozenset({("1x128", "128x128")})
+# (a_blocks, b_blocks) pairs that torch._scaled_mm computes CORRECTLY on the H200 (docs/scaled_mm_layouts.md):
+# forward and dgrad (1x128, 128x128) when the contraction dim / 128 is a multiple of 4 (else torch accepts the
+# call and returns garbage, see scaled_mm_supports), and wgrad (1x128, 1x128). tests/fp8/test_gpu_linear.py
+# compares each pair with "emulated" on the GPU.
+SCALED_MM_LAYOUTS: frozenset[tuple[str, str]] = frozenset({("1x128", "128x128"), ("1x128", "1x128")})
 
 
 def _check_operand(name: str, q: Tensor, s: Tensor, blocks: str, block: int) -> None:
@@ -74,9 +75,10 @@ def scaled_mm_supports(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out
     """Conservative shape/layout guard for the torch._scaled_mm path (CUDA-side checks not repeated here).
 
     torch checks K % 16 and N % 16; cuBLAS' handling of a ragged last K block is untested, so K % 128 == 0;
-    probe_scaled_mm3.py tests whether scale leading dimensions must be 16-byte aligned, which torch's exact
-    stride checks cannot pad: until it settles that, every scale leading dimension must be a multiple of 4
-    floats (rows of a 1x128 operand, ceil(K/128) of a 128x128 operand). BF16 output only (measured path).
+    probe_scaled_mm2/3.py showed that a 128x128 scale whose leading dimension (ceil(K/128)) is not a multiple
+    of 4 floats gives silently wrong results, and torch's exact stride checks reject a padded stride; so every
+    scale leading dimension must be a multiple of 4 floats (rows of a 1x128 operand, ceil(K/128) of a 128x128
+    operand). BF16 output only (measured path).
     """
     if (a_blocks, b_blocks) not in SCALED_MM_LAYOUTS or out_dtype != torch.bfloat16:
         return False

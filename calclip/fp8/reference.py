@@ -64,7 +64,11 @@ def _scale_from_blocks(blocks: Tensor, dims: tuple[int, ...], pow2: bool) -> Ten
     """blocks: fp32, zero-padded; reduce over ``dims`` -> one scale per block (module docstring, 3, 4, 6)."""
     amax = blocks.abs().amax(dim=dims)  # torch's amax propagates NaN, and |Inf| = Inf
     finite = torch.isfinite(amax)
-    scale = amax.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX
+    # Divide by a tensor on amax's device, not a Python float: on CUDA, PyTorch turns division by a scalar into
+    # a multiply by its reciprocal, which rounds differently (measured on the H200: scale bits differed from
+    # the CPU reference and the Triton kernels).
+    fp8_max = torch.full((), FP8_E4M3_MAX, dtype=amax.dtype, device=amax.device)
+    scale = amax.clamp(min=AMAX_FLOOR) / fp8_max
     if pow2:
         scale = round_scale_up_to_pow2(torch.where(finite, scale, 1.0))
     return torch.where(finite, scale, torch.nan)

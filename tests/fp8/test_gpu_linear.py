@@ -133,7 +133,7 @@ def test_gemm_backends_match_emulation(m, n, k, backend):
                                  a_blocks=a_blocks, b_blocks=b_blocks)
         if backend == "triton":
             assert chosen == "triton"
-        if chosen == "scaled_mm":
+        if chosen == "scaled_mm" and b_blocks == "128x128":
             contraction = operands[0].shape[1]
             assert contraction % 512 == 0, f"{name}: scaled_mm chosen for K={contraction} (wrong results there)"
         y_emu = fp8_block_gemm(*operands, out_dtype=torch.float32, backend="emulated", a_blocks=a_blocks,
