@@ -190,7 +190,10 @@ def test_gemm_rejects_bad_operands():
         gemm.fp8_block_gemm(qa, sa, qb, sb, out_dtype=torch.float32, b_blocks="1x128")
     with pytest.raises(ValueError, match="contraction"):
         gemm.fp8_block_gemm(qa, sa, qb[:, :128], sb[:, :1], out_dtype=torch.float32)
-    assert not gemm.scaled_mm_supports("1x128", "1x128", 256, 256, 512, torch.bfloat16)  # unverified pair
+    assert not gemm.scaled_mm_supports("128x128", "1x128", 256, 256, 512, torch.bfloat16)  # unverified pair
+    # K/128 = 3: torch accepts the call but returns garbage (docs/scaled_mm_layouts.md)
+    assert not gemm.scaled_mm_supports("1x128", "128x128", 256, 256, 384, torch.bfloat16)
+    assert gemm.scaled_mm_supports("1x128", "1x128", 256, 256, 512, torch.bfloat16)  # wgrad, probed correct
     assert gemm.scaled_mm_supports("1x128", "128x128", 256, 256, 512, torch.bfloat16)
     assert not gemm.scaled_mm_supports("1x128", "128x128", 256, 256, 576, torch.bfloat16)  # ragged K
 
