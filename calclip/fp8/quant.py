@@ -39,14 +39,46 @@ def _impl(x: Tensor, name: str, block: int):
     return getattr(reference, name)
 
 
-def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
-    """[..., K] -> (q e4m3fn [..., K], s fp32 [..., ceil(K/block)]); groups along the last dim."""
-    return _impl(x, "quantize_1x128", block)(x, block=block, pow2=pow2)
+def _call(x: Tensor, name: str, block: int, pow2: bool, gemm_layout: bool) -> tuple[Tensor, ...]:
+    fn = _impl(x, name, block)
+    if fn is not getattr(reference, name):
+        return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout)
+    out = fn(x, block=block, pow2=pow2)
+    return _to_gemm_layout(name, out) if gemm_layout else out
 
 
-def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
-    """[M, K] -> (q e4m3fn [M, K], s fp32 [ceil(M/block), K]); groups along dim 0 (the token axis)."""
-    return _impl(x, "quantize_128x1", block)(x, block=block, pow2=pow2)
+def _to_gemm_layout(name: str, out: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Reference outputs re-laid out as the kernels' ``gemm_layout=True`` gives them (values unchanged):
+    1x128 scales column-major, 128x1 scales row-major."""
+    def col_major(s: Tensor) -> Tensor:
+        return s.t().contiguous().t() if s.dim() == 2 else s
+
+    if name == "quantize_1x128":
+        return out[0], col_major(out[1])
+    if name == "quantize_128x1":
+        return out[0], out[1].contiguous()
+    return out[0], col_major(out[1]), out[2], out[3].contiguous()
+
+
+def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
+                   gemm_layout: bool = False) -> tuple[Tensor, Tensor]:
+    """[..., K] -> (q e4m3fn [..., K], s fp32 [..., ceil(K/block)]); groups along the last dim.
+    ``gemm_layout``: s column-major (2-D x), the layout torch._scaled_mm reads; same values."""
+    return _call(x, "quantize_1x128", block, pow2, gemm_layout)  # type: ignore[return-value]
+
+
+def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
+                   gemm_layout: bool = False) -> tuple[Tensor, Tensor]:
+    """[M, K] -> (q e4m3fn [M, K], s fp32 [ceil(M/block), K]); groups along dim 0 (the token axis).
+    ``gemm_layout``: s row-major, so the wgrad GEMM's s.t() is the column-major scale it reads; same values."""
+    return _call(x, "quantize_128x1", block, pow2, gemm_layout)  # type: ignore[return-value]
+
+
+def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
+                             gemm_layout: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """[M, K] -> quantize_1x128(x) + quantize_128x1(x), one read of x on CUDA (the fused kernel):
+    (q_row [M, K], s_row [M, ceil(K/block)], q_col [M, K], s_col [ceil(M/block), K])."""
+    return _call(x, "quantize_1x128_and_128x1", block, pow2, gemm_layout)  # type: ignore[return-value]
 
 
 def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:

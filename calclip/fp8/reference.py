@@ -146,3 +146,15 @@ def dequantize_128x128(q: Tensor, s: Tensor, *, block: int = BLOCK) -> Tensor:
     """q [N, K], s [ceil(N / block), ceil(K / block)] -> float32 [N, K]"""
     n, k = q.shape
     return q.float() * _expand(_expand(s.float(), 0, n, block), 1, k, block)
+
+
+def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False
+                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Both quantizations of a 2-D tensor that FP8BlockLinear needs from one input (x in the forward, dy in
+    the backward): ``quantize_1x128(x) + quantize_128x1(x)``, values and layouts exactly theirs.
+
+    x: [M, K] -> (q_row [M, K], s_row [M, ceil(K/block)], q_col [M, K] column-major, s_col [ceil(M/block), K])
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_1x128_and_128x1 needs a 2-D tensor, got shape {tuple(x.shape)}")
+    return (*quantize_1x128(x, block=block, pow2=pow2), *quantize_128x1(x, block=block, pow2=pow2))

@@ -36,6 +36,7 @@ __all__ = [
     "quantize_1x128",
     "quantize_128x1",
     "quantize_128x128",
+    "quantize_1x128_and_128x1",
     "fp8_block_gemm_triton",
 ]
 
@@ -160,6 +161,31 @@ def _codes_out(q: Tensor, soft_fp8: bool) -> Tensor:
     return q.view(torch.uint8) if soft_fp8 else q
 
 
+class _Tuned:
+    """A kernel, its autotune configs and the config chosen per autotune key.
+
+    The first call with a new key runs Triton's autotuner (it times every config, then launches the best);
+    later calls look the config up in a dict and launch the plain kernel with it, so a steady-state call pays
+    one dict lookup instead of the autotuner's per-call argument dicts and key building. The interpreter and
+    ``CALCLIP_TRITON_AUTOTUNE=0`` always use the first (default) config.
+    """
+
+    def __init__(self, kernel, configs: list[triton.Config], key: list[str]) -> None:
+        self.kernel = kernel
+        self.default = configs[0]
+        self.autotuner = triton.autotune(configs=configs, key=key)(kernel)
+        self.chosen: dict[tuple, triton.Config] = {}
+
+    def launch(self, grid, key: tuple, soft_fp8: bool, *args, **kwargs) -> None:
+        """grid: meta-parameter dict -> launch grid; key: the autotune key values plus the input dtypes."""
+        config = self.default if soft_fp8 or not _AUTOTUNE else self.chosen.get(key)
+        if config is None:
+            self.autotuner[grid](*args, **kwargs)
+            self.chosen[key] = self.autotuner.best_config
+            return
+        self.kernel[grid(config.kwargs)](*args, **kwargs, **config.all_kwargs())
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 1x128: groups of 128 along the last dim (activations, output gradients).
 # ----------------------------------------------------------------------------------------------------------
@@ -167,8 +193,8 @@ def _codes_out(q: Tensor, soft_fp8: bool) -> Tensor:
 
 @triton.jit
 def _quantize_1x128_kernel(
-    x_ptr, q_ptr, s_ptr,  # x [R, K] (last dim contiguous), q [R, K] contiguous, s [R, NB] contiguous
-    R, K, NB, stride_xr,
+    x_ptr, q_ptr, s_ptr,  # x [R, K] (last dim contiguous), q [R, K] contiguous, s [R, NB] any strides
+    R, K, NB, stride_xr, stride_sr, stride_sg,
     R_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
@@ -185,7 +211,7 @@ def _quantize_1x128_kernel(
     codes = _scaled_codes(x, scale[:, :, None], nonfinite[:, :, None])
     _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
     s_mask = (rows[:, None] < R) & (groups[None, :] < NB)
-    tl.store(s_ptr + rows[:, None] * NB + groups[None, :], scale, mask=s_mask)
+    tl.store(s_ptr + rows[:, None] * stride_sr + groups[None, :] * stride_sg, scale, mask=s_mask)
 
 
 _QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4}, num_warps=8)
@@ -197,22 +223,24 @@ _QUANT_1X128_CONFIGS = [
     triton.Config({"BLOCK_R": 4, "GROUPS": 8}, num_warps=4),
     triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
 ]
-_quantize_1x128_tuned = triton.autotune(configs=_QUANT_1X128_CONFIGS, key=["K", "R_BUCKET"])(_quantize_1x128_kernel)
+_quantize_1x128_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_CONFIGS, key=["K", "R_BUCKET"])
 
 
-def _launch(kernel, tuned, default: triton.Config, grid, soft_fp8: bool, *args, **kwargs):
-    """Run the autotuned kernel on CUDA, or the default config (interpreter, or CALCLIP_TRITON_AUTOTUNE=0)."""
-    if _AUTOTUNE and not soft_fp8:
-        tuned[grid](*args, **kwargs)
-    else:
-        kernel[grid](*args, **kwargs, **default.kwargs, num_warps=default.num_warps, num_stages=default.num_stages)
+def _scales_out(rows: int, nb: int, column_major: bool, device: torch.device) -> Tensor:
+    """fp32 [rows, nb], row-major, or column-major (the transpose of a contiguous [nb, rows])."""
+    if column_major:
+        return torch.empty(nb, rows, dtype=torch.float32, device=device).t()
+    return torch.empty(rows, nb, dtype=torch.float32, device=device)
 
 
-def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
+                   gemm_layout: bool = False) -> tuple[Tensor, Tensor]:
     """Quantize in groups of 128 along the last dim (activations, output gradients). Matches the reference.
 
     x: [..., K] bf16/fp16/fp32 (fp64 rounded to fp32), any leading dims, K ragged allowed
-    -> (q float8_e4m3fn [..., K] contiguous, s float32 [..., ceil(K / 128)] contiguous, x ~= q * s)
+    -> (q float8_e4m3fn [..., K] contiguous, s float32 [..., ceil(K / 128)], x ~= q * s)
+    s is contiguous like the reference's; ``gemm_layout=True`` makes it column-major over the flattened rows
+    (the strides torch._scaled_mm demands of a 1x128 operand's scale, so gemm.py's re-layout is a no-op).
     """
     _check_block(block)
     soft_fp8 = _check_device(x)
@@ -220,21 +248,20 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tupl
         raise ValueError("quantize_1x128 needs at least one dim")
     x = _as_float_input(x)
     k, nb = x.shape[-1], _ceil_div(x.shape[-1], block)
+    r = x.numel() // k if k else 0
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(*x.shape[:-1], nb, dtype=torch.float32, device=x.device)
+    s2 = _scales_out(r, nb, gemm_layout, x.device)
+    s = s2.view(*x.shape[:-1], nb)
     if x.numel() == 0:
         return q, s
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(r, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    r = x2.shape[0]
-
-    def grid(meta):
-        return (triton.cdiv(r, meta["BLOCK_R"]), triton.cdiv(nb, meta["GROUPS"]))
-
-    _launch(_quantize_1x128_kernel, _quantize_1x128_tuned, _QUANT_1X128_DEFAULT, grid, soft_fp8,
-            x2, _codes_out(q, soft_fp8), s, r, k, nb, x2.stride(0), _bucket(r),
-            POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    _quantize_1x128_tuned.launch(
+        lambda meta: (triton.cdiv(r, meta["BLOCK_R"]), triton.cdiv(nb, meta["GROUPS"])),
+        (k, _bucket(r), x2.dtype), soft_fp8,
+        x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
+        POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     return q, s
 
 
@@ -245,8 +272,8 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tupl
 
 @triton.jit
 def _quantize_128x1_kernel(
-    x_ptr, q_ptr, s_ptr,  # x [M, K] any strides; q^T [K, M] contiguous; s^T [K, NB] contiguous
-    M, K, NB, stride_xm, stride_xk,
+    x_ptr, q_ptr, s_ptr,  # x [M, K] any strides; q^T [K, M] contiguous; s [NB, K] any strides
+    M, K, stride_xm, stride_xk, stride_sb, stride_sk,
     M_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -263,7 +290,7 @@ def _quantize_128x1_kernel(
     scale = _block_scale(amax, nonfinite, POW2)
     codes = _scaled_codes(x, scale[None, :], nonfinite[None, :])
     _store_codes(q_ptr + cols[None, :] * M + rows[:, None], codes, mask, SOFT_FP8)
-    tl.store(s_ptr + cols * NB + pid_m, scale, mask=cols < K)
+    tl.store(s_ptr + pid_m * stride_sb + cols * stride_sk, scale, mask=cols < K)
 
 
 _QUANT_128X1_DEFAULT = triton.Config({"BLOCK_K": 64}, num_warps=8)
@@ -274,35 +301,116 @@ _QUANT_128X1_CONFIGS = [
     triton.Config({"BLOCK_K": 128}, num_warps=8),
     triton.Config({"BLOCK_K": 128}, num_warps=16),
 ]
-_quantize_128x1_tuned = triton.autotune(configs=_QUANT_128X1_CONFIGS, key=["K", "M_BUCKET"])(_quantize_128x1_kernel)
+_quantize_128x1_tuned = _Tuned(_quantize_128x1_kernel, _QUANT_128X1_CONFIGS, key=["K", "M_BUCKET"])
 
 
-def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+def _check_2d(name: str, x: Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name} needs a 2-D tensor, got shape {tuple(x.shape)}")
+
+
+def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
+                   gemm_layout: bool = False) -> tuple[Tensor, Tensor]:
     """Quantize a 2-D tensor in groups of 128 rows along dim 0, one group per column. Matches the reference.
 
     x: [M, K] bf16/fp16/fp32, any strides, M and K ragged allowed
-    -> (q float8_e4m3fn [M, K], s float32 [ceil(M / 128), K]); like the reference, both are transposes of
-       contiguous [K, M] / [K, ceil(M / 128)] tensors (column-major), the layout a GEMM contracting over M reads.
+    -> (q float8_e4m3fn [M, K], s float32 [ceil(M / 128), K]); like the reference, q is the transpose of a
+       contiguous [K, M] tensor (column-major), the layout a GEMM contracting over M reads, and so is s;
+       ``gemm_layout=True`` makes s row-major instead (contiguous [ceil(M/128), K]: then the wgrad operands'
+       scales s.t() are already column-major, as torch._scaled_mm demands, and gemm.py copies nothing).
     """
     _check_block(block)
     soft_fp8 = _check_device(x)
-    if x.dim() != 2:
-        raise ValueError(f"quantize_128x1 needs a 2-D tensor, got shape {tuple(x.shape)}")
+    _check_2d("quantize_128x1", x)
     x = _as_float_input(x)
     m, k = x.shape
     nb = _ceil_div(m, block)
     q_t = torch.empty(k, m, dtype=FP8_DTYPE, device=x.device)
-    s_t = torch.empty(k, nb, dtype=torch.float32, device=x.device)
+    s = _scales_out(nb, k, not gemm_layout, x.device)
     if x.numel() == 0:
-        return q_t.t(), s_t.t()
+        return q_t.t(), s
+    _quantize_128x1_tuned.launch(
+        lambda meta: (nb, triton.cdiv(k, meta["BLOCK_K"])), (k, _bucket(m), x.dtype), soft_fp8,
+        x, _codes_out(q_t, soft_fp8), s, m, k, x.stride(0), x.stride(1), s.stride(0), s.stride(1), _bucket(m),
+        POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    return q_t.t(), s
 
-    def grid(meta):
-        return (nb, triton.cdiv(k, meta["BLOCK_K"]))
 
-    _launch(_quantize_128x1_kernel, _quantize_128x1_tuned, _QUANT_128X1_DEFAULT, grid, soft_fp8,
-            x, _codes_out(q_t, soft_fp8), s_t, m, k, nb, x.stride(0), x.stride(1), _bucket(m),
-            POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
-    return q_t.t(), s_t.t()
+# ----------------------------------------------------------------------------------------------------------
+# 1x128 and 128x1 from one read: the two quantizations FP8BlockLinear needs of x (forward) and dy (backward).
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_1x128_and_128x1_kernel(
+    x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
+    # x [M, K] any strides; q_row [M, K] contiguous, s_row [M, NBK] any strides;
+    # q_col^T [K, M] contiguous, s_col [NBM, K] any strides
+    M, K, stride_xm, stride_xk, stride_srm, stride_srk, stride_scm, stride_sck,
+    K_BUCKET, M_BUCKET,  # autotune key only
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUP: tl.constexpr,
+):
+    """One program: a [GROUP, GROUP] tile of x, loaded once. Its row amaxes are the scales of GROUP 1x128
+    groups, its column amaxes those of GROUP 128x1 groups; both code sets are written from the same registers."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = (pid_m * GROUP + tl.arange(0, GROUP)).to(tl.int64)
+    cols = (pid_k * GROUP + tl.arange(0, GROUP)).to(tl.int64)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)  # ragged edges: masked elements are 0, amax unchanged
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+
+    row_amax = _abs_max(x, 1)  # [GROUP]: one 1x128 group per row
+    row_nonfinite = row_amax == float("inf")
+    row_scale = _block_scale(row_amax, row_nonfinite, POW2)
+    row_codes = _scaled_codes(x, row_scale[:, None], row_nonfinite[:, None])
+    _store_codes(q_row_ptr + rows[:, None] * K + cols[None, :], row_codes, mask, SOFT_FP8)
+    tl.store(s_row_ptr + rows * stride_srm + pid_k * stride_srk, row_scale, mask=rows < M)
+
+    col_amax = _abs_max(x, 0)  # [GROUP]: one 128x1 group per column
+    col_nonfinite = col_amax == float("inf")
+    col_scale = _block_scale(col_amax, col_nonfinite, POW2)
+    col_codes = _scaled_codes(x, col_scale[None, :], col_nonfinite[None, :])
+    _store_codes(q_col_ptr + cols[None, :] * M + rows[:, None], col_codes, mask, SOFT_FP8)
+    tl.store(s_col_ptr + pid_m * stride_scm + cols * stride_sck, col_scale, mask=cols < K)
+
+
+_QUANT_DUAL_DEFAULT = triton.Config({}, num_warps=8)
+_QUANT_DUAL_CONFIGS = [
+    _QUANT_DUAL_DEFAULT,
+    triton.Config({}, num_warps=4),
+    triton.Config({}, num_warps=16),
+]
+_quantize_dual_tuned = _Tuned(_quantize_1x128_and_128x1_kernel, _QUANT_DUAL_CONFIGS, key=["K_BUCKET", "M_BUCKET"])
+
+
+def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
+                             gemm_layout: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``quantize_1x128(x) + quantize_128x1(x)`` from one read of x: the same codes and scales bit for bit.
+
+    x: [M, K] bf16/fp16/fp32, any strides, M and K ragged allowed
+    -> (q_row float8_e4m3fn [M, K] contiguous, s_row float32 [M, ceil(K / 128)],
+        q_col float8_e4m3fn [M, K] column-major, s_col float32 [ceil(M / 128), K])
+    Scale layouts are the reference's (s_row row-major, s_col column-major); ``gemm_layout=True`` flips both
+    (see quantize_1x128 / quantize_128x1), which is what FP8BlockLinear asks for.
+    """
+    _check_block(block)
+    soft_fp8 = _check_device(x)
+    _check_2d("quantize_1x128_and_128x1", x)
+    x = _as_float_input(x)
+    m, k = x.shape
+    nbm, nbk = _ceil_div(m, block), _ceil_div(k, block)
+    q_row = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    q_col_t = torch.empty(k, m, dtype=FP8_DTYPE, device=x.device)
+    s_row = _scales_out(m, nbk, gemm_layout, x.device)
+    s_col = _scales_out(nbm, k, not gemm_layout, x.device)
+    if x.numel() == 0:
+        return q_row, s_row, q_col_t.t(), s_col
+    _quantize_dual_tuned.launch(
+        lambda meta: (nbm, nbk), (_bucket(k), _bucket(m), x.dtype), soft_fp8,
+        x, _codes_out(q_row, soft_fp8), s_row, _codes_out(q_col_t, soft_fp8), s_col, m, k,
+        x.stride(0), x.stride(1), s_row.stride(0), s_row.stride(1), s_col.stride(0), s_col.stride(1),
+        _bucket(k), _bucket(m), POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    return q_row, s_row, q_col_t.t(), s_col
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -340,7 +448,7 @@ _QUANT_128X128_CONFIGS = [
     triton.Config({"GROUPS": 1}, num_warps=16),
     triton.Config({"GROUPS": 2}, num_warps=16),
 ]
-_quantize_128x128_tuned = triton.autotune(configs=_QUANT_128X128_CONFIGS, key=["N", "K"])(_quantize_128x128_kernel)
+_quantize_128x128_tuned = _Tuned(_quantize_128x128_kernel, _QUANT_128X128_CONFIGS, key=["N", "K"])
 
 
 def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
@@ -351,8 +459,7 @@ def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tu
     """
     _check_block(block)
     soft_fp8 = _check_device(w)
-    if w.dim() != 2:
-        raise ValueError(f"quantize_128x128 needs a 2-D tensor, got shape {tuple(w.shape)}")
+    _check_2d("quantize_128x128", w)
     w = _as_float_input(w)
     n, k = w.shape
     nbn, nbk = _ceil_div(n, block), _ceil_div(k, block)
@@ -360,13 +467,10 @@ def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tu
     s = torch.empty(nbn, nbk, dtype=torch.float32, device=w.device)
     if w.numel() == 0:
         return q, s
-
-    def grid(meta):
-        return (nbn, triton.cdiv(nbk, meta["GROUPS"]))
-
-    _launch(_quantize_128x128_kernel, _quantize_128x128_tuned, _QUANT_128X128_DEFAULT, grid, soft_fp8,
-            w, _codes_out(q, soft_fp8), s, n, k, nbk, w.stride(0), w.stride(1),
-            POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    _quantize_128x128_tuned.launch(
+        lambda meta: (nbn, triton.cdiv(nbk, meta["GROUPS"])), (n, k, w.dtype), soft_fp8,
+        w, _codes_out(q, soft_fp8), s, n, k, nbk, w.stride(0), w.stride(1),
+        POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     return q, s
 
 
@@ -448,7 +552,7 @@ _GEMM_CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=4, num_stages=5),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),  # small M (decode)
 ]
-_fp8_block_gemm_tuned = triton.autotune(configs=_GEMM_CONFIGS, key=["M_BUCKET", "N", "K"])(_fp8_block_gemm_kernel)
+_fp8_block_gemm_tuned = _Tuned(_fp8_block_gemm_kernel, _GEMM_CONFIGS, key=["M_BUCKET", "N", "K"])
 
 _GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -493,12 +597,12 @@ def fp8_block_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out
     if k == 0:
         return y.zero_()
 
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-
-    _launch(_fp8_block_gemm_kernel, _fp8_block_gemm_tuned, _GEMM_DEFAULT, grid, soft_fp8,
-            qa, qb, y, sa, sb, m, n, k,
-            qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1), y.stride(0), y.stride(1),
-            sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), _bucket(m),
-            A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows, INTERPRET=soft_fp8, BLOCK_K=BLOCK)
+    bucket = _bucket(m)
+    _fp8_block_gemm_tuned.launch(
+        lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),),
+        (bucket, n, k, out_dtype, a_rows, b_rows), soft_fp8,
+        qa, qb, y, sa, sb, m, n, k,
+        qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1), y.stride(0), y.stride(1),
+        sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), bucket,
+        A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows, INTERPRET=soft_fp8, BLOCK_K=BLOCK)
     return y

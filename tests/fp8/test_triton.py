@@ -137,6 +137,58 @@ def test_special_values_match_reference(name, pow2):
     _assert_matches_reference(name, x.t().contiguous() if name == "quantize_128x1" else x, pow2)
 
 
+def _assert_dual_matches_reference(x, pow2=False, gemm_layout=False):
+    """The fused quantizer == reference 1x128 + 128x1: codes and scales bit for bit; layouts the reference's,
+    or with gemm_layout the scaled_mm ones (1x128 scales column-major, 128x1 scales row-major)."""
+    got = tk.quantize_1x128_and_128x1(x, pow2=pow2, gemm_layout=gemm_layout)
+    want = ref.quantize_1x128_and_128x1(x.cpu(), pow2=pow2)
+    for (q, s), (q_ref, s_ref), name in zip((got[:2], got[2:]), (want[:2], want[2:]), ("1x128", "128x1")):
+        assert q.dtype == FP8_DTYPE and s.dtype == torch.float32 and q.shape == q_ref.shape, name
+        assert s.shape == s_ref.shape and _same_layout(q, q_ref), name
+        if gemm_layout:
+            assert _same_layout(s, s_ref.t().contiguous().t() if name == "1x128" else s_ref.contiguous()), name
+        else:
+            assert _same_layout(s, s_ref), name
+        assert _scales_equal(s.cpu(), s_ref), f"fused {name}: scales differ"
+        assert _codes_equal(q.cpu(), q_ref) == 0, f"fused {name}: {_codes_equal(q.cpu(), q_ref)} codes differ"
+
+
+# Ragged M and K on both sides of a tile edge; 1 x 1 and a single ragged tile.
+SHAPES_DUAL = [(1, 1), (200, 70), (128, 128), (300, 130), (130, 576), (257, 384)]
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES_DUAL)
+def test_fused_1x128_and_128x1_matches_reference(shape, dtype, pow2):
+    # wide range along K for the 1x128 groups, and a decade ramp along M for the 128x1 groups
+    x = _wide_range(shape, dtype, seed=sum(shape))
+    ramp = torch.logspace(-3, 2, shape[0], device=DEVICE)[:, None]
+    _assert_dual_matches_reference((x.float() * ramp).to(dtype), pow2)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fused_special_values_strides_and_gemm_layout(pow2):
+    x = torch.cat([_special_values(), _special_values().flip(1) * 1e-20], dim=0)  # [12, 384]
+    x = torch.cat([x, torch.randn(190, 384)]).to(DEVICE)  # 202 rows: a ragged second 128-row group
+    x[150, 7] = NAN  # 128x1 group (rows 128..201, column 7) only, and its 1x128 group
+    x[5, 300] = -INF
+    _assert_dual_matches_reference(x, pow2)
+    _assert_dual_matches_reference(x, pow2, gemm_layout=True)
+    _assert_dual_matches_reference(x.t().contiguous().t())  # column-major input
+    _assert_dual_matches_reference(x[3:200:2, 5:290].double())  # sliced, odd strides, fp64 -> fp32
+
+
+@pytest.mark.parametrize("name", ["quantize_1x128", "quantize_128x1"])
+def test_gemm_layout_changes_strides_only(name):
+    x = _wide_range((300, 260), torch.bfloat16, seed=7)
+    q, s = getattr(tk, name)(x, gemm_layout=True)
+    q_ref, s_ref = getattr(ref, name)(x.cpu())
+    want = s_ref.t().contiguous().t() if name == "quantize_1x128" else s_ref.contiguous()
+    assert _same_layout(s, want) and _same_layout(q, q_ref)
+    assert _scales_equal(s.cpu(), s_ref) and _codes_equal(q.cpu(), q_ref) == 0
+
+
 def test_nonfinite_policy_nan_block_only():
     q, s = tk.quantize_1x128(_special_values().to(DEVICE))
     s = s.cpu()
@@ -172,7 +224,7 @@ def test_software_e4m3_encoder_equals_hardware_cast():
     q_sw = torch.empty_like(q_hw)
     s_sw = torch.empty_like(s_hw)
     tk._quantize_1x128_kernel[(x.shape[0] // 16, 2)](
-        x, q_sw.view(torch.uint8), s_sw, x.shape[0], k, k // BLOCK, x.stride(0), 0,
+        x, q_sw.view(torch.uint8), s_sw, x.shape[0], k, k // BLOCK, x.stride(0), s_sw.stride(0), 1, 0,
         POW2=False, SOFT_FP8=True, BLOCK_R=16, GROUPS=4, GROUP=BLOCK)
     assert _scales_equal(s_sw, s_hw)
     assert _codes_equal(q_sw, q_hw) == 0
@@ -187,6 +239,10 @@ def test_empty_and_rejected_inputs():
         tk.quantize_1x128(torch.zeros(2, 64, device=DEVICE), block=64)
     with pytest.raises(ValueError, match="2-D"):
         tk.quantize_128x128(torch.zeros(2, 3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="2-D"):
+        tk.quantize_1x128_and_128x1(torch.zeros(2, 3, 4, device=DEVICE))
+    out = tk.quantize_1x128_and_128x1(torch.zeros(0, 300, device=DEVICE))
+    assert [tuple(t.shape) for t in out] == [(0, 300), (0, 3), (0, 300), (0, 300)]
     with pytest.raises(TypeError):
         tk.quantize_1x128(torch.zeros(2, 8, dtype=torch.int32, device=DEVICE))
 
@@ -287,15 +343,22 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     i32 = "i32"
     quant = {"POW2": True, "SOFT_FP8": False, "GROUP": BLOCK}
     ptx = compile_ptx(tk._quantize_1x128_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32,
-                      "K": i32, "NB": i32, "stride_xr": i32, "R_BUCKET": i32}, quant, tk._QUANT_1X128_DEFAULT)
+                      "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32},
+                      quant, tk._QUANT_1X128_DEFAULT)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
     compile_ptx(tk._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
-                "K": i32, "NB": i32, "stride_xm": i32, "stride_xk": i32, "M_BUCKET": i32}, quant,
-                tk._QUANT_128X1_DEFAULT)
+                "K": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
+                quant, tk._QUANT_128X1_DEFAULT)
+    dual_types = {n: i32 for n in tk._quantize_1x128_and_128x1_kernel.arg_names[5:15]}
+    ptx = compile_ptx(tk._quantize_1x128_and_128x1_kernel, {"x_ptr": "*bf16", "q_row_ptr": "*fp8e4nv",
+                      "s_row_ptr": "*fp32", "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", **dual_types},
+                      quant, tk._QUANT_DUAL_DEFAULT)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
     compile_ptx(tk._quantize_128x128_kernel, {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "N": i32,
                 "K": i32, "NBK": i32, "stride_wn": i32, "stride_wk": i32}, quant, tk._QUANT_128X128_DEFAULT)
     soft = compile_ptx(tk._quantize_1x128_kernel, {"x_ptr": "*fp16", "q_ptr": "*u8", "s_ptr": "*fp32", "R": i32,
-                       "K": i32, "NB": i32, "stride_xr": i32, "R_BUCKET": i32}, {**quant, "SOFT_FP8": True},
+                       "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32,
+                       "R_BUCKET": i32}, {**quant, "SOFT_FP8": True},
                        tk._QUANT_1X128_DEFAULT)
     assert "e4m3x2" not in soft
     gemm_types = {n: ("*fp8e4nv" if n in ("a_ptr", "b_ptr") else "*bf16" if n == "c_ptr" else "*fp32"
