@@ -46,6 +46,14 @@ def load_default_model(*, dtype=None):
     directory = default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=DEFAULT_GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=DEFAULT_GGUF_FILE)
+    # transformers tags a GGUF-loaded model as quantized (a GgufHfQuantizer) although the weights are already
+    # de-quantized floats; Trainer then refuses to fine-tune it ("purely quantized models"). Untag it: it is a
+    # plain float model, and save_pretrained should write it as one.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.quantization_method = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     if dtype is not None:
         model = model.to(dtype)
     if tokenizer.pad_token is None:

@@ -1,0 +1,130 @@
+"""`calclip train | demo | diagnose` through the python entry points, on the tiny offline model."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from calclip import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_YAML = str(ROOT / "configs" / "demo.yaml")
+
+
+def test_usage_and_unknown_command(capsys):
+    assert cli.main([]) == 2
+    assert "calclip {train,demo,diagnose}" in capsys.readouterr().out
+    assert cli.main(["--help"]) == 0
+    assert cli.main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_module_entry_point_runs():
+    # `python -m calclip` is the same entry as the console script (and `accelerate launch -m calclip.cli`).
+    result = subprocess.run(
+        [sys.executable, "-m", "calclip", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0 and "train" in result.stdout
+
+
+def test_format_metrics_table_hand_worked():
+    history = [
+        {"loss": 0.1, "reward": 0.5, "entropy": 1.25, "calib/low": 0.6, "calib/high": 1.8, "step": 1},
+        {"reward": 0.75, "calib/low": 0.7125, "calib/high": 1.5, "clip/neg_low_frac_fp8": 0.25,
+         "clip/neg_low_frac_bf16": 0.0, "mismatch/token_mult_prob_error": 1.0312,
+         "mismatch/fp8_bf16_token_mult_prob_error": float("nan"), "step": 2},
+        {"train_runtime": 3.0, "step": 2},  # the end-of-training summary is not a row
+    ]
+    lines = cli.format_metrics_table(history).splitlines()
+    assert len(lines) == 4
+    assert [cell.strip() for cell in lines[0].split("  ") if cell.strip()] == [
+        title for title, _, _ in cli.DEMO_TABLE_COLUMNS
+    ]
+    assert set(lines[1]) == {"-", " "}
+    assert lines[2].split() == ["1", "0.500", "1.250", "0.600", "1.800", "-", "-", "-", "-"]
+    assert lines[3].split() == ["2", "0.750", "-", "0.713", "1.500", "0.250", "0.000", "1.0312", "-"]  # NaN -> '-'
+    assert len({len(line) for line in lines}) == 1  # right-aligned columns of equal width
+
+
+def test_train_on_tiny_model_via_python_entry(tmp_path):
+    argv = [
+        "--config", DEMO_YAML,
+        "--model_name_or_path", "tiny",
+        "--output_dir", str(tmp_path),
+        "--report_to", "none",
+        "--max_steps", "2",
+        "--max_completion_length", "8",
+        "--num_train_examples", "16",
+        "--save_final_model", "true",
+    ]
+    trainer = cli.train(argv)
+    assert trainer.state.global_step == 2
+    assert trainer.args.fp8 and trainer.args.clip_mode == "calibrated"  # from demo.yaml
+    assert trainer.reward_func_names == ["arithmetic_reward", "format_reward"]  # the arithmetic task's rewards
+    assert trainer.reward_weights.tolist() == [1.0, 0.5]
+    steps = [entry for entry in trainer.state.log_history if "calib/low" in entry]
+    assert [entry["step"] for entry in steps] == [1, 2]
+    for entry in steps:
+        assert math.isfinite(entry["loss"]) and math.isfinite(entry["entropy"])
+        assert 0.2 <= entry["calib/low"] <= 1.0 <= entry["calib/high"] <= 5.0
+    # The saved model reloads through the same loader as any local directory.
+    from calclip.models import load_model
+
+    reloaded, tokenizer = load_model(str(tmp_path))
+    assert reloaded.config.vocab_size == len(tokenizer)
+
+
+def test_train_with_local_dataset_and_dapo(tmp_path):
+    import json
+
+    data = tmp_path / "data.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1=?"}], "answer": i + 1} for i in range(8)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    script_args, args = cli.parse_train_args([
+        "--config", str(ROOT / "configs" / "dapo_fp8_calibrated.yaml"),
+        "--model_name_or_path", "tiny", "--dataset_path", str(data), "--output_dir", str(tmp_path / "out"),
+        "--report_to", "none", "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4",
+        "--steps_per_generation", "2", "--max_completion_length", "8", "--overlong_buffer_length", "4",
+        "--dynamic_sampling_max_rounds", "1", "--gradient_checkpointing", "false",
+    ])
+    trainer = cli.build_trainer(script_args, args)
+    from calclip.trainers.dapo import CalibratedDAPOTrainer
+
+    assert isinstance(trainer, CalibratedDAPOTrainer)
+    assert len(trainer.train_dataset) == 8 and trainer.train_dataset[3]["answer"] == 4
+    assert trainer.reward_func_names == ["arithmetic_reward", "format_reward", "soft_overlong_punishment"]
+    trainer.train()
+    entry = next(e for e in trainer.state.log_history if "dynamic_sampling/rounds" in e)
+    assert entry["dynamic_sampling/rounds"] == 1 and math.isfinite(entry["loss"])
+
+
+def test_demo_on_tiny_model_prints_table_and_writes_offline_wandb_run(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    trainer = cli.demo(["--model", "tiny", "--max-steps", "2", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert os.environ["WANDB_MODE"] == "offline"
+    assert trainer.state.global_step == 2 and "wandb" in trainer.args.report_to
+    table = out[out.index("step  "):].splitlines()
+    assert table[0].split()[:5] == ["step", "reward", "entropy", "low", "high"]
+    assert [line.split()[0] for line in table[2:4]] == ["1", "2"]
+    assert "total" in out and "model load" in out
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and f"W&B offline run: {runs[0]}" in out
+
+
+def test_diagnose_tiny(capsys):
+    result = cli.diagnose(["--model", "tiny", "--seq-len", "32"])
+    out = capsys.readouterr().out
+    assert result["torch"] == torch.__version__ and "trl" in result and "torch._scaled_mm" in result
+    assert result["tokens"] == 4 * 31
+    # FP8 changes the log-probs, but only a little on a tiny random model.
+    assert 0.0 < result["log_ratio_std"] < 0.2
+    assert 1.0 < result["token_mult_prob_error"] < 1.2
+    assert "token-mult-prob-error" in out
