@@ -7,7 +7,13 @@
 Saved for backward (backward="fp8"): x quantized 128x1 — FP8 codes + one fp32 scale per 128 tokens per
 feature, ~1.03 bytes per element instead of BF16's 2 — and the cached weight codes (shared with the cache,
 no extra memory). x is quantized 128x1 directly in the forward, not dequantized from the forward's 1x128
-codes and re-quantized in the backward: one rounding instead of two, for one extra read of x.
+codes and re-quantized in the backward: one rounding instead of two. Both quantizations of x (and, in the
+backward, both of dy) come from one fused kernel that reads the tensor once.
+
+On CUDA the quantizers emit scales in the strides torch._scaled_mm reads (``gemm_layout``), and dgrad uses
+W^T codes [K, N] and scales made contiguous once per weight version and kept with the cached weight (built
+on the first backward, so inference never pays for them): the scaled_mm path copies nothing per call. This
+costs one extra byte per weight element while the cache lives (training with cache_weights).
 
 backward="bf16" is the straight-through comparison mode: dx = dy W_dq with W_dq = dequant(Q128x128(W)), and
 dW = dy^T x with the unquantized x (saved in its own dtype), both plain matmuls in the input dtype.
@@ -45,16 +51,45 @@ class _Opts:
     backward: str
     out_dtype: torch.dtype
     save_for_backward: bool
+    gemm_layout: bool  # quantizer scales in torch._scaled_mm's strides (CUDA); values are the same either way
+
+
+class _QuantizedWeight:
+    """One weight version's codes qw [N, K] e4m3fn, scales sw [N/128, K/128] fp32 and ``bad`` (0-dim bool: a
+    non-finite block), plus the dgrad operands W^T built on first use and kept as long as this object."""
+
+    def __init__(self, qw: Tensor, sw: Tensor, bad: Tensor) -> None:
+        self.qw, self.sw, self.bad = qw, sw, bad
+        self._dgrad: tuple[Tensor, Tensor] | None = None
+
+    def dgrad_operands(self) -> tuple[Tensor, Tensor]:
+        """(W^T codes [K, N], W^T scales [K/128, N/128]) for dx = dy W. On CUDA both contiguous, so
+        gemm.scaled_mm_block_gemm's qb.contiguous() / scale re-layout are no-ops; on CPU plain views."""
+        if self._dgrad is None:
+            qwt, swt = self.qw.t(), self.sw.t()
+            self._dgrad = (qwt.contiguous(), swt.contiguous()) if self.qw.is_cuda else (qwt, swt)
+        return self._dgrad
 
 
 class _FP8BlockLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, qw: Tensor, sw: Tensor,
-                weight_nonfinite: Tensor, counter: Tensor | None, opts: _Opts) -> Tensor:
+                weight_nonfinite: Tensor, counter: Tensor | None, qweight: _QuantizedWeight, opts: _Opts) -> Tensor:
         # x [..., K]; weight [N, K] (only its grad slot is used here); qw [N, K] e4m3fn, sw [N/128, K/128]
+        # (qweight's, passed as tensors so autograd saves and checks them)
         k = x.shape[-1]
         x2 = x.reshape(-1, k)  # [M, K]
-        qx, sx = quant.quantize_1x128(x2, block=opts.block, pow2=opts.pow2)
+        need_dx = opts.save_for_backward and ctx.needs_input_grad[0]
+        need_dw = opts.save_for_backward and ctx.needs_input_grad[1]
+        saved_x: tuple[Tensor, ...] = ()
+        if need_dw and opts.backward == "fp8":  # 1x128 for the forward GEMM, 128x1 saved for wgrad: one read
+            qx, sx, qxt, sxt = quant.quantize_1x128_and_128x1(x2, block=opts.block, pow2=opts.pow2,
+                                                              gemm_layout=opts.gemm_layout)
+            saved_x = (qxt, sxt)
+        else:
+            qx, sx = quant.quantize_1x128(x2, block=opts.block, pow2=opts.pow2, gemm_layout=opts.gemm_layout)
+            if need_dw:
+                saved_x = (x2,)
         if counter is not None:
             bad_rows = torch.isnan(sx).any(dim=-1).sum()
             counter.add_(torch.where(weight_nonfinite, x2.shape[0], bad_rows))
@@ -65,13 +100,8 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         ctx.opts = opts
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
-        need_dx = opts.save_for_backward and ctx.needs_input_grad[0]
-        need_dw = opts.save_for_backward and ctx.needs_input_grad[1]
         ctx.need = (need_dx, need_dw)
-        saved_x: tuple[Tensor, ...] = ()
-        if need_dw:
-            saved_x = quant.quantize_128x1(x2, block=opts.block, pow2=opts.pow2) if opts.backward == "fp8" \
-                else (x2,)
+        ctx.qweight = qweight if need_dx else None
         saved_w = (qw, sw) if need_dx else ()
         ctx.n_saved_x = len(saved_x)
         ctx.save_for_backward(*saved_x, *saved_w)
@@ -87,14 +117,19 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, n)  # [M, N]
         dx = dw = db = None
         if opts.backward == "fp8":
+            quant_opts = {"block": opts.block, "pow2": opts.pow2, "gemm_layout": opts.gemm_layout}
+            if need_dx and need_dw:  # both quantizations of dy from one read
+                qdy, sdy, qdyt, sdyt = quant.quantize_1x128_and_128x1(dy2, **quant_opts)
+            elif need_dx:
+                qdy, sdy = quant.quantize_1x128(dy2, **quant_opts)  # [M, N], [M, N/128]
+            elif need_dw:
+                qdyt, sdyt = quant.quantize_128x1(dy2, **quant_opts)  # [M, N], [M/128, N]
             if need_dx:
-                qw, sw = saved_w
-                qdy, sdy = quant.quantize_1x128(dy2, block=opts.block, pow2=opts.pow2)
-                dx = fp8_block_gemm(qdy, sdy, qw.t(), sw.t(), out_dtype=ctx.x_dtype, backend=opts.gemm,
+                qwt, swt = ctx.qweight.dgrad_operands()  # W^T [K, N], [K/128, N/128]
+                dx = fp8_block_gemm(qdy, sdy, qwt, swt, out_dtype=ctx.x_dtype, backend=opts.gemm,
                                     a_blocks="1x128", b_blocks="128x128", block=opts.block)
             if need_dw:
                 qxt, sxt = saved_x  # [M, K], [M/128, K]
-                qdyt, sdyt = quant.quantize_128x1(dy2, block=opts.block, pow2=opts.pow2)  # [M, N], [M/128, N]
                 dw = fp8_block_gemm(qdyt.t(), sdyt.t(), qxt.t(), sxt.t(), out_dtype=ctx.w_dtype,
                                     backend=opts.gemm, a_blocks="1x128", b_blocks="1x128", block=opts.block)
         else:  # straight-through: plain matmuls in the input dtype
@@ -109,7 +144,7 @@ class _FP8BlockLinearFn(torch.autograd.Function):
             dx = dx.reshape(ctx.x_shape)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class FP8BlockLinear(nn.Linear):
@@ -126,7 +161,7 @@ class FP8BlockLinear(nn.Linear):
         self.fp8_config = config if config is not None else Fp8Config()
         self.bf16_shadow_depth = 0
         self.nonfinite_count: Tensor | None = None
-        self._weight_cache: tuple[tuple, Tensor, Tensor, Tensor] | None = None
+        self._weight_cache: tuple[tuple, _QuantizedWeight] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None) -> "FP8BlockLinear":
@@ -152,15 +187,19 @@ class FP8BlockLinear(nn.Linear):
     def quantized_weight(self) -> tuple[Tensor, Tensor, Tensor]:
         """(codes [N, K] e4m3fn, scales [N/128, K/128] fp32, 0-dim bool "weight has a non-finite block"),
         cached until the weight changes (see module docstring) when config.cache_weights."""
+        qweight = self._quantized_weight()
+        return qweight.qw, qweight.sw, qweight.bad
+
+    def _quantized_weight(self) -> _QuantizedWeight:
         w, cfg = self.weight, self.fp8_config
         key = (w.data_ptr(), w._version, w.dtype, w.device, cfg.block_size, cfg.power_of_two_scales)
         if cfg.cache_weights and self._weight_cache is not None and self._weight_cache[0] == key:
-            return self._weight_cache[1:]
+            return self._weight_cache[1]
         with torch.no_grad():
             qw, sw = quant.quantize_128x128(w.detach(), block=cfg.block_size, pow2=cfg.power_of_two_scales)
-            bad = torch.isnan(sw).any()
-        self._weight_cache = (key, qw, sw, bad) if cfg.cache_weights else None
-        return qw, sw, bad
+            qweight = _QuantizedWeight(qw, sw, torch.isnan(sw).any())
+        self._weight_cache = (key, qweight) if cfg.cache_weights else None
+        return qweight
 
     def forward(self, x: Tensor) -> Tensor:
         if self.bf16_shadow_depth > 0:
@@ -171,10 +210,11 @@ class FP8BlockLinear(nn.Linear):
         if self.nonfinite_count is None or self.nonfinite_count.device != x.device:
             self.nonfinite_count = torch.zeros((), dtype=torch.int64, device=x.device)
         cfg = self.fp8_config
-        qw, sw, bad = self.quantized_weight()
+        qweight = self._quantized_weight()
         opts = _Opts(block=cfg.block_size, pow2=cfg.power_of_two_scales, gemm=cfg.gemm, backward=cfg.backward,
-                     out_dtype=x.dtype, save_for_backward=torch.is_grad_enabled())
-        return _FP8BlockLinearFn.apply(x, self.weight, self.bias, qw, sw, bad, self.nonfinite_count, opts)
+                     out_dtype=x.dtype, save_for_backward=torch.is_grad_enabled(), gemm_layout=x.is_cuda)
+        return _FP8BlockLinearFn.apply(x, self.weight, self.bias, qweight.qw, qweight.sw, qweight.bad,
+                                       self.nonfinite_count, qweight, opts)
 
     def extra_repr(self) -> str:
         cfg = self.fp8_config

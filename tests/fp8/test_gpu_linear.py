@@ -87,6 +87,26 @@ def test_triton_quantizers_bit_exact_at_llm_shapes(name, shape, pow2):
     assert _codes_differ(q, q_ref) == 0
 
 
+DUAL_SHAPES = [(8192, 4096), (8192, 14336), (3000, 576), (1000, 1536), (4096, 1000)]
+
+
+@pytest.mark.parametrize("gemm_layout", [False, True])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", DUAL_SHAPES)
+def test_fused_quantizer_bit_exact_at_llm_shapes(shape, pow2, gemm_layout):
+    x = _llm_like(shape, seed=sum(shape))
+    x[:200] *= 1e-4  # tiny token groups (subnormal codes in both layouts)
+    x[77, 3] = float("nan")
+    got = tk.quantize_1x128_and_128x1(x, pow2=pow2, gemm_layout=gemm_layout)
+    want = ref.quantize_1x128_and_128x1(x, pow2=pow2)
+    for (q, s), (q_ref, s_ref) in ((got[:2], want[:2]), (got[2:], want[2:])):
+        assert q.shape == q_ref.shape and s.shape == s_ref.shape and q.stride() == q_ref.stride()
+        assert _scales_equal(s, s_ref)
+        assert _codes_differ(q, q_ref) == 0
+    if gemm_layout:  # what gemm.scaled_mm_block_gemm would otherwise copy into
+        assert got[1].stride() == (1, shape[0]) and got[3].is_contiguous()
+
+
 def test_triton_quantizers_fp32_input_and_nonfinite_at_scale():
     x = torch.randn(4096, 1536, device="cuda") * 100
     x[17, 1000] = float("nan")

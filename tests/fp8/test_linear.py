@@ -161,14 +161,32 @@ def test_weight_cache_invalidation(monkeypatch):
 
 
 def test_no_grad_forward_saves_nothing(monkeypatch):
-    tq = _Counter(monkeypatch, "quantize_128x1")
+    tq = _Counter(monkeypatch, "quantize_1x128_and_128x1")
     _, fp8 = _pair(torch.float32, k=256, n=128)
     x = torch.randn(4, 256, requires_grad=True)
     with torch.no_grad():
         y = fp8(x)
     assert not y.requires_grad and tq.calls == 0
     fp8(x).sum().backward()
-    assert tq.calls == 2  # x in the forward, dy in the backward
+    assert tq.calls == 2  # x in the forward, dy in the backward: each quantized both ways in one call
+
+
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
+def test_backward_quantizes_dy_once_per_needed_layout(monkeypatch, needs):
+    """dx and dW both needed: one fused call on dy; only one of them: only that quantization."""
+    x_grad, w_grad = needs
+    counters = {name: _Counter(monkeypatch, name)
+                for name in ("quantize_1x128", "quantize_128x1", "quantize_1x128_and_128x1")}
+    _, fp8 = _pair(torch.float32, k=256, n=128)
+    fp8.weight.requires_grad_(w_grad)
+    x = torch.randn(130, 256, requires_grad=x_grad)
+    fp8(x).sum().backward()
+    calls = {name: c.calls for name, c in counters.items()}
+    fused = 2 if w_grad and x_grad else 1 if w_grad else 0  # forward x (if dW), backward dy (if both)
+    assert calls["quantize_1x128_and_128x1"] == fused, calls
+    assert calls["quantize_1x128"] == (0 if w_grad else 1) + (1 if x_grad and not w_grad else 0), calls
+    assert calls["quantize_128x1"] == (1 if w_grad and not x_grad else 0), calls
+    assert (x.grad is not None) == x_grad and (fp8.weight.grad is not None) == w_grad
 
 
 def test_state_dict_matches_nn_linear():
@@ -223,3 +241,17 @@ def test_autocast_output_dtype():
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and fp8.weight.grad.dtype == torch.float32
+
+
+def test_dispatch_gemm_layout_changes_strides_not_values():
+    """The CPU (reference) dispatch honours gemm_layout like the kernels: 1x128 scales column-major, 128x1
+    scales row-major — the strides torch._scaled_mm reads — with the reference's values."""
+    x = torch.randn(300, 260, dtype=torch.bfloat16)
+    plain = quant.quantize_1x128_and_128x1(x)
+    gemm = quant.quantize_1x128_and_128x1(x, gemm_layout=True)
+    assert gemm[1].stride() == (1, 300) and gemm[3].stride() == (260, 1)
+    for a, b in zip(plain, gemm):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    assert quant.quantize_1x128(x, gemm_layout=True)[1].stride() == (1, 300)
+    assert quant.quantize_128x1(x, gemm_layout=True)[1].stride() == (260, 1)
