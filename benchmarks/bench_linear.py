@@ -44,14 +44,20 @@ def _resolved_backends(gemm, tk, m, k, n, backend="auto"):
 
 
 def _kernels_only_step(tk, gemm_fn):
-    """The FP8 layer's work without the module: quantize x (1x128, 128x1), dy (1x128, 128x1), three GEMMs."""
+    """The FP8 layer's work without the module: quantize x and dy (1x128 + 128x1 each), three GEMMs; dgrad
+    reads W^T codes made contiguous once, as the module's weight cache does."""
+    fused = getattr(tk, "quantize_1x128_and_128x1", None)
+
+    def both(t):  # the fused kernel with scaled_mm-layout scales when this checkout has it
+        if fused is not None:
+            return fused(t, gemm_layout=True)
+        return (*tk.quantize_1x128(t), *tk.quantize_128x1(t))
+
     def step(d):
-        qx, sx = tk.quantize_1x128(d["x"])
+        qx, sx, qx_t, sx_t = both(d["x"])
         y = gemm_fn(qx, sx, d["qw"], d["sw"], "128x128")
-        qx_t, sx_t = tk.quantize_128x1(d["x"])
-        qdy, sdy = tk.quantize_1x128(d["dy"])
-        dx = gemm_fn(qdy, sdy, d["qw"].t(), d["sw"].t(), "128x128")
-        qdy_t, sdy_t = tk.quantize_128x1(d["dy"])
+        qdy, sdy, qdy_t, sdy_t = both(d["dy"])
+        dx = gemm_fn(qdy, sdy, d["qwt"], d["swt"], "128x128")
         dw = gemm_fn(qdy_t.t(), sdy_t.t(), qx_t.t(), sx_t.t(), "1x128")
         return y, dx, dw
     return step
@@ -102,11 +108,12 @@ def main() -> None:
                 return tk.fp8_block_gemm_triton(qa, sa, qb, sb, out_dtype=torch.bfloat16)
 
             qw, sw = tk.quantize_128x128(bf16.weight.detach())
+            qwt, swt = qw.t().contiguous(), sw.t().contiguous()
             step = _kernels_only_step(tk, gemm_fn)
 
             def run_kernels():
                 x, dy = nxt()
-                return step({"qw": qw, "sw": sw, "x": x.detach(), "dy": dy})
+                return step({"qw": qw, "sw": sw, "qwt": qwt, "swt": swt, "x": x.detach(), "dy": dy})
 
             t_kern = safe_bench(run_kernels)
         rows.append([str(m), str(k), str(n), fmt_ms(t_bf16), tflops(flop, t_bf16), fmt_ms(t_fp8),
