@@ -180,7 +180,7 @@ def train(argv: list[str] | None = None):
 # BF16 shadow calibration on two of them, and lr 1e-5 makes the policy move visibly within 8 steps.
 DEMO_CONFIG: dict = {
     "model_name_or_path": "default",
-    "task": "arithmetic",
+    "task": "arithmetic_small",
     "num_train_examples": 64,
     "save_final_model": False,
     "output_dir": "calclip-demo",
@@ -190,7 +190,7 @@ DEMO_CONFIG: dict = {
     "num_generations": 4,
     "steps_per_generation": 4,
     "num_iterations": 1,
-    "max_completion_length": 48,
+    "max_completion_length": 32,
     "temperature": 1.0,
     "learning_rate": 1.0e-5,
     "clip_mode": "calibrated",

@@ -154,6 +154,7 @@ def load_dataset_from_path(path: str | Path, *, split: str = "train"):
 
 class TaskName(str, Enum):
     ARITHMETIC = "arithmetic"
+    ARITHMETIC_SMALL = "arithmetic_small"
     ARITHMETIC_FORMAT = "arithmetic_format"
 
 
@@ -203,6 +204,19 @@ register_task(
         # Correctness dominates; the format term gives small models a gradient before they get answers right.
         reward_weights=(1.0, 0.5),
         description="integer a+b, a-b, a*b with 0<=a,b<=20; exact match on the last integer plus a format bonus",
+    )
+)
+register_task(
+    Task(
+        name=TaskName.ARITHMETIC_SMALL,
+        build_dataset=lambda num_examples, *, seed=0, **kw: make_arithmetic_dataset(
+            num_examples, seed=seed, **{"max_operand": 9, "operators": ("+", "-"), **kw}
+        ),
+        reward_funcs=(arithmetic_reward, format_reward),
+        reward_weights=(1.0, 0.5),
+        # A 135M model solves a fair share of these, so groups mix right and wrong answers (non-zero advantages)
+        # within a few steps: the demo's task.
+        description="single-digit a+b and a-b; the same rewards as 'arithmetic'",
     )
 )
 register_task(

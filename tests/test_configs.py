@@ -101,7 +101,7 @@ def test_unknown_flag_is_named():
         ("clip_mode: calibratd", "clip_mode must be one of"),
         ("tis_mode: token", "tis_mode must be one of"),
         ("calibration_init_bounds: [1.2, 1.8]", "calibration_init_bounds"),
-        ("task: algebra", r"task must be one of \['arithmetic', 'arithmetic_format'\], got 'algebra'"),
+        ("task: algebra", r"task must be one of \[.*'arithmetic_format'\], got 'algebra'"),
         ("trainer: ppo", "trainer must be one of"),
         ("model_dtype: int8", "model_dtype must be one of"),
     ],

@@ -91,14 +91,17 @@ def test_arithmetic_dataset_options():
 
 
 def test_task_registry():
-    assert task_names() == ["arithmetic", "arithmetic_format"]
+    assert task_names() == ["arithmetic", "arithmetic_small", "arithmetic_format"]
     task = get_task("arithmetic")
     assert task.reward_funcs == (arithmetic_reward, format_reward)
     assert len(task.reward_weights) == len(task.reward_funcs)
     ds = task.build_dataset(8, seed=1)
     assert len(ds) == 8 and set(ds.column_names) == {"prompt", "answer"}
-    with pytest.raises(ValueError, match=r"task must be one of \['arithmetic', 'arithmetic_format'\], got 'arithmetc'"):
+    with pytest.raises(ValueError, match=r"task must be one of \['arithmetic', 'arithmetic_small', 'arithmetic_format'\], got 'arithmetc'"):
         get_task("arithmetc")
+    small = get_task("arithmetic_small").build_dataset(40, seed=0)
+    assert all(-9 <= a <= 18 for a in small["answer"])
+    assert all("*" not in p[-1]["content"] for p in small["prompt"])
     with pytest.raises(ValueError, match="already registered"):
         register_task(get_task(TaskName.ARITHMETIC))
 
