@@ -128,3 +128,15 @@ def test_diagnose_tiny(capsys):
     assert 0.0 < result["log_ratio_std"] < 0.2
     assert 1.0 < result["token_mult_prob_error"] < 1.2
     assert "token-mult-prob-error" in out
+
+
+@pytest.mark.parametrize("script", ["one_line_swap.py", "dapo_example.py"])
+def test_examples_run_offline_on_the_tiny_model(script, tmp_path, capsys):
+    import runpy
+
+    namespace = runpy.run_path(str(ROOT / "examples" / script))  # defines main() without running it
+    trainer = namespace["main"](["--max-steps", "2", "--output-dir", str(tmp_path)])
+    assert trainer.state.global_step == 2
+    low, high = trainer.clip_bounds
+    assert 0.2 <= low <= 1.0 <= high <= 5.0
+    assert "clip bounds in force" in capsys.readouterr().out
