@@ -118,3 +118,9 @@ def test_bf16_default_follows_the_machine(tmp_path):
 
     _, args = parse_train_args(["--config", str(CONFIG_DIR / "fp8_calibrated.yaml")])
     assert args.bf16 == torch.cuda.is_available()
+
+
+def test_usage_doc_lists_every_config():
+    usage = (CONFIG_DIR.parent / "docs" / "usage.md").read_text()
+    for name in EXPECTED:
+        assert f"configs/{name}" in usage, name

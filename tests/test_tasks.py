@@ -156,3 +156,11 @@ def test_rewards_on_loaded_dataset(tmp_path):
     completions = [chat("<answer>4</answer>"), chat("<answer>8</answer>"), chat("-4")]
     assert arithmetic_reward(completions, answer=ds["answer"]) == [1.0, 0.0, 1.0]
     assert format_reward(completions) == [1.0, 1.0, 0.0]
+
+
+def test_usage_doc_lists_every_task():
+    from pathlib import Path
+
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    for name in task_names():
+        assert f"| `{name}` |" in usage, name
