@@ -348,6 +348,7 @@ def _compact_progress_callback_class():
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.bar = tqdm(total=state.max_steps, desc="train", dynamic_ncols=True) if state.is_world_process_zero else None
+            self.latest = {}
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.bar is not None:
@@ -355,7 +356,9 @@ def _compact_progress_callback_class():
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if self.bar is not None and logs:
-                self.bar.set_postfix({name: f"{logs[key]:.3g}" for key, name in self.shown if key in logs})
+                # reward is logged only on generating steps: keep showing the last value
+                self.latest.update({name: f"{logs[key]:.3g}" for key, name in self.shown if key in logs})
+                self.bar.set_postfix(self.latest)
 
         def on_train_end(self, args, state, control, **kwargs):
             if self.bar is not None:
