@@ -215,6 +215,7 @@ DEMO_TABLE_COLUMNS = (
     ("low", "calib/low", "{:.3f}"),
     ("high", "calib/high", "{:.3f}"),
     ("A<0<low fp8", "clip/neg_low_frac_fp8", "{:.3f}"),
+    ("A<0<1-eps fp8", "clip/neg_low_frac_fp8_static", "{:.3f}"),
     ("A<0<1-eps bf16", "clip/neg_low_frac_bf16", "{:.3f}"),
     ("tmpe rollout", "mismatch/token_mult_prob_error", "{:.4f}"),
     ("tmpe fp8/bf16", "mismatch/fp8_bf16_token_mult_prob_error", "{:.4f}"),
@@ -223,6 +224,7 @@ DEMO_TABLE_LEGEND = """\
 low/high        clip bounds in force (calibrated on BF16 shadow steps, held in between)
 A<0<low fp8     share of negative-advantage tokens whose FP8 ratio is below the bound in force: their
                 penalty is dropped
+A<0<1-eps fp8   the share static clipping at 1-epsilon would drop under FP8 (shadow-calibration steps)
 A<0<1-eps bf16  the share the BF16 shadow would drop at 1-epsilon (shadow-calibration steps)
 tmpe            token-mult-prob-error, mean exp|logp_a - logp_b| (1.0 = identical): rollout vs trainer
                 forward, and FP8 vs BF16 shadow on the same weights

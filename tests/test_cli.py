@@ -36,7 +36,8 @@ def test_format_metrics_table_hand_worked():
     history = [
         {"loss": 0.1, "reward": 0.5, "entropy": 1.25, "calib/low": 0.6, "calib/high": 1.8, "step": 1},
         {"reward": 0.75, "calib/low": 0.7125, "calib/high": 1.5, "clip/neg_low_frac_fp8": 0.25,
-         "clip/neg_low_frac_bf16": 0.0, "mismatch/token_mult_prob_error": 1.0312,
+         "clip/neg_low_frac_fp8_static": 0.125, "clip/neg_low_frac_bf16": 0.0,
+         "mismatch/token_mult_prob_error": 1.0312,
          "mismatch/fp8_bf16_token_mult_prob_error": float("nan"), "step": 2},
         {"train_runtime": 3.0, "step": 2},  # the end-of-training summary is not a row
     ]
@@ -46,8 +47,8 @@ def test_format_metrics_table_hand_worked():
         title for title, _, _ in cli.DEMO_TABLE_COLUMNS
     ]
     assert set(lines[1]) == {"-", " "}
-    assert lines[2].split() == ["1", "0.500", "1.250", "0.600", "1.800", "-", "-", "-", "-"]
-    assert lines[3].split() == ["2", "0.750", "-", "0.713", "1.500", "0.250", "0.000", "1.0312", "-"]  # NaN -> '-'
+    assert lines[2].split() == ["1", "0.500", "1.250", "0.600", "1.800", "-", "-", "-", "-", "-"]
+    assert lines[3].split() == ["2", "0.750", "-", "0.713", "1.500", "0.250", "0.125", "0.000", "1.0312", "-"]  # NaN
     assert len({len(line) for line in lines}) == 1  # right-aligned columns of equal width
 
 

@@ -40,6 +40,7 @@ Metrics (under ``train/``, through TRL's ``self._metrics``): ``calib/low``, ``ca
 ``calib/alpha``, ``calib/balance_p`` (shadow steps), ``clip/neg_low_frac_fp8`` (share of A<0 tokens whose ratio is
 below the lower bound in force: the penalties dropped), ``clip/neg_low_frac_bf16`` (shadow steps: share of A<0
 tokens whose BF16 shadow ratio is below 1 - epsilon, i.e. what BF16 training would drop, the calibration's target),
+``clip/neg_low_frac_fp8_static`` (shadow steps: the same share for the FP8 ratios, what static clipping drops),
 ``clip/pos_high_frac``, ``clip/dual_frac``, ``mismatch/token_mult_prob_error`` and ``mismatch/kl_k3`` (old vs rollout
 log-probs), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``, ``entropy/neg_adv``,
 ``entropy/spike``, ``fp8/nonfinite_tokens`` (tokens whose FP8 linear output was non-finite),
@@ -427,7 +428,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             ratio_bf16, bf16_logps = self._shadow_ratio(inputs, logps, ratio_fp8)
             if ratio_bf16 is not None:
                 stats = self.calibrator.calibrate(ratio_bf16, ratio_fp8, advantages, mask)
-                stats.update(self._shadow_share(ratio_bf16, advantages, mask))
+                stats.update(self._static_drop_shares(ratio_bf16, ratio_fp8, advantages, mask))
                 if bf16_logps is not None:
                     local = token_mult_prob_error(logps, bf16_logps, mask)
                     stats["mismatch/fp8_bf16_token_mult_prob_error"] = self._mean_over_ranks(local)
@@ -447,13 +448,19 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         bf16_logps = self._shadow_logps(inputs)
         return torch.exp(token_log_ratio(bf16_logps, bf16_old)), bf16_logps
 
-    def _shadow_share(self, ratio_bf16, advantages, mask) -> dict[str, float]:
-        """Global share of A<0 tokens whose BF16 shadow ratio is below 1 - epsilon: what BF16 training would drop."""
+    def _static_drop_shares(self, ratio_bf16, ratio_fp8, advantages, mask) -> dict[str, float]:
+        """Global shares of A<0 tokens whose ratio is below the static bound 1 - epsilon, BF16 shadow vs FP8: what
+        BF16 training would drop, and what static clipping drops under FP8 noise (the gradient dropout that the
+        calibrated bound removes)."""
         adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
         neg = (mask != 0) & (adv < 0)
-        counts = torch.stack([(neg & (ratio_bf16 < 1.0 - self.args.epsilon)).sum(), neg.sum()]).to(torch.float64)
-        hits, total = self.accelerator.reduce(counts, reduction="sum").tolist()
-        return {"clip/neg_low_frac_bf16": hits / total if total else 0.0}
+        base_low = 1.0 - self.args.epsilon
+        counts = torch.stack([(neg & (ratio_bf16 < base_low)).sum(), (neg & (ratio_fp8 < base_low)).sum(), neg.sum()])
+        hits_bf16, hits_fp8, total = self.accelerator.reduce(counts.to(torch.float64), reduction="sum").tolist()
+        return {
+            "clip/neg_low_frac_bf16": hits_bf16 / total if total else 0.0,
+            "clip/neg_low_frac_fp8_static": hits_fp8 / total if total else 0.0,
+        }
 
     def _mean_over_ranks(self, value: torch.Tensor) -> float:
         return self.accelerator.gather(value.detach().reshape(1).float()).nanmean().item()

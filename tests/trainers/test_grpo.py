@@ -101,6 +101,8 @@ def test_short_run(tokenizer, tmp_path, name):
     # monitoring: FP8 runs compare against the BF16 shadow on calibration steps
     if args.fp8:
         assert len(logged(trainer, "clip/neg_low_frac_bf16")) >= 1
+        static_fp8 = logged(trainer, "clip/neg_low_frac_fp8_static")
+        assert static_fp8 and all(0.0 <= v <= 1.0 for v in static_fp8)
         assert logged(trainer, "mismatch/fp8_bf16_token_mult_prob_error")[0] > 1.0  # FP8 noise is visible
     per_step = ("entropy", "entropy/neg_adv", "entropy/spike", "clip/neg_low_frac_fp8", "completions/repeat_ngram_frac")
     for key in per_step:
