@@ -4,7 +4,8 @@
 
 bench_quant.py measured the fused kernel at ~25% of copy bandwidth, slower than the two separate kernels at
 8192x14336; this times the whole layer both ways in one run (the separate path is patched in for the second
-measurement) against BF16 nn.Linear, so the production choice rests on the layer, not on one kernel.
+measurement) against BF16 nn.Linear, so the production choice rests on the layer, not on one kernel. The
+layers are built with Fp8Config(fused_quantizer=True / False); the H200 run of 2026-11-30 made False the default.
 """
 
 from __future__ import annotations
@@ -12,16 +13,10 @@ from __future__ import annotations
 import torch
 from triton.testing import do_bench
 
-from calclip.fp8 import Fp8Config, quant
+from calclip.fp8 import Fp8Config
 from calclip.fp8.linear import FP8BlockLinear
 
 SHAPES = ((8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 14336), (8192, 4096, 4096), (8192, 576, 1536))
-
-
-def _two_kernels(x, *, block=128, pow2=False, gemm_layout=False):
-    q_row, s_row = quant.quantize_1x128(x, block=block, pow2=pow2, gemm_layout=gemm_layout)
-    q_col, s_col = quant.quantize_128x1(x, block=block, pow2=pow2, gemm_layout=gemm_layout)
-    return q_row, s_row, q_col, s_col
 
 
 def _time(layer, x, dy):
@@ -34,20 +29,15 @@ def _time(layer, x, dy):
 
 def main():
     torch.manual_seed(0)
-    fused = quant.quantize_1x128_and_128x1
     print("| M | K | N | bf16 ms | fp8 fused ms | x | fp8 two-kernel ms | x |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for m, k, n in SHAPES:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
         base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-        fp8 = FP8BlockLinear.from_linear(base, Fp8Config())
         t_bf16 = _time(base, x, dy)
-        quant.quantize_1x128_and_128x1 = fused
-        t_fused = _time(fp8, x, dy)
-        quant.quantize_1x128_and_128x1 = _two_kernels
-        t_two = _time(fp8, x, dy)
-        quant.quantize_1x128_and_128x1 = fused
+        t_fused = _time(FP8BlockLinear.from_linear(base, Fp8Config(fused_quantizer=True)), x, dy)
+        t_two = _time(FP8BlockLinear.from_linear(base, Fp8Config(fused_quantizer=False)), x, dy)
         print(f"| {m} | {k} | {n} | {t_bf16:.3f} | {t_fused:.3f} | {t_bf16 / t_fused:.2f}x | {t_two:.3f} | "
               f"{t_bf16 / t_two:.2f}x |", flush=True)
 

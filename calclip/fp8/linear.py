@@ -52,6 +52,15 @@ class _Opts:
     out_dtype: torch.dtype
     save_for_backward: bool
     gemm_layout: bool  # quantizer scales in torch._scaled_mm's strides (CUDA); values are the same either way
+    fused_quantizer: bool  # one-read fused 1x128+128x1 kernel (Fp8Config.fused_quantizer) or two kernels
+
+
+def _quantize_rows_and_cols(x2: Tensor, opts: _Opts) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x2 [M, K] -> 1x128 codes/scales and 128x1 codes/scales (the same values either path)."""
+    kwargs = {"block": opts.block, "pow2": opts.pow2, "gemm_layout": opts.gemm_layout}
+    if opts.fused_quantizer:
+        return quant.quantize_1x128_and_128x1(x2, **kwargs)
+    return (*quant.quantize_1x128(x2, **kwargs), *quant.quantize_128x1(x2, **kwargs))
 
 
 class _QuantizedWeight:
@@ -82,9 +91,8 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         need_dx = opts.save_for_backward and ctx.needs_input_grad[0]
         need_dw = opts.save_for_backward and ctx.needs_input_grad[1]
         saved_x: tuple[Tensor, ...] = ()
-        if need_dw and opts.backward == "fp8":  # 1x128 for the forward GEMM, 128x1 saved for wgrad: one read
-            qx, sx, qxt, sxt = quant.quantize_1x128_and_128x1(x2, block=opts.block, pow2=opts.pow2,
-                                                              gemm_layout=opts.gemm_layout)
+        if need_dw and opts.backward == "fp8":  # 1x128 for the forward GEMM, 128x1 saved for wgrad
+            qx, sx, qxt, sxt = _quantize_rows_and_cols(x2, opts)
             saved_x = (qxt, sxt)
         else:
             qx, sx = quant.quantize_1x128(x2, block=opts.block, pow2=opts.pow2, gemm_layout=opts.gemm_layout)
@@ -118,8 +126,8 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         dx = dw = db = None
         if opts.backward == "fp8":
             quant_opts = {"block": opts.block, "pow2": opts.pow2, "gemm_layout": opts.gemm_layout}
-            if need_dx and need_dw:  # both quantizations of dy from one read
-                qdy, sdy, qdyt, sdyt = quant.quantize_1x128_and_128x1(dy2, **quant_opts)
+            if need_dx and need_dw:  # both quantizations of dy
+                qdy, sdy, qdyt, sdyt = _quantize_rows_and_cols(dy2, opts)
             elif need_dx:
                 qdy, sdy = quant.quantize_1x128(dy2, **quant_opts)  # [M, N], [M, N/128]
             elif need_dw:
@@ -212,7 +220,8 @@ class FP8BlockLinear(nn.Linear):
         cfg = self.fp8_config
         qweight = self._quantized_weight()
         opts = _Opts(block=cfg.block_size, pow2=cfg.power_of_two_scales, gemm=cfg.gemm, backward=cfg.backward,
-                     out_dtype=x.dtype, save_for_backward=torch.is_grad_enabled(), gemm_layout=x.is_cuda)
+                     out_dtype=x.dtype, save_for_backward=torch.is_grad_enabled(), gemm_layout=x.is_cuda,
+                     fused_quantizer=cfg.fused_quantizer)
         return _FP8BlockLinearFn.apply(x, self.weight, self.bias, qweight.qw, qweight.sw, qweight.bad,
                                        self.nonfinite_count, qweight, opts)
 

@@ -160,32 +160,44 @@ def test_weight_cache_invalidation(monkeypatch):
     assert "_weight_cache" not in str(list(fp8.state_dict()))
 
 
-def test_no_grad_forward_saves_nothing(monkeypatch):
-    tq = _Counter(monkeypatch, "quantize_1x128_and_128x1")
-    _, fp8 = _pair(torch.float32, k=256, n=128)
+@pytest.mark.parametrize("fused", [False, True])
+def test_no_grad_forward_saves_nothing(monkeypatch, fused):
+    counters = {name: _Counter(monkeypatch, name)
+                for name in ("quantize_1x128", "quantize_128x1", "quantize_1x128_and_128x1")}
+    _, fp8 = _pair(torch.float32, k=256, n=128, cfg=Fp8Config(fused_quantizer=fused))
     x = torch.randn(4, 256, requires_grad=True)
     with torch.no_grad():
         y = fp8(x)
-    assert not y.requires_grad and tq.calls == 0
+    assert not y.requires_grad
+    assert counters["quantize_128x1"].calls == counters["quantize_1x128_and_128x1"].calls == 0  # nothing saved
     fp8(x).sum().backward()
-    assert tq.calls == 2  # x in the forward, dy in the backward: each quantized both ways in one call
+    calls = {name: c.calls for name, c in counters.items()}
+    # x in the forward, dy in the backward: each quantized both ways, in one fused call or two plain ones
+    assert calls == ({"quantize_1x128": 1, "quantize_128x1": 0, "quantize_1x128_and_128x1": 2} if fused else
+                     {"quantize_1x128": 3, "quantize_128x1": 2, "quantize_1x128_and_128x1": 0}), calls
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
-def test_backward_quantizes_dy_once_per_needed_layout(monkeypatch, needs):
-    """dx and dW both needed: one fused call on dy; only one of them: only that quantization."""
+def test_backward_quantizes_dy_once_per_needed_layout(monkeypatch, needs, fused):
+    """Each tensor is quantized once per layout a GEMM needs: x 1x128 (forward) and 128x1 (if dW); dy 1x128
+    (if dx) and 128x1 (if dW); with fused_quantizer both layouts of one tensor come from one fused call."""
     x_grad, w_grad = needs
     counters = {name: _Counter(monkeypatch, name)
                 for name in ("quantize_1x128", "quantize_128x1", "quantize_1x128_and_128x1")}
-    _, fp8 = _pair(torch.float32, k=256, n=128)
+    _, fp8 = _pair(torch.float32, k=256, n=128, cfg=Fp8Config(fused_quantizer=fused))
     fp8.weight.requires_grad_(w_grad)
     x = torch.randn(130, 256, requires_grad=x_grad)
     fp8(x).sum().backward()
     calls = {name: c.calls for name, c in counters.items()}
-    fused = 2 if w_grad and x_grad else 1 if w_grad else 0  # forward x (if dW), backward dy (if both)
-    assert calls["quantize_1x128_and_128x1"] == fused, calls
-    assert calls["quantize_1x128"] == (0 if w_grad else 1) + (1 if x_grad and not w_grad else 0), calls
-    assert calls["quantize_128x1"] == (1 if w_grad and not x_grad else 0), calls
+    rows = 1 + x_grad  # x always, dy if dx is needed
+    cols = w_grad * 2  # x and dy if dW is needed
+    both = (1 if w_grad else 0) + (1 if w_grad and x_grad else 0)  # tensors needing both layouts
+    if fused:
+        assert calls == {"quantize_1x128": rows - both, "quantize_128x1": cols - both,
+                         "quantize_1x128_and_128x1": both}, calls
+    else:
+        assert calls == {"quantize_1x128": rows, "quantize_128x1": cols, "quantize_1x128_and_128x1": 0}, calls
     assert (x.grad is not None) == x_grad and (fp8.weight.grad is not None) == w_grad
 
 
