@@ -193,6 +193,17 @@ def fp8_state_dict(
     return out
 
 
+def shared_block_size(fp8_modules: Mapping[str, Fp8WeightSpec]) -> int:
+    """The one block size of ``fp8_modules`` (``weight_block_size`` is per checkpoint and per vLLM engine);
+    raises when there are no FP8 linears or their block sizes differ."""
+    if not fp8_modules:
+        raise ValueError("model has no FP8 linear layers: convert it with calclip.fp8.quantize_model first")
+    blocks = {spec.block_size for spec in fp8_modules.values()}
+    if len(blocks) != 1:
+        raise ValueError(f"all FP8 linears must share one block size for weight_block_size, got {sorted(blocks)}")
+    return blocks.pop()
+
+
 def export_fp8_checkpoint(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -215,11 +226,7 @@ def export_fp8_checkpoint(
 
     if fp8_modules is None:
         fp8_modules = fp8_weight_specs(model)
-    if not fp8_modules:
-        raise ValueError("model has no FP8 linear layers: convert it with calclip.fp8.quantize_model first")
-    blocks = {spec.block_size for spec in fp8_modules.values()}
-    if len(blocks) != 1:
-        raise ValueError(f"all FP8 linears must share one block size for weight_block_size, got {sorted(blocks)}")
+    block_size = shared_block_size(fp8_modules)
     if modules_to_not_convert is None:
         modules_to_not_convert = bf16_linear_names(model, fp8_modules)
 
@@ -230,7 +237,7 @@ def export_fp8_checkpoint(
 
     config = json.loads(json.dumps(dict(config_dict), default=str))  # deep copy, JSON-clean
     config["quantization_config"] = block_fp8_quantization_config(
-        block_size=blocks.pop(), modules_to_not_convert=modules_to_not_convert
+        block_size=block_size, modules_to_not_convert=modules_to_not_convert
     )
     dtype_name = str(dtype).removeprefix("torch.")
     config["dtype"] = dtype_name

@@ -47,6 +47,7 @@ from calclip.fp8.export import (
     fp8_weight_specs,
     linear_shapes,
     quantize_named_params,
+    shared_block_size,
     vllm_block_fp8_problems,
     vllm_keep_patterns,
 )
@@ -70,13 +71,8 @@ def fp8_quantization_config(model: nn.Module, fp8_modules: Mapping[str, Fp8Weigh
     model = unwrap_model(model)
     if fp8_modules is None:
         fp8_modules = fp8_weight_specs(model)
-    if not fp8_modules:
-        raise ValueError("model has no FP8 linear layers: convert it with calclip.fp8.quantize_model first")
-    blocks = {spec.block_size for spec in fp8_modules.values()}
-    if len(blocks) != 1:
-        raise ValueError(f"all FP8 linears must share one block size, got {sorted(blocks)}")
     return block_fp8_quantization_config(
-        block_size=blocks.pop(), modules_to_not_convert=bf16_linear_names(model, fp8_modules)
+        block_size=shared_block_size(fp8_modules), modules_to_not_convert=bf16_linear_names(model, fp8_modules)
     )
 
 
