@@ -1,25 +1,17 @@
 """calclip: stable full-pipeline FP8 RL for language models.
 
 The math (``calclip.losses``, ``calclip.calibration``, ``calclip.fp8``) imports only torch. The TRL trainer
-classes are imported lazily so that ``import calclip`` stays light and TRL-free.
+classes are re-exported lazily from ``calclip.trainers`` so that ``import calclip`` stays light and TRL-free.
 """
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "CalibratedGRPOConfig": "calclip.trainers.config",
-    "CalibratedDAPOConfig": "calclip.trainers.config",
-    "CalibratedGRPOTrainer": "calclip.trainers.grpo",
-    "CalibratedDAPOTrainer": "calclip.trainers.dapo",
-}
+__all__ = ["CalibratedGRPOConfig", "CalibratedDAPOConfig", "CalibratedGRPOTrainer", "CalibratedDAPOTrainer"]
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+    if name in __all__:
+        from calclip import trainers
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(trainers, name)
     raise AttributeError(f"module 'calclip' has no attribute {name!r}")
-
-
-__all__ = list(_LAZY)
