@@ -204,6 +204,10 @@ def _calibrate_tokens(
     # Step 3: the BF16 balance of update masses between the two sides.
     neg_mass_bf16 = _neg_mass(rb_neg, abs_adv_neg, base_low)
     balance_p = (_pos_mass(rb_pos, adv_pos, base_high) / neg_mass_bf16).item() if neg_mass_bf16 > 0 else None
+    if balance_p is not None and not math.isfinite(balance_p):
+        # M- is positive but so small (subnormal advantages) that the quotient overflows float64: p is as
+        # undefined as with M- = 0, so step 5's degenerate rule applies (found by hypothesis: A = -2.2e-309).
+        balance_p = None
     # Step 4, `quantile` mode: the share of N+ that BF16 clips from above.
     beta = (rb_pos > base_high).sum().item() / num_pos if num_pos else None
 
