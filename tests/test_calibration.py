@@ -603,10 +603,11 @@ def test_calibration_imports_torch_only():
 def test_balance_p_overflow_from_subnormal_advantage_is_degenerate():
     """M-(1-eps_low; rb) > 0 but subnormal: p = M+/M- overflows float64. It must count as undefined (step 5:
     H = 1+eps_high), not become inf, which the every_step refit would then reject (hypothesis found this)."""
+    ratio_bf16 = torch.ones(1, 6, dtype=torch.float64)  # M+ = 1 * 1, M- = 2.2e-309 * 1: p = 4.5e308 > float64 max
     ratio = torch.full((1, 6), 0.5, dtype=torch.float64)
     adv = torch.tensor([[-1.0, 1.0, -2.2251e-309, -1.0, -1.0, -1.0]], dtype=torch.float64)
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
-    result = calibrate_bounds(ratio, ratio, adv, mask, eps_low=0.2, eps_high=0.2, upper="balance")
+    result = calibrate_bounds(ratio_bf16, ratio, adv, mask, eps_low=0.2, eps_high=0.2, upper="balance")
     assert result.balance_p is None
     assert result.bounds()[1] == pytest.approx(1.2)
     low, high = fit_bounds(ratio, adv, mask, alpha=result.alpha, balance_p=result.balance_p, beta=result.beta,
