@@ -266,6 +266,16 @@ class CalibratedGRPOConfig(GRPOConfig):
                 "tis_mode must be 'none' when old_logps_source='rollout': the old log-probs are the rollout's, so "
                 "the correction weight pi_old/pi_rollout is identically 1"
             )
+        if self.old_logps_source == "rollout" and self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "vllm_importance_sampling_correction must be False when old_logps_source='rollout': the ratio is "
+                "already pi/pi_rollout, and TRL's correction would weight the loss by pi_old/pi_rollout a second time"
+            )
+        if self.clip_mode == "calibrated" and self.importance_sampling_level != "token":
+            raise ValueError(
+                "clip_mode='calibrated' needs importance_sampling_level='token': the bounds are calibrated on token "
+                f"ratios and would be applied to sequence ratios, got {self.importance_sampling_level!r}"
+            )
         needs_rollout_logps = self.tis_mode != "none" or self.old_logps_source == "rollout"
         if self.use_transformers_continuous_batching and needs_rollout_logps:
             raise ValueError(

@@ -81,6 +81,10 @@ BAD = [
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
     (dict(delta=2.0), "delta"),
     (dict(clip_mode="clip_higher", epsilon_high=0.1), "epsilon_high"),
+    # bounds calibrated on token ratios must not clip sequence (GSPO) ratios
+    (dict(clip_mode="calibrated", importance_sampling_level="sequence"), "importance_sampling_level"),
+    # bypass with vLLM: TRL's own correction would weight the loss by pi_old/pi_rollout a second time
+    (dict(old_logps_source="rollout", use_vllm=True), "vllm_importance_sampling_correction"),
 ]
 
 

@@ -367,7 +367,7 @@ def test_trainer_refuses_layers_vllm_cannot_serve_and_names_the_fix(fake_vllm, t
                                               for n in fake_vllm.fp8_modules_at_engine_start)
 
 
-@pytest.mark.parametrize("options", [dict(old_logps_source="rollout"),
+@pytest.mark.parametrize("options", [dict(old_logps_source="rollout", vllm_importance_sampling_correction=False),
                                      dict(tis_mode="token_truncate", vllm_importance_sampling_correction=False)])
 def test_rollout_logps_come_from_the_fp8_engine(fake_vllm, tokenizer, tmp_path, options):
     trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, **options)
@@ -386,6 +386,8 @@ def test_rollout_logps_come_from_the_fp8_engine(fake_vllm, tokenizer, tmp_path, 
     if trainer.args.old_logps_source == "rollout":  # bypass: the old log-probs are the engine's
         assert torch.equal(trainer._old_logps(batch, logps), batch["sampling_per_token_logps"])
         assert trainer._policy_moved(batch)
+        # ... and no second correction weight: TRL's own vLLM correction is off (the config requires it)
+        assert trainer._rollout_correction(batch, logps, batch["completion_mask"], {}) is None
     else:  # TIS weights compare the trainer's FP8 old log-probs with the engine's
         stats = {}
         weights = trainer._rollout_correction(batch, trainer._old_logps(batch, logps), batch["completion_mask"], stats)
