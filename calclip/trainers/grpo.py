@@ -330,11 +330,15 @@ class CalibratedGRPOTrainer(GRPOTrainer):
 
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items = None
+        window_scale = 1.0
         if self.loss_type == "dapo":
-            # TRL: num_items_in_batch spans the generation batch of all ranks; rescale to one accumulation window.
-            num_items = inputs["num_items_in_batch"] / self.accelerator.num_processes
+            # TRL: num_items_in_batch spans the generation batch of all ranks, clamped at 1 and rescaled to one
+            # accumulation window (x GA / steps_per_generation). The window factor is applied to the loss below,
+            # not folded into num_items, so aggregate()'s clamp at 1 cannot cut it (exact parity with TRL as long
+            # as the global batch has at least one token per rank).
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
-                num_items = num_items * accumulation / self.args.steps_per_generation
+                window_scale = self.args.steps_per_generation / accumulation
         loss, surrogate_stats = clipped_surrogate(
             logps,
             old_logps,
@@ -349,17 +353,19 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             num_items=num_items,
             is_weights=is_weights,
         )
+        loss = loss * window_scale
         policy_loss = loss.detach()
         if self.loss_type != "dapo":
             loss = loss / accumulation
 
         if self.beta != 0.0:
-            loss = loss + self.beta * self._kl_term(inputs, logps, old_logps, mask, num_items, stats) / (
+            loss = loss + self.beta * window_scale * self._kl_term(inputs, logps, old_logps, mask, num_items, stats) / (
                 1 if self.loss_type == "dapo" else accumulation
             )
         if self._entropy_bonus_enabled:
-            # TRL's bonus: the mean per-token entropy, scaled only for gradient accumulation.
-            keep = mask != 0
+            # TRL's bonus: the mean per-token entropy, scaled only for gradient accumulation. Non-finite entropies
+            # are left out like non-finite log-probs in the policy loss.
+            keep = (mask != 0) & torch.isfinite(entropies)
             mean_entropy = torch.where(keep, entropies, 0.0).sum() / keep.sum().clamp(min=1)
             loss = loss - self.entropy_coef * mean_entropy / accumulation
             stats["policy_loss"] = policy_loss
@@ -407,13 +413,18 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     def _kl_term(self, inputs, logps, old_logps, mask, num_items, stats) -> torch.Tensor:
         """TRL's k3 KL to the reference model, aggregated like the policy loss (before accumulation scaling)."""
         ref = inputs["ref_per_token_logps"]
+        # A non-finite log-prob (policy, reference or old) leaves the KL term like it leaves the policy loss; the
+        # inputs are replaced before exp so that no NaN reaches the backward pass either.
+        valid = (mask != 0) & torch.isfinite(logps) & torch.isfinite(ref) & torch.isfinite(old_logps)
+        logps, ref = torch.where(valid, logps, 0.0), torch.where(valid, ref, 0.0)
         per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
         if self.args.use_bias_correction_kl:
-            ratio, _ = importance_ratio(logps, old_logps, mask, level=self.importance_sampling_level)
+            ratio, _ = importance_ratio(logps, torch.where(valid, old_logps, 0.0), valid,
+                                        level=self.importance_sampling_level)
             per_token_kl = per_token_kl * ratio
-        stats["kl"] = masked_mean(per_token_kl, mask)
+        stats["kl"] = masked_mean(per_token_kl, valid)
         return aggregate(
-            per_token_kl, mask, self.loss_type, max_completion_length=self.max_completion_length, num_items=num_items
+            per_token_kl, valid, self.loss_type, max_completion_length=self.max_completion_length, num_items=num_items
         )
 
     # ------------------------------------------------------------------------------------------ calibration

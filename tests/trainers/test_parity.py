@@ -153,3 +153,46 @@ def test_static_bounds_differ_from_calibrated_loss(base, tmp_path):
     ours.args.epsilon = 0.05
     our_loss, _ = _loss_and_grads(ours, batch)
     assert not torch.isclose(our_loss, stock_loss, rtol=1e-3)
+
+
+def test_dapo_normalizer_below_one_equals_stock_grpo(base, tmp_path):
+    """TRL clamps the global token count at 1 and then rescales it to one accumulation window (x GA / spg), so
+    the normalizer can fall below 1 (here 1 x 2 / 4 = 0.5); calclip must not clamp that again."""
+    stock, ours = _trainers(base, tmp_path, loss_type="dapo")
+    batch = _batch(stock, with_old=True, with_ref=False, seed=2)
+    batch["num_items_in_batch"] = torch.tensor(1)
+    assert stock.args.gradient_accumulation_steps / stock.args.steps_per_generation == 0.5
+    stock_loss, stock_grads = _loss_and_grads(stock, batch)
+    our_loss, our_grads = _loss_and_grads(ours, batch)
+    torch.testing.assert_close(our_loss, stock_loss, rtol=1e-5, atol=1e-7)
+    for name, grad in stock_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("bad_key", ["ref_per_token_logps", "old_per_token_logps"])
+def test_nonfinite_token_leaves_kl_and_entropy_terms(base, tmp_path, bad_key):
+    """A NaN reference/old log-prob on one valid token is dropped from the KL term (and the entropy bonus keeps
+    finite): the loss and every gradient stay finite, and the KL part equals an independent k3 mean over the
+    remaining tokens."""
+    _, ours = _trainers(base, tmp_path, loss_type="bnpo", entropy_coef=0.05)
+    batch = _batch(ours, with_old=True, with_ref=True, seed=4)
+    batch[bad_key][2, 3] = float("nan")
+    ours.beta = 0.04
+    loss, grads = _loss_and_grads(ours, batch)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+
+    ours.beta = 0.0
+    loss_without_kl, _ = _loss_and_grads(ours, batch)
+    with torch.no_grad():
+        logps, _, _ = ours._get_per_token_logps_and_entropies(
+            ours.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), T,
+        )
+    valid = batch["completion_mask"].bool().clone()
+    valid[2, 3] = False
+    diff = (batch["ref_per_token_logps"] - logps).double()[valid]
+    kl = torch.exp(diff) - diff - 1
+    assert ours.args.use_bias_correction_kl  # TRL 1.16's default: k3 weighted by the importance ratio
+    kl_mean = (kl * torch.exp((logps - batch["old_per_token_logps"]).double()[valid])).mean()
+    expected = 0.04 * kl_mean / ours.current_gradient_accumulation_steps  # bnpo: token mean, accumulation-scaled
+    torch.testing.assert_close((loss - loss_without_kl).double(), expected, rtol=1e-4, atol=1e-8)
