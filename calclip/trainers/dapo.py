@@ -140,6 +140,11 @@ def concat_batches(parts: Sequence[dict], *, pad_token_id: int) -> dict:
     return merged
 
 
+# Batch keys of TRL 1.16's vision-language path whose first dimension counts images or patches, not rows.
+_PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "num_images",
+                   "spatial_shapes", "num_tiles", "image_position_ids")
+
+
 class CalibratedDAPOTrainer(CalibratedGRPOTrainer):
     """`CalibratedGRPOTrainer` plus DAPO's dynamic sampling and soft overlong punishment.
 
@@ -198,6 +203,13 @@ class CalibratedDAPOTrainer(CalibratedGRPOTrainer):
         while True:
             rounds += 1
             batch = super()._generate_and_score_completions(batch_inputs)
+            image_keys = sorted(key for key in _PER_IMAGE_KEYS if key in batch)
+            if image_keys:
+                # These tensors are indexed per image or patch, not per row: row selection would misalign them.
+                raise NotImplementedError(
+                    f"dynamic_sampling does not support multimodal batches (found {image_keys}); set "
+                    "dynamic_sampling=False for vision-language models"
+                )
             keep = informative_rows(self._last_rewards_per_func, self.reward_weights, group_size).cpu()
             dropped_groups += int((~keep).sum()) // group_size
             keep_by_process = keep.view(self.accelerator.num_processes, -1)

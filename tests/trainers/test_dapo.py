@@ -244,3 +244,22 @@ def test_dynamic_sampling_off_is_plain_generation(tmp_path):
     prompts = trainer.processing_class.batch_decode(output["prompt_ids"], skip_special_tokens=True)
     assert sum("same" in p for p in prompts) == sum("same" in x["prompt"][0]["content"] for x in inputs)
     assert "dynamic_sampling/rounds" not in trainer._metrics["train"]
+
+
+def test_dynamic_sampling_refuses_multimodal_batches(tmp_path, monkeypatch):
+    """Image tensors are indexed per image/patch, not per row: selecting rows would misalign them, so a batch
+    carrying them is refused by name instead of being silently corrupted."""
+    from calclip.trainers.grpo import CalibratedGRPOTrainer
+
+    trainer = _dapo_trainer(tmp_path, ["vary"] * 8)
+    inputs = _generation_batch(trainer)
+    parent = CalibratedGRPOTrainer._generate_and_score_completions
+
+    def with_images(self, batch_inputs):
+        batch = parent(self, batch_inputs)
+        batch["pixel_values"] = torch.zeros(3 * len(batch_inputs), 8)  # e.g. 3 patches per row
+        return batch
+
+    monkeypatch.setattr(CalibratedGRPOTrainer, "_generate_and_score_completions", with_images)
+    with pytest.raises(NotImplementedError, match="pixel_values"):
+        trainer._generate_and_score_completions(inputs)
