@@ -45,7 +45,9 @@ tokens whose BF16 shadow ratio is below 1 - epsilon, i.e. what BF16 training wou
 log-probs), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``, ``entropy/neg_adv``,
 ``entropy/spike``, ``fp8/nonfinite_tokens`` (tokens whose FP8 linear output was non-finite),
 ``loss/nonfinite_tokens``, ``completions/repeat_ngram_frac``; and TRL's ``clip_ratio/*``, ``kl``,
-``policy_loss``, ``aux_loss``.
+``policy_loss``, ``aux_loss``. TRL's metrics keep TRL's names and reductions (token-weighted global means,
+``clip_ratio/low_min``/``high_max`` over every rank's sequences); calclip's token-level metrics are token-weighted
+global means too (one all-reduce of (sum, count) pairs), counts are summed, per-micro-batch scalars averaged.
 """
 
 from __future__ import annotations
@@ -59,21 +61,19 @@ import warnings
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
+from trl.trainer.utils import nanmax, nanmin
 
 from calclip.calibration import ClipCalibrator, torch_distributed_all_gather
 from calclip.fp8 import Fp8Config, bf16_shadow, pop_nonfinite_count, quantize_model
 from calclip.losses import (
     aggregate,
     clipped_surrogate,
-    entropy_stats,
     importance_ratio,
     kl_k3,
-    masked_mean,
     rollout_correction_weights,
     token_log_ratio,
     token_mult_prob_error,
 )
-from calclip.losses.metrics import masked_share
 from calclip.losses.registry import ClipMode, get_clip_mode
 from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
 from calclip.trainers.config import CalibratedGRPOConfig
@@ -90,7 +90,15 @@ _FORWARD_KEYS = (
 # Logged on every mini-batch; the calibrator's copies of them are not logged a second time.
 _PER_STEP_STATS = ("calib/low", "calib/high", "clip/neg_low_frac_fp8", "clip/pos_high_frac")
 # Stats summed over ranks (counts); every other stat is averaged over ranks.
-_SUMMED_STATS = ("fp8/nonfinite_tokens", "loss/nonfinite_tokens")
+_SUMMED_STATS = ("fp8/nonfinite_tokens", "loss/nonfinite_tokens", "tis/nonfinite_tokens")
+# Reduced over ranks by their extreme, not their mean.
+_MIN_STATS, _MAX_STATS = ("tis/weight_min",), ("tis/weight_max",)
+
+
+def _sum_count(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of x over keep, |keep|) with values outside keep ignored even if non-finite."""
+    x = x.detach().to(torch.promote_types(x.dtype, torch.float32))  # a bfloat16 sum of many tokens is coarse
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(), keep.sum()
 
 
 class _SampledLogprobRecorder:
@@ -323,7 +331,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         )
         advantages = inputs["advantages"]
         old_logps = self._old_logps(inputs, logps)
-        stats: dict[str, torch.Tensor] = {}
+        stats: dict[str, torch.Tensor] = {}  # per-micro-batch scalars
+        token_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (sum, count) of token-level metrics
         calibration_stats = self._calibrate(inputs, logps, old_logps, advantages, mask) if mode == "train" else {}
         low, high = self.clip_bounds
         is_weights = self._rollout_correction(inputs, old_logps, mask, stats)
@@ -359,9 +368,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             loss = loss / accumulation
 
         if self.beta != 0.0:
-            loss = loss + self.beta * window_scale * self._kl_term(inputs, logps, old_logps, mask, num_items, stats) / (
-                1 if self.loss_type == "dapo" else accumulation
-            )
+            kl = self._kl_term(inputs, logps, old_logps, mask, num_items, token_sums)
+            loss = loss + self.beta * window_scale * kl / (1 if self.loss_type == "dapo" else accumulation)
         if self._entropy_bonus_enabled:
             # TRL's bonus: the mean per-token entropy, scaled only for gradient accumulation. Non-finite entropies
             # are left out like non-finite log-probs in the policy loss.
@@ -375,8 +383,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             stats["aux_loss"] = aux_loss.detach()
 
-        self._log_loss_metrics(mode, stats, surrogate_stats, calibration_stats, inputs, logps, old_logps, entropies,
-                               advantages, mask)  # fmt: skip
+        self._log_loss_metrics(mode, stats, token_sums, surrogate_stats, calibration_stats, inputs, logps, old_logps,
+                               entropies, advantages, mask, is_weights)  # fmt: skip
         return loss
 
     def _old_logps(self, inputs, logps) -> torch.Tensor:
@@ -410,7 +418,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         stats.update(tis_stats)
         return weights
 
-    def _kl_term(self, inputs, logps, old_logps, mask, num_items, stats) -> torch.Tensor:
+    def _kl_term(self, inputs, logps, old_logps, mask, num_items, token_sums) -> torch.Tensor:
         """TRL's k3 KL to the reference model, aggregated like the policy loss (before accumulation scaling)."""
         ref = inputs["ref_per_token_logps"]
         # A non-finite log-prob (policy, reference or old) leaves the KL term like it leaves the policy loss; the
@@ -422,7 +430,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             ratio, _ = importance_ratio(logps, torch.where(valid, old_logps, 0.0), valid,
                                         level=self.importance_sampling_level)
             per_token_kl = per_token_kl * ratio
-        stats["kl"] = masked_mean(per_token_kl, valid)
+        token_sums["kl"] = _sum_count(per_token_kl, valid)
         return aggregate(
             per_token_kl, valid, self.loss_type, max_completion_length=self.max_completion_length, num_items=num_items
         )
@@ -441,8 +449,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 stats = self.calibrator.calibrate(ratio_bf16, ratio_fp8, advantages, mask)
                 stats.update(self._static_drop_shares(ratio_bf16, ratio_fp8, advantages, mask))
                 if bf16_logps is not None:
-                    local = token_mult_prob_error(logps, bf16_logps, mask)
-                    stats["mismatch/fp8_bf16_token_mult_prob_error"] = self._mean_over_ranks(local)
+                    count = ((mask != 0) & torch.isfinite(logps) & torch.isfinite(bf16_logps)).sum()
+                    local_mean = token_mult_prob_error(logps, bf16_logps, mask)
+                    name = "mismatch/fp8_bf16_token_mult_prob_error"
+                    stats.update(self._global_token_means({name: (local_mean * count, count)}))
                 return stats
         if self.args.calibration_schedule == "every_step" and self.clip_mode is ClipMode.CALIBRATED:
             if self.calibrator.calibrated:
@@ -473,18 +483,28 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             "clip/neg_low_frac_fp8_static": hits_fp8 / total if total else 0.0,
         }
 
-    def _mean_over_ranks(self, value: torch.Tensor) -> float:
-        return self.accelerator.gather(value.detach().reshape(1).float()).nanmean().item()
-
     # ------------------------------------------------------------------------------------------ metrics
 
-    def _log_loss_metrics(self, mode, stats, surrogate_stats, calibration_stats, inputs, logps, old_logps, entropies,
-                          advantages, mask) -> None:  # fmt: skip
+    def _log_loss_metrics(self, mode, stats, token_sums, surrogate_stats, calibration_stats, inputs, logps, old_logps,
+                          entropies, advantages, mask, is_weights) -> None:  # fmt: skip
         low, high = self.clip_bounds
-        stats.update(entropy_stats(entropies, advantages, mask))
-        stats["clip/neg_low_frac_fp8"] = surrogate_stats["clip/neg_low_frac"]
-        stats["clip/pos_high_frac"] = surrogate_stats["clip/pos_high_frac"]
-        stats["clip/dual_frac"] = surrogate_stats["clip/dual_frac"]
+        adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+        in_mask = mask != 0
+        # Token-level metrics are (sum, count) pairs reduced over ranks: token-weighted global means, like TRL's
+        # global_masked_mean (a per-rank mean averaged over ranks would overweight ranks with few tokens).
+        token_sums = dict(token_sums)
+        finite_entropy = in_mask & torch.isfinite(entropies)
+        token_sums["entropy"] = _sum_count(entropies, finite_entropy)
+        token_sums["entropy/neg_adv"] = _sum_count(entropies, finite_entropy & torch.isfinite(adv) & (adv < 0))
+        # calclip.losses reports shares over the tokens its surrogate kept (finite inputs); weight them by those
+        # populations (A<0 and A>0 tokens) so they reduce as exact global shares.
+        valid = in_mask & torch.isfinite(logps) & torch.isfinite(old_logps) & torch.isfinite(adv)
+        if is_weights is not None:
+            valid = valid & torch.isfinite(is_weights)
+        neg, pos = (valid & (adv < 0)).sum(), (valid & (adv > 0)).sum()
+        token_sums["clip/neg_low_frac_fp8"] = (surrogate_stats["clip/neg_low_frac"] * neg, neg)
+        token_sums["clip/pos_high_frac"] = (surrogate_stats["clip/pos_high_frac"] * pos, pos)
+        token_sums["clip/dual_frac"] = (surrogate_stats["clip/dual_frac"] * neg, neg)
         # Tokens the loss dropped for a non-finite log-prob/advantage, and (FP8) tokens whose FP8 linear output was
         # non-finite in any forward since the last loss step (generation and shadow forwards included).
         stats["loss/nonfinite_tokens"] = surrogate_stats["nonfinite_tokens"]
@@ -492,29 +512,49 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             stats["fp8/nonfinite_tokens"] = pop_nonfinite_count(self.accelerator.unwrap_model(self.model)).to(
                 logps.device
             )
-        # TRL's clip_ratio/* (shares of all completion tokens), against the bounds in force.
+        # TRL's clip_ratio/* (shares of all completion tokens, or of sequences for a sequence-level ratio [B, 1]),
+        # against the bounds in force (TRL's own bounds in the static modes).
         ratio, _ = importance_ratio(logps.detach(), old_logps, mask, level=self.importance_sampling_level)
-        adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
         is_low = (ratio < low) & (adv < 0)
         is_high = (ratio > high) & (adv > 0)
-        # Like TRL: over completion tokens, or over sequences for a sequence-level ratio ([B, 1]).
-        keep = (mask != 0) if is_low.size(-1) == mask.size(-1) else torch.ones_like(is_low)
-        stats["clip_ratio/low_mean"] = masked_share(is_low, keep)
-        stats["clip_ratio/high_mean"] = masked_share(is_high, keep)
-        stats["clip_ratio/region_mean"] = masked_share(is_low | is_high, keep)
+        keep = in_mask if is_low.size(-1) == mask.size(-1) else torch.ones_like(is_low)
+        token_sums["clip_ratio/low_mean"] = _sum_count(is_low.float(), keep)
+        token_sums["clip_ratio/high_mean"] = _sum_count(is_high.float(), keep)
+        token_sums["clip_ratio/region_mean"] = _sum_count((is_low | is_high).float(), keep)
         if "sampling_per_token_logps" in inputs and self.args.old_logps_source == "trainer":
             rollout = inputs["sampling_per_token_logps"]
-            stats["mismatch/token_mult_prob_error"] = token_mult_prob_error(old_logps, rollout, mask)
-            stats["mismatch/kl_k3"] = kl_k3(old_logps, rollout, mask)
+            both_finite = in_mask & torch.isfinite(old_logps) & torch.isfinite(rollout)
+            count = both_finite.sum()
+            token_sums["mismatch/token_mult_prob_error"] = (token_mult_prob_error(old_logps, rollout, mask) * count,
+                                                            count)  # fmt: skip
+            token_sums["mismatch/kl_k3"] = (kl_k3(old_logps, rollout, mask) * count, count)
+        if "tis/weight_mean" in stats:
+            self._tis_token_sums(inputs, old_logps, mask, stats, token_sums)
 
-        # One collective for all per-micro-batch stats; keys depend only on the config, so every rank agrees.
+        values = self._global_token_means(token_sums)
+        # TRL's clip_ratio/low_min and high_max: extremes over every rank's sequences of the per-sequence share.
+        for name, selected, extreme in (("clip_ratio/low_min", is_low, nanmin), ("clip_ratio/high_max", is_high,
+                                                                                 nanmax)):  # fmt: skip
+            if selected.size(-1) == 1:
+                per_sequence = selected.float().squeeze(-1)
+            else:
+                per_sequence = (selected.float() * mask).sum(-1) / mask.sum(-1)  # NaN for an empty row, as in TRL
+            values[name] = extreme(self.accelerator.gather(per_sequence)).item()
+        # Per-micro-batch scalars (losses, TIS summaries): one collective; counts are summed, the rest averaged.
         names = sorted(stats)
-        local = torch.stack([stats[name].detach().float().reshape(()) for name in names])
-        gathered = self.accelerator.gather(local.unsqueeze(0)).view(-1, len(names))
-        for i, name in enumerate(names):
-            column = gathered[:, i]
-            value = column.sum() if name in _SUMMED_STATS else column.nanmean()
-            self._metrics[mode][name].append(value.item())
+        if names:
+            local = torch.stack([stats[name].detach().float().reshape(()) for name in names])
+            gathered = self.accelerator.gather(local.unsqueeze(0)).view(-1, len(names))
+            for i, name in enumerate(names):
+                column = gathered[:, i]
+                if name in _SUMMED_STATS:
+                    values[name] = column.sum().item()
+                elif name in _MIN_STATS or name in _MAX_STATS:
+                    values[name] = (nanmin if name in _MIN_STATS else nanmax)(column).item()
+                else:
+                    values[name] = column.nanmean().item()
+        for name in sorted(values):
+            self._metrics[mode][name].append(values[name])
         for name, value in calibration_stats.items():
             if name not in _PER_STEP_STATS:  # the bounds in force and the FP8 clip shares are logged every step
                 self._metrics[mode][name].append(float(value))
@@ -522,15 +562,36 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["calib/high"].append(high)
 
         if mode == "train":
-            names_index = {name: i for i, name in enumerate(names)}
-            self._step_entropies.append(
-                (
-                    gathered[:, names_index["entropy"]].nanmean().item(),
-                    gathered[:, names_index["entropy/neg_adv"]].nanmean().item(),
-                )
-            )
+            self._step_entropies.append((values["entropy"], values["entropy/neg_adv"]))
             if self.accelerator.sync_gradients:
                 self._end_of_step_monitoring()
+
+    def _tis_token_sums(self, inputs, old_logps, mask, stats, token_sums) -> None:
+        """TIS means over their weighted units (tokens, or sequences in the sequence modes) as (sum, count) pairs;
+        weight_min/max become NaN on a rank without data so the reduction over ranks skips it. tis/ess stays a
+        per-rank value averaged over ranks, tis/nonfinite_tokens a count summed over ranks."""
+        rollout = inputs["sampling_per_token_logps"]
+        counted = (mask != 0) & torch.isfinite(old_logps) & torch.isfinite(rollout)
+        if self.args.tis_mode.startswith("sequence"):
+            counted = counted.any(-1)
+        count = counted.sum()
+        for name in ("tis/weight_mean", "tis/clipped_frac"):
+            token_sums[name] = (stats.pop(name) * count, count)
+        no_data = torch.tensor(float("nan"), device=count.device)
+        for name in ("tis/weight_min", "tis/weight_max"):
+            stats[name] = torch.where(count > 0, stats[name].float(), no_data)
+
+    def _global_token_means(self, token_sums: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+        """sum / count over the tokens of every rank for each (local sum, local count) pair, in one all-reduce;
+        0 over no tokens (TRL's clamp of the count at 1). Keys depend only on the config, so every rank agrees."""
+        names = sorted(token_sums)
+        local = torch.stack(
+            [torch.stack([s.detach().double().reshape(()), c.detach().double().reshape(())])
+             for s, c in (token_sums[name] for name in names)]
+        )  # fmt: skip
+        totals = self.accelerator.reduce(local, reduction="sum")
+        means = totals[:, 0] / totals[:, 1].clamp(min=1.0)
+        return dict(zip(names, means.tolist()))
 
     def _end_of_step_monitoring(self) -> None:
         """Entropy-spike detection on the optimizer step's entropy (all ranks hold the same values)."""

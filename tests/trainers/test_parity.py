@@ -126,7 +126,9 @@ def test_loss_and_gradients_equal_stock_grpo(base, tmp_path, case):
         for name, grad in stock_grads.items():
             torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
         # TRL's own metrics keep their values
-        for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        for key in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                    "clip_ratio/low_min", "clip_ratio/high_max"):
+            assert stock._metrics["train"][key], key
             assert ours._metrics["train"][key] == pytest.approx(stock._metrics["train"][key], rel=1e-5, abs=1e-7)
         if with_old:
             assert stock._metrics["train"]["clip_ratio/region_mean"][0] > 0.1  # clipping is exercised
@@ -196,3 +198,82 @@ def test_nonfinite_token_leaves_kl_and_entropy_terms(base, tmp_path, bad_key):
     kl_mean = (kl * torch.exp((logps - batch["old_per_token_logps"]).double()[valid])).mean()
     expected = 0.04 * kl_mean / ours.current_gradient_accumulation_steps  # bnpo: token mean, accumulation-scaled
     torch.testing.assert_close((loss - loss_without_kl).double(), expected, rtol=1e-4, atol=1e-8)
+
+
+class _RecordedRank:
+    """Another rank, faked: its tensors given to each collective are recorded in call order, then replayed so that
+    this process's i-th reduce/gather sees rank 0's tensor together with the other rank's i-th one."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.calls: list[tuple[str, torch.Tensor]] = []
+
+    def record(self, monkeypatch):
+        def reduce(tensor, reduction="sum"):
+            self.calls.append(("reduce", tensor.clone()))
+            return tensor.clone()
+
+        def gather(tensor):
+            self.calls.append(("gather", tensor.clone()))
+            return tensor.clone()
+
+        monkeypatch.setattr(self.accelerator, "reduce", reduce)
+        monkeypatch.setattr(self.accelerator, "gather", gather)
+
+    def replay(self, monkeypatch):
+        calls = iter(self.calls)
+
+        def reduce(tensor, reduction="sum"):
+            kind, other = next(calls)
+            assert kind == "reduce" and reduction == "sum"
+            return tensor + other
+
+        def gather(tensor):
+            kind, other = next(calls)
+            assert kind == "gather"
+            return torch.cat([tensor, other])
+
+        monkeypatch.setattr(self.accelerator, "reduce", reduce)
+        monkeypatch.setattr(self.accelerator, "gather", gather)
+
+
+def test_token_metrics_are_token_weighted_global_means(base, tmp_path, monkeypatch):
+    """Two ranks with very unequal token counts: every token-level metric (TRL's and calclip's) equals the
+    single-process value over the union of both ranks' tokens, not the average of the two per-rank means."""
+    _, ours = _trainers(base, tmp_path, loss_type="grpo")
+    ours.args.tis_mode, ours.args.tis_cap = "token_truncate", 1.5  # (stock TRL has no such field)
+    ours.beta = 0.04
+    rank0 = _batch(ours, with_old=True, with_ref=True, seed=5)
+    rank1 = _batch(ours, with_old=True, with_ref=True, seed=6)
+    rank1["completion_mask"][:, 2:] = 0  # rank 1 holds 12 tokens, rank 0 holds 45
+    rank1["completion_ids"][rank1["completion_mask"] == 0] = ours.processing_class.pad_token_id
+    for batch, seed, scale in ((rank0, 7, 0.1), (rank1, 8, 0.6)):  # the ranks' rollout mismatch differs
+        g = torch.Generator().manual_seed(seed)
+        batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + scale * torch.randn(B, T, generator=g)
+    union = {key: torch.cat([rank0[key], rank1[key]]) for key in rank0 if key != "num_items_in_batch"}
+    union["num_items_in_batch"] = rank0["num_items_in_batch"]
+
+    def metrics_of(batch):
+        ours._metrics["train"].clear()
+        with torch.no_grad():
+            ours.compute_loss(ours.model, copy.deepcopy(batch))
+        return {key: values[-1] for key, values in ours._metrics["train"].items()}
+
+    expected = metrics_of(union)
+    with monkeypatch.context() as patch:
+        other_rank = _RecordedRank(ours.accelerator)
+        other_rank.record(patch)
+        metrics_of(rank1)
+        other_rank.replay(patch)
+        got = metrics_of(rank0)
+    alone0, alone1 = metrics_of(rank0), metrics_of(rank1)
+    for key in ("kl", "clip_ratio/region_mean", "mismatch/kl_k3"):  # the unequal counts matter here
+        assert got[key] != pytest.approx((alone0[key] + alone1[key]) / 2, rel=1e-2), key
+
+    token_means = ("entropy", "entropy/neg_adv", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                   "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "clip/neg_low_frac_fp8",
+                   "clip/pos_high_frac", "mismatch/token_mult_prob_error", "mismatch/kl_k3", "tis/weight_mean",
+                   "tis/clipped_frac", "tis/weight_min", "tis/weight_max", "loss/nonfinite_tokens")  # fmt: skip
+    for key in token_means:
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    assert 0.0 < got["clip_ratio/region_mean"] < 1.0 and got["mismatch/token_mult_prob_error"] > 1.0
