@@ -180,22 +180,29 @@ class CalibratedGRPOConfig(GRPOConfig):
             )
         if self.clip_mode == "calibrated" and not self.calibration_is_meaningful:
             warnings.warn(
-                "clip_mode='calibrated' but every mini-batch is on-policy (steps_per_generation "
-                f"({self.steps_per_generation}) <= gradient_accumulation_steps ({self.gradient_accumulation_steps}), "
-                "num_iterations == 1, old_logps_source='trainer'): the ratio is exactly 1, so calibration never "
+                "clip_mode='calibrated' but every mini-batch is on-policy: gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}) is a multiple of steps_per_generation * num_iterations "
+                f"({self.steps_per_generation} * {self.num_iterations}), so no optimizer step falls inside a "
+                "generation round, TRL computes no old log-probs and the ratio is exactly 1; calibration never "
                 "sees a moved policy and the bounds stay at calibration_init_bounds. Raise steps_per_generation or "
-                "num_iterations.",
+                "num_iterations (or use old_logps_source='rollout' with vLLM).",
                 UserWarning,
                 stacklevel=2,
             )
 
     @property
     def calibration_is_meaningful(self) -> bool:
-        """True when some mini-batches see a policy that moved since the old log-probs (DESIGN.md, Schedules)."""
-        return (
-            self.steps_per_generation > self.gradient_accumulation_steps
-            or self.num_iterations > 1
-            or self.old_logps_source == "rollout"
+        """True when some mini-batches see a policy that moved since the old log-probs (DESIGN.md, Schedules).
+
+        TRL 1.16's own condition for computing old log-probs (GRPOTrainer._generate_and_score_completions): an
+        optimizer step falls inside a generation round of steps_per_generation * num_iterations micro-batches
+        exactly when gradient_accumulation_steps is not a multiple of it. Bypass mode with vLLM also qualifies (the
+        engine's log-probs differ from the trainer's from the start); on the transformers generate path the rollout
+        runs the trainer's own modules, so bypass mode moves only where the trainer path does.
+        """
+        generate_every = self.steps_per_generation * self.num_iterations
+        return self.gradient_accumulation_steps % generate_every != 0 or (
+            self.old_logps_source == "rollout" and self.use_vllm
         )
 
     @property

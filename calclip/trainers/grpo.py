@@ -28,8 +28,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   (``calclip_state.pt``), restored on ``resume_from_checkpoint``, like TRL's own adaptive-entropy state.
 
 Calibration happens only on mini-batches whose policy moved since the old log-probs were taken (DESIGN.md,
-Schedules): in the ``steps_per_generation * num_iterations`` micro-batches a generation feeds, the first
-``gradient_accumulation_steps`` are exactly on-policy (r = 1) unless the old log-probs are the rollout's (bypass).
+Schedules): a micro-batch is exactly on-policy (r = 1) while the optimizer step is still the one at which its
+generation batch was produced (``self.state.global_step`` recorded in ``_generate_and_score_completions``), unless
+the old log-probs come from a separate vLLM engine (bypass).
 On such a moved mini-batch, when the calibrator says a shadow calibration is due, one extra no-grad forward under
 ``bf16_shadow`` gives the BF16 current log-probs; with the BF16 old log-probs from generation time they form the
 BF16 ratios, and the FP8 ratios are the ones the loss uses. The new bounds apply from that mini-batch on. With FP8
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import os
 import warnings
 
@@ -194,6 +194,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             window=args.entropy_spike_window, warmup=args.entropy_spike_warmup, z_threshold=args.entropy_spike_z
         )
         self._step_entropies: list[tuple[float, float]] = []  # (entropy, A<0 entropy) of this step's micro-batches
+        self._old_logps_step: int | None = None  # global_step at which the buffered generation batch was produced
 
     # ------------------------------------------------------------------------------------------ FP8 policy
 
@@ -243,11 +244,13 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         """Whether this training micro-batch's policy moved since its old log-probs were taken."""
         if self.args.old_logps_source == "rollout" and self.use_vllm:
             return True  # a separate rollout engine: its log-probs differ from the trainer's from the start
-        # Micro-batch index within its generation round: the first accumulation window is exactly on-policy (on the
-        # generate path the rollout runs the trainer's own quantized modules, so this holds in bypass mode too).
-        in_round = self._step % self._generate_every
-        if in_round < self.args.gradient_accumulation_steps:
+        # The policy moved only if an optimizer step ran since the generation batch was produced (on the generate
+        # path the rollout runs the trainer's own quantized modules, so this holds in bypass mode too). Comparing
+        # optimizer steps, not micro-batch positions, stays right when generation rounds and accumulation windows
+        # are misaligned (e.g. steps_per_generation 3, gradient_accumulation_steps 2).
+        if self._old_logps_step is None or self.state.global_step <= self._old_logps_step:
             return False
+        # Without old log-probs TRL uses the detached current ones: the ratio is exactly 1, nothing to calibrate.
         return self.args.old_logps_source == "rollout" or "old_per_token_logps" in inputs
 
     def _shadow_active(self) -> bool:
@@ -258,7 +261,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         """Whether a shadow calibration may fall in the optimizer steps fed by the generation happening now."""
         if not (self._shadow_active() and self.args.calibration_is_meaningful):
             return False
-        num_steps = max(1, math.ceil(self._generate_every / self.args.gradient_accumulation_steps))
+        # The round's micro-batches are self._step ... self._step + generate_every - 1; count the optimizer steps they
+        # span (one more than generate_every / GA when a round straddles a step boundary).
+        accumulation = self.args.gradient_accumulation_steps
+        num_steps = (self._step + self._generate_every - 1) // accumulation - self._step // accumulation + 1
         first = self.state.global_step
         return any(self.calibrator.needs_calibration(step) for step in range(first, first + num_steps))
 
@@ -282,6 +288,9 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            # The optimizer step whose weights gave this batch's old log-probs (TRL buffers one batch per round).
+            self._old_logps_step = self.state.global_step
         if mode == "train" and self.args.fp8 and self._shadow_due_this_round():
             output[BF16_OLD_LOGPS_KEY] = self._shadow_logps(output)
         self._log_repeated_ngrams(output, mode)

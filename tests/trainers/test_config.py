@@ -112,7 +112,9 @@ def test_warns_when_calibration_is_meaningless():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         CalibratedGRPOConfig(**on_policy, num_iterations=2)  # moved policy: no warning
-        CalibratedGRPOConfig(**on_policy, old_logps_source="rollout")  # bypass: no warning
+        # bypass with vLLM: the engine's log-probs differ from the trainer's: no warning
+        CalibratedGRPOConfig(**on_policy, old_logps_source="rollout", use_vllm=True,
+                             vllm_importance_sampling_correction=False)  # fmt: skip
         CalibratedGRPOConfig(**on_policy, clip_mode="static")  # no calibration: no warning
 
 
@@ -134,3 +136,19 @@ def test_yaml_and_cli_overrides_parse_into_the_config(tmp_path):
     assert config.calibration_init_bounds == [0.5, 2.0]
     assert config.fp8_keep_patterns == ["lm_head", "layers\\.0\\."]
     assert config.calibration_interval == 5 and config.fp8 is False
+
+
+@pytest.mark.parametrize("accumulation", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("steps_per_generation", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_calibration_is_meaningful_exactly_when_trl_computes_old_logps(accumulation, steps_per_generation,
+                                                                       num_iterations):  # fmt: skip
+    """TRL 1.16 computes old log-probs (the policy moves inside a generation round) exactly when
+    gradient_accumulation_steps is not a multiple of steps_per_generation * num_iterations: e.g. GA=3 with
+    steps_per_generation=2 moves mid-round, GA=2 with num_iterations=2 and steps_per_generation=1 does not."""
+    config = make(gradient_accumulation_steps=accumulation, steps_per_generation=steps_per_generation,
+                  num_iterations=num_iterations, per_device_train_batch_size=2)  # fmt: skip
+    moves_mid_round = accumulation % (steps_per_generation * num_iterations) != 0
+    assert config.calibration_is_meaningful == moves_mid_round
+    assert make(gradient_accumulation_steps=accumulation, steps_per_generation=steps_per_generation,
+                num_iterations=num_iterations, old_logps_source="rollout").calibration_is_meaningful == moves_mid_round

@@ -124,6 +124,53 @@ def test_on_policy_config_never_calibrates(tokenizer, tmp_path):
     assert trainer.calibrator.bounds == tuple(trainer.args.calibration_init_bounds)
 
 
+@pytest.mark.parametrize(
+    ("steps_per_generation", "accumulation", "expected_moved"),
+    [
+        # round 1: micro-batches 0,1 (step 0) 2 (step 1); round 2, generated at step 1: 3 (step 1) 4,5 (step 2)
+        (3, 2, [False, False, True, False, True, True]),
+        # rounds of 2 inside windows of 3: micro-batch 3 is the first of step 1 in a round generated at step 0
+        (2, 3, [False, False, False, True, False, False]),
+    ],
+)
+def test_misaligned_rounds_calibrate_exactly_the_moved_micro_batches(
+    tokenizer, tmp_path, steps_per_generation, accumulation, expected_moved
+):
+    """Generation rounds that straddle optimizer steps: a micro-batch counts as moved exactly when an optimizer step
+    ran since its generation batch was produced, i.e. exactly when its ratio is not 1."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no false "on-policy" warning for these configs
+        args = tiny_training_args(
+            CalibratedGRPOConfig, tmp_path, clip_mode="calibrated", fp8=False, max_steps=2 if accumulation == 3 else 3,
+            steps_per_generation=steps_per_generation, gradient_accumulation_steps=accumulation,
+        )  # fmt: skip
+    assert args.calibration_is_meaningful
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = CalibratedGRPOTrainer(
+            model=build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256),
+            reward_funcs=digit_share_reward,
+            args=args,
+            train_dataset=tiny_prompt_dataset(8),
+            processing_class=tokenizer,
+        )
+    seen = []
+    calibrate = trainer._calibrate
+
+    def recording_calibrate(inputs, logps, old_logps, advantages, mask):
+        keep = mask.bool()
+        seen.append((trainer._policy_moved(inputs), (logps.detach() - old_logps)[keep].abs().max().item()))
+        return calibrate(inputs, logps, old_logps, advantages, mask)
+
+    trainer._calibrate = recording_calibrate
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert [moved for moved, _ in seen] == expected_moved
+    assert all((gap > 1e-4) == moved for moved, gap in seen)  # moved exactly where the ratio is not 1
+    assert trainer.calibrator.calibrated
+
+
 def _generation_batch(trainer, tokenizer):
     trainer.model.train()
     inputs = [row for row in tiny_prompt_dataset(2) for _ in range(trainer.num_generations)]
