@@ -24,8 +24,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   accumulation steps; ``dapo`` by ``num_items_in_batch / num_processes * accumulation / steps_per_generation``),
   plus TRL's KL term, static entropy bonus and MoE aux loss. With clip_mode static, fp8 off and no TIS the loss and
   gradients equal ``GRPOTrainer``'s (tests/trainers/test_parity.py).
-- ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: calibrator and spike-detector state in every checkpoint
-  (``calclip_state.pt``), restored on ``resume_from_checkpoint``, like TRL's own adaptive-entropy state.
+- ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: calibrator and spike-detector state in every
+  checkpoint (``calclip_state.pt``, written with the optimizer state, so before the hub push and checkpoint
+  rotation), restored on ``resume_from_checkpoint``.
 
 Calibration happens only on mini-batches whose policy moved since the old log-probs were taken (DESIGN.md,
 Schedules): a micro-batch is exactly on-policy (r = 1) while the optimizer step is still the one at which its
@@ -59,7 +60,6 @@ import os
 import warnings
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
@@ -629,11 +629,12 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         self.calibrator.load_state_dict(state["calibrator"])
         self.spike_detector.load_state_dict(state["spike_detector"])
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+    def _save_optimizer_and_scheduler(self, output_dir):
+        # Written with the optimizer state it resumes with (the mirror of _load_optimizer_and_scheduler), inside
+        # Trainer._save_checkpoint: before the checkpoint is pushed to the hub or older ones are rotated away.
+        # (With save_only_model neither is saved, and such a checkpoint cannot resume.)
+        super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            output_dir = os.path.join(self._get_output_dir(trial=trial), checkpoint_folder)
             torch.save(self.calclip_state_dict(), os.path.join(output_dir, CALCLIP_STATE_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint):

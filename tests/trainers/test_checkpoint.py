@@ -101,3 +101,29 @@ def test_missing_state_file_warns_and_starts_fresh(tmp_path):
     with pytest.warns(UserWarning, match="start fresh"):
         fresh._load_optimizer_and_scheduler(str(tmp_path / "checkpoint-2"))
     assert fresh.calibrator.bounds == (0.6, 1.8)
+
+
+def test_state_file_is_in_the_checkpoint_before_push_and_rotation(tmp_path, monkeypatch):
+    """The hub push and the rotation of old checkpoints both see calclip_state.pt already in the folder."""
+    import transformers.trainer
+
+    seen = []
+
+    def record(event, folder):
+        seen.append((event, os.path.basename(folder), os.path.exists(os.path.join(folder, CALCLIP_STATE_NAME))))
+
+    rotate = transformers.trainer.rotate_checkpoints
+
+    def recording_rotate(output_dir, **kwargs):
+        record("rotate", os.path.join(output_dir, f"checkpoint-{trainer.state.global_step}"))
+        return rotate(output_dir=output_dir, **kwargs)
+
+    monkeypatch.setattr(transformers.trainer, "rotate_checkpoints", recording_rotate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _trainer(tmp_path)
+        trainer.args.push_to_hub = True  # after __init__, so no hub repository is created
+        monkeypatch.setattr(trainer, "_push_from_checkpoint", lambda folder: record("push", folder))
+        monkeypatch.setattr(trainer, "_finish_current_push", lambda: None, raising=False)
+        trainer.train()
+    assert seen == [(event, f"checkpoint-{step}", True) for step in (2, 4) for event in ("push", "rotate")]
