@@ -8,7 +8,8 @@ Saved for backward (backward="fp8"): x quantized 128x1 — FP8 codes + one fp32 
 feature, ~1.03 bytes per element instead of BF16's 2 — and the cached weight codes (shared with the cache,
 no extra memory). x is quantized 128x1 directly in the forward, not dequantized from the forward's 1x128
 codes and re-quantized in the backward: one rounding instead of two. Both quantizations of x (and, in the
-backward, both of dy) come from one fused kernel that reads the tensor once.
+backward, both of dy) come from the two quantizer kernels, or from one fused kernel that reads the tensor once
+with Fp8Config.fused_quantizer (slower on the H200 today, docs/benchmarks.md).
 
 On CUDA the quantizers emit scales in the strides torch._scaled_mm reads (``gemm_layout``), and dgrad uses
 W^T codes [K, N] and scales made contiguous once per weight version and kept with the cached weight (built
@@ -19,9 +20,11 @@ backward="bf16" is the straight-through comparison mode: dx = dy W_dq with W_dq 
 dW = dy^T x with the unquantized x (saved in its own dtype), both plain matmuls in the input dtype.
 
 The quantized weight is cached on the module (a plain attribute, never in state_dict) under the key
-(weight.data_ptr(), weight._version, dtype, device): in-place updates (optimizer.step, load_state_dict's
-copy_) bump _version and moves change data_ptr, so the cache is rebuilt exactly when the weight changed and
-`generate` quantizes each weight once, not once per decode step.
+(weight epoch, weight.data_ptr(), weight._version, dtype, device): ordinary in-place updates (optimizer.step,
+load_state_dict's copy_) bump _version and moves change data_ptr; fused optimizers (transformers' default
+adamw_torch_fused) bump neither, so every optimizer step also advances a process-wide weight epoch (a global
+optimizer step post-hook), and code that writes ``param.data`` directly calls ``invalidate_fp8_weight_caches()``.
+`generate` still quantizes each weight once, not once per decode step.
 
 Non-finite inputs: a 1x128 group with NaN/Inf gets a NaN scale (reference.py), so its token's outputs are
 NaN. ``nonfinite_count`` (0-dim int64 tensor, plain attribute, created on the input's device) accumulates
@@ -37,10 +40,30 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from calclip.fp8 import quant
 from calclip.fp8.config import Fp8Config
 from calclip.fp8.gemm import fp8_block_gemm
+
+# Advanced after every optimizer step of any optimizer in the process, and by invalidate_fp8_weight_caches():
+# part of every weight-cache key, since fused optimizers and `.data` writes change weights without bumping
+# Tensor._version (measured: torch 2.13 AdamW(fused=True) leaves _version unchanged).
+_weight_epoch = 0
+
+
+def invalidate_fp8_weight_caches() -> None:
+    """Drop every FP8BlockLinear's cached weight codes: call after writing ``param.data`` directly (EMA
+    updates, weight syncs that copy into ``.data``, PEFT merges); optimizer steps do this by themselves."""
+    global _weight_epoch
+    _weight_epoch += 1
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    invalidate_fp8_weight_caches()
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 @dataclass(frozen=True)
@@ -113,7 +136,7 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         saved_w = (qw, sw) if need_dx else ()
         ctx.n_saved_x = len(saved_x)
         ctx.save_for_backward(*saved_x, *saved_w)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y  # [M, N]; FP8BlockLinear.forward restores the leading dims
 
     @staticmethod
     def backward(ctx, dy: Tensor):
@@ -200,9 +223,12 @@ class FP8BlockLinear(nn.Linear):
 
     def _quantized_weight(self) -> _QuantizedWeight:
         w, cfg = self.weight, self.fp8_config
-        key = (w.data_ptr(), w._version, w.dtype, w.device, cfg.block_size, cfg.power_of_two_scales)
-        if cfg.cache_weights and self._weight_cache is not None and self._weight_cache[0] == key:
-            return self._weight_cache[1]
+        key = (_weight_epoch, w.data_ptr(), w._version, w.dtype, w.device, cfg.block_size, cfg.power_of_two_scales)
+        cached = self._weight_cache
+        # A cache built under torch.inference_mode holds inference tensors, which autograd cannot save.
+        if cfg.cache_weights and cached is not None and cached[0] == key and (
+                torch.is_inference_mode_enabled() or not cached[1].qw.is_inference()):
+            return cached[1]
         with torch.no_grad():
             qw, sw = quant.quantize_128x128(w.detach(), block=cfg.block_size, pow2=cfg.power_of_two_scales)
             qweight = _QuantizedWeight(qw, sw, torch.isnan(sw).any())
@@ -215,15 +241,22 @@ class FP8BlockLinear(nn.Linear):
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             x = x.to(torch.get_autocast_dtype(device_type))
-        if self.nonfinite_count is None or self.nonfinite_count.device != x.device:
-            self.nonfinite_count = torch.zeros((), dtype=torch.int64, device=x.device)
+        counter = self.nonfinite_count
+        if counter is None or counter.device != x.device or (
+                counter.is_inference() and not torch.is_inference_mode_enabled()):
+            # (re)created outside inference mode too: an inference tensor cannot be updated in place later
+            carried = 0 if counter is None or counter.device != x.device else int(counter)
+            self.nonfinite_count = torch.full((), carried, dtype=torch.int64, device=x.device)
         cfg = self.fp8_config
         qweight = self._quantized_weight()
         opts = _Opts(block=cfg.block_size, pow2=cfg.power_of_two_scales, gemm=cfg.gemm, backward=cfg.backward,
                      out_dtype=x.dtype, save_for_backward=torch.is_grad_enabled(), gemm_layout=x.is_cuda,
                      fused_quantizer=cfg.fused_quantizer)
-        return _FP8BlockLinearFn.apply(x, self.weight, self.bias, qweight.qw, qweight.sw, qweight.bad,
-                                       self.nonfinite_count, qweight, opts)
+        y = _FP8BlockLinearFn.apply(x, self.weight, self.bias, qweight.qw, qweight.sw, qweight.bad,
+                                    self.nonfinite_count, qweight, opts)
+        # Reshaped outside the autograd Function: a view returned by a custom Function cannot be modified in
+        # place, which nn.Linear's output allows (e.g. y.mul_ in user code).
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
         cfg = self.fp8_config

@@ -267,3 +267,63 @@ def test_dispatch_gemm_layout_changes_strides_not_values():
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
     assert quant.quantize_1x128(x, gemm_layout=True)[1].stride() == (1, 300)
     assert quant.quantize_128x1(x, gemm_layout=True)[1].stride() == (260, 1)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),  # transformers' default adamw_torch_fused
+    lambda params: torch.optim.SGD(params, lr=1e-1, fused=True),
+    lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+])
+def test_weight_cache_follows_every_optimizer_step(make_optimizer):
+    """Fused optimizers update the weight without bumping Tensor._version (nor data_ptr): the cache must still
+    be rebuilt, or the FP8 forward keeps the first step's weights while the BF16 master weights train on."""
+    torch.manual_seed(0)
+    fp8 = FP8BlockLinear(256, 256)
+    opt = make_optimizer(fp8.parameters())
+    x = torch.randn(8, 256)
+    for _ in range(2):
+        fp8(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        fresh = FP8BlockLinear.from_linear(fp8.to_linear())  # same Parameters, empty cache
+        assert torch.equal(fp8(x), fresh(x))
+
+
+def test_data_writes_need_an_explicit_invalidation():
+    from calclip.fp8 import invalidate_fp8_weight_caches
+
+    torch.manual_seed(0)
+    fp8 = FP8BlockLinear(256, 128)
+    x = torch.randn(4, 256)
+    before = fp8(x)
+    version = fp8.weight._version
+    fp8.weight.data.mul_(2.0)  # EMA / weight-sync style write: _version unchanged
+    assert fp8.weight._version == version
+    invalidate_fp8_weight_caches()
+    assert torch.equal(fp8(x), FP8BlockLinear.from_linear(fp8.to_linear())(x))
+    assert not torch.equal(fp8(x), before)
+
+
+def test_first_forward_under_inference_mode_does_not_break_training():
+    torch.manual_seed(0)
+    fp8 = FP8BlockLinear(256, 128)
+    x = torch.randn(4, 256)
+    with torch.inference_mode():
+        y_inf = fp8(x)
+    y = fp8(x)  # counter and weight cache were built as inference tensors
+    y.sum().backward()
+    assert torch.equal(y.detach(), y_inf) and fp8.weight.grad is not None
+    with torch.inference_mode():
+        fp8(x)
+    fp8(x).sum().backward()  # and again after the counter existed
+
+
+def test_output_can_be_modified_in_place_like_nn_linear():
+    torch.manual_seed(0)
+    fp8 = FP8BlockLinear(256, 128)
+    for shape in ((4, 256), (2, 3, 256)):
+        x = torch.randn(*shape, requires_grad=True)
+        y = fp8(x)
+        y.mul_(2.0)
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
