@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from fractions import Fraction
 
 from torch import nn
 
@@ -42,7 +43,8 @@ def _kept_layers(names: list[str], config: Fp8Config) -> set[int]:
     if not indices:
         return set()
     n_layers = max(indices) + 1
-    n_last = max(config.keep_last_n_layers, math.ceil(config.keep_last_fraction * n_layers))
+    # Exact rational ceiling: float products such as 0.28 * 25 = 7.000000000000001 must not round up to 8.
+    n_last = max(config.keep_last_n_layers, math.ceil(Fraction(str(config.keep_last_fraction)) * n_layers))
     kept = set(range(min(config.keep_first_n_layers, n_layers)))
     kept |= set(range(max(n_layers - n_last, 0), n_layers))
     return kept

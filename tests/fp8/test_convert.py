@@ -157,3 +157,14 @@ def test_ddp_wrapping(tmp_path):
             assert all(m.bf16_shadow_depth == 1 for m in model.modules() if isinstance(m, FP8BlockLinear))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fraction,n_layers,expected", [(0.28, 25, 7), (0.14, 50, 7), (0.56, 50, 28), (0.68, 75, 51),
+                                                        (0.1, 30, 3), (0.11, 30, 4)])
+def test_keep_last_fraction_rounds_up_exactly(fraction, n_layers, expected):
+    """ceil(fraction * layers) without float noise: 0.28 * 25 is 7.000000000000001 in floating point."""
+    from calclip.fp8.convert import _kept_layers
+
+    names = [f"model.layers.{i}.mlp.up_proj" for i in range(n_layers)]
+    kept = _kept_layers(names, Fp8Config(keep_last_fraction=fraction))
+    assert kept == set(range(n_layers - expected, n_layers))
