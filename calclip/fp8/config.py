@@ -33,7 +33,8 @@ class Fp8Config:
     backward: "fp8" (DeepSeek-V3: dgrad and wgrad GEMMs in FP8) or "bf16" (straight-through: BF16
         matmuls against the dequantized weight and the unquantized activations).
     gemm: "auto" | "scaled_mm" | "triton" | "emulated" (see ``calclip.fp8.gemm``).
-    keep_first_n_layers / keep_last_n_layers: decoder layers (``...layers.<i>.``) kept in BF16.
+    keep_first_n_layers / keep_last_n_layers: decoder layers (``...layers.<i>.``) kept in BF16, counted in each
+        layer stack separately (a vision tower's blocks and the language model's layers each keep their own).
     keep_last_fraction: share in [0, 1) of the last decoder layers kept in BF16 (rounded up).
     keep_patterns: regexes (``re.search`` on the fully qualified module name) of layers kept in BF16.
     cache_weights: keep the quantized weight between calls until the weight changes.

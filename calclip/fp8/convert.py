@@ -38,15 +38,27 @@ def decoder_layer_index(fqn: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _kept_layers(names: list[str], config: Fp8Config) -> set[int]:
-    indices = {i for i in map(decoder_layer_index, names) if i is not None}
-    if not indices:
-        return set()
-    n_layers = max(indices) + 1
-    # Exact rational ceiling: float products such as 0.28 * 25 = 7.000000000000001 must not round up to 8.
-    n_last = max(config.keep_last_n_layers, math.ceil(Fraction(str(config.keep_last_fraction)) * n_layers))
-    kept = set(range(min(config.keep_first_n_layers, n_layers)))
-    kept |= set(range(max(n_layers - n_last, 0), n_layers))
+def _layer_position(fqn: str) -> tuple[str, int] | None:
+    """(layer stack, index) of a module name, e.g. ("model.layers.", 3), or None outside any layer stack."""
+    match = _LAYER_INDEX.search(fqn)
+    return (fqn[:match.start(1)], int(match.group(1))) if match else None
+
+
+def _kept_layers(names: list[str], config: Fp8Config) -> set[tuple[str, int]]:
+    """Layer positions kept in BF16. The first/last-N and last-fraction rules apply to each layer stack on its
+    own (a vision-language model's vision blocks and language layers, an encoder and a decoder)."""
+    stacks: dict[str, int] = {}
+    for position in filter(None, map(_layer_position, names)):
+        stack, index = position
+        stacks[stack] = max(stacks.get(stack, -1), index)
+    kept: set[tuple[str, int]] = set()
+    for stack, last in stacks.items():
+        n_layers = last + 1
+        # Exact rational ceiling: float products such as 0.28 * 25 = 7.000000000000001 must not round up to 8.
+        n_last = max(config.keep_last_n_layers, math.ceil(Fraction(str(config.keep_last_fraction)) * n_layers))
+        indices = set(range(min(config.keep_first_n_layers, n_layers))) | set(range(max(n_layers - n_last, 0),
+                                                                                     n_layers))
+        kept |= {(stack, i) for i in indices}
     return kept
 
 
@@ -70,7 +82,7 @@ def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
     for fqn, module in named:
         if type(module) is not nn.Linear or not fqn:
             continue
-        if any(p.search(fqn) for p in patterns) or decoder_layer_index(fqn) in kept_layers:
+        if any(p.search(fqn) for p in patterns) or _layer_position(fqn) in kept_layers:
             continue
         if module_filter_fn is not None and not module_filter_fn(module, fqn):
             continue

@@ -167,4 +167,23 @@ def test_keep_last_fraction_rounds_up_exactly(fraction, n_layers, expected):
 
     names = [f"model.layers.{i}.mlp.up_proj" for i in range(n_layers)]
     kept = _kept_layers(names, Fp8Config(keep_last_fraction=fraction))
-    assert kept == set(range(n_layers - expected, n_layers))
+    assert kept == {("model.layers.", i) for i in range(n_layers - expected, n_layers)}
+
+
+def test_keep_layers_apply_to_each_layer_stack():
+    """A vision-language model has two layer stacks; keep_last_n_layers must keep the last language-model layers
+    (not the vision tower's last blocks standing in for them), and likewise first-N for each stack."""
+    def stack(n):
+        return nn.ModuleList(nn.ModuleDict({"proj": nn.Linear(128, 128)}) for _ in range(n))
+
+    model = nn.Module()
+    model.visual = nn.Module()
+    model.visual.blocks = stack(6)
+    model.model = nn.Module()
+    model.model.language_model = nn.Module()
+    model.model.language_model.layers = stack(4)
+    quantize_model(model, Fp8Config(keep_first_n_layers=1, keep_last_n_layers=2))
+    bf16 = {name for name, m in model.named_modules() if type(m) is nn.Linear}
+    assert bf16 == {"visual.blocks.0.proj", "visual.blocks.4.proj", "visual.blocks.5.proj",
+                    "model.language_model.layers.0.proj", "model.language_model.layers.2.proj",
+                    "model.language_model.layers.3.proj"}
