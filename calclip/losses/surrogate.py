@@ -81,7 +81,8 @@ def clipped_surrogate(
       "clip/pos_high_frac"  share of A>0 tokens with r > high
       "clip/dual_frac"      share of A<0 tokens on the dual-clip branch (0 without dual clip)
       "ratio/mean", "ratio/min", "ratio/max"   over valid tokens (0 when there are none)
-      "nonfinite_tokens", "tokens"   counts (float32)
+      "nonfinite_tokens", "tokens", "neg_tokens", "pos_tokens"   counts (float32; the last two are the A<0 /
+      A>0 valid tokens behind the clip shares)
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
@@ -131,4 +132,7 @@ def _surrogate_stats(ratio, advantages, valid, low, high, dual_clip_c) -> dict[s
         stats["ratio/min"] = torch.where(count > 0, rmin, zero)
         stats["ratio/max"] = torch.where(count > 0, rmax, zero)
         stats["tokens"] = count.to(torch.float32)
+        # the populations behind the shares, so callers can reduce the shares exactly across ranks
+        stats["neg_tokens"] = neg.sum().to(torch.float32)
+        stats["pos_tokens"] = pos.sum().to(torch.float32)
         return stats

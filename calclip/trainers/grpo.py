@@ -393,7 +393,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             stats["aux_loss"] = aux_loss.detach()
 
         self._log_loss_metrics(mode, stats, token_sums, surrogate_stats, calibration_stats, inputs, logps, old_logps,
-                               entropies, advantages, mask, is_weights)  # fmt: skip
+                               entropies, advantages, mask)  # fmt: skip
         return loss
 
     def _old_logps(self, inputs, logps) -> torch.Tensor:
@@ -495,7 +495,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ metrics
 
     def _log_loss_metrics(self, mode, stats, token_sums, surrogate_stats, calibration_stats, inputs, logps, old_logps,
-                          entropies, advantages, mask, is_weights) -> None:  # fmt: skip
+                          entropies, advantages, mask) -> None:  # fmt: skip
         low, high = self.clip_bounds
         adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
         in_mask = mask != 0
@@ -505,12 +505,9 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         finite_entropy = in_mask & torch.isfinite(entropies)
         token_sums["entropy"] = _sum_count(entropies, finite_entropy)
         token_sums["entropy/neg_adv"] = _sum_count(entropies, finite_entropy & torch.isfinite(adv) & (adv < 0))
-        # calclip.losses reports shares over the tokens its surrogate kept (finite inputs); weight them by those
-        # populations (A<0 and A>0 tokens) so they reduce as exact global shares.
-        valid = in_mask & torch.isfinite(logps) & torch.isfinite(old_logps) & torch.isfinite(adv)
-        if is_weights is not None:
-            valid = valid & torch.isfinite(is_weights)
-        neg, pos = (valid & (adv < 0)).sum(), (valid & (adv > 0)).sum()
+        # calclip.losses reports shares over the tokens its surrogate kept (finite inputs) and their populations
+        # (A<0 and A>0 tokens); weighted by those, the shares reduce as exact global shares.
+        neg, pos = surrogate_stats["neg_tokens"], surrogate_stats["pos_tokens"]
         token_sums["clip/neg_low_frac_fp8"] = (surrogate_stats["clip/neg_low_frac"] * neg, neg)
         token_sums["clip/pos_high_frac"] = (surrogate_stats["clip/pos_high_frac"] * pos, pos)
         token_sums["clip/dual_frac"] = (surrogate_stats["clip/dual_frac"] * neg, neg)

@@ -116,6 +116,8 @@ def reference_stats(logp, old, adv, mask, *, low, high, c, level, isw):
         "ratio/min": min(ratios) if ratios else 0.0,
         "ratio/max": max(ratios) if ratios else 0.0,
         "tokens": float(len(ratios)),
+        "neg_tokens": float(neg),
+        "pos_tokens": float(pos),
     }
 
 
