@@ -4,7 +4,8 @@ are loaded lazily for CUDA tensors (see quant.py / gemm.py)."""
 from calclip.fp8.config import BLOCK, FP8_E4M3_MAX, Fp8Config
 from calclip.fp8.convert import decoder_layer_index, dequantize_model, quantize_model
 from calclip.fp8.gemm import fp8_block_gemm
-from calclip.fp8.linear import FP8BlockLinear, invalidate_fp8_weight_caches, pop_nonfinite_count
+from calclip.fp8.linear import (FP8BlockLinear, invalidate_fp8_weight_caches, pop_nonfinite_count,
+                                refresh_fp8_weights)
 from calclip.fp8.quant import quantize_1x128, quantize_128x1, quantize_128x128
 from calclip.fp8.reference import dequantize_1x128, dequantize_128x1, dequantize_128x128
 from calclip.fp8.shadow import bf16_shadow, in_bf16_shadow
@@ -13,5 +14,5 @@ __all__ = [
     "BLOCK", "FP8_E4M3_MAX", "Fp8Config", "FP8BlockLinear", "bf16_shadow", "decoder_layer_index",
     "dequantize_1x128", "dequantize_128x1", "dequantize_128x128", "dequantize_model", "fp8_block_gemm",
     "in_bf16_shadow", "invalidate_fp8_weight_caches", "pop_nonfinite_count", "quantize_1x128", "quantize_128x1", "quantize_128x128",
-    "quantize_model",
+    "quantize_model", "refresh_fp8_weights",
 ]

@@ -25,7 +25,7 @@ from fractions import Fraction
 from torch import nn
 
 from calclip.fp8.config import Fp8Config
-from calclip.fp8.linear import FP8BlockLinear
+from calclip.fp8.linear import FP8BlockLinear, refresh_before_compiled_call
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)")
 
@@ -90,7 +90,21 @@ def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
         converted.add(fqn)
     model._calclip_fp8_modules = tuple(sorted(converted))
     model._calclip_fp8_config = config
+    _track_fp8_layers(model)
     return model
+
+
+def _track_fp8_layers(model: nn.Module) -> None:
+    """Keep the converted layers in a list on the root (no module walk per call) and, while there are any,
+    the pre-hook that refreshes their weight codes before a torch.compile'd call of the model."""
+    layers = [m for m in model.modules() if isinstance(m, FP8BlockLinear)]
+    handle = model.__dict__.pop("_calclip_fp8_hook", None)
+    if handle is not None:
+        handle.remove()
+    model.__dict__.pop("_calclip_fp8_layers", None)
+    if layers:
+        model._calclip_fp8_layers = layers
+        model._calclip_fp8_hook = model.register_forward_pre_hook(refresh_before_compiled_call)
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:
@@ -101,4 +115,5 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     for attr in ("_calclip_fp8_modules", "_calclip_fp8_config"):
         if attr in model.__dict__:
             delattr(model, attr)
+    _track_fp8_layers(model)
     return model

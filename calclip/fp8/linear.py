@@ -1,41 +1,51 @@
 """FP8BlockLinear: an nn.Linear that computes its three GEMMs in block-scaled FP8 (DeepSeek-V3 recipe).
 
     forward  y  = Q1x128(x) Q128x128(W)^T + b
-    dgrad    dx = Q1x128(dy) Q128x128(W)                (the forward's cached weight codes, transposed)
+    dgrad    dx = Q1x128(dy) Q128x128(W)                (the forward's weight codes, transposed)
     wgrad    dW = Q128x1(dy)^T Q128x1(x)                (both quantized along the token axis M)
 
 Saved for backward (backward="fp8"): x quantized 128x1 — FP8 codes + one fp32 scale per 128 tokens per
-feature, ~1.03 bytes per element instead of BF16's 2 — and the cached weight codes (shared with the cache,
-no extra memory). x is quantized 128x1 directly in the forward, not dequantized from the forward's 1x128
-codes and re-quantized in the backward: one rounding instead of two. Both quantizations of x (and, in the
-backward, both of dy) come from the two quantizer kernels, or from one fused kernel that reads the tensor once
-with Fp8Config.fused_quantizer (slower on the H200 today, docs/benchmarks.md).
+feature, ~1.03 bytes per element instead of BF16's 2 — and the weight codes (shared with the module's
+buffers, no extra memory). x is quantized 128x1 directly in the forward, not dequantized from the forward's
+1x128 codes and re-quantized in the backward: one rounding instead of two. The two quantizations of x (and,
+in the backward, of dy) come from two kernels, or from one fused kernel that reads the tensor once with
+Fp8Config.fused_quantizer (slower on the H200 today, docs/benchmarks.md). All scales are emitted in the
+strides torch._scaled_mm reads, so no operand is re-laid out per call.
 
-On CUDA the quantizers emit scales in the strides torch._scaled_mm reads (``gemm_layout``), and dgrad uses
-W^T codes [K, N] and scales made contiguous once per weight version and kept with the cached weight (built
-on the first backward, so inference never pays for them): the scaled_mm path copies nothing per call. This
-costs one extra byte per weight element while the cache lives (training with cache_weights).
+Hot path (issue 8: the layer was host-bound, ~0.5 ms of Python per forward): a forward is one 1x128
+quantizer launch (which also counts non-finite tokens, below), one 128x1 launch when a weight gradient will
+be needed, and one GEMM; a backward is two quantizer launches and two GEMMs. Which GEMM backend serves a
+shape is decided once per (shape, dtype, device) and cached (``_gemm``).
 
-backward="bf16" is the straight-through comparison mode: dx = dy W_dq with W_dq = dequant(Q128x128(W)), and
-dW = dy^T x with the unquantized x (saved in its own dtype), both plain matmuls in the input dtype.
+The quantized weight lives in per-module tensors (plain attributes, never in state_dict) that are refreshed
+IN PLACE when the weight changes, so their addresses never move: a CUDA graph captured over the layer (HF
+``generate`` with a static cache compiles its decode step with mode="reduce-overhead") reads the current
+codes on every replay. Staleness is the key (weight epoch, weight.data_ptr(), weight._version, dtype,
+device): in-place updates (optimizer.step, load_state_dict's copy_) bump _version, moves change data_ptr,
+and fused optimizers (transformers' default adamw_torch_fused), which bump neither, advance a process-wide
+weight epoch through a global optimizer step post-hook; code that writes ``param.data`` directly calls
+``invalidate_fp8_weight_caches()``. The W^T codes that dgrad reads ([K, N] contiguous on CUDA, so
+torch._scaled_mm gets K-major operands) are refreshed with the codes once a backward has needed them.
+A refresh bumps the codes' autograd version, so a backward whose forward saw older codes raises instead of
+computing a gradient against weights it never used.
 
-The quantized weight is cached on the module (a plain attribute, never in state_dict) under the key
-(weight epoch, weight.data_ptr(), weight._version, dtype, device): ordinary in-place updates (optimizer.step,
-load_state_dict's copy_) bump _version and moves change data_ptr; fused optimizers (transformers' default
-adamw_torch_fused) bump neither, so every optimizer step also advances a process-wide weight epoch (a global
-optimizer step post-hook), and code that writes ``param.data`` directly calls ``invalidate_fp8_weight_caches()``.
-`generate` still quantizes each weight once, not once per decode step.
+Eager calls check staleness in the layer; under torch.compile the layer calls the custom ops
+``calclip::fp8_linear_forward`` / ``calclip::fp8_linear_backward`` (fake implementations given, no graph
+break inside the layer), and the staleness check runs once per model call in a forward pre-hook that
+``quantize_model`` puts on the root module (one graph break at the top of the model, outside the layers).
+``refresh_fp8_weights(model)`` does the same by hand, e.g. before replaying a graph captured by other means.
+
+backward="bf16" is the straight-through comparison mode (eager only): dx = dy W_dq with W_dq =
+dequant(Q128x128(W)), and dW = dy^T x with the unquantized x (saved in its own dtype), plain matmuls.
 
 Non-finite inputs: a 1x128 group with NaN/Inf gets a NaN scale (reference.py), so its token's outputs are
-NaN. ``nonfinite_count`` (0-dim int64 tensor, plain attribute, created on the input's device) accumulates
-the number of input rows (tokens) whose output is non-finite for that reason — every row when the weight has
-a non-finite block. It reads only the scale tensor (1/128 of the input), never syncs, counts every forward
-call (including gradient-checkpointing recomputation); ``pop_nonfinite_count(model)`` sums and resets.
+NaN. ``nonfinite_count`` (0-dim int64 tensor, plain attribute on the weight's device) accumulates the number
+of input rows (tokens) whose output is non-finite for that reason — every row when the weight has a
+non-finite block. The 1x128 quantizer kernel counts while it holds the rows (CUDA), never syncs, counts every
+forward call (including gradient-checkpointing recomputation); ``pop_nonfinite_count(model)`` sums and resets.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +53,8 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from calclip.fp8 import quant
-from calclip.fp8.config import Fp8Config
-from calclip.fp8.gemm import fp8_block_gemm
+from calclip.fp8.config import BLOCK, Fp8Config
+from calclip.fp8.gemm import fp8_block_gemm, resolve_backend
 
 # Advanced after every optimizer step of any optimizer in the process, and by invalidate_fp8_weight_caches():
 # part of every weight-cache key, since fused optimizers and `.data` writes change weights without bumping
@@ -53,7 +63,7 @@ _weight_epoch = 0
 
 
 def invalidate_fp8_weight_caches() -> None:
-    """Drop every FP8BlockLinear's cached weight codes: call after writing ``param.data`` directly (EMA
+    """Mark every FP8BlockLinear's weight codes stale: call after writing ``param.data`` directly (EMA
     updates, weight syncs that copy into ``.data``, PEFT merges); optimizer steps do this by themselves."""
     global _weight_epoch
     _weight_epoch += 1
@@ -66,116 +76,185 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_after_optimizer_step)
 
 
-@dataclass(frozen=True)
-class _Opts:
-    block: int
-    pow2: bool
-    gemm: str
-    backward: str
-    out_dtype: torch.dtype
-    save_for_backward: bool
-    gemm_layout: bool  # quantizer scales in torch._scaled_mm's strides (CUDA); values are the same either way
-    fused_quantizer: bool  # one-read fused 1x128+128x1 kernel (Fp8Config.fused_quantizer) or two kernels
+# ----------------------------------------------------------------------------------------------------------
+# The math of one layer, shared by the eager autograd Function and the custom ops torch.compile sees.
+# ----------------------------------------------------------------------------------------------------------
+
+# (backend, a_blocks, b_blocks, m, n, k, out_dtype, device) -> "scaled_mm" | other backend name
+_gemm_choice: dict[tuple, str] = {}
 
 
-def _quantize_rows_and_cols(x2: Tensor, opts: _Opts) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x2 [M, K] -> 1x128 codes/scales and 128x1 codes/scales (the same values either path)."""
-    kwargs = {"block": opts.block, "pow2": opts.pow2, "gemm_layout": opts.gemm_layout}
-    if opts.fused_quantizer:
-        return quant.quantize_1x128_and_128x1(x2, **kwargs)
-    return (*quant.quantize_1x128(x2, **kwargs), *quant.quantize_128x1(x2, **kwargs))
+def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype, backend: str,
+          a_blocks: str, b_blocks: str) -> Tensor:
+    """fp8_block_gemm for operands already in the layouts the quantizers emit with gemm_layout=True; the
+    backend decision is made once per shape, and the torch._scaled_mm path re-lays out nothing."""
+    (m, k), n = qa.shape, qb.shape[0]
+    key = (backend, a_blocks, b_blocks, m, n, k, out_dtype, qa.device)
+    chosen = _gemm_choice.get(key)
+    if chosen is None:
+        chosen = _gemm_choice[key] = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks,
+                                                     b_blocks=b_blocks)
+    if chosen == "scaled_mm":
+        # a [M, K] row-major, b = qb^T [K, N] column-major; 1x128 scales column-major, 128x128 row-major
+        # (gemm.scaled_mm_block_gemm, whose re-layouts are no-ops for these operands).
+        return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
+    return fp8_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, backend=chosen, a_blocks=a_blocks,
+                          b_blocks=b_blocks)
 
 
-class _QuantizedWeight:
-    """One weight version's codes qw [N, K] e4m3fn, scales sw [N/128, K/128] fp32 and ``bad`` (0-dim bool: a
-    non-finite block), plus the dgrad operands W^T built on first use and kept as long as this object."""
+def _quantize_both(t2: Tensor, pow2: bool, fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """t2 [M, K] -> 1x128 codes/scales and 128x1 codes/scales (the same values either path)."""
+    if fused:
+        return quant.quantize_1x128_and_128x1(t2, pow2=pow2, gemm_layout=True)
+    return (*quant.quantize_1x128(t2, pow2=pow2, gemm_layout=True),
+            *quant.quantize_128x1(t2, pow2=pow2, gemm_layout=True))
 
-    def __init__(self, qw: Tensor, sw: Tensor, bad: Tensor) -> None:
-        self.qw, self.sw, self.bad = qw, sw, bad
-        self._dgrad: tuple[Tensor, Tensor] | None = None
 
-    def dgrad_operands(self) -> tuple[Tensor, Tensor]:
-        """(W^T codes [K, N], W^T scales [K/128, N/128]) for dx = dy W. On CUDA both contiguous, so
-        gemm.scaled_mm_block_gemm's qb.contiguous() / scale re-layout are no-ops; on CPU plain views."""
-        if self._dgrad is None:
-            qwt, swt = self.qw.t(), self.sw.t()
-            self._dgrad = (qwt.contiguous(), swt.contiguous()) if self.qw.is_cuda else (qwt, swt)
-        return self._dgrad
+_EMPTY_FP8 = torch.empty(0, dtype=torch.float8_e4m3fn)
+_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
+
+
+def _forward(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool,
+             pow2: bool, fused: bool, gemm: str, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """x2 [M, K]; qw [N, K] e4m3fn, sw [N/128, K/128]; counter int64 [] (+= non-finite rows)
+    -> y [M, N] out_dtype, and x quantized 128x1 (qxt [M, K], sxt [M/128, K]) when save_for_wgrad, else empty."""
+    if save_for_wgrad and fused:
+        qx, sx, qxt, sxt = _quantize_both(x2, pow2, fused)
+        quant.add_nonfinite_rows(counter, sx, weight_bad)
+    else:
+        qx, sx = quant.quantize_1x128(x2, pow2=pow2, gemm_layout=True, nonfinite_count=counter,
+                                      weight_bad=weight_bad)
+        qxt, sxt = (quant.quantize_128x1(x2, pow2=pow2, gemm_layout=True) if save_for_wgrad
+                    else (_EMPTY_FP8.to(x2.device), _EMPTY_F32.to(x2.device)))
+    y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128")
+    return y, qxt, sxt
+
+
+def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, need_dx: bool, need_dw: bool,
+              pow2: bool, fused: bool, gemm: str, x_dtype: torch.dtype,
+              w_dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+    """dy2 [M, N]; W^T codes qwt [K, N], swt [K/128, N/128]; saved x 128x1 -> (dx [M, K], dW [N, K])."""
+    dx = dw = None
+    if need_dx and need_dw:
+        qdy, sdy, qdyt, sdyt = _quantize_both(dy2, pow2, fused)
+    elif need_dx:
+        qdy, sdy = quant.quantize_1x128(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M, N/128]
+    elif need_dw:
+        qdyt, sdyt = quant.quantize_128x1(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M/128, N]
+    if need_dx:
+        dx = _gemm(qdy, sdy, qwt, swt, x_dtype, gemm, "1x128", "128x128")
+    if need_dw:
+        dw = _gemm(qdyt.t(), sdyt.t(), qxt.t(), sxt.t(), w_dtype, gemm, "1x128", "1x128")
+    return dx, dw
 
 
 class _FP8BlockLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, qw: Tensor, sw: Tensor,
-                weight_nonfinite: Tensor, counter: Tensor | None, qweight: _QuantizedWeight, opts: _Opts) -> Tensor:
-        # x [..., K]; weight [N, K] (only its grad slot is used here); qw [N, K] e4m3fn, sw [N/128, K/128]
-        # (qweight's, passed as tensors so autograd saves and checks them)
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k)  # [M, K]
-        need_dx = opts.save_for_backward and ctx.needs_input_grad[0]
-        need_dw = opts.save_for_backward and ctx.needs_input_grad[1]
-        saved_x: tuple[Tensor, ...] = ()
-        if need_dw and opts.backward == "fp8":  # 1x128 for the forward GEMM, 128x1 saved for wgrad
-            qx, sx, qxt, sxt = _quantize_rows_and_cols(x2, opts)
-            saved_x = (qxt, sxt)
-        else:
-            qx, sx = quant.quantize_1x128(x2, block=opts.block, pow2=opts.pow2, gemm_layout=opts.gemm_layout)
-            if need_dw:
-                saved_x = (x2,)
-        if counter is not None:
-            bad_rows = torch.isnan(sx).any(dim=-1).sum()
-            counter.add_(torch.where(weight_nonfinite, x2.shape[0], bad_rows))
-        y = fp8_block_gemm(qx, sx, qw, sw, out_dtype=opts.out_dtype, backend=opts.gemm, block=opts.block)
-        if bias is not None:
-            y = y + bias.to(opts.out_dtype)
+    """Eager autograd: calls _forward/_backward directly (no dispatcher round trip per call)."""
 
-        ctx.opts = opts
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
-        ctx.need = (need_dx, need_dw)
-        ctx.qweight = qweight if need_dx else None
-        saved_w = (qw, sw) if need_dx else ()
-        ctx.n_saved_x = len(saved_x)
-        ctx.save_for_backward(*saved_x, *saved_w)
-        return y  # [M, N]; FP8BlockLinear.forward restores the leading dims
+    @staticmethod
+    def forward(ctx, x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor,
+                layer: "FP8BlockLinear", cfg: Fp8Config, out_dtype: torch.dtype, grad: bool) -> Tensor:
+        # x2 [M, K]; weight [N, K] (only its grad slot is used here); qw/sw: the layer's current codes
+        # grad: the caller's grad mode (forward runs under no_grad; needs_input_grad follows requires_grad alone)
+        need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
+        fp8_backward = cfg.backward == "fp8"
+        y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, need_dw and fp8_backward,
+                               cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, out_dtype)
+        ctx.cfg, ctx.need = cfg, (need_dx, need_dw)
+        ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
+        if fp8_backward:
+            saved_w = layer._dgrad_codes() if need_dx else (None, None)
+            ctx.save_for_backward(*saved_w, qxt if need_dw else None, sxt if need_dw else None)
+        else:
+            ctx.save_for_backward(qw if need_dx else None, sw if need_dx else None, x2 if need_dw else None)
+        return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        opts: _Opts = ctx.opts
+        cfg: Fp8Config = ctx.cfg
         need_dx, need_dw = ctx.need
-        saved = ctx.saved_tensors
-        saved_x, saved_w = saved[:ctx.n_saved_x], saved[ctx.n_saved_x:]
-        n = dy.shape[-1]
-        dy2 = dy.reshape(-1, n)  # [M, N]
-        dx = dw = db = None
-        if opts.backward == "fp8":
-            quant_opts = {"block": opts.block, "pow2": opts.pow2, "gemm_layout": opts.gemm_layout}
-            if need_dx and need_dw:  # both quantizations of dy
-                qdy, sdy, qdyt, sdyt = _quantize_rows_and_cols(dy2, opts)
-            elif need_dx:
-                qdy, sdy = quant.quantize_1x128(dy2, **quant_opts)  # [M, N], [M, N/128]
-            elif need_dw:
-                qdyt, sdyt = quant.quantize_128x1(dy2, **quant_opts)  # [M, N], [M/128, N]
-            if need_dx:
-                qwt, swt = ctx.qweight.dgrad_operands()  # W^T [K, N], [K/128, N/128]
-                dx = fp8_block_gemm(qdy, sdy, qwt, swt, out_dtype=ctx.x_dtype, backend=opts.gemm,
-                                    a_blocks="1x128", b_blocks="128x128", block=opts.block)
-            if need_dw:
-                qxt, sxt = saved_x  # [M, K], [M/128, K]
-                dw = fp8_block_gemm(qdyt.t(), sdyt.t(), qxt.t(), sxt.t(), out_dtype=ctx.w_dtype,
-                                    backend=opts.gemm, a_blocks="1x128", b_blocks="1x128", block=opts.block)
+        dy2 = dy if dy.is_contiguous() else dy.contiguous()
+        if cfg.backward == "fp8":
+            qwt, swt, qxt, sxt = ctx.saved_tensors
+            dx, dw = _backward(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, cfg.power_of_two_scales,
+                               cfg.fused_quantizer, cfg.gemm, ctx.x_dtype, ctx.w_dtype)
         else:  # straight-through: plain matmuls in the input dtype
+            qw, sw, x2 = ctx.saved_tensors
+            dx = dw = None
             if need_dx:
-                qw, sw = saved_w
-                w_dq = quant.dequantize_128x128(qw, sw, block=opts.block).to(dy2.dtype)
+                w_dq = quant.dequantize_128x128(qw, sw, block=cfg.block_size).to(dy2.dtype)
                 dx = (dy2 @ w_dq).to(ctx.x_dtype)
             if need_dw:
-                (x2,) = saved_x
                 dw = (dy2.t() @ x2.to(dy2.dtype)).to(ctx.w_dtype)
-        if dx is not None:
-            dx = dx.reshape(ctx.x_shape)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(dim=0)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The same math as custom ops, for torch.compile (opaque to Inductor, CUDA-graph safe: no syncs).
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("calclip::fp8_linear_forward", mutates_args=())
+def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor | None, swt: Tensor | None,
+                weight_bad: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool, gemm: str,
+                out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (y [M, N], qxt [M, K] (128x1 codes, column-major) or [0], sxt [M/128, K] or [0], non-finite rows []).
+    weight and the dgrad codes qwt/swt are inputs only for autograd (the weight's grad slot, saved for dx)."""
+    counter = torch.zeros((), dtype=torch.int64, device=x2.device)
+    y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, save_for_wgrad, pow2, fused, gemm, out_dtype)
+    return y, qxt, sxt, counter
+
+
+@_forward_op.register_fake
+def _(x2, weight, qw, sw, qwt, swt, weight_bad, save_for_wgrad, pow2, fused, gemm, out_dtype):
+    (m, k), n = x2.shape, qw.shape[0]
+    y = x2.new_empty((m, n), dtype=out_dtype)
+    if save_for_wgrad:  # the 128x1 quantizer's layouts: codes the transpose of a contiguous [K, M], scales row-major
+        qxt = x2.new_empty((k, m), dtype=torch.float8_e4m3fn).t()
+        sxt = x2.new_empty((-(-m // BLOCK), k), dtype=torch.float32)
+    else:
+        qxt, sxt = x2.new_empty((0,), dtype=torch.float8_e4m3fn), x2.new_empty((0,), dtype=torch.float32)
+    return y, qxt, sxt, x2.new_empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("calclip::fp8_linear_backward", mutates_args=())
+def _backward_op(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, need_dx: bool, need_dw: bool,
+                 pow2: bool, fused: bool, gemm: str, x_dtype: torch.dtype,
+                 w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """-> (dx [M, K] or [0], dW [N, K] or [0])"""
+    dx, dw = _backward(dy2.contiguous(), qwt, swt, qxt, sxt, need_dx, need_dw, pow2, fused, gemm, x_dtype,
+                       w_dtype)
+    empty = dy2.new_empty((0,))
+    return (dx if dx is not None else empty.to(x_dtype)), (dw if dw is not None else empty.to(w_dtype))
+
+
+@_backward_op.register_fake
+def _(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, pow2, fused, gemm, x_dtype, w_dtype):
+    m, n, k = dy2.shape[0], dy2.shape[1], qwt.shape[0] if need_dx else qxt.shape[1]
+    dx = dy2.new_empty((m, k) if need_dx else (0,), dtype=x_dtype)
+    dw = dy2.new_empty((n, k) if need_dw else (0,), dtype=w_dtype)
+    return dx, dw
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x2, weight, qw, sw, qwt, swt, weight_bad, save_for_wgrad, pow2, fused, gemm, out_dtype = inputs
+    _, qxt, sxt, _ = output
+    ctx.opts = (pow2, fused, gemm, x2.dtype, weight.dtype)
+    ctx.save_for_backward(qwt, swt, qxt, sxt)
+
+
+def _forward_op_backward(ctx, dy2, _dqxt, _dsxt, _dcount):
+    qwt, swt, qxt, sxt = ctx.saved_tensors
+    pow2, fused, gemm, x_dtype, w_dtype = ctx.opts
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if need_dx and qwt is None:
+        raise RuntimeError("calclip::fp8_linear_forward ran without dgrad codes but its input needs a gradient")
+    dx, dw = torch.ops.calclip.fp8_linear_backward(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, pow2, fused, gemm,
+                                                   x_dtype, w_dtype)
+    return (dx if need_dx else None), (dw if need_dw else None), *([None] * 10)
+
+
+_forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context)
 
 
 class FP8BlockLinear(nn.Linear):
@@ -192,7 +271,15 @@ class FP8BlockLinear(nn.Linear):
         self.fp8_config = config if config is not None else Fp8Config()
         self.bf16_shadow_depth = 0
         self.nonfinite_count: Tensor | None = None
-        self._weight_cache: tuple[tuple, _QuantizedWeight] | None = None
+        # Current weight codes (refreshed in place, addresses stable): qw [N, K], sw [N/128, K/128], bad [].
+        self._fp8_qw: Tensor | None = None
+        self._fp8_sw: Tensor | None = None
+        self._fp8_bad: Tensor | None = None
+        self._fp8_key: tuple | None = None
+        # dgrad operands W^T (qwt [K, N], swt [K/128, N/128]); built on the first backward that needs them.
+        self._fp8_qwt: Tensor | None = None
+        self._fp8_swt: Tensor | None = None
+        self._fp8_dgrad_key: tuple | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None) -> "FP8BlockLinear":
@@ -215,25 +302,75 @@ class FP8BlockLinear(nn.Linear):
         linear.train(self.training)
         return linear
 
+    # -- weight codes -------------------------------------------------------------------------------------
+
+    def _weight_key(self) -> tuple:
+        w = self.weight
+        return (_weight_epoch, w.data_ptr(), w._version, w.dtype, w.device)
+
     def quantized_weight(self) -> tuple[Tensor, Tensor, Tensor]:
         """(codes [N, K] e4m3fn, scales [N/128, K/128] fp32, 0-dim bool "weight has a non-finite block"),
-        cached until the weight changes (see module docstring) when config.cache_weights."""
-        qweight = self._quantized_weight()
-        return qweight.qw, qweight.sw, qweight.bad
+        current for the weight as it is now (re-quantized in place when it changed, see module docstring)."""
+        self._refresh_weight_codes()
+        return self._fp8_qw, self._fp8_sw, self._fp8_bad
 
-    def _quantized_weight(self) -> _QuantizedWeight:
-        w, cfg = self.weight, self.fp8_config
-        key = (_weight_epoch, w.data_ptr(), w._version, w.dtype, w.device, cfg.block_size, cfg.power_of_two_scales)
-        cached = self._weight_cache
-        # A cache built under torch.inference_mode holds inference tensors, which autograd cannot save.
-        if cfg.cache_weights and cached is not None and cached[0] == key and (
-                torch.is_inference_mode_enabled() or not cached[1].qw.is_inference()):
-            return cached[1]
-        with torch.no_grad():
-            qw, sw = quant.quantize_128x128(w.detach(), block=cfg.block_size, pow2=cfg.power_of_two_scales)
-            qweight = _QuantizedWeight(qw, sw, torch.isnan(sw).any())
-        self._weight_cache = (key, qweight) if cfg.cache_weights else None
-        return qweight
+    def _refresh_weight_codes(self) -> None:
+        key = self._weight_key()
+        if self._fp8_key == key and self.fp8_config.cache_weights:
+            return
+        cfg = self.fp8_config
+        # Outside inference mode, so codes built under torch.inference_mode can still be saved by autograd.
+        with torch.inference_mode(False), torch.no_grad():
+            qw, sw = quant.quantize_128x128(self.weight.detach(), block=cfg.block_size,
+                                            pow2=cfg.power_of_two_scales)
+            bad = torch.isnan(sw).any()
+            if self._fp8_qw is None or self._fp8_qw.shape != qw.shape or self._fp8_qw.device != qw.device:
+                self._fp8_qw, self._fp8_sw, self._fp8_bad = qw, sw, bad
+                _mark_static(qw, sw, bad)
+            else:  # in place: captured graphs and saved-for-backward checks see the same tensors
+                self._fp8_qw.copy_(qw)
+                self._fp8_sw.copy_(sw)
+                self._fp8_bad.copy_(bad)
+            if self.nonfinite_count is None or self.nonfinite_count.device != qw.device:
+                self._new_counter(qw.device)
+        self._fp8_key = key
+        self._fp8_dgrad_key = None  # W^T follows on the next backward that needs it
+
+    def _dgrad_codes(self) -> tuple[Tensor, Tensor]:
+        """(W^T codes [K, N], W^T scales [K/128, N/128]) of the current weight codes for dx = dy W. On CUDA
+        contiguous copies (K-major operands for torch._scaled_mm); on CPU views of the codes."""
+        if self._fp8_dgrad_key == self._fp8_key and self._fp8_qwt is not None:
+            return self._fp8_qwt, self._fp8_swt
+        qw, sw = self._fp8_qw, self._fp8_sw
+        with torch.inference_mode(False), torch.no_grad():
+            if not qw.is_cuda:
+                self._fp8_qwt, self._fp8_swt = qw.t(), sw.t()
+            elif self._fp8_qwt is None or self._fp8_qwt.shape != qw.t().shape or self._fp8_qwt.device != qw.device:
+                self._fp8_qwt, self._fp8_swt = qw.t().contiguous(), sw.t().contiguous()
+                _mark_static(self._fp8_qwt, self._fp8_swt)
+            else:
+                self._fp8_qwt.copy_(qw.t())
+                self._fp8_swt.copy_(sw.t())
+        self._fp8_dgrad_key = self._fp8_key
+        return self._fp8_qwt, self._fp8_swt
+
+    def _new_counter(self, device: torch.device) -> None:
+        old = self.nonfinite_count
+        carried = 0 if old is None else int(old)  # a device move: one sync, not per call
+        with torch.inference_mode(False):
+            self.nonfinite_count = torch.full((), carried, dtype=torch.int64, device=device)
+        _mark_static(self.nonfinite_count)
+
+    def refresh(self, *, for_backward: bool | None = None) -> None:
+        """Bring the weight codes (and, when a backward may follow, the dgrad W^T codes) up to date with the
+        weight; what the eager forward does by itself, and ``refresh_fp8_weights`` does before compiled calls."""
+        self._refresh_weight_codes()
+        if for_backward is None:
+            for_backward = torch.is_grad_enabled() and self.weight.requires_grad
+        if for_backward and self.fp8_config.backward == "fp8":
+            self._dgrad_codes()
+
+    # -- forward ------------------------------------------------------------------------------------------
 
     def forward(self, x: Tensor) -> Tensor:
         if self.bf16_shadow_depth > 0:
@@ -241,27 +378,82 @@ class FP8BlockLinear(nn.Linear):
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             x = x.to(torch.get_autocast_dtype(device_type))
-        counter = self.nonfinite_count
-        if counter is None or counter.device != x.device or (
-                counter.is_inference() and not torch.is_inference_mode_enabled()):
-            # (re)created outside inference mode too: an inference tensor cannot be updated in place later
-            carried = 0 if counter is None or counter.device != x.device else int(counter)
-            self.nonfinite_count = torch.full((), carried, dtype=torch.int64, device=x.device)
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         cfg = self.fp8_config
-        qweight = self._quantized_weight()
-        opts = _Opts(block=cfg.block_size, pow2=cfg.power_of_two_scales, gemm=cfg.gemm, backward=cfg.backward,
-                     out_dtype=x.dtype, save_for_backward=torch.is_grad_enabled(), gemm_layout=x.is_cuda,
-                     fused_quantizer=cfg.fused_quantizer)
-        y = _FP8BlockLinearFn.apply(x, self.weight, self.bias, qweight.qw, qweight.sw, qweight.bad,
-                                    self.nonfinite_count, qweight, opts)
+        if not torch.compiler.is_compiling():
+            y = self._eager_forward(x2, cfg)
+        elif cfg.backward == "fp8":
+            y = self._compiled_forward(x2, cfg)
+        else:  # the straight-through comparison mode has no custom op: it runs eagerly (a graph break per layer)
+            y = self._eager_forward_outside_graph(x2, cfg)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         # Reshaped outside the autograd Function: a view returned by a custom Function cannot be modified in
         # place, which nn.Linear's output allows (e.g. y.mul_ in user code).
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _eager_forward(self, x2: Tensor, cfg: Fp8Config) -> Tensor:
+        self._refresh_weight_codes()
+        return _FP8BlockLinearFn.apply(x2, self.weight, self._fp8_qw, self._fp8_sw, self._fp8_bad,
+                                       self.nonfinite_count, self, cfg, x2.dtype, torch.is_grad_enabled())
+
+    @torch.compiler.disable
+    def _eager_forward_outside_graph(self, x2: Tensor, cfg: Fp8Config) -> Tensor:
+        return self._eager_forward(x2, cfg)
+
+    def _compiled_forward(self, x2: Tensor, cfg: Fp8Config) -> Tensor:
+        if self._fp8_qw is None:
+            raise RuntimeError("FP8BlockLinear is compiled before its weight codes exist: compile the model that "
+                               "quantize_model converted (its pre-hook refreshes them), or call "
+                               "calclip.fp8.refresh_fp8_weights(model) before the compiled call")
+        grad = torch.is_grad_enabled()
+        save = grad and self.weight.requires_grad
+        qwt, swt = (self._fp8_qwt, self._fp8_swt) if grad else (None, None)
+        if grad and qwt is None:
+            raise RuntimeError("FP8BlockLinear is compiled for training before its dgrad codes exist: compile the "
+                               "model that quantize_model converted, or call refresh_fp8_weights(model) first")
+        y, _, _, bad_rows = torch.ops.calclip.fp8_linear_forward(
+            x2, self.weight, self._fp8_qw, self._fp8_sw, qwt, swt, self._fp8_bad, save, cfg.power_of_two_scales,
+            cfg.fused_quantizer, cfg.gemm, x2.dtype)
+        self.nonfinite_count.add_(bad_rows)
+        return y
 
     def extra_repr(self) -> str:
         cfg = self.fp8_config
         return (f"{super().extra_repr()}, block={cfg.block_size}, backward={cfg.backward}, gemm={cfg.gemm}, "
                 f"pow2={cfg.power_of_two_scales}")
+
+
+def _mark_static(*tensors: Tensor) -> None:
+    """Tell torch.compile's CUDA-graph trees these long-lived tensors keep their address (like parameters), so
+    replays read them in place instead of copying them into the graph's own inputs."""
+    for t in tensors:
+        if t.is_cuda:
+            torch._dynamo.mark_static_address(t)
+
+
+def fp8_layers(model: nn.Module) -> list[FP8BlockLinear]:
+    return [m for m in model.modules() if isinstance(m, FP8BlockLinear)]
+
+
+def refresh_fp8_weights(model: nn.Module, *, for_backward: bool | None = None) -> None:
+    """Re-quantize, in place, the weight codes of every FP8BlockLinear in ``model`` whose weight changed (and
+    their dgrad W^T codes when ``for_backward``, by default when grad mode is on)."""
+    for layer in getattr(model, "_calclip_fp8_layers", None) or fp8_layers(model):
+        layer.refresh(for_backward=for_backward)
+
+
+@torch.compiler.disable
+def _refresh_outside_graph(model: nn.Module) -> None:
+    refresh_fp8_weights(model)
+
+
+def refresh_before_compiled_call(model: nn.Module, args) -> None:
+    """Forward pre-hook that quantize_model registers on the converted root module: under torch.compile it
+    refreshes every layer's codes eagerly (one graph break, before the model's graph); eager calls skip it,
+    since each layer checks its own weight."""
+    if torch.compiler.is_compiling():
+        _refresh_outside_graph(model)
 
 
 def pop_nonfinite_count(model: nn.Module) -> Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import torch
 from torch import Tensor
 
 from calclip.fp8 import reference
@@ -60,11 +61,37 @@ def _to_gemm_layout(name: str, out: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return out[0], col_major(out[1]), out[2], out[3].contiguous()
 
 
-def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
-                   gemm_layout: bool = False) -> tuple[Tensor, Tensor]:
+def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
+                   nonfinite_count: Tensor | None = None, weight_bad: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """[..., K] -> (q e4m3fn [..., K], s fp32 [..., ceil(K/block)]); groups along the last dim.
-    ``gemm_layout``: s column-major (2-D x), the layout torch._scaled_mm reads; same values."""
-    return _call(x, "quantize_1x128", block, pow2, gemm_layout)  # type: ignore[return-value]
+    ``gemm_layout``: s column-major (2-D x), the layout torch._scaled_mm reads; same values.
+    ``nonfinite_count`` (int64 [], x's device): += the number of rows with a non-finite group, or every row
+    when ``weight_bad`` (bool []) is set; counted inside the Triton kernel on CUDA (no extra launch, no sync),
+    from the scales by torch ops otherwise."""
+    fn = _impl(x, "quantize_1x128", block)
+    k = x.shape[-1] if x.dim() else 0
+    if fn is not reference.quantize_1x128:
+        module = triton_kernels()
+        if nonfinite_count is None or module.counts_in_kernel(k, block):
+            return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, nonfinite_count=nonfinite_count,
+                      weight_bad=weight_bad)
+        q, s = fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout)
+    else:
+        q, s = fn(x, block=block, pow2=pow2)
+        if gemm_layout:
+            q, s = _to_gemm_layout("quantize_1x128", (q, s))
+    if nonfinite_count is not None:
+        add_nonfinite_rows(nonfinite_count, s, weight_bad)
+    return q, s
+
+
+def add_nonfinite_rows(nonfinite_count: Tensor, s: Tensor, weight_bad: Tensor | None) -> None:
+    """nonfinite_count += rows of the 1x128 scales ``s`` [..., NB] holding a NaN (every row if weight_bad)."""
+    rows = s.numel() // s.shape[-1] if s.dim() and s.shape[-1] else 0
+    bad_rows = torch.isnan(s).any(dim=-1).sum() if rows else torch.zeros((), dtype=torch.int64, device=s.device)
+    if weight_bad is not None:
+        bad_rows = torch.where(weight_bad, rows, bad_rows)
+    nonfinite_count.add_(bad_rows)
 
 
 def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,

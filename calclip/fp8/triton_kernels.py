@@ -170,20 +170,25 @@ class _Tuned:
     ``CALCLIP_TRITON_AUTOTUNE=0`` always use the first (default) config.
     """
 
-    def __init__(self, kernel, configs: list[triton.Config], key: list[str]) -> None:
+    def __init__(self, kernel, configs: list[triton.Config], key: list[str],
+                 restore_value: list[str] | None = None) -> None:
         self.kernel = kernel
         self.default = configs[0]
-        self.autotuner = triton.autotune(configs=configs, key=key)(kernel)
-        self.chosen: dict[tuple, triton.Config] = {}
+        # restore_value: arguments the kernel accumulates into (a counter), restored after each timing run
+        self.autotuner = triton.autotune(configs=configs, key=key, restore_value=restore_value)(kernel)
+        self.chosen: dict[tuple, tuple[dict, dict]] = {}  # key -> (config.kwargs, all launch kwargs)
+        self._default_launch = (self.default.kwargs, self.default.all_kwargs())
 
     def launch(self, grid, key: tuple, soft_fp8: bool, *args, **kwargs) -> None:
         """grid: meta-parameter dict -> launch grid; key: the autotune key values plus the input dtypes."""
-        config = self.default if soft_fp8 or not _AUTOTUNE else self.chosen.get(key)
-        if config is None:
+        launch = self._default_launch if soft_fp8 or not _AUTOTUNE else self.chosen.get(key)
+        if launch is None:
             self.autotuner[grid](*args, **kwargs)
-            self.chosen[key] = self.autotuner.best_config
+            best = self.autotuner.best_config
+            self.chosen[key] = (best.kwargs, best.all_kwargs())
             return
-        self.kernel[grid(config.kwargs)](*args, **kwargs, **config.all_kwargs())
+        meta, config_kwargs = launch
+        self.kernel[grid(meta)](*args, **kwargs, **config_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -196,10 +201,15 @@ def _quantize_1x128_kernel(
     x_ptr, q_ptr, s_ptr,  # x [R, K] (last dim contiguous), q [R, K] contiguous, s [R, NB] any strides
     R, K, NB, stride_xr, stride_sr, stride_sg,
     R_BUCKET,  # autotune key only
-    POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
+    count_ptr, weight_bad_ptr,  # COUNT only: int64 [] counter += bad rows; bool [] "the weight has a NaN block"
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile."""
+    """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile.
+
+    COUNT (launched with GROUPS >= NB, so a program holds whole rows): also add to ``count_ptr`` the number of
+    its rows that have a non-finite group (every valid row when ``weight_bad_ptr`` is set) — the FP8BlockLinear
+    non-finite token count, from registers this kernel already holds, one atomic per program with bad rows."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
@@ -212,6 +222,12 @@ def _quantize_1x128_kernel(
     _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
     s_mask = (rows[:, None] < R) & (groups[None, :] < NB)
     tl.store(s_ptr + rows[:, None] * stride_sr + groups[None, :] * stride_sg, scale, mask=s_mask)
+    if COUNT:
+        valid = rows < R
+        row_bad = tl.max(nonfinite.to(tl.int32), axis=1)  # [BLOCK_R]; padded groups and rows are finite zeros
+        weight_bad = tl.load(weight_bad_ptr).to(tl.int32)
+        n_bad = tl.where(weight_bad != 0, tl.sum(valid.to(tl.int32), axis=0), tl.sum(row_bad, axis=0))
+        tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=n_bad > 0)
 
 
 _QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4}, num_warps=8)
@@ -233,14 +249,46 @@ def _scales_out(rows: int, nb: int, column_major: bool, device: torch.device) ->
     return torch.empty(rows, nb, dtype=torch.float32, device=device)
 
 
-def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
-                   gemm_layout: bool = False) -> tuple[Tensor, Tensor]:
+# Counting launches hold whole rows (GROUPS = next_pow2(NB)); tiles of about 2K-16K elements per program.
+_COUNT_ELEMENTS = (2048, 16384)
+_COUNT_MAX_GROUPS = 256  # K <= 32768; wider rows fall back to counting from the scales (quant.py)
+_count_tuned: dict[int, _Tuned] = {}
+
+
+def _counting_kernel(groups: int) -> _Tuned:
+    """The 1x128 kernel tuned for whole-row programs of ``groups`` groups (one _Tuned per power of two)."""
+    tuned = _count_tuned.get(groups)
+    if tuned is None:
+        configs = []
+        for block_r in (max(1, 4096 // (groups * BLOCK)), 1, 2, 4, 8, 16, 32):
+            elements = block_r * groups * BLOCK
+            if elements <= _COUNT_ELEMENTS[1] and (elements >= _COUNT_ELEMENTS[0] or block_r == 1):
+                for warps in (4, 8) if elements <= 4096 else (8, 16):
+                    config = triton.Config({"BLOCK_R": block_r}, num_warps=warps)
+                    if all(c.kwargs != config.kwargs or c.num_warps != warps for c in configs):
+                        configs.append(config)
+        tuned = _count_tuned[groups] = _Tuned(_quantize_1x128_kernel, configs, key=["K", "R_BUCKET"],
+                                              restore_value=["count_ptr"])
+    return tuned
+
+
+def counts_in_kernel(k: int, block: int = BLOCK) -> bool:
+    """Whether ``quantize_1x128`` can count non-finite rows inside the kernel for rows of ``k`` elements."""
+    return _ceil_div(k, block) <= _COUNT_MAX_GROUPS
+
+
+def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
+                   nonfinite_count: Tensor | None = None,
+                   weight_bad: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Quantize in groups of 128 along the last dim (activations, output gradients). Matches the reference.
 
     x: [..., K] bf16/fp16/fp32 (fp64 rounded to fp32), any leading dims, K ragged allowed
     -> (q float8_e4m3fn [..., K] contiguous, s float32 [..., ceil(K / 128)], x ~= q * s)
     s is contiguous like the reference's; ``gemm_layout=True`` makes it column-major over the flattened rows
     (the strides torch._scaled_mm demands of a 1x128 operand's scale, so gemm.py's re-layout is a no-op).
+    nonfinite_count: int64 [] tensor on x's device; when given, the kernel adds the number of rows (tokens)
+    with a non-finite group to it — every row when ``weight_bad`` (bool [], optional) is set — without a sync
+    or another launch (needs ``counts_in_kernel(K)``). Codes and scales are the same with or without it.
     """
     _check_block(block)
     soft_fp8 = _check_device(x)
@@ -252,16 +300,33 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     s2 = _scales_out(r, nb, gemm_layout, x.device)
     s = s2.view(*x.shape[:-1], nb)
+    count = nonfinite_count is not None
+    if count:
+        if not counts_in_kernel(k, block):
+            raise ValueError(f"in-kernel counting needs K <= {_COUNT_MAX_GROUPS * BLOCK}, got K={k}")
+        if nonfinite_count.dtype != torch.int64 or nonfinite_count.numel() != 1:
+            raise ValueError(f"nonfinite_count must be an int64 [] tensor, got {nonfinite_count.dtype} "
+                             f"{tuple(nonfinite_count.shape)}")
+        if weight_bad is None:
+            weight_bad = torch.zeros((), dtype=torch.bool, device=x.device)
+        _check_device(x, nonfinite_count, weight_bad)
     if x.numel() == 0:
         return q, s
     x2 = x.reshape(r, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if count:
+        groups = triton.next_power_of_2(nb)
+        _counting_kernel(groups).launch(
+            lambda meta: (triton.cdiv(r, meta["BLOCK_R"]), 1), (k, _bucket(r), x2.dtype, groups), soft_fp8,
+            x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
+            nonfinite_count, weight_bad, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=True, GROUPS=groups, GROUP=block)
+        return q, s
     _quantize_1x128_tuned.launch(
         lambda meta: (triton.cdiv(r, meta["BLOCK_R"]), triton.cdiv(nb, meta["GROUPS"])),
         (k, _bucket(r), x2.dtype), soft_fp8,
         x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
-        POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+        s2, s2, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=False, GROUP=block)
     return q, s
 
 

@@ -137,6 +137,40 @@ def test_special_values_match_reference(name, pow2):
     _assert_matches_reference(name, x.t().contiguous() if name == "quantize_128x1" else x, pow2)
 
 
+def _reference_bad_rows(x, weight_bad):
+    rows = x.numel() // x.shape[-1]
+    return rows if weight_bad else int((~torch.isfinite(x.float())).reshape(rows, -1).any(dim=-1).sum())
+
+
+@pytest.mark.parametrize("weight_bad", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 200), (2, 5, 576), (33, 1536), (70, 128 * 17)])
+def test_quantize_1x128_counts_nonfinite_rows_in_kernel(shape, weight_bad):
+    """The counting launch (whole rows per program) gives the plain kernel's codes and scales bit for bit, and
+    adds exactly the number of rows holding a NaN/Inf (all rows when the weight is bad) to the counter."""
+    x = _wide_range(shape, torch.bfloat16, seed=sum(shape))
+    flat = x.view(-1, shape[-1])
+    g = torch.Generator().manual_seed(len(shape))
+    for i in torch.randperm(flat.shape[0], generator=g)[: max(1, flat.shape[0] // 3)].tolist():
+        flat[i, int(torch.randint(shape[-1], (1,), generator=g))] = [NAN, INF, -INF][i % 3]
+    if flat.shape[0] > 1:
+        flat[0, :] = NAN  # several bad groups in one row count once
+    counter = torch.full((), 5, dtype=torch.int64, device=DEVICE)  # accumulates onto what was there
+    bad = torch.tensor(weight_bad, device=DEVICE)
+    q, s = tk.quantize_1x128(x, nonfinite_count=counter, weight_bad=bad)
+    q_plain, s_plain = tk.quantize_1x128(x)
+    assert _scales_equal(s.cpu(), s_plain.cpu()) and _codes_equal(q.cpu(), q_plain.cpu()) == 0
+    assert int(counter) == 5 + _reference_bad_rows(x.cpu(), weight_bad)
+    tk.quantize_1x128(x, gemm_layout=True, nonfinite_count=counter)  # weight_bad defaults to False
+    assert int(counter) == 5 + _reference_bad_rows(x.cpu(), weight_bad) + _reference_bad_rows(x.cpu(), False)
+
+
+def test_counting_needs_a_proper_counter():
+    x = torch.randn(4, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="nonfinite_count must be an int64"):
+        tk.quantize_1x128(x, nonfinite_count=torch.zeros((), dtype=torch.int32, device=DEVICE))
+    assert tk.counts_in_kernel(256 * 128) and not tk.counts_in_kernel(256 * 128 + 1)
+
+
 def _assert_dual_matches_reference(x, pow2=False, gemm_layout=False):
     """The fused quantizer == reference 1x128 + 128x1: codes and scales bit for bit; layouts the reference's,
     or with gemm_layout the scaled_mm ones (1x128 scales column-major, 128x1 scales row-major)."""
@@ -342,10 +376,19 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 
     i32 = "i32"
     quant = {"POW2": True, "SOFT_FP8": False, "GROUP": BLOCK}
+    plain_extra = {"count_ptr": "*fp32", "weight_bad_ptr": "*fp32"}  # unused when COUNT=False
     ptx = compile_ptx(tk._quantize_1x128_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32,
-                      "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32},
-                      quant, tk._QUANT_1X128_DEFAULT)
+                      "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32,
+                      **plain_extra}, {**quant, "COUNT": False}, tk._QUANT_1X128_DEFAULT)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
+    count_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32, "K": i32, "NB": i32,
+                   "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32, "count_ptr": "*i64",
+                   "weight_bad_ptr": "*i1"}
+    for groups in (8, 32, 128):  # SmolLM2's 576/1536, K=4096, K=14336: whole rows per program
+        tuned = tk._counting_kernel(groups)
+        ptx = compile_ptx(tk._quantize_1x128_kernel, count_types, {**quant, "COUNT": True, "GROUPS": groups},
+                          tuned.default)
+        assert "atom.global" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     compile_ptx(tk._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
                 "K": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
                 quant, tk._QUANT_128X1_DEFAULT)
@@ -358,7 +401,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
                 "K": i32, "NBK": i32, "stride_wn": i32, "stride_wk": i32}, quant, tk._QUANT_128X128_DEFAULT)
     soft = compile_ptx(tk._quantize_1x128_kernel, {"x_ptr": "*fp16", "q_ptr": "*u8", "s_ptr": "*fp32", "R": i32,
                        "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32,
-                       "R_BUCKET": i32}, {**quant, "SOFT_FP8": True},
+                       "R_BUCKET": i32, **plain_extra}, {**quant, "SOFT_FP8": True, "COUNT": False},
                        tk._QUANT_1X128_DEFAULT)
     assert "e4m3x2" not in soft
     gemm_types = {n: ("*fp8e4nv" if n in ("a_ptr", "b_ptr") else "*bf16" if n == "c_ptr" else "*fp32"

@@ -1,0 +1,109 @@
+"""FP8BlockLinear under torch.compile (CPU, backend aot_eager: the same custom ops, fake implementations and
+autograd registration that Inductor and CUDA graphs see on the GPU) and the in-place weight-code refresh that
+makes captured graphs read current codes."""
+
+import pytest
+import torch
+from torch import nn
+
+from calclip.fp8 import FP8BlockLinear, Fp8Config, pop_nonfinite_count, quantize_model, refresh_fp8_weights
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(256, 384), nn.GELU(), nn.Linear(384, 200), nn.GELU(), nn.Linear(200, 256))
+
+
+def _pair():
+    eager, compiled = _model(), _model()
+    compiled.load_state_dict(eager.state_dict())
+    for m in (eager, compiled):
+        quantize_model(m, Fp8Config(keep_patterns=()))
+    return eager, compiled
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_training_equals_eager_across_optimizer_steps():
+    """Forward, input and weight gradients bit-equal to eager on every step, while a fused AdamW changes the
+    weights between steps (the root pre-hook must refresh the codes the compiled graph reads)."""
+    eager, model = _pair()
+    compiled = torch.compile(model, backend="aot_eager")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (eager, model)]
+    outputs = []
+    for step in range(3):
+        x = torch.randn(64, 256)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ye, yc = eager(xe), compiled(xc)
+        assert torch.equal(ye, yc), step
+        ye.square().sum().backward()
+        yc.square().sum().backward()
+        assert torch.equal(xe.grad, xc.grad), step
+        for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
+            assert torch.equal(pe.grad, pc.grad), (step, name)
+        outputs.append(yc.detach())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert not torch.equal(outputs[0], outputs[1])  # the weights did move
+
+
+def test_compiled_inference_counts_nonfinite_tokens():
+    _, model = _pair()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(16, 256)
+    x[3, 5] = float("nan")
+    with torch.no_grad():
+        y = compiled(x)
+    assert torch.isnan(y[3]).all() and torch.isfinite(y[torch.arange(16) != 3]).all()
+    assert int(pop_nonfinite_count(model)) == 3  # row 3 in each of the three FP8 layers
+    with torch.no_grad():
+        compiled(torch.randn(16, 256))
+    assert int(pop_nonfinite_count(model)) == 0
+
+
+def test_no_graph_break_inside_the_layers():
+    """With the codes refreshed, the layers compile as one graph (fullgraph=True raises on any break)."""
+    _, model = _pair()
+    refresh_fp8_weights(model, for_backward=True)
+    body = torch.compile(lambda x: model[4](model[3](model[2](model[1](model[0](x))))), backend="aot_eager",
+                         fullgraph=True)
+    x = torch.randn(8, 256, requires_grad=True)
+    body(x).sum().backward()
+    assert x.grad is not None and model[0].weight.grad is not None
+
+
+def test_straight_through_mode_compiles_with_eager_layers():
+    """backward='bf16' (a comparison mode without custom ops) still works under compile, layer by layer."""
+    eager = quantize_model(_model(), Fp8Config(keep_patterns=(), backward="bf16"))
+    model = quantize_model(_model(), Fp8Config(keep_patterns=(), backward="bf16"))
+    x = torch.randn(4, 256)
+    ye, yc = eager(x), torch.compile(model, backend="aot_eager")(x)
+    assert torch.equal(ye, yc)
+    ye.sum().backward()
+    yc.sum().backward()
+    assert torch.equal(eager[0].weight.grad, model[0].weight.grad)
+
+
+def test_weight_codes_are_refreshed_in_place():
+    """Addresses never move (a captured graph keeps reading the current codes), and a backward whose forward
+    used codes that a refresh has since overwritten fails instead of computing a wrong gradient."""
+    torch.manual_seed(0)
+    layer = FP8BlockLinear(256, 256)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    x = torch.randn(8, 256, requires_grad=True)
+    layer(x).sum().backward()
+    ptrs = [t.data_ptr() for t in layer.quantized_weight()[:2]]
+    opt.step()
+    y_stale = layer(x)  # saved the codes of this weight version
+    opt.step()  # the weight moves again
+    fresh = FP8BlockLinear.from_linear(layer.to_linear())
+    assert torch.equal(layer(x), fresh(x))  # re-quantized ...
+    assert [t.data_ptr() for t in layer.quantized_weight()[:2]] == ptrs  # ... into the same tensors
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y_stale.sum().backward()
