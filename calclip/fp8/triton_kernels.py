@@ -27,6 +27,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 from torch import Tensor
 
 from calclip.fp8.config import BLOCK, FP8_DTYPE, FP8_E4M3_MAX
@@ -180,7 +181,8 @@ class _Tuned:
         self._default_launch = (self.default.kwargs, self.default.all_kwargs())
 
     def launch(self, grid, key: tuple, soft_fp8: bool, *args, **kwargs) -> None:
-        """grid: meta-parameter dict -> launch grid; key: the autotune key values plus the input dtypes."""
+        """grid: meta-parameter dict -> launch grid; key: the autotune key values plus the input dtypes.
+        ``args``: every non-constexpr kernel parameter, positionally; ``kwargs``: the constexpr ones."""
         launch = self._default_launch if soft_fp8 or not _AUTOTUNE else self.chosen.get(key)
         if launch is None:
             self.autotuner[grid](*args, **kwargs)
@@ -188,7 +190,47 @@ class _Tuned:
             self.chosen[key] = (best.kwargs, best.all_kwargs())
             return
         meta, config_kwargs = launch
-        self.kernel[grid(meta)](*args, **kwargs, **config_kwargs)
+        if soft_fp8 or not _FAST_LAUNCH:
+            self.kernel[grid(meta)](*args, **kwargs, **config_kwargs)
+            return
+        _fast_launch(self.kernel, grid(meta), args, kwargs, config_kwargs)
+
+
+# Triton's JITFunction.run re-binds and re-specializes every argument, looks the kernel up and checks globals on
+# every call: tens of microseconds of host time per launch, the largest part of FP8BlockLinear's host time on the
+# H200 host (issue 8). Once a launch has compiled, later launches with the same specialization call the compiled
+# kernel's C launcher directly. The key holds everything Triton specializes on: each tensor's dtype and 16-byte
+# alignment, each int's ==1 / %16 / 64-bit class, the constexpr values and the launch options.
+_FAST_LAUNCH = os.environ.get("CALCLIP_TRITON_FAST_LAUNCH", "1") != "0"
+_compiled_launches: dict[tuple, tuple] = {}
+
+
+def _spec(a) -> object:
+    if isinstance(a, Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool) or not isinstance(a, int):
+        return a
+    return (a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
+
+
+def _fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict, config_kwargs: dict) -> None:
+    device = torch.cuda.current_device()  # Triton launches on the current device too
+    key = (kernel, device, tuple(map(_spec, args)), tuple(kwargs.items()), tuple(config_kwargs.items()))
+    entry = _compiled_launches.get(key)
+    if entry is None:
+        compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs, **config_kwargs)  # compiles and launches
+        names = kernel.arg_names[len(args):]  # constexpr parameters come last in every kernel of this module
+        merged = {**kwargs, **config_kwargs}
+        _compiled_launches[key] = (compiled, tuple(merged[n] for n in names))
+        return
+    compiled, constexprs = entry
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    metadata = compiled.launch_metadata(grid, stream, *args, *constexprs) if enter is not None else None
+    grid_1 = grid[1] if len(grid) > 1 else 1
+    grid_2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
+                 *args, *constexprs)
 
 
 # ----------------------------------------------------------------------------------------------------------

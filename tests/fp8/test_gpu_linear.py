@@ -234,3 +234,17 @@ def test_fp8_linear_gpu_backends_match_emulated(b, t, k, n):
     dy = (torch.randn(b, t, n, device="cuda") * 1e-2).to(torch.bfloat16)
     for got, want, name in zip(_run(fast, x, dy), _run(emu, x, dy), ("output", "dgrad", "wgrad", "bias")):
         assert _rel_err(got, want) < BACKEND_VS_EMULATED_RTOL, name
+
+
+def test_fast_launch_reuses_kernels_only_for_the_same_specialization():
+    """The direct C-launcher path (triton_kernels._fast_launch) must give the reference's codes on every call:
+    new data at one shape, then shapes and views that change Triton's specialization (odd sizes, 2-byte offsets)."""
+    base = torch.randn(4096 + 8, 1536, device="cuda", dtype=torch.bfloat16)
+    for x in (base[:4096], base[8:4104], base[:4096] * 3, base[1:4098], base[:4096, 1:1535], base[:7, :200]):
+        for name in ("quantize_1x128", "quantize_128x1"):
+            q, s = getattr(tk, name)(x)
+            q_ref, s_ref = getattr(ref, name)(x.cpu())
+            assert torch.equal(s.cpu(), s_ref) and _codes_differ(q.cpu(), q_ref) == 0, (name, tuple(x.shape))
+        counter = torch.zeros((), dtype=torch.int64, device="cuda")
+        tk.quantize_1x128(x, nonfinite_count=counter)
+        assert int(counter) == 0
