@@ -110,22 +110,17 @@ def _quantize_both(t2: Tensor, pow2: bool, fused: bool) -> tuple[Tensor, Tensor,
             *quant.quantize_128x1(t2, pow2=pow2, gemm_layout=True))
 
 
-_EMPTY_FP8 = torch.empty(0, dtype=torch.float8_e4m3fn)
-_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
-
-
 def _forward(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool,
              pow2: bool, fused: bool, gemm: str, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """x2 [M, K]; qw [N, K] e4m3fn, sw [N/128, K/128]; counter int64 [] (+= non-finite rows)
-    -> y [M, N] out_dtype, and x quantized 128x1 (qxt [M, K], sxt [M/128, K]) when save_for_wgrad, else empty."""
+    -> y [M, N] out_dtype, and x quantized 128x1 (qxt [M, K], sxt [M/128, K]) when save_for_wgrad, else None."""
     if save_for_wgrad and fused:
         qx, sx, qxt, sxt = _quantize_both(x2, pow2, fused)
         quant.add_nonfinite_rows(counter, sx, weight_bad)
     else:
         qx, sx = quant.quantize_1x128(x2, pow2=pow2, gemm_layout=True, nonfinite_count=counter,
                                       weight_bad=weight_bad)
-        qxt, sxt = (quant.quantize_128x1(x2, pow2=pow2, gemm_layout=True) if save_for_wgrad
-                    else (_EMPTY_FP8.to(x2.device), _EMPTY_F32.to(x2.device)))
+        qxt, sxt = quant.quantize_128x1(x2, pow2=pow2, gemm_layout=True) if save_for_wgrad else (None, None)
     y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128")
     return y, qxt, sxt
 
@@ -202,6 +197,8 @@ def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor 
     weight and the dgrad codes qwt/swt are inputs only for autograd (the weight's grad slot, saved for dx)."""
     counter = torch.zeros((), dtype=torch.int64, device=x2.device)
     y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, save_for_wgrad, pow2, fused, gemm, out_dtype)
+    if qxt is None:
+        qxt, sxt = x2.new_empty((0,), dtype=torch.float8_e4m3fn), x2.new_empty((0,), dtype=torch.float32)
     return y, qxt, sxt, counter
 
 

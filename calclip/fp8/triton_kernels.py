@@ -64,9 +64,14 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _next_pow2(n: int) -> int:
+    """Plain-Python next power of two (triton.next_power_of_2 is a constexpr function: slow to call on the host)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def _bucket(n: int) -> int:
     """Autotune key for an outer (token) dim: next power of two, capped, so varying lengths reuse a tuning."""
-    return min(triton.next_power_of_2(max(n, 1)), 1 << 16)
+    return min(_next_pow2(max(n, 1)), 1 << 16)
 
 
 def _check_block(block: int) -> None:
@@ -76,10 +81,9 @@ def _check_block(block: int) -> None:
 
 def _check_device(*tensors: Tensor) -> bool:
     """Return True when the kernels must encode fp8 in software (CPU tensors under TRITON_INTERPRET=1)."""
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
+    device = tensors[0].device
+    if len(tensors) > 1 and any(t.device != device for t in tensors[1:]):
+        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
     if device.type == "cuda":
         return False
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -205,19 +209,19 @@ _FAST_LAUNCH = os.environ.get("CALCLIP_TRITON_FAST_LAUNCH", "1") != "0"
 _compiled_launches: dict[tuple, tuple] = {}
 
 
-def _spec(a) -> object:
-    if isinstance(a, Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, bool) or not isinstance(a, int):
-        return a
-    return (a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
+_MAX_LAUNCH_ENTRIES = 1 << 14  # one per distinct argument tuple (shapes, strides); cleared when full
 
 
 def _fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict, config_kwargs: dict) -> None:
     device = torch.cuda.current_device()  # Triton launches on the current device too
-    key = (kernel, device, tuple(map(_spec, args)), tuple(kwargs.items()), tuple(config_kwargs.items()))
+    # The exact int arguments (shapes, strides) and each tensor's dtype and address mod 16: a finer key than
+    # Triton's specialization (==1, %16), so a hit always means Triton would have picked this very kernel.
+    key = (kernel, device, id(config_kwargs), *kwargs.values(),
+           *[a if type(a) is int else (a.dtype, a.data_ptr() & 15) for a in args])
     entry = _compiled_launches.get(key)
     if entry is None:
+        if len(_compiled_launches) >= _MAX_LAUNCH_ENTRIES:
+            _compiled_launches.clear()
         compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs, **config_kwargs)  # compiles and launches
         names = kernel.arg_names[len(args):]  # constexpr parameters come last in every kernel of this module
         merged = {**kwargs, **config_kwargs}
@@ -358,14 +362,14 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if count:
-        groups = triton.next_power_of_2(nb)
+        groups = _next_pow2(nb)
         _counting_kernel(groups).launch(
-            lambda meta: (triton.cdiv(r, meta["BLOCK_R"]), 1), (k, _bucket(r), x2.dtype, groups), soft_fp8,
+            lambda meta: (_ceil_div(r, meta["BLOCK_R"]), 1), (k, _bucket(r), x2.dtype, groups), soft_fp8,
             x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
             nonfinite_count, weight_bad, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=True, GROUPS=groups, GROUP=block)
         return q, s
     _quantize_1x128_tuned.launch(
-        lambda meta: (triton.cdiv(r, meta["BLOCK_R"]), triton.cdiv(nb, meta["GROUPS"])),
+        lambda meta: (_ceil_div(r, meta["BLOCK_R"]), _ceil_div(nb, meta["GROUPS"])),
         (k, _bucket(r), x2.dtype), soft_fp8,
         x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
         s2, s2, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=False, GROUP=block)
@@ -437,7 +441,7 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
     if x.numel() == 0:
         return q_t.t(), s
     _quantize_128x1_tuned.launch(
-        lambda meta: (nb, triton.cdiv(k, meta["BLOCK_K"])), (k, _bucket(m), x.dtype), soft_fp8,
+        lambda meta: (nb, _ceil_div(k, meta["BLOCK_K"])), (k, _bucket(m), x.dtype), soft_fp8,
         x, _codes_out(q_t, soft_fp8), s, m, k, x.stride(0), x.stride(1), s.stride(0), s.stride(1), _bucket(m),
         POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     return q_t.t(), s
@@ -575,7 +579,7 @@ def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tu
     if w.numel() == 0:
         return q, s
     _quantize_128x128_tuned.launch(
-        lambda meta: (nbn, triton.cdiv(nbk, meta["GROUPS"])), (n, k, w.dtype), soft_fp8,
+        lambda meta: (nbn, _ceil_div(nbk, meta["GROUPS"])), (n, k, w.dtype), soft_fp8,
         w, _codes_out(q, soft_fp8), s, n, k, nbk, w.stride(0), w.stride(1),
         POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     return q, s
@@ -706,7 +710,7 @@ def fp8_block_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out
 
     bucket = _bucket(m)
     _fp8_block_gemm_tuned.launch(
-        lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),),
+        lambda meta: (_ceil_div(m, meta["BLOCK_M"]) * _ceil_div(n, meta["BLOCK_N"]),),
         (bucket, n, k, out_dtype, a_rows, b_rows), soft_fp8,
         qa, qb, y, sa, sb, m, n, k,
         qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1), y.stride(0), y.stride(1),
