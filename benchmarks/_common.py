@@ -9,8 +9,10 @@ behave differently on zeros).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import itertools
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -26,6 +28,26 @@ if str(_ROOT) not in sys.path:
 L2_BYTES = 50 * 2**20  # H200
 ROTATE_BYTES = 4 * L2_BYTES  # each timed call touches fresh memory
 MAX_SETS = 8
+
+
+def package_version(name: str) -> str:
+    """``name``'s installed version, or 'MISSING' (imports nothing)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "MISSING"
+
+
+def git_commit() -> str:
+    """Short commit of the checkout, '+dirty' when tracked files differ from it; '?' outside git."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
 
 
 def header(title: str) -> None:

@@ -33,10 +33,9 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _timed_steps(trainer_cls, config_cls, *, model_fn, tokenizer, dataset, reward, overrides, steps, warmup, completion_length):
+def step_timer(times: list[float]):
+    """A TrainerCallback appending the wall time of every optimizer step (synchronized) to ``times``."""
     from transformers import TrainerCallback
-
-    times: list[float] = []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -47,8 +46,40 @@ def _timed_steps(trainer_cls, config_cls, *, model_fn, tokenizer, dataset, rewar
             _sync()
             times.append(time.perf_counter() - self._t0)
 
+    return StepTimer()
+
+
+# The runs compared, differing only in the precision flow (module docstring).
+RUNS = {
+    "bf16_static": dict(fp8=False, clip_mode="static"),
+    "fp8_static": dict(fp8=True, clip_mode="static"),
+    "fp8_calibrated": dict(fp8=True, clip_mode="calibrated", calibration_interval=2),
+}
+
+
+def model_builder(tokenizer, *, layers: int, hidden: int, intermediate: int):
+    """A zero-argument function building the benchmark's random Llama (BF16 weights, head dim 128)."""
+    from calclip.testing import build_tiny_model
+
+    def model_fn():
+        return build_tiny_model(
+            tokenizer,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=max(1, hidden // 128),
+            num_key_value_heads=max(1, hidden // 128),
+            dtype=torch.bfloat16,
+        )
+    return model_fn
+
+
+def timed_steps(trainer_cls, config_cls, *, model_fn, tokenizer, dataset, reward, overrides, steps, warmup, completion_length):
+    """Train ``steps + warmup`` optimizer steps; return (the last ``steps`` step times, last logged metrics, model).
+    ``overrides`` are config fields and win over the defaults below (e.g. ``bf16=False`` on CPU)."""
+    times: list[float] = []
     with tempfile.TemporaryDirectory() as out:
-        args = config_cls(
+        fields = dict(
             output_dir=out,
             report_to="none",
             bf16=True,
@@ -63,15 +94,15 @@ def _timed_steps(trainer_cls, config_cls, *, model_fn, tokenizer, dataset, rewar
             save_strategy="no",
             seed=0,
             use_cpu=not torch.cuda.is_available(),
-            **overrides,
         )
+        args = config_cls(**{**fields, **overrides})
         trainer = trainer_cls(
             model=model_fn(),
             reward_funcs=reward,
             args=args,
             train_dataset=dataset,
             processing_class=tokenizer,
-            callbacks=[StepTimer()],
+            callbacks=[step_timer(times)],
         )
         trainer.train()
         step_logs = [log for log in trainer.state.log_history if "entropy" in log]
@@ -106,31 +137,15 @@ def main():
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
 
-    from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+    from calclip.testing import build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
     from calclip.trainers import CalibratedGRPOConfig, CalibratedGRPOTrainer
 
     tokenizer = build_tiny_tokenizer()
     dataset = tiny_prompt_dataset(256)
-
-    def model_fn():
-        return build_tiny_model(
-            tokenizer,
-            hidden_size=opts.hidden,
-            intermediate_size=opts.intermediate,
-            num_hidden_layers=opts.layers,
-            num_attention_heads=opts.hidden // 128,
-            num_key_value_heads=opts.hidden // 128,
-            dtype=torch.bfloat16,
-        )
-
-    runs = {
-        "bf16_static": dict(fp8=False, clip_mode="static"),
-        "fp8_static": dict(fp8=True, clip_mode="static"),
-        "fp8_calibrated": dict(fp8=True, clip_mode="calibrated", calibration_interval=2),
-    }
+    model_fn = model_builder(tokenizer, layers=opts.layers, hidden=opts.hidden, intermediate=opts.intermediate)
     results = {}
-    for name, overrides in runs.items():
-        step_times, metrics, model = _timed_steps(
+    for name, overrides in RUNS.items():
+        step_times, metrics, model = timed_steps(
             CalibratedGRPOTrainer, CalibratedGRPOConfig, model_fn=model_fn, tokenizer=tokenizer, dataset=dataset,
             reward=digit_share_reward, overrides=overrides, steps=opts.steps, warmup=opts.warmup,
             completion_length=opts.completion_length,

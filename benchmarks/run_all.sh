@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Run every calclip benchmark on one GPU. Per-script limits add up to 7 minutes; a normal run takes ~3-4.
+# Run every calclip benchmark on one GPU. The kernel scripts' limits add up to 7 minutes (a normal run takes ~3-4),
+# bench_speed.py's to 9 more: under a 10-minute command cap run SPEED=0 here and bench_speed.py on its own.
 # Full output goes to stdout and, when $OUT is set, to $OUT/benchmarks.txt (plus one file per script).
 #   bash benchmarks/run_all.sh            # full tables
-#   QUICK=1 bash benchmarks/run_all.sh    # the target shapes only (~1-2 minutes)
+#   QUICK=1 bash benchmarks/run_all.sh    # the target shapes only, bench_speed's layer+model sections only
+#   SPEED=0 bash benchmarks/run_all.sh    # without bench_speed.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 QUICK_FLAG=${QUICK:+--quick}
+SPEED_FLAGS=${QUICK:+--only layer,model}
 OUT_DIR=${OUT:-}
 ALL_LOG=/dev/null
 [ -n "$OUT_DIR" ] && mkdir -p "$OUT_DIR" && ALL_LOG="$OUT_DIR/benchmarks.txt"
@@ -33,4 +36,7 @@ run() {  # run LIMIT_SECONDS SCRIPT [ARGS...]
     run 150 benchmarks/bench_gemm.py $QUICK_FLAG
     run 120 benchmarks/bench_linear.py $QUICK_FLAG
     run 60 benchmarks/bench_memory.py
+    if [ "${SPEED:-1}" != 0 ]; then
+        run 540 benchmarks/bench_speed.py $SPEED_FLAGS
+    fi
 } 2>&1 | tee "$ALL_LOG"

@@ -1,6 +1,6 @@
 """Probe which blockwise-scaled layouts torch._scaled_mm accepts on this GPU, and check them numerically.
 
-Run on the H200: `python benchmarks/probe_scaled_mm.py`. Prints one line per variant: accepted or the error,
+Run on the H200: `python benchmarks/probes/probe_scaled_mm.py`. Prints one line per variant: accepted or the error,
 and the relative error against a float32 emulation of the same FP8 codes and scales. This settles the scale
 layouts calclip.fp8.gemm uses (forward 1x128 x 128x128; wgrad 1x128 x 1x128 along the token axis).
 """

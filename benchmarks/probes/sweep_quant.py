@@ -1,8 +1,8 @@
 """Why is the fused 1x128+128x1 quantizer slow? Sweep its configs and time experimental variants of it.
 
-    python benchmarks/sweep_quant.py                 # H200, < 90 s; prints one table per shape + a conclusion
-    python benchmarks/sweep_quant.py --smoke         # CPU, TRITON_INTERPRET=1, tiny shapes: checks the script runs
-    python benchmarks/sweep_quant.py --compile-sm90  # CPU, no GPU: compiles every variant to sm_90 PTX/cubin
+    python benchmarks/probes/sweep_quant.py                 # H200, < 90 s; prints one table per shape + a conclusion
+    python benchmarks/probes/sweep_quant.py --smoke         # CPU, TRITON_INTERPRET=1, tiny shapes: checks the script runs
+    python benchmarks/probes/sweep_quant.py --compile-sm90  # CPU, no GPU: compiles every variant to sm_90 PTX/cubin
 
 Shapes 8192x14336 (dy) and 8192x4096 (x) of FP8BlockLinear at M=8192, K=4096, N=14336; bf16 random normal
 inputs rotating over sets > L2; ``triton.testing.do_bench`` median. Rows (variant column):
@@ -51,6 +51,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
 from _common import fmt_ms, header, rotating, table  # noqa: E402  (also puts the repo root on sys.path)
 
 from calclip.fp8 import quant  # noqa: E402

@@ -1,6 +1,6 @@
 """FP8BlockLinear fwd+bwd with the fused 1x128+128x1 quantizer vs the two separate quantizer kernels, GPU.
 
-    python benchmarks/bench_linear_quant_paths.py
+    python benchmarks/probes/bench_linear_quant_paths.py
 
 bench_quant.py measured the fused kernel at ~25% of copy bandwidth, slower than the two separate kernels at
 8192x14336; this times the whole layer both ways in one run (the separate path is patched in for the second
@@ -10,11 +10,17 @@ layers are built with Fp8Config(fused_quantizer=True / False); the H200 run of 2
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from triton.testing import do_bench
 
-from calclip.fp8 import Fp8Config
-from calclip.fp8.linear import FP8BlockLinear
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
+import _common  # noqa: E402,F401  (puts the repository root on sys.path)
+
+from calclip.fp8 import Fp8Config  # noqa: E402
+from calclip.fp8.linear import FP8BlockLinear  # noqa: E402
 
 SHAPES = ((8192, 4096, 14336), (8192, 14336, 4096), (16384, 4096, 14336), (8192, 4096, 4096), (8192, 576, 1536))
 

@@ -1,0 +1,852 @@
+"""Issue 8's speed table in one run: BF16 vs calclip FP8 (eager and torch.compile) vs torchao, as Markdown.
+
+    python benchmarks/bench_speed.py                          # every section, H200 (see benchmarks/README.md)
+    python benchmarks/bench_speed.py --only layer,model       # some sections
+    python benchmarks/bench_speed.py --tiny                   # CPU, tiny shapes: checks that every path runs
+
+Sections (``--only``), each printed (and flushed) as soon as it is done:
+
+- ``layer``: one linear layer's forward+backward, nn.Linear vs FP8BlockLinear (eager, torch.compile) vs torchao
+  ``Float8BlockwiseLinear``, bf16 input and weights, at (M, K, N) in LAYER_SHAPES. Per call: wall time (a loop
+  of calls, synchronized at the end: what a training loop sees), GPU time (the same loop queued behind a
+  ``torch.cuda._sleep`` so the device runs it without host gaps: kernel time alone) and host time (CPU time
+  to issue one call, never synchronized). A step whose wall time is near its host time is host-bound.
+- ``model``: a random-weight Llama (transformers ``LlamaConfig``, sdpa attention, bf16 weights, untied LM head)
+  forward + backward + fused AdamW step on 8 x 2048 random tokens. All arms share the Parameters and one
+  optimizer (the FP8 arms are ``quantize_model`` copies of the BF16 model's module tree, not of its weights), so
+  peak memory is comparable: peak = this arm's transient peak over its step + the shared weights and optimizer
+  state + this arm's own persistent buffers (the FP8 weight cache), measured after its warm-up.
+- ``decode``: HF ``generate`` on the 8-layer hidden-2048 model, greedy, prompt 32 random tokens, 128 new tokens
+  (min_new_tokens = max_new_tokens: equal lengths), batch 64 and 256; settings ``eager`` (dynamic cache) and
+  ``graphed`` (``cache_implementation="static"``: transformers compiles the decode step itself with
+  ``CompileConfig()``'s mode "reduce-overhead", i.e. CUDA graphs, when the device is CUDA). Decode time is taken
+  between CUDA events recorded by a logits processor after the first and the last token (prefill excluded).
+- ``trainer``: ``bench_trainer_step.py``'s default config through its own functions: median optimizer-step
+  time of CalibratedGRPOTrainer runs (HF generate inside), BF16 vs FP8.
+- ``smollm``: ``calclip train`` equivalents (``calclip.cli.parse_train_args`` + ``build_trainer``) on the
+  embedded SmolLM2-135M-Instruct with configs/bf16_static.yaml and configs/fp8_calibrated.yaml, fp32 master
+  weights (``--model_dtype float32``, bf16 autocast: the issue's setting); ratio FP8/BF16 time as in issue 8.
+
+Method: arms are interleaved (A B C A B C ...) over ``--repeats`` rounds after a warm-up per arm; medians over
+rounds with the [min-max] spread; ratios are the median of the per-round ratios (arms of one round ran
+back to back, so drift of the shared GPU cancels). Ratio columns are BF16 / arm (> 1: the arm is faster) except
+the smollm row (FP8 / BF16 time, as in the issue). Data is random normal / random token ids, never zeros. The
+trainer and smollm sections interleave whole short runs (``--run-rounds``). Compiled arms report compile time,
+graph count and graph breaks, and are flagged when they recompile while being timed. Any arm that fails prints
+its error and shows "err"; the other arms go on. torchao is optional: its columns show "-" when it cannot be
+imported or built (it needs sm_90).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import math
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+import _common  # noqa: F401  (puts the repository root on sys.path)
+from _common import git_commit, package_version, rotating, table
+
+SECTIONS = ("layer", "model", "decode", "trainer", "smollm")
+ROOT = Path(__file__).resolve().parents[1]
+
+# (M, K, N) of issue 8's layer rows.
+LAYER_SHAPES = ((2048, 4096, 4096), (8192, 2048, 2048), (8192, 4096, 14336))
+TINY_LAYER_SHAPES = ((128, 256, 256), (256, 128, 384))
+# (layers, hidden, intermediate) of the model rows; the first is also the decode model.
+MODEL_CONFIGS = ((8, 2048, 8192), (4, 4096, 14336))
+TINY_MODEL_CONFIGS = ((1, 256, 512), (1, 128, 256))
+SLEEP_HZ = 2.0e9  # torch.cuda._sleep spins for clock cycles; the H200's top SM clock is 1.98 GHz
+
+
+@dataclass
+class Sizes:
+    device: str
+    layer_shapes: tuple
+    model_configs: tuple
+    vocab: int
+    batch: int
+    seq: int
+    decode_batches: tuple[int, ...]
+    prompt: int
+    new_tokens: int
+    trainer_model: tuple[int, int, int]  # layers, hidden, intermediate (bench_trainer_step's defaults)
+    completion_length: int
+
+
+GPU_SIZES = Sizes("cuda", LAYER_SHAPES, MODEL_CONFIGS, vocab=32000, batch=8, seq=2048, decode_batches=(64, 256),
+                  prompt=32, new_tokens=128, trainer_model=(8, 2048, 8192), completion_length=128)
+TINY_SIZES = Sizes("cpu", TINY_LAYER_SHAPES, TINY_MODEL_CONFIGS, vocab=512, batch=2, seq=32, decode_batches=(2, 4),
+                   prompt=8, new_tokens=6, trainer_model=(1, 128, 256), completion_length=8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# arms, interleaving, formatting
+
+
+@dataclass
+class Arm:
+    """One column of a section: ``sample()`` runs one timed round and returns {metric: value}."""
+
+    name: str
+    sample: Callable[[], dict[str, float]] | None = None
+    error: str | None = None
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def values(self, metric: str) -> list[float]:
+        return self.samples.get(metric, [])
+
+
+def short_error(err: BaseException) -> str:
+    """Type, first line of the message and the innermost frame: enough to tell failures apart in a table run."""
+    text = str(err).strip().splitlines()
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {text[0][:240] if text else ''}{where}"
+
+
+def fail(arm: Arm, stage: str, err: BaseException) -> None:
+    arm.error, arm.sample = f"{stage}: {short_error(err)}", None
+    print(f"   !! {arm.name} {stage} failed: {arm.error}", flush=True)
+
+
+def setup_arm(name: str, build: Callable[[], Callable[[], dict[str, float]]]) -> Arm:
+    """``build()`` makes (and warms up) the arm and returns its sampling function; a failure becomes the arm's
+    error instead of stopping the section."""
+    arm = Arm(name)
+    try:
+        arm.sample = build()
+    except Exception as err:  # noqa: BLE001 — one failing arm must not stop the others
+        fail(arm, "setup", err)
+    return arm
+
+
+def interleave(arms: list[Arm], repeats: int) -> None:
+    """A B C A B C ...: ``repeats`` rounds, each arm sampled once per round; a failing arm drops out."""
+    for _ in range(repeats):
+        for arm in arms:
+            if arm.sample is None:
+                continue
+            try:
+                for metric, value in arm.sample().items():
+                    arm.samples.setdefault(metric, []).append(value)
+            except Exception as err:  # noqa: BLE001
+                fail(arm, "timed run", err)
+
+
+def fmt_stat(values: list[float], digits: int = 3) -> str:
+    """median [min-max] of the rounds."""
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+
+def cell(arm: Arm | None, metric: str, digits: int = 3) -> str:
+    if arm is None:
+        return "-"
+    if not arm.values(metric):
+        return "err" if arm.error else "-"
+    return fmt_stat(arm.values(metric), digits)
+
+
+def paired_ratio(num: Arm | None, den: Arm | None, metric: str) -> str:
+    """Median [min-max] over rounds of num/den for the rounds both arms completed."""
+    if num is None or den is None:
+        return "-"
+    pairs = [a / b for a, b in zip(num.values(metric), den.values(metric)) if b > 0 and not math.isnan(a / b)]
+    if not pairs:
+        return "err" if (num.error or den.error) else "-"
+    return fmt_stat(pairs, 2) + "x"
+
+
+@contextlib.contextmanager
+def quiet(label: str):
+    """Hold back what a trainer prints (progress bars, per-step log dicts) so the tables stay readable; on an
+    error, print the last of it."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+            yield
+    except BaseException:
+        print(f"   -- last output of {label}:\n{buffer.getvalue()[-3000:]}", flush=True)
+        raise
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compile bookkeeping
+
+
+def graphs_compiled() -> int:
+    """Graphs torch._dynamo compiled so far in this process (its global counters)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def graph_break_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def top_graph_breaks(before: dict[str, int], n: int = 2) -> str:
+    """The ``n`` most frequent graph-break reasons since ``before`` (a graph_break_counts() snapshot)."""
+    grown = {r: c - before.get(r, 0) for r, c in graph_break_counts().items() if c > before.get(r, 0)}
+    reasons = sorted(grown.items(), key=lambda kv: -kv[1])[:n]
+    return "; ".join(f"{count}x {reason.splitlines()[0][:120]}" for reason, count in reasons)
+
+
+def watch_recompiles(arm_name: str, sample: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:
+    """Wrap a compiled arm's sampler: count graphs compiled during timed rounds (they should be none)."""
+    def run():
+        before = graphs_compiled()
+        result = sample()
+        grew = graphs_compiled() - before
+        if grew:
+            print(f"   !! {arm_name}: {grew} graph(s) compiled during a timed round (recompilation)", flush=True)
+        return result
+    return run
+
+
+def compiled_warmup(arm_name: str, warm: Callable[[], None]) -> str:
+    """Run ``warm`` (the first calls of a compiled arm) and describe what compiling cost."""
+    g0 = graphs_compiled()
+    breaks = graph_break_counts()
+    t0 = time.perf_counter()
+    warm()
+    seconds = time.perf_counter() - t0
+    g1 = graphs_compiled()
+    n_breaks = sum(max(0, c - breaks.get(r, 0)) for r, c in graph_break_counts().items())
+    note = f"{arm_name}: warm-up incl. compile {seconds:.1f} s, {g1 - g0} graph(s), {n_breaks} graph break(s)"
+    if n_breaks:
+        note += f" (top: {top_graph_breaks(breaks)})"
+    print(f"   {note}", flush=True)
+    return note
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# optional peer: torchao's blockwise FP8 training linear
+
+
+def torchao_blockwise():
+    """(Float8BlockwiseLinear, Float8BlockwiseLinearConfig, quantize_) from torchao, or None with the reason."""
+    try:
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear, Float8BlockwiseLinearConfig
+        from torchao.quantization import quantize_
+    except Exception as err:  # noqa: BLE001 — optional peer
+        return None, short_error(err)
+    return (Float8BlockwiseLinear, Float8BlockwiseLinearConfig, quantize_), None
+
+
+def not_lm_head(module: nn.Module, fqn: str) -> bool:
+    """torchao's filter, matching calclip's default Fp8Config.keep_patterns: every nn.Linear but the LM head."""
+    return type(module) is nn.Linear and "lm_head" not in fqn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# layer
+
+
+def time_calls(step: Callable[[], None], n: int, device: torch.device) -> dict[str, float]:
+    """ms per call of ``step``: wall (loop, one sync at the end), gpu (kernel time: the loop queued behind a
+    sleep kernel so the device never waits for the host; NaN if the sleep ran out first, e.g. the step syncs)
+    and host (CPU time to issue one call)."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    host = time.perf_counter() - t0
+    sync(device)
+    wall = time.perf_counter() - t0
+    if device.type != "cuda":
+        return {"wall": wall / n * 1e3, "host": host / n * 1e3, "gpu": math.nan}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gpu = math.nan
+    for margin in (3.0, 12.0):
+        torch.cuda._sleep(int(margin * max(host, 1e-4) * SLEEP_HZ))
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        issued = time.perf_counter() - t0
+        end.record()
+        queued_ahead = not start.query()  # the sleep still ran when the last call was issued: no host gaps
+        end.synchronize()
+        if queued_ahead:
+            gpu, host = start.elapsed_time(end) / n, issued
+            break
+    return {"wall": wall / n * 1e3, "host": host / n * 1e3, "gpu": gpu}
+
+
+def layer_section(opts, sizes: Sizes) -> None:
+    from calclip.fp8 import Fp8Config, FP8BlockLinear
+
+    device = torch.device(sizes.device)
+    peer, peer_error = torchao_blockwise()
+    if peer is None:
+        print(f"   torchao not importable ({peer_error}): its column shows '-'")
+    rows_wall, rows_split = [], []
+    for m, k, n in sizes.layer_shapes:
+        print(f"-- layer M={m} K={k} N={n}", flush=True)
+        torch._dynamo.reset()  # a new shape compiles static, not as a recompile with dynamic shapes
+        torch.manual_seed(0)
+        base = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+        nxt = rotating(lambda _: (torch.randn(m, k, device=device, dtype=torch.bfloat16).requires_grad_(),
+                                  torch.randn(m, n, device=device, dtype=torch.bfloat16)), 2 * (m * k + m * n))
+
+        def arm_of(module: nn.Module, compiled: str | None = None):
+            def build():
+                def step():
+                    x, dy = nxt()
+                    x.grad = None
+                    base.weight.grad = None
+                    module(x).backward(dy)
+
+                if compiled:
+                    compiled_warmup(compiled, lambda: [step() for _ in range(opts.warmup)])
+                else:
+                    for _ in range(opts.warmup):
+                        step()
+                sample = lambda: time_calls(step, opts.layer_calls, device)  # noqa: E731
+                return watch_recompiles(compiled, sample) if compiled else sample
+            return build
+
+        def compiled_arm(name: str, make: Callable[[], nn.Module]) -> Arm:
+            return setup_arm(name, lambda: arm_of(torch.compile(make(), backend=opts.compile_backend),
+                                                  compiled=name)())
+
+        arms: dict[str, Arm] = {"BF16": setup_arm("BF16", arm_of(base))}
+        if opts.compile_peers:
+            arms["BF16 compile"] = compiled_arm("BF16 compile", lambda: base)
+        arms["FP8 eager"] = setup_arm("FP8 eager", lambda: arm_of(FP8BlockLinear.from_linear(base, Fp8Config()))())
+        arms["FP8 compile"] = compiled_arm("FP8 compile", lambda: FP8BlockLinear.from_linear(base, Fp8Config()))
+        if peer is not None:
+            arms["torchao"] = setup_arm("torchao", lambda: arm_of(peer[0].from_float(base))())
+            if opts.compile_peers:
+                arms["torchao compile"] = compiled_arm("torchao compile", lambda: peer[0].from_float(base))
+        interleave(list(arms.values()), opts.repeats)
+        names = list(arms)
+        bf16 = arms["BF16"]
+        rows_wall.append([str(m), str(k), str(n)] + [cell(arms[a], "wall") for a in names]
+                         + [paired_ratio(bf16, arms[a], "wall") for a in names if a != "BF16"])
+        rows_split.append([str(m), str(k), str(n)]
+                          + [f"{cell(arms[a], 'gpu')} / {cell(arms[a], 'host')}" for a in names])
+        del arms, base, nxt
+        free_memory()
+    print(f"\n### layer: forward+backward per call (ms, median [min-max] of {opts.repeats} rounds of "
+          f"{opts.layer_calls} calls)")
+    table(["M", "K", "N"] + [f"{a} ms" for a in names] + [f"BF16/{a}" for a in names if a != "BF16"], rows_wall)
+    print("\n### layer: GPU kernel time / host time per call (ms)")
+    table(["M", "K", "N"] + [f"{a} gpu / host" for a in names], rows_split)
+    print("gpu: the calls queued behind a sleep kernel (no host gaps); '-' if the sleep ran out first (a host "
+          "sync inside the step). host: CPU time to issue one call. wall ~ host: host-bound.", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model (fwd + bwd + AdamW)
+
+
+def build_llama(layers: int, hidden: int, intermediate: int, vocab: int, device, seed: int = 0):
+    """Random-weight Llama in bf16, sdpa attention, head dim 128, untied LM head (as calclip's tests)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    heads = max(1, hidden // 128)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model
+
+
+def sharing_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s module tree holding the very same Parameter objects (buffers are copied)."""
+    return copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+
+
+def calclip_fp8_copy(model: nn.Module) -> nn.Module:
+    from calclip.fp8 import Fp8Config, quantize_model
+
+    return quantize_model(sharing_copy(model), Fp8Config())
+
+
+def torchao_copy(model: nn.Module, peer) -> nn.Module:
+    _, config_cls, quantize_ = peer
+    converted = sharing_copy(model)
+    quantize_(converted, config_cls(), filter_fn=not_lm_head)
+    return converted
+
+
+def model_section(opts, sizes: Sizes) -> None:
+    device = torch.device(sizes.device)
+    peer, peer_error = torchao_blockwise()
+    if peer is None:
+        print(f"   torchao not importable ({peer_error}): its column shows '-'")
+    rows = []
+    for layers, hidden, inter in sizes.model_configs:
+        label = f"{layers}L h{hidden} i{inter}"
+        print(f"-- model {label}, {sizes.batch}x{sizes.seq} tokens", flush=True)
+        torch._dynamo.reset()
+        free_memory()
+        sync(device)
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        outside = torch.cuda.memory_allocated() if cuda else 0
+        base = build_llama(layers, hidden, inter, sizes.vocab, device)
+        base.train()
+        optimizer = torch.optim.AdamW(base.parameters(), lr=1e-5, fused=True)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        batches = [torch.randint(3, sizes.vocab, (sizes.batch, sizes.seq), generator=gen).to(device) for _ in range(2)]
+        shared = {"bytes": 0}
+
+        def arm_of(forward: Callable, compiled: str | None = None, first: bool = False):
+            def build():
+                counter = {"i": 0}
+
+                def step():
+                    ids = batches[counter["i"] % len(batches)]
+                    counter["i"] += 1
+                    forward(input_ids=ids, labels=ids).loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+                sync(device)
+                before = torch.cuda.memory_allocated() if cuda else 0
+                if compiled:
+                    compiled_warmup(compiled, lambda: [step() for _ in range(opts.warmup)])
+                else:
+                    for _ in range(opts.warmup):
+                        step()
+                sync(device)
+                # what this arm keeps between steps (its FP8 weight cache); the first arm's is the optimizer
+                # state, which every arm uses and shared["bytes"] counts
+                own = 0 if first else (torch.cuda.memory_allocated() if cuda else 0) - before
+
+                def sample():
+                    sync(device)
+                    if cuda:
+                        start_alloc = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
+                    t0 = time.perf_counter()
+                    for _ in range(opts.model_steps):
+                        step()
+                    sync(device)
+                    ms = (time.perf_counter() - t0) / opts.model_steps * 1e3
+                    peak = math.nan
+                    if cuda:
+                        peak = (torch.cuda.max_memory_allocated() - start_alloc + shared["bytes"] + own) / 2**30
+                    return {"ms": ms, "peak": peak}
+
+                return watch_recompiles(compiled, sample) if compiled else sample
+            return build
+
+        arms: dict[str, Arm] = {}
+        arms["BF16"] = setup_arm("BF16", arm_of(base, first=True))
+        # weights + optimizer state, common to every arm (the BF16 arm's warm-up created the optimizer state)
+        shared["bytes"] = (torch.cuda.memory_allocated() - outside) if cuda else 0
+        if opts.compile_peers:
+            arms["BF16 compile"] = setup_arm("BF16 compile", lambda: arm_of(
+                torch.compile(base, backend=opts.compile_backend), compiled="BF16 compile")())
+        arms["FP8 eager"] = setup_arm("FP8 eager", lambda: arm_of(calclip_fp8_copy(base))())
+        arms["FP8 compile"] = setup_arm("FP8 compile", lambda: arm_of(
+            torch.compile(calclip_fp8_copy(base), backend=opts.compile_backend), compiled="FP8 compile")())
+        if peer is not None:
+            arms["torchao"] = setup_arm("torchao", lambda: arm_of(torchao_copy(base, peer))())
+            if opts.compile_peers:
+                arms["torchao compile"] = setup_arm("torchao compile", lambda: arm_of(
+                    torch.compile(torchao_copy(base, peer), backend=opts.compile_backend),
+                    compiled="torchao compile")())
+        interleave(list(arms.values()), opts.repeats)
+        names = list(arms)
+        bf16 = arms["BF16"]
+        rows.append([label] + [cell(arms[a], "ms", 1) for a in names]
+                    + [paired_ratio(bf16, arms[a], "ms") for a in names if a != "BF16"]
+                    + [" / ".join(cell(arms[a], "peak", 2) for a in names)]
+                    + [" / ".join(paired_ratio(arms[a], bf16, "peak") for a in names if a != "BF16")])
+        del arms, base, optimizer, batches
+        free_memory()
+    print(f"\n### model: fwd+bwd+AdamW(fused) step, {sizes.batch}x{sizes.seq} tokens (ms per step, median [min-max] "
+          f"of {opts.repeats} rounds of {opts.model_steps} steps)")
+    table(["model"] + [f"{a} ms" for a in names] + [f"BF16/{a}" for a in names if a != "BF16"]
+          + [f"peak GiB ({' / '.join(names)})", f"peak / BF16 ({' / '.join(a for a in names if a != 'BF16')})"],
+          rows)
+    print("peak: weights + optimizer state + the arm's persistent buffers + its transient peak over a step.",
+          flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode (HF generate)
+
+
+def step_clock():
+    """A logits processor recording a CUDA event per generated token (no sync): decode time without prefill."""
+    from transformers import LogitsProcessor
+
+    class StepClock(LogitsProcessor):
+        def __init__(self):
+            self.events: list[torch.cuda.Event] = []
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            if scores.is_cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                self.events.append(event)
+            else:
+                self.times.append(time.perf_counter())
+            return scores
+
+        def decode_seconds(self) -> tuple[float, int]:
+            """(seconds from the first generated token to the last, decode steps in between)."""
+            if self.events:
+                self.events[-1].synchronize()
+                return self.events[0].elapsed_time(self.events[-1]) / 1e3, len(self.events) - 1
+            return self.times[-1] - self.times[0], len(self.times) - 1
+
+    return StepClock()
+
+
+def decode_section(opts, sizes: Sizes) -> None:
+    import transformers
+    from transformers import LogitsProcessorList
+
+    transformers.logging.set_verbosity_error()  # generation-flag warnings would drown the table
+    device = torch.device(sizes.device)
+    layers, hidden, inter = sizes.model_configs[0]
+    torch._dynamo.reset()
+    free_memory()
+    base = build_llama(layers, hidden, inter, sizes.vocab, device).eval()
+    models = {"BF16": base, "FP8": calclip_fp8_copy(base).eval()}
+    settings = {"eager": {}, "graphed": {"cache_implementation": "static"}}
+    new = sizes.new_tokens
+    results: dict[tuple[int, str], dict[str, Arm]] = {}
+    for batch in sizes.decode_batches:
+        gen = torch.Generator(device="cpu").manual_seed(batch)
+        prompt = torch.randint(3, sizes.vocab, (batch, sizes.prompt), generator=gen).to(device)
+        mask = torch.ones_like(prompt)
+        for setting, extra in settings.items():
+            print(f"-- decode batch {batch}, {setting}", flush=True)
+            if extra:  # compile this batch's decode step with static shapes, as a run with one batch size would
+                torch._dynamo.reset()
+
+            def arm_of(name: str, model: nn.Module):
+                def generate_once() -> dict[str, float]:
+                    clock = step_clock()
+                    sync(device)
+                    t0 = time.perf_counter()
+                    out = model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=new,
+                                         min_new_tokens=new, do_sample=False, pad_token_id=0,
+                                         logits_processor=LogitsProcessorList([clock]), **extra)
+                    sync(device)
+                    wall = time.perf_counter() - t0
+                    if out.shape != (batch, sizes.prompt + new):
+                        raise RuntimeError(f"generate returned {tuple(out.shape)}, expected {(batch, sizes.prompt + new)}")
+                    seconds, steps = clock.decode_seconds()
+                    return {"ms_step": seconds / steps * 1e3, "tok_s": batch * steps / seconds, "wall": wall}
+
+                def build():
+                    label = f"{name} {setting} b{batch}"
+                    if setting == "graphed" and device.type == "cuda":
+                        compiled_warmup(label, lambda: [generate_once() for _ in range(2)])  # compile + record
+                        return watch_recompiles(label, generate_once)
+                    generate_once()
+                    return generate_once
+                return build
+
+            arms = {name: setup_arm(name, arm_of(name, model)) for name, model in models.items()}
+            interleave(list(arms.values()), opts.decode_repeats)
+            results[(batch, setting)] = arms
+    del models, base
+    free_memory()
+
+    rows = []
+    for (batch, setting), arms in results.items():
+        rows.append([str(batch), setting, cell(arms["BF16"], "tok_s", 0), cell(arms["BF16"], "ms_step", 2),
+                     cell(arms["FP8"], "tok_s", 0), cell(arms["FP8"], "ms_step", 2),
+                     paired_ratio(arms["FP8"], arms["BF16"], "tok_s")])
+    for batch in sizes.decode_batches:  # each arm at its best setting (median tokens/s)
+        best = {}
+        for name in ("BF16", "FP8"):
+            options = [(statistics.median(results[(batch, s)][name].values("tok_s")), s)
+                       for s in settings if results[(batch, s)][name].values("tok_s")]
+            best[name] = max(options) if options else None
+        cells = []
+        for name in ("BF16", "FP8"):
+            if best[name] is None:
+                cells += ["err", "err"]
+            else:
+                arm = results[(batch, best[name][1])][name]
+                cells += [f"{cell(arm, 'tok_s', 0)} ({best[name][1]})", cell(arm, "ms_step", 2)]
+        ratio = f"{best['FP8'][0] / best['BF16'][0]:.2f}x" if best["BF16"] and best["FP8"] else "err"
+        rows.append([str(batch), "best of each"] + cells + [ratio])
+    print(f"\n### decode: HF generate, {layers}L h{hidden} i{inter}, prompt {sizes.prompt}, {new} new tokens, greedy "
+          f"(median [min-max] of {opts.decode_repeats} rounds)")
+    table(["batch", "setting", "BF16 tok/s", "BF16 ms/step", "FP8 tok/s", "FP8 ms/step", "FP8/BF16 tok/s"], rows)
+    print("tok/s and ms/step over the decode steps (after the first token); graphed = cache_implementation='static' "
+          "(transformers compiles the decode step, mode reduce-overhead, on CUDA only). 'best of each': each arm "
+          "at its faster setting.", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trainer (bench_trainer_step.py's machinery)
+
+
+def summarize_runs(times: dict[str, list[float]], base: str, *, run_over_base: bool = False) -> list[list[str]]:
+    """One row per run: median [min-max] and mean step time over all its timed steps, and the ratios to
+    ``base`` of medians and of means: base / run (> 1: faster), or run / base with ``run_over_base``."""
+    ref = times.get(base) or []
+    rows = []
+    for name, values in times.items():
+        if not values:
+            rows.append([name, "err", "err", "-", "-"])
+            continue
+        med, mean = statistics.median(values), statistics.fmean(values)
+        ratios = ["-", "-"]
+        if ref:
+            pairs = ((statistics.median(ref), med), (statistics.fmean(ref), mean))
+            ratios = [f"{(r / b if run_over_base else b / r):.2f}x" for b, r in pairs]
+        rows.append([name, f"{med:.3f} [{min(values):.3f}-{max(values):.3f}]", f"{mean:.3f}", *ratios])
+    return rows
+
+
+def trainer_runs(bts) -> dict[str, dict]:
+    """bench_trainer_step's runs plus the same with TrainingArguments.torch_compile (the training forward)."""
+    runs = dict(bts.RUNS)
+    runs["bf16_compile"] = {**bts.RUNS["bf16_static"], "torch_compile": True}
+    runs["fp8_compile"] = {**bts.RUNS["fp8_static"], "torch_compile": True}
+    return runs
+
+
+def trainer_section(opts, sizes: Sizes) -> None:
+    import bench_trainer_step as bts
+    from calclip.testing import build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+    from calclip.trainers import CalibratedGRPOConfig, CalibratedGRPOTrainer
+
+    known = trainer_runs(bts)
+    runs = [r.strip() for r in opts.trainer_runs.split(",") if r.strip()]
+    unknown = [r for r in runs if r not in known]
+    if unknown or not runs:
+        raise ValueError(f"--trainer-runs: unknown run(s) {unknown}; choose from {list(known)}")
+    tokenizer = build_tiny_tokenizer()
+    dataset = tiny_prompt_dataset(256)
+    layers, hidden, inter = sizes.trainer_model
+    model_fn = bts.model_builder(tokenizer, layers=layers, hidden=hidden, intermediate=inter)
+    cpu = {} if torch.cuda.is_available() else {"bf16": False}
+    times: dict[str, list[float]] = {r: [] for r in runs}
+    for rnd in range(opts.run_rounds):
+        for name in runs:
+            print(f"-- trainer {name}, round {rnd + 1}/{opts.run_rounds}", flush=True)
+            try:
+                with quiet(f"trainer {name}"):
+                    step_times, _, model = bts.timed_steps(
+                        CalibratedGRPOTrainer, CalibratedGRPOConfig, model_fn=model_fn, tokenizer=tokenizer,
+                        dataset=dataset, reward=digit_share_reward, overrides={**known[name], **cpu},
+                        steps=opts.trainer_steps, warmup=opts.trainer_warmup,
+                        completion_length=sizes.completion_length)
+                times[name] += step_times
+                print(f"   steps (s): {' '.join(f'{t:.3f}' for t in step_times)}", flush=True)
+                del model
+            except Exception as err:  # noqa: BLE001
+                print(f"   !! trainer {name} failed: {short_error(err)}", flush=True)
+            free_memory()
+    print(f"\n### trainer: bench_trainer_step.py default config (Llama {layers}L h{hidden} i{inter}, HF generate), "
+          f"optimizer-step time (s), {opts.run_rounds} round(s) x {opts.trainer_steps} timed steps after "
+          f"{opts.trainer_warmup} warm-up")
+    table(["run", "median step s [min-max]", "mean step s", "BF16/run (median)", "BF16/run (mean)"],
+          summarize_runs(times, runs[0]))
+    print("The mean covers whole generation cycles (generation every steps_per_generation / GA = 2 steps) when "
+          "the timed steps per round are even.", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# smollm (`calclip train` equivalents)
+
+
+SMOLLM_CONFIGS = {"bf16_static": "configs/bf16_static.yaml", "fp8_calibrated": "configs/fp8_calibrated.yaml"}
+
+
+def smollm_section(opts, sizes: Sizes) -> None:
+    import bench_trainer_step as bts
+    from calclip.cli import build_trainer, parse_train_args, resolve_dtype
+    from calclip.models import load_model
+
+    steps = opts.smollm_warmup + opts.smollm_steps
+    loaded: dict[tuple[str, str], tuple] = {}
+    times: dict[str, list[float]] = {name: [] for name in SMOLLM_CONFIGS}
+    with tempfile.TemporaryDirectory() as out:
+        for rnd in range(opts.run_rounds):
+            for name, config in SMOLLM_CONFIGS.items():
+                print(f"-- smollm {name}, round {rnd + 1}/{opts.run_rounds}", flush=True)
+                argv = ["--config", str(ROOT / config), "--max_steps", str(steps), "--report_to", "none",
+                        "--output_dir", str(Path(out) / name), "--save_strategy", "no", "--logging_steps", "1",
+                        "--model_dtype", opts.smollm_dtype]
+                argv += shlex.split(opts.smollm_args)
+                if opts.tiny:
+                    argv += ["--model_name_or_path", "tiny", "--max_completion_length", str(sizes.completion_length),
+                             "--num_train_examples", "64"]
+                try:
+                    script_args, training_args = parse_train_args(argv)
+                    key = (script_args.model_name_or_path, script_args.model_dtype)
+                    if key not in loaded:
+                        t0 = time.perf_counter()
+                        loaded[key] = load_model(key[0], dtype=resolve_dtype(key[1]))
+                        print(f"   loaded {key[0]} ({key[1]}) in {time.perf_counter() - t0:.1f} s", flush=True)
+                    model, tokenizer = loaded[key]
+                    step_times: list[float] = []
+                    with quiet(f"smollm {name}"):
+                        trainer = build_trainer(script_args, training_args, model=copy.deepcopy(model),
+                                                tokenizer=tokenizer, callbacks=[bts.step_timer(step_times)])
+                        trainer.train()
+                    times[name] += step_times[opts.smollm_warmup:]
+                    print(f"   steps (s): {' '.join(f'{t:.3f}' for t in step_times)} (first "
+                          f"{opts.smollm_warmup} untimed)", flush=True)
+                    del trainer
+                except Exception as err:  # noqa: BLE001
+                    print(f"   !! smollm {name} failed: {short_error(err)}", flush=True)
+                free_memory()
+    rows = summarize_runs(times, "bf16_static", run_over_base=True)  # issue 8 states this row as FP8 / BF16
+    print(f"\n### smollm: `calclip train` on SmolLM2-135M-Instruct{' (tiny stand-in)' if opts.tiny else ''}, "
+          f"master weights {opts.smollm_dtype}, optimizer-step time (s), {opts.run_rounds} round(s) x "
+          f"{opts.smollm_steps} timed steps after {opts.smollm_warmup} warm-up")
+    table(["config", "median step s [min-max]", "mean step s", "run/BF16 (median)", "run/BF16 (mean)"], rows)
+    print("Ratios here are run time / BF16 time (issue 8's form: < 1.5x is the target). Generation happens every "
+          "4th step (steps_per_generation 4, GA 1): the mean over whole cycles is the throughput figure, the "
+          "median is a training step without generation.", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def header_line(sizes: Sizes) -> str:
+    if sizes.device == "cuda":
+        device = f"{torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()})"
+    else:
+        device = "CPU (--tiny: FP8 emulated, shapes tiny, times meaningless)"
+    return (f"bench_speed {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  commit {git_commit()}  torch {torch.__version__} "
+            f"(cuda {torch.version.cuda})  triton {package_version('triton')}  transformers "
+            f"{package_version('transformers')}  torchao {package_version('torchao')}  device {device}")
+
+
+# GPU defaults, and the smaller ones --tiny uses on the shared CPU machine; explicit flags win over both.
+COUNT_DEFAULTS = {
+    "repeats": (5, 2), "decode_repeats": (3, 2), "warmup": (3, 1), "layer_calls": (10, 3), "model_steps": (3, 1),
+    "run_rounds": (2, 1), "trainer_steps": (2, 1), "trainer_warmup": (2, 1), "smollm_steps": (4, 1),
+    "smollm_warmup": (2, 1),
+}
+COUNT_HELP = {
+    "repeats": "interleaved rounds per arm (layer, model)",
+    "decode_repeats": "interleaved generate calls per arm and setting (decode; FP8 eager takes ~4 s each today)",
+    "warmup": "untimed calls/steps per arm before timing (layer, model)",
+    "layer_calls": "calls per timed round (layer)",
+    "model_steps": "optimizer steps per timed round (model)",
+    "run_rounds": "interleaved short runs per arm (trainer, smollm)",
+    "trainer_steps": "timed optimizer steps per run (trainer)",
+    "trainer_warmup": "untimed first steps per run (trainer)",
+    "smollm_steps": "timed optimizer steps per run (smollm)",
+    "smollm_warmup": "untimed first steps per run (smollm)",
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU, tiny shapes, fewer rounds, compile backend aot_eager: checks that every path runs")
+    for name, (gpu, tiny) in COUNT_DEFAULTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                            help=f"{COUNT_HELP[name]} (default {gpu}; {tiny} with --tiny)")
+    parser.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; "
+                        "aot_eager with --tiny)")
+    parser.add_argument("--compile-peers", action="store_true",
+                        help="also time torch.compile'd BF16 and torchao arms (layer, model): more compile time")
+    parser.add_argument("--trainer-runs", default="bf16_static,fp8_static",
+                        help="runs compared (first = baseline): bench_trainer_step's bf16_static, fp8_static, "
+                        "fp8_calibrated, and bf16_compile / fp8_compile (the same with torch_compile=True)")
+    parser.add_argument("--smollm-dtype", default="float32", help="--model_dtype of the smollm runs")
+    parser.add_argument("--smollm-args", default="", help="more `calclip train` flags for both smollm runs, e.g. "
+                        "'--torch_compile true'")
+    opts = parser.parse_args(argv)
+    opts.sections = [s.strip() for s in opts.only.split(",") if s.strip()]
+    bad = [s for s in opts.sections if s not in SECTIONS]
+    if bad or not opts.sections:
+        parser.error(f"--only: unknown section(s) {bad}; choose from {SECTIONS}")
+    for name, (gpu, tiny) in COUNT_DEFAULTS.items():
+        if getattr(opts, name) is None:
+            setattr(opts, name, tiny if opts.tiny else gpu)
+        # >= 1 for warm-ups too: the first call/step pays autotuning, allocation and compilation
+        if getattr(opts, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
+    if opts.compile_backend is None:
+        opts.compile_backend = "aot_eager" if opts.tiny else "inductor"
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    for var, value in (("WANDB_MODE", "disabled"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+                       ("HF_DATASETS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(var, value)
+    sizes = TINY_SIZES if opts.tiny else GPU_SIZES
+    if sizes.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run on the GPU machine, or pass --tiny for the CPU check")
+        return 2
+    print(header_line(sizes))
+    print(f"sections {','.join(opts.sections)}  repeats {opts.repeats}  compile backend {opts.compile_backend}",
+          flush=True)
+    sections = {"layer": layer_section, "model": model_section, "decode": decode_section,
+                "trainer": trainer_section, "smollm": smollm_section}
+    started = time.perf_counter()
+    failed = []
+    for name in opts.sections:
+        t0 = time.perf_counter()
+        print(f"\n## {name}", flush=True)
+        try:
+            sections[name](opts, sizes)
+        except Exception as err:  # noqa: BLE001 — later sections still run
+            failed.append(name)
+            print(f"!! section {name} failed: {short_error(err)}")
+            traceback.print_exc(limit=4, file=sys.stdout)
+        print(f"[{name}: {time.perf_counter() - t0:.0f} s, total {time.perf_counter() - started:.0f} s]", flush=True)
+    if failed:
+        print(f"sections that failed: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
