@@ -102,6 +102,8 @@ def _track_fp8_layers(model: nn.Module) -> None:
     if handle is not None:
         handle.remove()
     model.__dict__.pop("_calclip_fp8_layers", None)
+    for layer in layers:
+        layer._fp8_refreshed_by_root = layer is not model
     if layers:
         model._calclip_fp8_layers = layers
         model._calclip_fp8_hook = model.register_forward_pre_hook(refresh_before_compiled_call)

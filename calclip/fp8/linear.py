@@ -277,6 +277,10 @@ class FP8BlockLinear(nn.Linear):
         self._fp8_qwt: Tensor | None = None
         self._fp8_swt: Tensor | None = None
         self._fp8_dgrad_key: tuple | None = None
+        # A layer compiled on its own refreshes its codes in its own pre-hook; inside a model that quantize_model
+        # converted, the root's pre-hook does it for all layers (one graph break per model, not per layer).
+        self._fp8_refreshed_by_root = False
+        self.register_forward_pre_hook(_refresh_layer_before_compiled_call)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None) -> "FP8BlockLinear":
@@ -402,7 +406,8 @@ class FP8BlockLinear(nn.Linear):
         if self._fp8_qw is None:
             raise RuntimeError("FP8BlockLinear is compiled before its weight codes exist: compile the model that "
                                "quantize_model converted (its pre-hook refreshes them), or call "
-                               "calclip.fp8.refresh_fp8_weights(model) before the compiled call")
+                               "calclip.fp8.refresh_fp8_weights(model) before the compiled call")  # e.g. a
+            # layer of a converted model compiled alone after the model's tracking marked it refreshed_by_root
         grad = torch.is_grad_enabled()
         save = grad and self.weight.requires_grad
         qwt, swt = (self._fp8_qwt, self._fp8_swt) if grad else (None, None)
@@ -443,6 +448,11 @@ def refresh_fp8_weights(model: nn.Module, *, for_backward: bool | None = None) -
 @torch.compiler.disable
 def _refresh_outside_graph(model: nn.Module) -> None:
     refresh_fp8_weights(model)
+
+
+def _refresh_layer_before_compiled_call(layer: "FP8BlockLinear", args) -> None:
+    if torch.compiler.is_compiling() and not layer._fp8_refreshed_by_root:
+        _refresh_outside_graph(layer)
 
 
 def refresh_before_compiled_call(model: nn.Module, args) -> None:

@@ -107,3 +107,24 @@ def test_weight_codes_are_refreshed_in_place():
     assert [t.data_ptr() for t in layer.quantized_weight()[:2]] == ptrs  # ... into the same tensors
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y_stale.sum().backward()
+
+
+def test_a_layer_compiled_on_its_own_refreshes_its_codes():
+    """torch.compile(FP8BlockLinear) alone (no converted root around it): its own pre-hook keeps the codes
+    current across optimizer steps, so outputs and gradients equal the eager layer's."""
+    torch.manual_seed(0)
+    base = nn.Linear(256, 128)
+    eager, layer = FP8BlockLinear.from_linear(base), FP8BlockLinear.from_linear(nn.Linear(256, 128))
+    layer.load_state_dict(eager.state_dict())
+    compiled = torch.compile(layer, backend="aot_eager")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, layer)]
+    for step in range(3):
+        x = torch.randn(32, 256)
+        ye, yc = eager(x), compiled(x)
+        assert torch.equal(ye, yc), step
+        ye.square().sum().backward()
+        yc.square().sum().backward()
+        assert torch.equal(eager.weight.grad, layer.weight.grad), step
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
