@@ -208,8 +208,19 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             keep_last_n_layers=args.fp8_keep_last_n_layers,
             # TRL computes log-probs from lm_head.weight directly (fused LM head), so the LM head always stays BF16.
             keep_patterns=tuple(dict.fromkeys([*args.fp8_keep_patterns, "lm_head"])),
+            # Sharded parameters (FSDP, ZeRO-3) reach a layer's forward as a full weight all-gathered for that call
+            # and freed after it: cached codes would keep a full FP8 copy of every layer on every rank (undoing the
+            # sharding), keyed on a gather buffer whose pointer and version do not follow the weight's content.
+            cache_weights=not self._params_sharded(),
         )
         quantize_model(self.accelerator.unwrap_model(self.model), fp8_config)
+
+    def _params_sharded(self) -> bool:
+        """Whether accelerate shards the policy's parameters over ranks (FSDP, DeepSpeed ZeRO-3)."""
+        if self.is_fsdp_enabled:
+            return True
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return plugin is not None and plugin.zero_stage == 3
 
     def _start_fp8_vllm(self) -> None:
         """Refuse FP8 layers vLLM's block-FP8 linear cannot serve, then start the deferred colocated engine.
