@@ -209,7 +209,18 @@ def main(out_dir: Path) -> None:
                 checker[0].scale_weights_in_place()
 
     trainer.add_callback(Fp8Check())
+    from transformers.generation.utils import GenerationMixin
+
+    generate = GenerationMixin.generate
+    synced_gpus_seen = []
+
+    def recording_generate(self, *args, **kwargs):
+        synced_gpus_seen.append(kwargs.get("synced_gpus"))
+        return generate(self, *args, **kwargs)
+
+    GenerationMixin.generate = recording_generate
     trainer.train()
+    record["generate_synced_gpus"] = synced_gpus_seen
 
     record["fp8_checks"] = {
         "sharding": checker[0].sharding, "cache_weights": checker[0].cache_weights, "num_checked": checker[0].num_checked,

@@ -103,6 +103,13 @@ def _check_global_bounds(ranks: list[dict]) -> None:
     assert r0["bounds_in_force"] == {"calib/low": expected_low, "calib/high": expected_high}
 
 
+def _check_generation_synced(ranks: list[dict], synced_gpus) -> None:
+    """Under FSDP every rank must keep stepping the decode loop until all ranks are done (transformers does this
+    by itself for ZeRO-3), or a rank that finished early leaves the others waiting in an all-gather."""
+    for rank in ranks:
+        assert rank["generate_synced_gpus"] == [synced_gpus] * 2  # two generation rounds
+
+
 def _check_fp8_forwards(ranks: list[dict], sharding: str, cache_weights: bool) -> None:
     for rank in ranks:
         checks = rank["fp8_checks"]
@@ -120,6 +127,7 @@ def test_ddp_launch(tmp_path):
     assert {r["distributed_type"] for r in ranks} == {"DistributedType.MULTI_CPU"}
     _check_global_bounds(ranks)
     _check_fp8_forwards(ranks, sharding="none", cache_weights=True)
+    _check_generation_synced(ranks, None)
 
 
 @pytest.mark.slow
@@ -128,6 +136,7 @@ def test_fsdp2_launch(tmp_path):
     assert {r["distributed_type"] for r in ranks} == {"DistributedType.FSDP"}
     _check_global_bounds(ranks)
     _check_fp8_forwards(ranks, sharding="fsdp2", cache_weights=False)
+    _check_generation_synced(ranks, True)
 
 
 @pytest.mark.slow
@@ -137,3 +146,4 @@ def test_zero3_launch(tmp_path):
     assert {r["distributed_type"] for r in ranks} == {"DistributedType.DEEPSPEED"}
     _check_global_bounds(ranks)
     _check_fp8_forwards(ranks, sharding="zero3", cache_weights=False)
+    _check_generation_synced(ranks, None)  # transformers syncs by itself under ZeRO-3
