@@ -7,7 +7,8 @@ over NCCL; the one-GPU run uses the same global batch (per-device batch x GPUs o
 from every rank, and this script checks and prints as a Markdown table:
 
 - identical calib/low and calib/high on every rank at every micro-batch and every logged step (asserted);
-- loss and bounds per step vs the one-GPU run (sampling draws differ per rank, so these are comparable, not equal);
+- loss and bounds per step vs the one-GPU run (sampling draws differ per rank, so these are comparable, not equal),
+  and vs DDP on the same GPUs (same per-rank draws: close; measured on CPU, ZeRO-3 vs DDP agreed to ~1e-4);
 - seconds per optimizer step and tokens/s (prompt + completion tokens of all ranks, TRL's num_tokens) over the
   steps after warm-up, and the speed-up vs one GPU;
 - peak memory per GPU (torch.cuda.max_memory_allocated; the largest rank);
@@ -15,7 +16,10 @@ from every rank, and this script checks and prints as a Markdown table:
 
     python benchmarks/bench_multi_gpu.py                         # all GPUs of the host, modes single ddp fsdp2 zero3
     python benchmarks/bench_multi_gpu.py --num-gpus 2 --modes single ddp fsdp2
-    python benchmarks/bench_multi_gpu.py --dry-run               # CPU: tiny shape, single + ddp over gloo, 4 steps
+    python benchmarks/bench_multi_gpu.py --dry-run               # CPU: tiny shape, single, ddp, zero3 over gloo
+    # one mode per call (each well under 10 min), then the table over all of them:
+    for m in single ddp fsdp2 zero3; do python benchmarks/bench_multi_gpu.py --out runs/mgpu --resume --modes $m; done
+    python benchmarks/bench_multi_gpu.py --out runs/mgpu --resume
 
 Needs on the GPU machine: torch, transformers, accelerate (present on the H200 image) plus the wheels of trl 1.16,
 datasets (and its dependencies), and deepspeed for zero3 (``pip install deepspeed``; its ops are not needed: the
@@ -27,10 +31,10 @@ multicast is not available on the lent machines).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -171,8 +175,8 @@ def launch(mode: str, args, out: Path) -> tuple[list[dict] | None, str]:
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     if mode == "single":
         command = [sys.executable, *worker]
-        if not args.dry_run:
-            env.setdefault("CUDA_VISIBLE_DEVICES", "0")
+        if not args.dry_run:  # one device: with several visible, transformers' Trainer would use nn.DataParallel
+            env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch",
                    "--config_file", str(ROOT / "configs/accelerate" / f"{mode}.yaml"),
@@ -236,16 +240,21 @@ def _warmup_steps(steps: int) -> int:
     return 2 if steps >= 4 else 0
 
 
+def _max_bound_diff(a: dict, b: dict) -> float:
+    return max(abs(x - y) for x, y in zip(a["calib_low"] + a["calib_high"], b["calib_low"] + b["calib_high"]))
+
+
 def table(all_results: dict, failures: dict, args) -> str:
     warmup = _warmup_steps(args.steps)
     single = all_results.get("single")
     base_tps = throughput(single[0], warmup)[1] if single else None
     rows = ["| mode | GPUs | s/step | tokens/s | vs 1 GPU | peak GiB/GPU (max rank) | loss (last) | max abs d loss vs 1 GPU"
-            " | calib/low, high (last) | max abs d bound vs 1 GPU | checks (bounds equal on all ranks, sharding) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            " | calib/low, high (last) | max abs d bound vs 1 GPU | max abs d bound vs ddp"
+            " | checks (bounds equal on all ranks, sharding) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for mode in args.modes:
         if mode in failures:
-            rows.append(f"| {mode} | | failed: {failures[mode]} | | | | | | | | |")
+            rows.append(f"| {mode} | | failed: {failures[mode]} | | | | | | | | | |")
             continue
         results = all_results[mode]
         r0 = results[0]
@@ -255,12 +264,15 @@ def table(all_results: dict, failures: dict, args) -> str:
         if single and mode != "single":
             ref = single[0]
             d_loss = max(abs(a - b) for a, b in zip(r0["loss"], ref["loss"]))
-            d_bound = max(abs(a - b) for a, b in zip(r0["calib_low"] + r0["calib_high"], ref["calib_low"] + ref["calib_high"]))
+            d_bound = _max_bound_diff(r0, ref)
+        ddp = all_results.get("ddp")
+        d_ddp = _max_bound_diff(r0, ddp[0]) if ddp and mode not in ("single", "ddp") else None
         equal = "(1 rank)" if len(results) == 1 else ("yes" if not check_mode(mode, results, args) else "NO")
         cells = [mode, str(r0["world_size"]), f"{sec:.3f}", f"{tps:,.0f}",
                  _fmt(tps / base_tps if base_tps else None, ".2f") + ("x" if base_tps else ""),
                  _fmt(max(peaks) if peaks else None, ".1f"), f"{r0['loss'][-1]:.4g}", _fmt(d_loss, ".3g"),
-                 f"{r0['calib_low'][-1]:.4f}, {r0['calib_high'][-1]:.4f}", _fmt(d_bound, ".3g"), equal]
+                 f"{r0['calib_low'][-1]:.4f}, {r0['calib_high'][-1]:.4f}", _fmt(d_bound, ".3g"), _fmt(d_ddp, ".3g"),
+                 equal]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -277,8 +289,10 @@ def main() -> None:
     parser.add_argument("--per-device-batch", type=int, default=16, help="completions per GPU per micro-batch")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--completion-length", type=int, default=128)
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per mode")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, 4 steps, modes single + ddp (gloo)")
+    parser.add_argument("--timeout", type=int, default=540, help="seconds per mode")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the modes an earlier run with the same --out finished (run modes in several calls)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, 4 steps, modes single, ddp and (with deepspeed) zero3 over gloo")
     args = parser.parse_args()
     if args.worker:
         run_worker(args)
@@ -288,7 +302,9 @@ def main() -> None:
 
     if args.dry_run:
         args.shape, args.steps, args.num_gpus = "tiny", 4, 2
-        args.modes = [m for m in args.modes if m in ("single", "ddp")]
+        # FSDP2 cannot run on CPU through accelerate (it silently becomes DDP there); ZeRO-3 can, with deepspeed
+        cpu_modes = ("single", "ddp", "zero3") if importlib.util.find_spec("deepspeed") else ("single", "ddp")
+        args.modes = [m for m in args.modes if m in cpu_modes]
         args.per_device_batch, args.num_generations, args.completion_length = 4, 4, 8
     else:
         if not torch.cuda.is_available():
@@ -306,7 +322,14 @@ def main() -> None:
     all_results, failures, problems = {}, {}, {}
     for mode in args.modes:
         started = time.perf_counter()
-        results, tail = launch(mode, args, out_root / mode)
+        done = out_root / mode / "done.json"
+        if args.resume and done.exists():  # an earlier invocation with the same --out ran this mode
+            results, tail = json.loads(done.read_text()), "(reused)"
+            print(f"-- {mode}: reusing {done}")
+        else:
+            results, tail = launch(mode, args, out_root / mode)
+            if results is not None:
+                done.write_text(json.dumps(results))
         print(f"   {mode}: {time.perf_counter() - started:.0f} s", flush=True)
         if results is None:
             failures[mode] = tail.strip().splitlines()[-1][:200] if tail.strip() else "no output"

@@ -124,6 +124,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_fsdp2_fp8_forward_uses_the_gathered_weight_of_this_step(tmp_path):
     context = mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
     deadline = time.monotonic() + TIMEOUT_S
