@@ -11,7 +11,8 @@ configs/accelerate/*.yaml (tests/trainers/test_launch_modes.py). ``python _launc
   FP8 layer built from the full weight of that moment (under FSDP2: the sharded parameter's ``full_tensor()``, an
   independent all-gather), and the worst mismatch. Once, between two optimizer steps, every FP8 weight is also
   changed in place without an optimizer step (on the sharded parameter under FSDP2), so a weight-code cache keyed
-  on the gathered tensor's pointer/version instead of the weight's content would be caught here.
+  on the gathered tensor's pointer/version instead of the weight's content would be caught here;
+- ``generate_synced_gpus``: the ``synced_gpus`` argument of every ``generate`` call (the trainer sets it under FSDP).
 
 accelerate 1.15 never enables FSDP on CPU (``AcceleratorState`` turns it on only for accelerator device types; on
 CPU the run silently becomes DDP): with ``ACCELERATE_USE_FSDP`` set, this worker applies that one missing
