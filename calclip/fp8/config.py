@@ -37,7 +37,9 @@ class Fp8Config:
         layer stack separately (a vision tower's blocks and the language model's layers each keep their own).
     keep_last_fraction: share in [0, 1) of the last decoder layers kept in BF16 (rounded up).
     keep_patterns: regexes (``re.search`` on the fully qualified module name) of layers kept in BF16.
-    cache_weights: keep the quantized weight between calls until the weight changes.
+    cache_weights: keep the quantized weight between calls until the weight changes. Turn it off when the
+        parameters are sharded (FSDP, ZeRO-3): the forward's weight is a fresh all-gather whose buffer key does
+        not follow the shards (the trainer does this itself; docs/usage.md, Multi-GPU).
     fused_quantizer: quantize x (forward) and dy (backward) 1x128 and 128x1 in one fused kernel that reads the
         tensor once. Off by default: on the H200 the fused kernel reached 25% of copy bandwidth (its exact
         divisions dominate) and the layer ran 1.11x BF16 against 1.23x with the two separate kernels at

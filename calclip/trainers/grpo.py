@@ -109,8 +109,9 @@ class _SampledLogprobRecorder:
     ``return_dict_in_generate``, keeps the log-probs, and returns the token tensor TRL expects.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, synced_gpus: bool = False) -> None:
         self.logprobs: torch.Tensor | None = None  # [B, T_generated]
+        self.synced_gpus = synced_gpus
 
     @contextlib.contextmanager
     def attached(self, model):
@@ -124,6 +125,8 @@ class _SampledLogprobRecorder:
                 kwargs["generation_config"] = config
             else:
                 kwargs.update(output_scores=True, return_dict_in_generate=True)
+            if self.synced_gpus:
+                kwargs.setdefault("synced_gpus", True)
             out = original(*args, **kwargs)
             prompt_length = out.sequences.size(1) - len(out.scores)
             tokens = out.sequences[:, prompt_length:]
@@ -208,8 +211,19 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             keep_last_n_layers=args.fp8_keep_last_n_layers,
             # TRL computes log-probs from lm_head.weight directly (fused LM head), so the LM head always stays BF16.
             keep_patterns=tuple(dict.fromkeys([*args.fp8_keep_patterns, "lm_head"])),
+            # Sharded parameters (FSDP, ZeRO-3) reach a layer's forward as a full weight all-gathered for that call
+            # and freed after it: cached codes would keep a full FP8 copy of every layer on every rank (undoing the
+            # sharding), keyed on a gather buffer whose pointer and version do not follow the weight's content.
+            cache_weights=not self._params_sharded(),
         )
         quantize_model(self.accelerator.unwrap_model(self.model), fp8_config)
+
+    def _params_sharded(self) -> bool:
+        """Whether accelerate shards the policy's parameters over ranks (FSDP, DeepSpeed ZeRO-3)."""
+        if self.is_fsdp_enabled:
+            return True
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return plugin is not None and plugin.zero_stage == 3
 
     def _start_fp8_vllm(self) -> None:
         """Refuse FP8 layers vLLM's block-FP8 linear cannot serve, then start the deferred colocated engine.
@@ -275,7 +289,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        recorder = _SampledLogprobRecorder()
+        # transformers syncs the decode loop across ranks for ZeRO-3 and for models it sharded itself, not for
+        # accelerate's FSDP: there a rank whose sequences all ended would stop calling forward while the others wait
+        # in FSDP's all-gather of the next decode step.
+        recorder = _SampledLogprobRecorder(synced_gpus=self.is_fsdp_enabled and self.accelerator.num_processes > 1)
         with recorder.attached(self.accelerator.unwrap_model(self.model)):
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
