@@ -17,7 +17,7 @@ DEMO_YAML = str(ROOT / "configs" / "demo.yaml")
 
 def test_usage_and_unknown_command(capsys):
     assert cli.main([]) == 2
-    assert "calclip {train,demo,diagnose}" in capsys.readouterr().out
+    assert "calclip {train,demo,diagnose,compare}" in capsys.readouterr().out
     assert cli.main(["--help"]) == 0
     assert cli.main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err
