@@ -2,8 +2,9 @@
 
 - `MetricsFileCallback` writes the metrics file (`calclip.compare.metrics`) as the trainer logs, so a killed run
   keeps every step it logged; a resumed run first drops the rows after the checkpoint it resumed from.
-- `CheckpointOnSigtermCallback`: SIGTERM saves a checkpoint at the end of the current optimizer step and stops
-  training; the process then exits with `EXIT_STOPPED` instead of saving a final model, so a comparison with a
+- `CheckpointOnSigtermCallback`: after SIGTERM, training stops at the next step that ends a generation cycle
+  (so the resumed run generates where the uninterrupted one would: TRL does not checkpoint its rollout buffer),
+  saves a checkpoint there and exits with `EXIT_STOPPED` instead of saving a final model, so a comparison with a
   time limit loses no work.
 """
 
@@ -64,7 +65,7 @@ class CheckpointOnSigtermCallback(TrainerCallback):
         self.requested = True
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.requested:
+        if self.requested and ends_generation_cycle(args, state.global_step):
             control.should_save = True
             control.should_training_stop = True
 
@@ -72,6 +73,15 @@ class CheckpointOnSigtermCallback(TrainerCallback):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if self.requested and state.global_step < state.max_steps:
             raise SystemExit(EXIT_STOPPED)
+
+
+def ends_generation_cycle(args, global_step: int) -> bool:
+    """Whether optimizer step ``global_step`` used the last mini-batch of a generation batch: TRL generates when
+    its micro-step count is a multiple of steps_per_generation * num_iterations (a trainer without these fields
+    ends a cycle every step)."""
+    micro_steps = global_step * getattr(args, "gradient_accumulation_steps", 1)
+    every = (getattr(args, "steps_per_generation", None) or 1) * (getattr(args, "num_iterations", None) or 1)
+    return micro_steps % every == 0
 
 
 def train_callbacks(metrics_file: str | None, checkpoint_on_sigterm: bool) -> list[TrainerCallback]:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from calclip.compare.metrics import METRICS_FILE, last_step
+from calclip.compare.metrics import METRICS_FILE, last_step, truncate_metrics
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: a run stopped on SIGTERM after saving a checkpoint (calclip.compare.callback)
 STATUS_FILE = "status.json"
@@ -95,6 +95,9 @@ def attempt_argv(spec: RunSpec) -> tuple[list[str], str]:
             shutil.rmtree(path)
     if complete:
         latest = complete_checkpoints(directory)[-1]
+        # The callback drops the later rows too, but only once the model is loaded; the progress display reads
+        # the file now.
+        truncate_metrics(directory / METRICS_FILE, int(latest.name.split("-", 1)[1]))
         return [*spec.train_argv, "--resume_from_checkpoint", str(latest)], f"resume from {latest.name}"
     (directory / METRICS_FILE).unlink(missing_ok=True)
     return list(spec.train_argv), "start"
@@ -103,11 +106,13 @@ def attempt_argv(spec: RunSpec) -> tuple[list[str], str]:
 def error_tail(log_path: Path, lines: int = ERROR_TAIL_LINES) -> list[str]:
     """The last lines of the attempt's log (progress-bar redraws split off, blank lines dropped)."""
     try:
-        text = log_path.read_text(errors="replace")
+        with open(log_path, errors="replace", newline="") as handle:  # newline="": keep tqdm's \r redraws
+            text = handle.read()
     except FileNotFoundError:
         return []
-    text = text.rsplit("\n=== attempt ", 1)[-1]
-    kept = [line.rsplit("\r", 1)[-1].rstrip() for line in text.splitlines()]
+    if "\n=== attempt " in text:
+        text = text.rsplit("\n=== attempt ", 1)[-1].split("\n", 1)[-1]
+    kept = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
     return [line for line in kept if line.strip()][-lines:]
 
 
