@@ -196,14 +196,9 @@ def _check_train_flags(flags: list[str], arms: list[Arm]) -> None:
 
 
 def _threads_per_run(parallel: int) -> int | None:
-    """CPU runs side by side split the cores (torch would give each all of them)."""
-    if parallel == 1:
-        return None
-    import torch
-
-    if torch.cuda.is_available():
-        return None
-    return max(1, (os.cpu_count() or 1) // parallel)
+    """Runs side by side split the CPU cores (torch would give each process all of them, as torchrun avoids by
+    setting OMP_NUM_THREADS); an OMP_NUM_THREADS already set wins."""
+    return None if parallel == 1 else max(1, (os.cpu_count() or 1) // parallel)
 
 
 def _split(text: str, option: str) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -106,8 +107,9 @@ def check_or_create(root: Path, *, config_path: str, arms: list[Arm], configs: d
 
 
 class FolderLock:
-    """``DIR/.compare.lock`` holding the pid of the `calclip compare` running in the folder. A lock whose process
-    is gone is stale and taken over."""
+    """``DIR/.compare.lock`` holding ``pid host`` of the `calclip compare` running in the folder. A lock whose
+    process is gone, or that was written on another host (a folder copied between machines), is stale and taken
+    over."""
 
     def __init__(self, root: Path):
         self.path = Path(root) / LOCK_FILE
@@ -115,12 +117,13 @@ class FolderLock:
     def __enter__(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            pid = int(self.path.read_text().strip())
+            pid_text, _, host = self.path.read_text().strip().partition(" ")
+            pid = int(pid_text)
         except (FileNotFoundError, ValueError):
-            pid = None
-        if pid is not None and pid != os.getpid() and _alive(pid):
+            pid, host = None, ""
+        if pid is not None and pid != os.getpid() and host == socket.gethostname() and _alive(pid):
             raise RuntimeError(f"another calclip compare (pid {pid}) is running in {self.path.parent}")
-        self.path.write_text(f"{os.getpid()}\n")
+        self.path.write_text(f"{os.getpid()} {socket.gethostname()}\n")
         return self
 
     def __exit__(self, *exc):

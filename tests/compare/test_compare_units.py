@@ -172,14 +172,18 @@ def test_comparable_drops_run_and_output_fields():
 
 
 def test_folder_lock_refuses_a_live_holder(tmp_path):
-    (tmp_path / folder.LOCK_FILE).write_text(f"{os.getppid()}\n")  # a live process that is not this one
+    import socket
+
+    host = socket.gethostname()
+    (tmp_path / folder.LOCK_FILE).write_text(f"{os.getppid()} {host}\n")  # a live process that is not this one
     with pytest.raises(RuntimeError, match="another calclip compare"):
         with folder.FolderLock(tmp_path):
             pass
-    (tmp_path / folder.LOCK_FILE).write_text("999999999\n")  # stale
-    with folder.FolderLock(tmp_path):
-        assert (tmp_path / folder.LOCK_FILE).read_text().strip() == str(os.getpid())
-    assert not (tmp_path / folder.LOCK_FILE).exists()
+    for stale in (f"999999999 {host}", f"{os.getppid()} another-machine"):  # gone; or a folder copied over
+        (tmp_path / folder.LOCK_FILE).write_text(stale + "\n")
+        with folder.FolderLock(tmp_path):
+            assert (tmp_path / folder.LOCK_FILE).read_text().split() == [str(os.getpid()), host]
+        assert not (tmp_path / folder.LOCK_FILE).exists()
 
 
 # ---------------------------------------------------------------------------------------------------- table
@@ -321,3 +325,26 @@ def test_list_arms(capsys):
     assert command.main(["--list-arms"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in arms.PRESETS) and "tis_mode=token_truncate" in out
+
+
+def test_the_evidence_config_leaves_the_arm_fields_to_the_arms():
+    import yaml
+
+    from calclip.cli import parse_train_args
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "compare_smollm2.yaml"
+    raw = yaml.safe_load(path.read_text())
+    assert not set(raw) & arms.arm_fields(list(arms.PRESETS.values()))
+    script_args, args = parse_train_args(["--config", str(path)])
+    # The evidence: the embedded model, >= 300 optimizer steps; resumes land on generation-cycle ends.
+    assert script_args.model_name_or_path == "default" and args.max_steps >= 300
+    assert args.save_steps % (args.steps_per_generation * args.num_iterations) == 0
+
+
+def test_usage_doc_lists_every_preset_and_metric():
+    usage = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    for arm in arms.PRESETS.values():
+        fields = ", ".join(f"`{key}={report._show(value)}`" for key, value in arm.overrides.items())
+        assert f"| `{arm.name}` | {fields} |" in usage
+    section = usage.split("## `calclip compare`", 1)[1].split("\n## ", 1)[0]
+    assert all(f"`{name}`" in section for name in metrics.FIELD_NAMES)
