@@ -172,7 +172,9 @@ class Progress:
         if failed:
             parts.append(f"{failed} failed")
         parts.append(f"steps {steps}/{self.total_steps}")
-        if gained > 0 and elapsed > 0:
+        if steps >= self.total_steps:
+            parts.append("done")
+        elif gained > 0 and elapsed > 0:
             rate = gained / elapsed
             parts.append(f"{rate:.2f} steps/s, ~{format_seconds((self.total_steps - steps) / rate)} left")
         else:

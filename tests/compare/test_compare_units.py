@@ -348,3 +348,17 @@ def test_usage_doc_lists_every_preset_and_metric():
         assert f"| `{arm.name}` | {fields} |" in usage
     section = usage.split("## `calclip compare`", 1)[1].split("\n## ", 1)[0]
     assert all(f"`{name}`" in section for name in metrics.FIELD_NAMES)
+
+
+def test_redrawing_needs_neither_torch_nor_trl():
+    # `--plot-only` on a laptop with the copied folder: the table and figure modules import no ML stack.
+    import subprocess
+    import sys
+
+    code = ("import sys; from calclip.compare import command, report; command.main(['--list-arms']); "
+            "bad = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'trl', 'transformers'}); "
+            "assert not bad, bad")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 0, result.stderr
