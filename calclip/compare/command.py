@@ -6,7 +6,8 @@
 
 Unrecognised ``--field value`` flags go to every run's `calclip train` (TrlParser: they replace the YAML's values);
 a flag that an arm sets, or one that compare sets per run (seed, output_dir, ...), is refused. Exit status: 0 all
-runs finished, 1 some failed, 3 stopped by --time-limit or SIGTERM (run the same command to continue), 2 bad input.
+runs finished, 1 some failed, 3 stopped by --time-limit or SIGTERM (run the same command to continue), 2 bad input,
+130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from calclip.compare.arms import (
 from calclip.compare.metrics import METRICS_FILE
 from calclip.compare.runner import FAILED, FINISHED, RunSpec, run_grid
 
-EXIT_OK, EXIT_FAILED_RUNS, EXIT_USAGE, EXIT_INCOMPLETE = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED_RUNS, EXIT_USAGE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def argument_parser() -> argparse.ArgumentParser:
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as error:
         print(f"calclip compare: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # the runner has killed the runs and said how to continue
+        return EXIT_INTERRUPTED
 
 
 def _compare(options, train_flags: list[str], windows) -> int:
