@@ -4,7 +4,6 @@ shared by every assertion, then a resume, a refused config and a redraw on the s
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -127,19 +126,19 @@ def test_a_different_config_is_refused_naming_the_field(comparison, capsys):
 
 def test_finished_runs_are_skipped_and_a_killed_run_resumes(comparison, capsys):
     folder, _ = comparison
-    fp8 = folder / "fp8_calibrated" / "seed0"
-    bf16_log = (folder / "bf16_static" / "seed0" / "train.log").read_text()
-    # fp8 was killed after its step-1 checkpoint, while writing step 2's.
-    shutil.rmtree(fp8 / "checkpoint-2")
-    (fp8 / "status.json").write_text(json.dumps({"status": "running", "pid": 999999999, "wall_s": 1.0}))
-    step1 = metrics.read_metrics(fp8 / "metrics.jsonl")[0]
+    killed = folder / "bf16_static" / "seed0"  # the cheaper arm to re-run (no FP8 emulation)
+    fp8_log = (folder / "fp8_calibrated" / "seed0" / "train.log").read_text()
+    # Killed after its step-1 checkpoint, while writing step 2's (no trainer_state.json yet).
+    (killed / "checkpoint-2" / "trainer_state.json").unlink()
+    (killed / "status.json").write_text(json.dumps({"status": "running", "pid": 999999999, "wall_s": 1.0}))
+    step1 = metrics.read_metrics(killed / "metrics.jsonl")[0]
     capsys.readouterr()
     assert _compare(folder, "--arms", GOOD_ARMS) == command.EXIT_OK
     out = capsys.readouterr().out
-    assert "1 of 2 runs already finished: skipped" in out and "started fp8_calibrated/seed0 (resume from checkpoint-1)" in out
-    assert (folder / "bf16_static" / "seed0" / "train.log").read_text() == bf16_log  # not run again
-    attempts = re.findall(r"=== attempt .*: (.*) ===", (fp8 / "train.log").read_text())
+    assert "1 of 2 runs already finished: skipped" in out and "started bf16_static/seed0 (resume from checkpoint-1)" in out
+    assert (folder / "fp8_calibrated" / "seed0" / "train.log").read_text() == fp8_log  # not run again
+    attempts = re.findall(r"=== attempt .*: (.*) ===", (killed / "train.log").read_text())
     assert attempts == ["start", "resume from checkpoint-1"]
-    rows = metrics.read_metrics(fp8 / "metrics.jsonl")
+    rows = metrics.read_metrics(killed / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2] and rows[0] == step1  # step 1 kept, step 2 re-run
-    assert runner.read_status(fp8)["status"] == "finished" and (fp8 / "checkpoint-2" / "trainer_state.json").exists()
+    assert runner.read_status(killed)["status"] == "finished" and (killed / "checkpoint-2" / "trainer_state.json").exists()
