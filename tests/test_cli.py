@@ -17,10 +17,17 @@ DEMO_YAML = str(ROOT / "configs" / "demo.yaml")
 
 def test_usage_and_unknown_command(capsys):
     assert cli.main([]) == 2
-    assert "calclip {train,demo,diagnose}" in capsys.readouterr().out
+    assert "calclip {train,demo,diagnose,compare}" in capsys.readouterr().out
     assert cli.main(["--help"]) == 0
     assert cli.main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+def test_compare_is_a_command_returning_its_exit_status(capsys):
+    assert cli.main(["compare", "--list-arms"]) == 0
+    assert "fp8_calibrated" in capsys.readouterr().out
+    assert cli.main(["compare", "--config", DEMO_YAML, "--arms", "fp8_calibratd"]) == 2
+    assert "unknown arm(s) 'fp8_calibratd'" in capsys.readouterr().err
 
 
 def test_module_entry_point_runs():

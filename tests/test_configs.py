@@ -18,6 +18,7 @@ EXPECTED = {
     "fp8_calibrated_tis.yaml",
     "dapo_fp8_calibrated.yaml",
     "demo.yaml",
+    "compare_smollm2.yaml",
 }
 
 

@@ -1,0 +1,109 @@
+"""The per-run metrics file: one JSON line per logged optimizer step.
+
+Keys are the trainer's own log names (DESIGN.md "Metric names", TRL's where calclip adds none); a metric not
+logged at a step is ``null`` (reward exists only on generating steps, the FP8-static and BF16-shadow drop shares
+only on shadow-calibration steps); a non-finite value is kept (written as NaN/Infinity, which Python's json and
+pandas read back), so a collapse shows. ``time`` is wall seconds since training began, resumed runs continuing
+the clock of the step they resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# (key, what it is). The order is the file's column order.
+METRIC_FIELDS: tuple[tuple[str, str], ...] = (
+    ("step", "optimizer step"),
+    ("time", "wall seconds since training began"),
+    ("reward", "mean total reward of the generated completions"),
+    ("reward_std", "std of the total reward"),
+    ("entropy", "mean token entropy of the policy"),
+    ("entropy/neg_adv", "mean token entropy on A<0 tokens"),
+    ("clip/neg_low_frac_fp8", "share of A<0 tokens below the lower bound in force (their penalty is dropped)"),
+    ("clip/neg_low_frac_fp8_static", "share of A<0 tokens whose FP8 ratio is below 1-epsilon (calibration steps)"),
+    ("clip/neg_low_frac_bf16", "share of A<0 tokens whose BF16 shadow ratio is below 1-epsilon (calibration steps)"),
+    ("calib/low", "lower clip bound in force"),
+    ("calib/high", "upper clip bound in force"),
+    ("mismatch/token_mult_prob_error", "rollout vs trainer token-mult-prob-error (1.0 = identical)"),
+    ("mismatch/fp8_bf16_token_mult_prob_error", "FP8 vs BF16 shadow token-mult-prob-error (calibration steps)"),
+    ("completions/mean_length", "mean completion length in tokens"),
+    ("completions/repeat_ngram_frac", "share of repeated n-grams in completions (garbled output)"),
+    ("entropy/spike", "1 when the entropy-spike detector fired"),
+    ("loss", "training loss"),
+    ("step_time", "seconds of the optimizer step (TRL's step_time)"),
+)
+FIELD_NAMES = tuple(key for key, _ in METRIC_FIELDS)
+METRICS_FILE = "metrics.jsonl"
+
+
+def metrics_row(logs: dict, step: int, time: float) -> dict | None:
+    """The metrics-file row of one trainer log dict, or None for a log without training metrics (the
+    end-of-training summary)."""
+    if not any(key in logs for key in FIELD_NAMES[2:]):
+        return None
+    row = {"step": int(step), "time": round(float(time), 3)}
+    for key in FIELD_NAMES[2:]:
+        row[key] = _float_or_none(logs.get(key))
+    return row
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics file, in step order, the last row of a step winning (a resumed run re-logs the
+    steps after its checkpoint). A truncated last line (a killed writer) is ignored."""
+    rows: dict[int, dict] = {}
+    path = Path(path)
+    if not path.exists():
+        return []
+    with path.open() as handle:
+        for line in handle:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows[row["step"]] = row
+    return [rows[step] for step in sorted(rows)]
+
+
+def last_step(path: str | Path) -> int:
+    """The last complete step in a metrics file (0 when there is none), reading only the file's tail."""
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - 8192))
+            tail = handle.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(tail):
+        try:
+            step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return 0
+
+
+def truncate_metrics(path: str | Path, max_step: int) -> None:
+    """Keep the rows with step <= max_step (a run resuming from the checkpoint of max_step)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    rows = [row for row in read_metrics(path) if row["step"] <= max_step]
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    tmp.replace(path)
+
+
+def _float_or_none(value):
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None

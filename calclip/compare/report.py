@@ -1,0 +1,281 @@
+"""The comparison's Markdown table and figure, computed from the runs' metrics files only.
+
+Window mean of a metric for one run: the mean of its logged values at steps a..b (steps where it was not logged
+are skipped; a NaN logged there makes the mean NaN). The table shows, per arm, the mean over the finished seeds
+of those window means +- their sample standard deviation (n-1; none for one seed). The figure has one panel per
+metric: per arm the mean over seeds at each logged step (after an optional trailing moving average per seed) and
+a band from the seeds' minimum to maximum.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from calclip.compare import folder
+from calclip.compare.metrics import FIELD_NAMES, METRIC_FIELDS, METRICS_FILE, read_metrics
+from calclip.compare.runner import FAILED, FINISHED, read_status
+
+REPORT_FILE = "report.md"
+FIGURE_FILE = "figure.png"
+MATPLOTLIB_MISSING = "matplotlib is not installed: no figure (pip install 'calclip[plot]' or pip install matplotlib)"
+
+TABLE_METRICS = (
+    "reward", "entropy", "entropy/neg_adv", "clip/neg_low_frac_fp8", "clip/neg_low_frac_fp8_static",
+    "clip/neg_low_frac_bf16", "calib/low", "calib/high", "mismatch/token_mult_prob_error",
+    "mismatch/fp8_bf16_token_mult_prob_error", "completions/mean_length", "completions/repeat_ngram_frac",
+    "entropy/spike", "step_time",
+)
+PLOT_METRICS = (
+    "reward", "entropy", "entropy/neg_adv", "clip/neg_low_frac_fp8", "clip/neg_low_frac_fp8_static",
+    "clip/neg_low_frac_bf16", "calib/low", "calib/high", "mismatch/token_mult_prob_error",
+    "completions/mean_length", "completions/repeat_ngram_frac", "step_time",
+)
+assert set(TABLE_METRICS) <= set(FIELD_NAMES) and set(PLOT_METRICS) <= set(FIELD_NAMES)
+DESCRIPTIONS = dict(METRIC_FIELDS)
+
+
+@dataclass
+class Run:
+    arm: str
+    seed: int
+    status: str  # finished, failed, stopped, running, not started
+    rows: list[dict]
+
+
+@dataclass(frozen=True)
+class Window:
+    first: int
+    last: int
+    label: str = ""
+
+    def title(self) -> str:
+        return f"steps {self.first}-{self.last}" + (f" ({self.label})" if self.label else "")
+
+
+def load_runs(root: Path) -> tuple[dict, list[Run]]:
+    """The folder's record and every arm x seed it names, in record order."""
+    record = folder.load(root)
+    if record is None:
+        raise ValueError(f"{root}: no {folder.COMPARISON_FILE} (not a calclip compare folder)")
+    runs = []
+    for arm in record["arms"]:
+        for seed in record["seeds"]:
+            directory = folder.run_directory(root, arm, seed)
+            status = (read_status(directory) or {}).get("status", "not started")
+            runs.append(Run(arm, seed, status, read_metrics(directory / METRICS_FILE)))
+    return record, runs
+
+
+def max_steps(record: dict) -> int:
+    return max(int(entry["config"].get("max_steps", 0)) for entry in record["arms"].values())
+
+
+def default_windows(steps: int) -> list[Window]:
+    """The whole run and its last quarter (at least its last step)."""
+    if steps < 1:
+        return []
+    windows = [Window(1, steps, "all")]
+    first = steps - max(1, steps // 4) + 1
+    if first > 1:
+        windows.append(Window(first, steps, f"last {steps - first + 1} steps"))
+    return windows
+
+
+def parse_windows(spec: str) -> list[Window]:
+    """``"1-64,237-300"`` -> windows (inclusive step ranges)."""
+    windows = []
+    for part in spec.split(","):
+        first, sep, last = part.strip().partition("-")
+        if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+            raise ValueError(f"--windows: {part!r} is not FIRST-LAST (steps, e.g. 1-64)")
+        window = Window(int(first), int(last))
+        if not 1 <= window.first <= window.last:
+            raise ValueError(f"--windows: {part!r} needs 1 <= FIRST <= LAST")
+        windows.append(window)
+    return windows
+
+
+def window_mean(rows: list[dict], metric: str, window: Window) -> float | None:
+    values = [row[metric] for row in rows if window.first <= row["step"] <= window.last and row.get(metric) is not None]
+    return math.fsum(values) / len(values) if values else None
+
+
+def arm_summary(runs: list[Run], metric: str, window: Window) -> tuple[float, float | None, int] | None:
+    """(mean, sample std or None, n) over the finished seeds' window means; None when no seed logged it."""
+    means = [m for run in runs if run.status == FINISHED
+             for m in [window_mean(run.rows, metric, window)] if m is not None]
+    if not means:
+        return None
+    mean = math.fsum(means) / len(means)
+    std = statistics.stdev(means) if len(means) > 1 else None
+    return mean, std, len(means)
+
+
+def format_cell(summary) -> str:
+    if summary is None:
+        return "-"
+    mean, std, _ = summary
+    return f"{mean:.4g}" if std is None else f"{mean:.4g} ± {std:.2g}"
+
+
+def arm_header(arm: str, runs: list[Run]) -> str:
+    finished = [run for run in runs if run.status == FINISHED]
+    header = f"{arm} (n={len(finished)})"
+    others = [run for run in runs if run.status != FINISHED]
+    if others:
+        header += " " + "; ".join(f"seed {run.seed} {'FAILED' if run.status == FAILED else run.status}"
+                                  for run in others)
+    return header
+
+
+def markdown_tables(record: dict, runs: list[Run], windows: list[Window]) -> str:
+    by_arm = {arm: [run for run in runs if run.arm == arm] for arm in record["arms"]}
+    lines = []
+    for window in windows:
+        lines += [f"### {window.title()}", ""]
+        lines.append("| metric | " + " | ".join(arm_header(arm, arm_runs) for arm, arm_runs in by_arm.items()) + " |")
+        lines.append("|---" * (len(by_arm) + 1) + "|")
+        for metric in TABLE_METRICS:
+            cells = []
+            for arm_runs in by_arm.values():
+                if not any(run.status == FINISHED for run in arm_runs):
+                    cells.append("failed" if any(run.status == FAILED for run in arm_runs) else "not run")
+                else:
+                    cells.append(format_cell(arm_summary(arm_runs, metric, window)))
+            lines.append(f"| `{metric}` | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def runs_table(runs: list[Run], root: Path) -> str:
+    lines = ["| arm | seed | status | steps logged | wall |", "|---|---|---|---|---|"]
+    for run in runs:
+        status = read_status(folder.run_directory(root, run.arm, run.seed)) or {}
+        wall = status.get("wall_s")
+        wall_text = "-" if wall is None else f"{wall:.0f} s"
+        steps = run.rows[-1]["step"] if run.rows else 0
+        lines.append(f"| {run.arm} | {run.seed} | {run.status} | {steps} | {wall_text} |")
+    failed = [run for run in runs if run.status == FAILED]
+    for run in failed:
+        tail = (read_status(folder.run_directory(root, run.arm, run.seed)) or {}).get("error_tail") or []
+        lines += ["", f"{run.arm} seed {run.seed} failed; the end of its log "
+                  f"({run.arm}/seed{run.seed}/train.log):", "", "```", *tail[-8:], "```"]
+    return "\n".join(lines)
+
+
+def render_report(root: Path, record: dict, runs: list[Run], windows: list[Window], figure: Path | None,
+                  figure_note: str | None = None) -> str:
+    arms = record["arms"]
+    lines = [f"# calclip compare: {Path(root).name}", ""]
+    lines.append(f"Config `{record['config_path']}`, seeds {', '.join(map(str, record['seeds']))}, "
+                 f"{max_steps(record)} optimizer steps per run. W&B group `{record.get('group', '')}`.")
+    lines += ["", "| arm | overrides |", "|---|---|"]
+    for name, entry in arms.items():
+        overrides = ", ".join(f"`{k}={_show(v)}`" for k, v in entry["overrides"].items())
+        lines.append(f"| {name} | {overrides} |")
+    lines += ["", "## Runs", "", runs_table(runs, root), ""]
+    lines += ["## Window means ± std over seeds", "",
+              "Per run, the mean of a metric over the steps of the window where it was logged; then the mean over "
+              "finished seeds ± their sample standard deviation (n-1; no ± with one seed). `-`: never logged in "
+              "the window.", ""]
+    lines.append(markdown_tables(record, runs, windows))
+    lines += ["## Figure", ""]
+    if figure is not None:
+        lines += [f"![comparison]({figure.name})", ""]
+        lines.append("Mean over finished seeds per arm; band: minimum to maximum over seeds.")
+    else:
+        lines.append(figure_note or "no figure")
+    lines += ["", "## Metrics", ""]
+    lines += [f"- `{metric}`: {DESCRIPTIONS[metric]}" for metric in TABLE_METRICS]
+    return "\n".join(lines) + "\n"
+
+
+def _smoothed(values: list[float], window: int) -> list[float]:
+    if window <= 1:
+        return values
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1): i + 1]
+        out.append(math.fsum(chunk) / len(chunk))
+    return out
+
+
+def curve(runs: list[Run], metric: str, smooth: int = 1) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) over the finished runs at every step where at least one logged ``metric``."""
+    per_step: dict[int, list[float]] = {}
+    for run in runs:
+        if run.status != FINISHED:
+            continue
+        points = [(row["step"], row[metric]) for row in run.rows if row.get(metric) is not None]
+        values = _smoothed([value for _, value in points], smooth)
+        for (step, _), value in zip(points, values):
+            per_step.setdefault(step, []).append(value)
+    steps = sorted(per_step)
+    return (steps, [math.fsum(per_step[s]) / len(per_step[s]) for s in steps],
+            [min(per_step[s]) for s in steps], [max(per_step[s]) for s in steps])
+
+
+def plot(record: dict, runs: list[Run], path: Path, smooth: int = 1) -> Path:
+    """Write the figure; ImportError (with `MATPLOTLIB_MISSING`) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError(MATPLOTLIB_MISSING) from error
+    columns = 4
+    rows = math.ceil(len(PLOT_METRICS) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, metric in enumerate(PLOT_METRICS):
+        ax = axes[index // columns][index % columns]
+        for arm_index, arm in enumerate(record["arms"]):
+            steps, mean, low, high = curve([run for run in runs if run.arm == arm], metric, smooth)
+            if not steps:
+                continue
+            color = colors[arm_index % len(colors)]
+            ax.plot(steps, mean, color=color, linewidth=1.2, label=arm, marker="." if len(steps) < 20 else None)
+            ax.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
+        ax.set_title(metric, fontsize=9)
+        ax.ticklabel_format(axis="y", useOffset=False)  # 1.0312, not 0.0312 + 1
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("step", fontsize=7)
+    for index in range(len(PLOT_METRICS), rows * columns):
+        axes[index // columns][index % columns].axis("off")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        figure.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False)
+    seeds = ", ".join(map(str, record["seeds"]))
+    smooth_note = f", moving average over {smooth} logged steps" if smooth > 1 else ""
+    figure.suptitle(f"mean over seeds {seeds} (band: min-max){smooth_note}", fontsize=9, y=0.005, va="bottom")
+    figure.tight_layout(rect=(0, 0.02, 1, 0.95))
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def write_report(root: Path, *, windows: list[Window] | None = None, smooth: int = 1) -> tuple[Path, Path | None, str | None]:
+    """Write ``report.md`` and ``figure.png`` from the folder's runs; return (report, figure or None, note)."""
+    root = Path(root)
+    record, runs = load_runs(root)
+    windows = windows or default_windows(max_steps(record))
+    figure, note = None, None
+    try:
+        figure = plot(record, runs, root / FIGURE_FILE, smooth)
+    except ImportError as error:
+        note = str(error)
+    report = root / REPORT_FILE
+    report.write_text(render_report(root, record, runs, windows, figure, note))
+    return report, figure, note
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return " ".join(map(_show, value))
+    return str(value)

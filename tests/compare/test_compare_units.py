@@ -1,0 +1,364 @@
+"""calclip.compare pieces without training: arms, metrics file, resume planning, fingerprint, table, callbacks."""
+
+import json
+import math
+import os
+import signal
+import statistics
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from calclip.compare import arms, command, folder, metrics, report, runner
+
+
+# ---------------------------------------------------------------------------------------------------- arms
+
+
+def test_presets_set_only_arm_fields_and_differ_as_documented():
+    assert arms.preset_names() == tuple(arms.PRESETS)
+    assert set(arms.DEFAULT_ARMS) <= set(arms.PRESETS)
+    assert arms.PRESETS["bf16_static"].overrides == {"fp8": False, "clip_mode": "static", "tis_mode": "none"}
+    assert arms.PRESETS["fp8_tis"].overrides == {"fp8": True, "clip_mode": "static", "tis_mode": "token_truncate"}
+    assert arms.PRESETS["fp8_calibrated"].train_flags() == [
+        "--fp8", "true", "--clip_mode", "calibrated", "--tis_mode", "none"]
+    # Every preset sets the same fields, so the shared config decides everything else for all of them.
+    assert len({tuple(sorted(arm.overrides)) for arm in arms.PRESETS.values()}) == 1
+
+
+def test_the_presets_values_are_valid_config_values():
+    from calclip.trainers.config import CLIP_MODES, TIS_MODES
+
+    for arm in arms.PRESETS.values():
+        assert arm.overrides["clip_mode"] in CLIP_MODES and arm.overrides["tis_mode"] in TIS_MODES
+
+
+def test_user_arm_spec():
+    arm = arms.parse_arm_spec("ema05:clip_mode=calibrated, calibration_ema=0.5,calibration_init_bounds=0.5 2.0")
+    assert arm.name == "ema05"
+    assert arm.overrides == {"clip_mode": "calibrated", "calibration_ema": "0.5",
+                             "calibration_init_bounds": ["0.5", "2.0"]}
+    assert arm.train_flags() == ["--clip_mode", "calibrated", "--calibration_ema", "0.5",
+                                 "--calibration_init_bounds", "0.5", "2.0"]
+    for bad, fragment in [("noColon", "NAME:field=value"), ("x:", "NAME:field=value"), ("x:fp8", "not field=value"),
+                          ("x:fp8=true,fp8=false", "given twice"), ("bad name:fp8=true", "arm name"),
+                          ("x:seed=3", "sets seed")]:
+        with pytest.raises(ValueError, match=fragment):
+            arms.parse_arm_spec(bad)
+
+
+def test_resolve_arms_names_the_valid_ones_on_a_typo():
+    with pytest.raises(ValueError) as error:
+        arms.resolve_arms(["bf16_static", "fp8_calibrted"])
+    message = str(error.value)
+    assert "'fp8_calibrted'" in message and all(name in message for name in arms.PRESETS)
+    mine = arms.parse_arm_spec("mine:tis_cap=1.5")
+    assert [arm.name for arm in arms.resolve_arms(["mine", "fp8_tis"], [mine])] == ["mine", "fp8_tis"]
+    with pytest.raises(ValueError, match="already a preset"):
+        arms.resolve_arms(["fp8_tis"], [arms.parse_arm_spec("fp8_tis:tis_cap=3")])
+    with pytest.raises(ValueError, match="listed twice"):
+        arms.resolve_arms(["fp8_tis", "fp8_tis"])
+
+
+# ---------------------------------------------------------------------------------------------------- metrics file
+
+
+def test_metrics_row_keeps_trainer_names_nulls_and_nonfinite():
+    logs = {"loss": 0.5, "reward": 0.25, "entropy": float("nan"), "calib/low": 0.7, "step_time": 1.5, "epoch": 0.1}
+    row = metrics.metrics_row(logs, step=3, time=12.34567)
+    assert list(row) == list(metrics.FIELD_NAMES)
+    assert row["step"] == 3 and row["time"] == 12.346 and row["reward"] == 0.25 and row["calib/low"] == 0.7
+    assert math.isnan(row["entropy"])  # a collapse stays visible
+    assert row["clip/neg_low_frac_bf16"] is None
+    assert metrics.metrics_row({"train_runtime": 3.0, "train_loss": 0.1, "epoch": 1.0}, 3, 1.0) is None
+
+
+def test_read_last_step_and_truncate(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "reward": s / 10}) for s in (1, 2, 3)] + [json.dumps({"step": 2, "reward": 9.0})]
+    path.write_text("\n".join(lines) + "\n" + '{"step": 4, "rew')  # a resumed step 2 and a killed writer's line
+    rows = metrics.read_metrics(path)
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[1]["reward"] == 9.0
+    assert metrics.last_step(path) == 2  # the last complete line
+    metrics.truncate_metrics(path, 2)
+    assert [(row["step"], row["reward"]) for row in metrics.read_metrics(path)] == [(1, 0.1), (2, 9.0)]
+    assert metrics.last_step(tmp_path / "missing.jsonl") == 0 and metrics.read_metrics(tmp_path / "missing") == []
+
+
+# ---------------------------------------------------------------------------------------------------- resume planning
+
+
+def _spec(directory: Path, steps: int = 10) -> runner.RunSpec:
+    return runner.RunSpec("fp8_static", 0, directory, ["--config", "x.yaml"], steps)
+
+
+def test_attempt_resumes_from_the_last_complete_checkpoint(tmp_path):
+    for step, complete in [(2, True), (4, True), (6, False)]:  # checkpoint-6 was being written when killed
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
+    argv, action = runner.attempt_argv(_spec(tmp_path))
+    assert argv == ["--config", "x.yaml", "--resume_from_checkpoint", str(tmp_path / "checkpoint-4")]
+    assert action == "resume from checkpoint-4"
+    assert not (tmp_path / "checkpoint-6").exists() and (tmp_path / "checkpoint-2").exists()
+    assert [row["step"] for row in metrics.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_attempt_without_checkpoint_starts_over(tmp_path):
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    argv, action = runner.attempt_argv(_spec(tmp_path))
+    assert argv == ["--config", "x.yaml"] and action == "start"
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoint-3").exists()
+
+
+def test_finished_is_read_from_the_status_file(tmp_path):
+    assert not runner.is_finished(tmp_path)
+    (tmp_path / runner.STATUS_FILE).write_text(json.dumps({"status": "stopped"}))
+    assert not runner.is_finished(tmp_path)
+    (tmp_path / runner.STATUS_FILE).write_text(json.dumps({"status": "finished"}))
+    assert runner.is_finished(tmp_path)
+
+
+def test_error_tail_shows_the_last_attempt_without_progress_redraws(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("\n=== attempt 1: start ===\nold failure\n\n=== attempt 2: start ===\n"
+                   " 10%|#  \r 20%|##  \rTraceback (most recent call last):\n  File x\nKeyError: 'prompt'\n\n")
+    assert runner.error_tail(log) == ["Traceback (most recent call last):", "  File x", "KeyError: 'prompt'"]
+
+
+def test_child_environment_groups_wandb_runs_and_imports_this_calclip(tmp_path, monkeypatch):
+    import calclip
+
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    env = runner.child_environment(_spec(tmp_path), group="cmp-7", gpu="1", threads=2)
+    assert env["WANDB_RUN_GROUP"] == "cmp-7" and env["WANDB_DIR"] == str(tmp_path)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(calclip.__file__).resolve().parents[1])
+
+
+def test_format_seconds():
+    assert [runner.format_seconds(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
+
+
+# ---------------------------------------------------------------------------------------------------- fingerprint
+
+
+def _record(configs: dict, overrides: dict) -> dict:
+    return {"format": folder.FORMAT_VERSION, "arms": {name: {"overrides": overrides[name], "config": config}
+                                                      for name, config in configs.items()}, "seeds": [0]}
+
+
+def test_config_differences_name_the_fields():
+    base = {"learning_rate": 1e-5, "max_steps": 300, "tis_mode": "none", "clip_mode": "static"}
+    stored = _record({"fp8_static": base}, {"fp8_static": arms.PRESETS["fp8_static"].overrides})
+    same = {"fp8_static": dict(base)}
+    assert folder.config_differences(stored, [arms.PRESETS["fp8_static"]], same) == []
+    changed = {"fp8_static": dict(base, learning_rate=2e-5)}
+    assert folder.config_differences(stored, [arms.PRESETS["fp8_static"]], changed) == [
+        "learning_rate: 1e-05 in the folder, 2e-05 now (arms: fp8_static)"]
+    # A new arm is compared on the fields no arm sets: its own clip_mode is not a difference, max_steps is.
+    new_arm = {"fp8_calibrated": dict(base, clip_mode="calibrated", max_steps=500)}
+    assert folder.config_differences(stored, [arms.PRESETS["fp8_calibrated"]], new_arm) == [
+        "max_steps: 300 in the folder, 500 now (arms: fp8_calibrated)"]
+
+
+def test_comparable_drops_run_and_output_fields():
+    config = {"seed": 3, "output_dir": "x", "run_name": "r", "report_to": ["wandb"], "save_steps": 5,
+              "learning_rate": 1e-5, "calibration_init_bounds": (0.6, 1.8)}
+    assert folder.comparable(config) == {"learning_rate": 1e-5, "calibration_init_bounds": [0.6, 1.8]}
+
+
+def test_folder_lock_refuses_a_live_holder(tmp_path):
+    import socket
+
+    host = socket.gethostname()
+    (tmp_path / folder.LOCK_FILE).write_text(f"{os.getppid()} {host}\n")  # a live process that is not this one
+    with pytest.raises(RuntimeError, match="another calclip compare"):
+        with folder.FolderLock(tmp_path):
+            pass
+    for stale in (f"999999999 {host}", f"{os.getppid()} another-machine"):  # gone; or a folder copied over
+        (tmp_path / folder.LOCK_FILE).write_text(stale + "\n")
+        with folder.FolderLock(tmp_path):
+            assert (tmp_path / folder.LOCK_FILE).read_text().split() == [str(os.getpid()), host]
+        assert not (tmp_path / folder.LOCK_FILE).exists()
+
+
+# ---------------------------------------------------------------------------------------------------- table
+
+
+def _run(arm, seed, status, values):
+    return report.Run(arm, seed, status, [{"step": step, "reward": value} for step, value in values])
+
+
+def test_window_means_and_std_over_seeds_hand_worked():
+    window = report.Window(2, 3)
+    seed0 = _run("a", 0, "finished", [(1, 10.0), (2, 1.0), (3, 2.0)])  # window mean 1.5
+    seed1 = _run("a", 1, "finished", [(1, 10.0), (2, 3.0), (3, None)])  # None: not logged -> mean 3.0
+    failed = _run("a", 2, "failed", [(2, 100.0)])  # a failed seed is not averaged
+    assert report.window_mean(seed0.rows, "reward", window) == 1.5
+    assert report.window_mean(seed1.rows, "reward", window) == 3.0
+    mean, std, n = report.arm_summary([seed0, seed1, failed], "reward", window)
+    assert (mean, n) == (2.25, 2) and std == pytest.approx(statistics.stdev([1.5, 3.0]), rel=1e-12)
+    assert report.format_cell((mean, std, n)) == "2.25 ± 1.1"
+    assert report.format_cell(report.arm_summary([seed0], "reward", window)) == "1.5"
+    assert report.arm_summary([seed0], "reward", report.Window(5, 9)) is None
+    assert report.arm_header("a", [seed0, seed1, failed]) == "a (n=2) seed 2 FAILED"
+
+
+def test_table_marks_an_arm_without_finished_runs():
+    record = {"arms": {"good": {}, "bad": {}}, "seeds": [0]}
+    runs = [_run("good", 0, "finished", [(1, 0.5)]), _run("bad", 0, "failed", [])]
+    table = report.markdown_tables(record, runs, [report.Window(1, 1, "all")])
+    reward_line = next(line for line in table.splitlines() if line.startswith("| `reward`"))
+    assert reward_line == "| `reward` | 0.5 | failed |"
+
+
+def test_windows():
+    assert report.default_windows(300) == [report.Window(1, 300, "all"), report.Window(226, 300, "last 75 steps")]
+    assert report.default_windows(1) == [report.Window(1, 1, "all")]
+    assert report.parse_windows("1-64, 237-300") == [report.Window(1, 64), report.Window(237, 300)]
+    for bad in ("5", "0-3", "9-2", "a-b"):
+        with pytest.raises(ValueError, match="--windows"):
+            report.parse_windows(bad)
+
+
+def test_curve_mean_and_band_over_finished_seeds():
+    runs = [_run("a", 0, "finished", [(1, 1.0), (2, 3.0)]), _run("a", 1, "finished", [(1, 2.0), (2, None)]),
+            _run("a", 2, "running", [(1, 50.0)])]
+    assert report.curve(runs, "reward") == ([1, 2], [1.5, 3.0], [1.0, 3.0], [2.0, 3.0])
+    # Trailing moving average of 2 logged values per seed: seed 0 becomes 1.0, 2.0.
+    assert report.curve(runs, "reward", smooth=2) == ([1, 2], [1.5, 2.0], [1.0, 2.0], [2.0, 2.0])
+
+
+# ---------------------------------------------------------------------------------------------------- callbacks
+
+
+def test_generation_cycle_boundaries():
+    from calclip.compare.callback import ends_generation_cycle
+
+    grpo = SimpleNamespace(gradient_accumulation_steps=1, steps_per_generation=4, num_iterations=1)
+    assert [step for step in range(1, 13) if ends_generation_cycle(grpo, step)] == [4, 8, 12]
+    assert all(ends_generation_cycle(SimpleNamespace(), step) for step in (1, 2, 3))
+
+
+def test_metrics_callback_resumes_the_file_at_the_checkpoint_step(tmp_path):
+    from calclip.compare.callback import MetricsFileCallback
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "time": float(s)}) + "\n" for s in (1, 2, 3)))
+    callback = MetricsFileCallback(path)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=2)
+    callback.on_train_begin(None, state, None)
+    state.global_step = 3
+    callback.on_log(None, state, None, logs={"loss": 0.1, "reward": 0.5})
+    callback.on_log(None, state, None, logs={"train_runtime": 1.0})  # the summary is not a row
+    callback.on_train_end(None, state, None)
+    rows = metrics.read_metrics(path)
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[2]["reward"] == 0.5
+    assert rows[2]["time"] >= 2.0  # the clock continues from the checkpoint's step
+    fresh = MetricsFileCallback(path)
+    fresh.on_train_begin(None, SimpleNamespace(is_world_process_zero=True, global_step=0), None)
+    fresh.on_train_end(None, state, None)
+    assert metrics.read_metrics(path) == []  # a run starting over starts its file over
+
+
+def test_sigterm_checkpoints_and_exits_resumable():
+    from transformers import TrainerControl
+
+    from calclip.compare.callback import CheckpointOnSigtermCallback
+
+    callback = CheckpointOnSigtermCallback()
+    # Generation every 4 micro-steps, 2 micro-steps per optimizer step: cycles end at optimizer steps 2, 4, 6, ...
+    args = SimpleNamespace(gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2)
+    state = SimpleNamespace(global_step=4, max_steps=10)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        callback.on_train_begin(args, state, TrainerControl())
+        control = TrainerControl()
+        callback.on_step_end(args, state, control)
+        assert not control.should_save and not control.should_training_stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert callback.requested
+        state.global_step = 5  # mid-cycle: keep going, a resume there would regenerate early
+        callback.on_step_end(args, state, control)
+        assert not control.should_save and not control.should_training_stop
+        state.global_step = 6
+        callback.on_step_end(args, state, control)
+        assert control.should_save and control.should_training_stop
+        with pytest.raises(SystemExit) as stopped:
+            callback.on_train_end(args, state, control)
+        assert stopped.value.code == runner.EXIT_STOPPED
+        # SIGTERM during the last step: the run finished, no special exit.
+        callback.on_train_begin(args, state, control)
+        callback.requested = True
+        callback.on_train_end(args, SimpleNamespace(global_step=10, max_steps=10), control)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------------------------------------- command errors
+
+
+def test_command_refuses_bad_input_before_running(tmp_path, capsys):
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
+    cases = [
+        (["--arms", "bf16_static,fp8_stattic"], "unknown arm(s) 'fp8_stattic'; valid arms: bf16_static"),
+        (["--arms", "fp8_static", "--clip_mode", "calibrated"], "--clip_mode is an arm field (set by fp8_static)"),
+        (["--arms", "fp8_static", "--output_dir", "x"], "--output_dir is set by calclip compare per run (use --output-dir)"),
+        (["--arms", "fp8_static", "--seeds", "0,x"], "--seeds: 'x' is not an integer"),
+        (["--arms", "fp8_static", "--parallel", "0"], "--parallel must be >= 1"),
+    ]
+    for extra, expected in cases:
+        assert command.main(["--config", config, "--output-dir", str(tmp_path / "c"), *extra]) == command.EXIT_USAGE
+        assert expected in capsys.readouterr().err
+    assert command.main(["--config", str(tmp_path / "none.yaml")]) == command.EXIT_USAGE
+    assert "no such file" in capsys.readouterr().err
+    assert command.main(["--plot-only", str(tmp_path)]) == command.EXIT_USAGE
+    assert "no comparison.json" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()  # nothing was created
+
+
+def test_list_arms(capsys):
+    assert command.main(["--list-arms"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in arms.PRESETS) and "tis_mode=token_truncate" in out
+
+
+def test_the_evidence_config_leaves_the_arm_fields_to_the_arms():
+    import yaml
+
+    from calclip.cli import parse_train_args
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "compare_smollm2.yaml"
+    raw = yaml.safe_load(path.read_text())
+    assert not set(raw) & arms.arm_fields(list(arms.PRESETS.values()))
+    script_args, args = parse_train_args(["--config", str(path)])
+    # The issue's evidence: the embedded model, >= 300 optimizer steps; resumes land on generation-cycle ends.
+    assert script_args.model_name_or_path == "default" and args.max_steps >= 300
+    assert args.save_steps % (args.steps_per_generation * args.num_iterations) == 0
+
+
+def test_usage_doc_lists_every_preset_and_metric():
+    usage = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    for arm in arms.PRESETS.values():
+        fields = ", ".join(f"`{key}={report._show(value)}`" for key, value in arm.overrides.items())
+        assert f"| `{arm.name}` | {fields} |" in usage
+    section = usage.split("## `calclip compare`", 1)[1].split("\n## ", 1)[0]
+    assert all(f"`{name}`" in section for name in metrics.FIELD_NAMES)
+
+
+def test_redrawing_needs_neither_torch_nor_trl():
+    # `--plot-only` on a laptop with the copied folder: the table and figure modules import no ML stack.
+    import subprocess
+    import sys
+
+    code = ("import sys; from calclip.compare import command, report; command.main(['--list-arms']); "
+            "bad = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'trl', 'transformers'}); "
+            "assert not bad, bad")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 0, result.stderr
