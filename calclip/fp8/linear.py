@@ -426,6 +426,7 @@ class FP8BlockLinear(nn.Linear):
                 f"pow2={cfg.power_of_two_scales}")
 
 
+@torch.compiler.disable  # allocation-time only; if a traced call ever reaches it, a graph break, not an error
 def _mark_static(*tensors: Tensor) -> None:
     """Tell torch.compile's CUDA-graph trees these long-lived tensors keep their address (like parameters), so
     replays read them in place instead of copying them into the graph's own inputs."""
