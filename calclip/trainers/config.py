@@ -148,6 +148,12 @@ class CalibratedGRPOConfig(GRPOConfig):
     fp8_power_of_two_scales: bool = field(
         default=False, metadata={"help": "Round every FP8 scale up to a power of two."}
     )
+    compile_generation: bool = field(
+        default=False,
+        metadata={"help": "Let transformers compile the HF generate decode step with CUDA graphs (its CompileConfig, "
+                  "mode reduce-overhead; CUDA only), which TRL switches off: the FP8 decode is host-bound without it. "
+                  "Needs a static cache: sets cache_implementation='static' when none is given."},
+    )
 
     # ---- monitoring ----
     entropy_spike_window: int = field(
@@ -219,6 +225,8 @@ class CalibratedGRPOConfig(GRPOConfig):
         _one_of("fp8_backward", self.fp8_backward, FP8_BACKWARD_MODES)
         _one_of("fp8_gemm", self.fp8_gemm, FP8_GEMM_BACKENDS)
         _one_of("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
+        if not isinstance(self.compile_generation, bool):
+            raise ValueError(f"compile_generation must be true or false, got {self.compile_generation!r}")
 
         if not _is_number(self.dual_clip_c) or self.dual_clip_c <= 1.0:
             raise ValueError(f"dual_clip_c must be a number > 1, got {self.dual_clip_c!r}")

@@ -177,6 +177,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         self.clip_mode = get_clip_mode(args.clip_mode)
         if args.fp8:
             self._quantize_policy()
+        if args.compile_generation:
+            self._allow_compiled_generation()
         if fp8_vllm:
             self._start_fp8_vllm()
         self.calibrator = ClipCalibrator(
@@ -224,6 +226,19 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             return True
         plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         return plugin is not None and plugin.zero_stage == 3
+
+    def _allow_compiled_generation(self) -> None:
+        """TRL builds its GenerationConfig with disable_compile=True; compile_generation undoes exactly that, so
+        transformers' own auto-compile (static cache, CUDA) captures the decode step. The FP8 layers' weight codes
+        are refreshed in place by the eager prefill and the root pre-hook, so replays follow the training."""
+        config = getattr(self, "generation_config", None)
+        if config is None:  # vLLM or paged generation: no HF generate to compile
+            warnings.warn("compile_generation has no effect with vLLM or paged generation", stacklevel=3)
+            return
+        config.disable_compile = False
+        if config.cache_implementation is None:
+            config.cache_implementation = "static"
+            self.generation_kwargs["cache_implementation"] = "static"
 
     def _start_fp8_vllm(self) -> None:
         """Refuse FP8 layers vLLM's block-FP8 linear cannot serve, then start the deferred colocated engine.

@@ -255,3 +255,20 @@ def test_plain_grpo_config_is_rejected(tokenizer, tmp_path):
     with pytest.raises(TypeError, match="CalibratedGRPOConfig"):
         CalibratedGRPOTrainer(model=build_tiny_model(tokenizer), reward_funcs=digit_share_reward, args=args,
                               train_dataset=tiny_prompt_dataset(4), processing_class=tokenizer)  # fmt: skip
+
+
+def test_compile_generation_undoes_trls_disable_compile(tokenizer, tmp_path):
+    """TRL builds GenerationConfig(disable_compile=True); compile_generation lets transformers compile the decode
+    step (it does so on CUDA with a static cache), and the default keeps TRL's behaviour."""
+    stock = make_trainer(tokenizer, tmp_path / "stock")
+    assert stock.generation_config.disable_compile is True
+    trainer = make_trainer(tokenizer, tmp_path / "compiled", fp8=True, compile_generation=True)
+    assert trainer.generation_config.disable_compile is False
+    assert trainer.generation_config.cache_implementation == "static"
+    assert trainer.generation_kwargs["cache_implementation"] == "static"
+    kept = make_trainer(tokenizer, tmp_path / "kept", compile_generation=True, cache_implementation="dynamic")
+    assert kept.generation_config.cache_implementation == "dynamic"
+    trainer.train()  # on CPU transformers does not compile; the run must still work with a static cache
+    assert all(math.isfinite(v) for v in logged(trainer, "loss"))
+    with pytest.raises(ValueError, match="compile_generation"):
+        tiny_training_args(CalibratedGRPOConfig, tmp_path / "bad", compile_generation="yes")
