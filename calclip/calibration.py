@@ -536,15 +536,16 @@ class ClipCalibrator:
     # -- checkpointing --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Everything that evolves during training (plain Python values), plus the config for reference."""
+        """Everything that evolves during training, plus the config for reference: plain Python values only, so a
+        checkpoint of it loads with ``torch.load(..., weights_only=True)``."""
         return {
             "low": self._low,
             "high": self._high,
             "low_fitted": self._low_fitted,
             "high_fitted": self._high_fitted,
-            "alpha": self._alpha,
-            "balance_p": self._balance_p,
-            "beta": self._beta,
+            "alpha": _plain_float(self._alpha),
+            "balance_p": _plain_float(self._balance_p),
+            "beta": _plain_float(self._beta),
             "step": self._step,
             "last_calibration_step": self._last_calibration_step,
             "num_calibrations": self._num_calibrations,
@@ -572,6 +573,10 @@ class ClipCalibrator:
         self._num_calibrations = int(state["num_calibrations"])
         self._num_refits = int(state["num_refits"])
         self._pending_recalibration = bool(state["pending_recalibration"])
+
+
+def _plain_float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def _share(flags: Tensor) -> float:

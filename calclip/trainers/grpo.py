@@ -76,10 +76,10 @@ from calclip.losses import (
 )
 from calclip.losses.registry import ClipMode, get_clip_mode
 from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
+from calclip.trainers.checkpoint import CALCLIP_STATE_NAME, CalclipStateError, load_calclip_state, save_calclip_state
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
 
-CALCLIP_STATE_NAME = "calclip_state.pt"
 BF16_OLD_LOGPS_KEY = "bf16_old_per_token_logps"
 
 # Inputs TRL forwards to the model besides input_ids/attention_mask (multimodal models).
@@ -632,7 +632,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         # (With save_only_model neither is saved, and such a checkpoint cannot resume.)
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            torch.save(self.calclip_state_dict(), os.path.join(output_dir, CALCLIP_STATE_NAME))
+            save_calclip_state(self.calclip_state_dict(), os.path.join(output_dir, CALCLIP_STATE_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -640,6 +640,13 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             return
         path = os.path.join(checkpoint, CALCLIP_STATE_NAME)
         if os.path.exists(path):
-            self.load_calclip_state_dict(torch.load(path, weights_only=False))
+            state = load_calclip_state(path)  # weights_only: a crafted pickle is refused, never run
+            try:
+                self.load_calclip_state_dict(state)
+            except (KeyError, TypeError, ValueError) as err:
+                raise CalclipStateError(
+                    f"{path}: its calibrator/spike-detector state is incomplete or malformed ({err}). Either resume "
+                    f"from an earlier checkpoint, or delete {path} to resume with a fresh calibrator."
+                ) from err
         else:
             warnings.warn(f"{path} not found: calibrator and spike detector start fresh", UserWarning, stacklevel=2)

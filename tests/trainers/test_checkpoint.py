@@ -56,7 +56,7 @@ def test_checkpoint_and_resume_restore_bounds_and_calibrator_state(tmp_path):
         uninterrupted = _trainer(tmp_path)
         uninterrupted.train()
     checkpoint = tmp_path / "checkpoint-2"
-    saved = torch.load(checkpoint / CALCLIP_STATE_NAME, weights_only=False)
+    saved = torch.load(checkpoint / CALCLIP_STATE_NAME, weights_only=True)  # plain values only
     assert os.path.exists(tmp_path / "checkpoint-4" / CALCLIP_STATE_NAME)  # every checkpoint carries it
 
     # the step-2 checkpoint holds a calibrated state, different from the initial one and from the final one
