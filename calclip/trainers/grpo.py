@@ -26,7 +26,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   gradients equal ``GRPOTrainer``'s (tests/trainers/test_parity.py).
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: calibrator and spike-detector state in every
   checkpoint (``calclip_state.pt``, written with the optimizer state, so before the hub push and checkpoint
-  rotation), restored on ``resume_from_checkpoint``.
+  rotation), restored on ``resume_from_checkpoint`` (read with ``weights_only=True``: calclip.trainers.checkpoint).
+- ``train``: ``resume_from_checkpoint=True`` resolves to the latest complete checkpoint (incomplete ones, left by a
+  kill during a save, are skipped with a warning), then ``super().train()``.
 
 Calibration happens only on mini-batches whose policy moved since the old log-probs were taken (DESIGN.md,
 Schedules): a micro-batch is exactly on-policy (r = 1) while the optimizer step is still the one at which its
@@ -76,7 +78,13 @@ from calclip.losses import (
 )
 from calclip.losses.registry import ClipMode, get_clip_mode
 from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
-from calclip.trainers.checkpoint import CALCLIP_STATE_NAME, CalclipStateError, load_calclip_state, save_calclip_state
+from calclip.trainers.checkpoint import (
+    CALCLIP_STATE_NAME,
+    CalclipStateError,
+    latest_complete_checkpoint,
+    load_calclip_state,
+    save_calclip_state,
+)
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
 
@@ -618,6 +626,18 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             send_wandb_alert("calclip: entropy spike", message)
 
     # ------------------------------------------------------------------------------------------ checkpoints
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # resume_from_checkpoint=True: the latest *complete* checkpoint, where transformers' get_last_checkpoint takes
+        # the highest-numbered folder even when a kill during its save left it half-written.
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True: no complete checkpoint-N folder in output_dir "
+                    f"{self.args.output_dir!r}"
+                )
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def calclip_state_dict(self) -> dict:
         return {"calibrator": self.calibrator.state_dict(), "spike_detector": self.spike_detector.state_dict()}
