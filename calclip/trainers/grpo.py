@@ -18,6 +18,8 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
 - ``_generate_and_score_completions``: after ``super()``, when a shadow calibration may fall in the optimizer steps
   this generation batch feeds, the BF16 shadow old log-probs are computed with the same (not yet updated) weights
   TRL just used for ``old_per_token_logps``; also logs the garbled-output signal.
+- ``_calculate_rewards``: after ``super()``, a completion with a +-inf reward is made unscorable like TRL's ``None``
+  rewards (``calclip.trainers.rewards``), counted in ``reward/nonfinite_count`` and warned about by function name.
 - ``_compute_loss`` (replaced; TRL's body is not copied): per-token log-probs from TRL's
   ``_get_per_token_logps_and_entropies``, bounds from the clip mode / calibrator, then
   ``calclip.losses.clipped_surrogate`` with TRL's normalization (``grpo``/``bnpo``/``dr_grpo`` divided by the
@@ -48,7 +50,7 @@ tokens whose BF16 shadow ratio is below 1 - epsilon, i.e. what BF16 training wou
 ``clip/pos_high_frac``, ``clip/dual_frac``, ``mismatch/token_mult_prob_error`` and ``mismatch/kl_k3`` (old vs rollout
 log-probs), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``, ``entropy/neg_adv``,
 ``entropy/spike``, ``fp8/nonfinite_tokens`` (tokens whose FP8 linear output was non-finite),
-``loss/nonfinite_tokens``, ``completions/repeat_ngram_frac``; and TRL's ``clip_ratio/*``, ``kl``,
+``loss/nonfinite_tokens``, ``reward/nonfinite_count``, ``completions/repeat_ngram_frac``; and TRL's ``clip_ratio/*``, ``kl``,
 ``policy_loss``, ``aux_loss``. TRL's metrics keep TRL's names and reductions (token-weighted global means,
 ``clip_ratio/low_min``/``high_max`` over every rank's sequences); calclip's token-level metrics are token-weighted
 global means too (one all-reduce of (sum, count) pairs), counts are summed, per-micro-batch scalars averaged.
@@ -86,6 +88,7 @@ from calclip.trainers.checkpoint import (
     save_calclip_state,
 )
 from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.rewards import exclude_nonfinite_rewards
 from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
 
 BF16_OLD_LOGPS_KEY = "bf16_old_per_token_logps"
@@ -303,6 +306,23 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             output[BF16_OLD_LOGPS_KEY] = self._shadow_logps(output)
         self._log_repeated_ngrams(output, mode)
         return output
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL's rewards (gathered over ranks, so the count below is global), with +-inf handled like None.
+        rewards_per_func, counts = exclude_nonfinite_rewards(
+            super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        )
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["reward/nonfinite_count"].append(float(counts.sum().item()))
+        bad = {name: int(n) for name, n in zip(self.reward_func_names, counts.tolist()) if n}
+        if bad:
+            warnings.warn(
+                f"reward function(s) returned +-inf: {bad} (completions of {len(rewards_per_func)}); those completions "
+                "are excluded like None rewards (advantage 0), the rest of their groups keep their advantages",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return rewards_per_func
 
     def _shadow_logps(self, batch) -> torch.Tensor:
         """BF16 shadow log-probs of the batch's completion tokens under the current weights (no grad)."""
