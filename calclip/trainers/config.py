@@ -150,6 +150,18 @@ class CalibratedGRPOConfig(GRPOConfig):
         default=False, metadata={"help": "Round every FP8 scale up to a power of two."}
     )
 
+    # ---- data ----
+    check_dataset: bool = field(
+        default=True,
+        metadata={"help": "Check every row of the (map-style) datasets before training: empty prompts, columns the "
+                  "reward functions require, prompts too long for the model (calclip.trainers.data_checks)."},
+    )
+    truncate_long_prompts: bool = field(
+        default=False,
+        metadata={"help": "Keep the last max_position_embeddings - max_completion_length tokens of a longer prompt "
+                  "(left truncation) instead of failing at start-up."},
+    )
+
     # ---- monitoring ----
     entropy_spike_window: int = field(
         default=20, metadata={"help": "Optimizer steps in the rolling window of the entropy-spike detector."}

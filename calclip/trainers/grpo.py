@@ -10,6 +10,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   runs the same FP8 codes (``calclip.trainers.vllm_sync``): TRL's generation object is built block-FP8, its colocated
   engine starts only after the quantization (its ``modules_to_not_convert`` are the quantized model's BF16 linears),
   and every weight sync sends FP8 codes + ``weight_scale_inv`` for exactly the FP8 layers.
+- ``__init__`` / ``_tokenize_prompts``: the datasets are checked before training (``calclip.trainers.data_checks``:
+  empty prompts, columns the rewards require, prompts too long for the model's positions); with
+  ``truncate_long_prompts`` TRL's prompt token ids are left-truncated to fit.
 - ``_generate_single_turn``: on the transformers ``generate`` path TRL has no rollout log-probs. We ask ``generate``
   for its processed scores (the exact distribution each token was sampled from, after temperature, top-k, top-p,
   min-p and repetition penalty) and keep the sampled tokens' log-probs. Nothing is recomputed, so these are the
@@ -88,6 +91,7 @@ from calclip.trainers.checkpoint import (
     save_calclip_state,
 )
 from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
 from calclip.trainers.rewards import exclude_nonfinite_rewards
 from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
 
@@ -183,6 +187,9 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         with vllm_hook if fp8_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
         self.clip_mode = get_clip_mode(args.clip_mode)
+        self._prompt_token_limit = self._max_prompt_tokens()
+        if args.check_dataset:
+            self._check_datasets()
         if args.fp8:
             self._quantize_policy()
         if fp8_vllm:
@@ -206,6 +213,62 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         )
         self._step_entropies: list[tuple[float, float]] = []  # (entropy, A<0 entropy) of this step's micro-batches
         self._old_logps_step: int | None = None  # global_step at which the buffered generation batch was produced
+
+    # ------------------------------------------------------------------------------------------ data
+
+    def _max_prompt_tokens(self) -> int | None:
+        """Prompt tokens that leave room for max_completion_length in the model's positions (None: no known limit)."""
+        config = self.accelerator.unwrap_model(self.model).config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        positions = getattr(config, "max_position_embeddings", None)
+        if not isinstance(positions, int) or self.max_completion_length is None:
+            return None
+        if self.max_completion_length >= positions:
+            raise ValueError(
+                f"max_completion_length ({self.max_completion_length}) must be below the model's "
+                f"max_position_embeddings ({positions}), which must also hold the prompt"
+            )
+        return positions - self.max_completion_length
+
+    def _check_datasets(self) -> None:
+        """calclip.trainers.data_checks on the train and eval datasets, before anything is generated."""
+        splits = [("train_dataset", self.train_dataset)]
+        if isinstance(self.eval_dataset, dict):
+            splits += [(f"eval_dataset[{name!r}]", dataset) for name, dataset in self.eval_dataset.items()]
+        else:
+            splits.append(("eval_dataset", self.eval_dataset))
+        for split, dataset in splits:
+            if dataset is None or not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__"):
+                continue  # an IterableDataset cannot be scanned ahead
+            check_rows(dataset, self.reward_funcs, self.reward_func_names, split=split)
+            self._check_prompt_lengths(dataset, split)
+
+    def _check_prompt_lengths(self, dataset, split: str) -> None:
+        limit = self._prompt_token_limit
+        if limit is None or self._is_vlm or self.environment_factories is not None:
+            return  # image tokens and per-environment tool schemas are only known at generation time
+        tokenize = super()._tokenize_prompts  # TRL's own prompt tokenization (chat template, tools), untruncated
+        counts = prompt_token_counts(list(dataset[PROMPT_COLUMN]), lambda prompts: tokenize(prompts)[0])
+        long = [(index, tokens) for index, tokens in enumerate(counts) if tokens > limit]
+        if not long:
+            return
+        if not self.args.truncate_long_prompts:
+            raise ValueError(long_prompt_message(split, *long[0], limit, self.max_completion_length, limit +
+                                                 self.max_completion_length))  # fmt: skip
+        warnings.warn(
+            f"{split}: {len(long)} prompts (first: row {long[0][0]}, {long[0][1]} tokens) are longer than {limit} "
+            "tokens and are left-truncated to their last tokens (truncate_long_prompts)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def _tokenize_prompts(self, prompts: list):
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        limit = self._prompt_token_limit
+        if self.args.truncate_long_prompts and limit is not None and not multimodal_fields:
+            # Keep the end: the latest turn and the generation prompt the completion follows (TRL's left truncation).
+            prompt_ids = [ids[-limit:] if len(ids) > limit else ids for ids in prompt_ids]
+        return prompt_ids, images, multimodal_fields
 
     # ------------------------------------------------------------------------------------------ FP8 policy
 
