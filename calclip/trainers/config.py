@@ -21,7 +21,7 @@ from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
 from calclip.losses.registry import clip_mode_names
-from calclip.trainers.field_checks import resume_flag
+from calclip.trainers.field_checks import check_field_types, check_inherited_ranges, resume_flag
 
 # The allowed values come from the modules that implement them, so the config and the code cannot disagree.
 CLIP_MODES = clip_mode_names()
@@ -184,6 +184,9 @@ class CalibratedGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         self.resume_from_checkpoint = resume_flag(self.resume_from_checkpoint)
+        # Before TRL's and transformers' own checks, which divide by some of these fields and read others by truthiness.
+        check_field_types(self)
+        check_inherited_ranges(self)
         super().__post_init__()
         self._validate_calclip_fields()
         if self.clip_mode == "clip_higher" and self.epsilon_high is None:
