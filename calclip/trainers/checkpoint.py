@@ -41,9 +41,9 @@ _STATE_SECTIONS = ("calibrator", "spike_detector")
 class CalclipStateError(RuntimeError):
     """``calclip_state.pt`` could not be read or holds something calclip did not write (``reason``: what is wrong)."""
 
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: str | None = None) -> None:
         super().__init__(message)
-        self.reason = reason
+        self.reason = message if reason is None else reason
 
 
 def _unreadable(path: str, reason: str) -> CalclipStateError:

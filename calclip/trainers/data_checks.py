@@ -8,8 +8,9 @@ Checks, for every row of a map-style dataset (an ``IterableDataset`` cannot be s
   default and are not among the arguments TRL passes itself (TRL passes every dataset column but ``prompt`` as a
   keyword argument, so ``def reward(completions, answer, **kwargs)`` needs ``answer``);
 - prompt tokens + ``max_completion_length`` fit in the model's ``max_position_embeddings`` (counted with the
-  trainer's own prompt tokenization, chat template included); longer prompts fail, or are left-truncated to fit
-  with ``truncate_long_prompts``.
+  trainer's own prompt tokenization, chat template included; when max_completion_length alone reaches the
+  positions, a warning, and the prompt alone must fit); longer prompts fail, or are left-truncated to fit with
+  ``truncate_long_prompts``.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def prompt_token_counts(prompts: list, tokenize: Callable[[list], list], chunk: 
 def long_prompt_message(split: str, index: int, tokens: int, max_prompt_tokens: int, max_completion_length: int,
                         max_positions: int) -> str:  # fmt: skip
     return (
-        f"{split} row {index}, column '{PROMPT_COLUMN}': {tokens} prompt tokens + max_completion_length "
-        f"{max_completion_length} exceed the model's max_position_embeddings {max_positions} (prompts may have at "
+        f"{split} row {index}, column '{PROMPT_COLUMN}': {tokens} prompt tokens (+ max_completion_length "
+        f"{max_completion_length}) exceed the model's max_position_embeddings {max_positions} (prompts may have at "
         f"most {max_prompt_tokens} tokens). Shorten or drop such rows, lower max_completion_length, or set "
         "truncate_long_prompts=true to keep the last tokens of each long prompt"
     )

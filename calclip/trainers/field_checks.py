@@ -43,8 +43,9 @@ def resume_flag(value):
 # ------------------------------------------------------------------------------------------------- types
 
 _SIMPLE_TYPES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
-# Annotated str but documented to take a bool as well, mapped in TRL's __post_init__ (True -> "group").
-_BOOL_OR_STR_FIELDS = frozenset({"scale_rewards"})
+# Annotated str but taking a bool as well: scale_rewards (mapped in TRL's __post_init__, True -> "group") and
+# resume_from_checkpoint (True = the latest complete checkpoint, checked by resume_flag).
+_BOOL_OR_STR_FIELDS = frozenset({"scale_rewards", "resume_from_checkpoint"})
 
 
 def _simple_type(annotation) -> tuple[type, bool] | None:

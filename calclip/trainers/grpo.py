@@ -220,14 +220,20 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         """Prompt tokens that leave room for max_completion_length in the model's positions (None: no known limit)."""
         config = self.accelerator.unwrap_model(self.model).config
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        positions = getattr(config, "max_position_embeddings", None)
+        positions = self._model_positions = getattr(config, "max_position_embeddings", None)
         if not isinstance(positions, int) or self.max_completion_length is None:
             return None
         if self.max_completion_length >= positions:
-            raise ValueError(
-                f"max_completion_length ({self.max_completion_length}) must be below the model's "
-                f"max_position_embeddings ({positions}), which must also hold the prompt"
+            # TRL runs this (rotary models go past their trained positions); only a prompt that alone exceeds the
+            # positions is refused then.
+            warnings.warn(
+                f"max_completion_length ({self.max_completion_length}) is not below the model's "
+                f"max_position_embeddings ({positions}): long completions go past the positions the model was "
+                "trained for",
+                UserWarning,
+                stacklevel=3,
             )
+            return positions
         return positions - self.max_completion_length
 
     def _check_datasets(self) -> None:
@@ -253,8 +259,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         if not long:
             return
         if not self.args.truncate_long_prompts:
-            raise ValueError(long_prompt_message(split, *long[0], limit, self.max_completion_length, limit +
-                                                 self.max_completion_length))  # fmt: skip
+            raise ValueError(long_prompt_message(split, *long[0], limit, self.max_completion_length,
+                                                 self._model_positions))  # fmt: skip
         warnings.warn(
             f"{split}: {len(long)} prompts (first: row {long[0][0]}, {long[0][1]} tokens) are longer than {limit} "
             "tokens and are left-truncated to their last tokens (truncate_long_prompts)",
@@ -747,9 +753,11 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             try:
                 self.load_calclip_state_dict(state)
             except (KeyError, TypeError, ValueError) as err:
+                reason = f"its calibrator/spike-detector state is incomplete or malformed ({err})"
                 raise CalclipStateError(
-                    f"{path}: its calibrator/spike-detector state is incomplete or malformed ({err}). Either resume "
-                    f"from an earlier checkpoint, or delete {path} to resume with a fresh calibrator."
+                    f"{path}: {reason}. Either resume from an earlier checkpoint, or delete {path} to resume with a "
+                    "fresh calibrator.",
+                    reason,
                 ) from err
         else:
             warnings.warn(f"{path} not found: calibrator and spike detector start fresh", UserWarning, stacklevel=2)

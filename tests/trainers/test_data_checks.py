@@ -111,9 +111,12 @@ def test_truncate_long_prompts_keeps_the_last_tokens():
     assert list(short) == list(super(CalibratedGRPOTrainer, trainer)._tokenize_prompts([rows[0]["prompt"]])[0][0])
 
 
-def test_max_completion_length_must_leave_room_for_the_prompt():
-    with pytest.raises(ValueError, match=r"max_completion_length \(512\) must be below"):
-        _trainer(_rows(4), max_completion_length=MAX_POSITIONS)
+def test_max_completion_length_reaching_the_positions_warns_and_the_prompt_alone_must_fit():
+    with pytest.warns(UserWarning, match=r"max_completion_length \(512\) is not below"):
+        _trainer(_rows(4), max_completion_length=MAX_POSITIONS)  # TRL runs this: not refused
+    with pytest.warns(UserWarning, match="is not below"), pytest.raises(ValueError, match=r"row 2.*at most 512"):
+        _trainer(_rows(4, row2={"prompt": _long_prompt(MAX_POSITIONS), "answer": "3"}),
+                 max_completion_length=MAX_POSITIONS)
 
 
 def test_check_dataset_false_skips_the_scan():
