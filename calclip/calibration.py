@@ -45,7 +45,7 @@ class CalibrationResult:
     base_high: float  # 1 + eps_high
     num_neg: int  # |N-| (finite tokens)
     num_pos: int  # |N+| (finite tokens)
-    num_nonfinite: int  # masked tokens dropped because a ratio or the advantage was NaN/Inf
+    num_nonfinite: int  # masked tokens dropped because a ratio was NaN/Inf or <= 0, or the advantage NaN/Inf
 
     def bounds(self) -> tuple[float, float]:
         """(low, high) with step 5's stateless fallbacks: L = 1-eps_low and H = 1+eps_high without data."""
@@ -93,20 +93,23 @@ def _select_tokens(
             raise ValueError(f"ratio shapes differ: {tuple(ratio.shape)} vs {tuple(shape)}")
     if mask.shape != shape:
         raise ValueError(f"mask must have the ratio shape {tuple(shape)}, got {tuple(mask.shape)}")
+    given = tuple(advantages.shape)
     if advantages.dim() == 1 and len(shape) == 2:
         advantages = advantages.unsqueeze(-1)  # [B] -> [B, 1]: one advantage per sequence
-    try:
-        advantages = advantages.expand(shape)
-    except RuntimeError as err:
-        raise ValueError(
-            f"advantages must have shape [B] or [B, T] for ratios of shape {tuple(shape)}, "
-            f"got {tuple(advantages.shape)}"
-        ) from err
+    # Exactly one advantage per sequence or per token: a [1] (or [1, 1]) tensor for a batch of 4 is a caller bug,
+    # not something to broadcast to every row.
+    per_sequence = len(shape) == 2 and tuple(advantages.shape) == (shape[0], 1)
+    if not (per_sequence or advantages.shape == shape):
+        allowed = f"[B], [B, 1] or [B, T] = {list(shape)}" if len(shape) == 2 else f"[N] = {list(shape)}"
+        raise ValueError(f"advantages must have shape {allowed} for ratios of shape {tuple(shape)}, "
+                         f"got {given}")  # fmt: skip
+    advantages = advantages.expand(shape)
 
     keep = mask != 0
     finite = torch.isfinite(advantages)
     for ratio in ratios:
-        finite = finite & torch.isfinite(ratio)
+        # A ratio is exp of a log-ratio: <= 0 is corrupt data, dropped and counted with the non-finite tokens.
+        finite = finite & torch.isfinite(ratio) & (ratio > 0)
     num_nonfinite = int((keep & ~finite).sum().item())
     keep = keep & finite & (advantages != 0)
     flat = [ratio[keep].to(torch.float64) for ratio in ratios]
@@ -247,7 +250,9 @@ def calibrate_bounds(
     The condition "M-(1-eps_low; rb) = 0 -> H = 1+eps_high" of step 5 is read as "p is undefined", so it
     applies to `balance`, the only mode that uses p; `quantile` needs N+ only.
 
-    Masked tokens with a NaN/Inf ratio or advantage are excluded and counted in ``num_nonfinite``.
+    Masked tokens with a NaN/Inf or non-positive ratio (a ratio is exp of a log-ratio, so <= 0 is corrupt data),
+    or a NaN/Inf advantage, are excluded and counted in ``num_nonfinite``. ``advantages`` must be exactly [B],
+    [B, 1] or [B, T] (or [N] for flat ratios); anything else, a [1] tensor included, raises.
     """
     _check_upper(upper)
     _check_eps(eps_low, eps_high)
@@ -536,15 +541,16 @@ class ClipCalibrator:
     # -- checkpointing --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Everything that evolves during training (plain Python values), plus the config for reference."""
+        """Everything that evolves during training, plus the config for reference: plain Python values only, so a
+        checkpoint of it loads with ``torch.load(..., weights_only=True)``."""
         return {
             "low": self._low,
             "high": self._high,
             "low_fitted": self._low_fitted,
             "high_fitted": self._high_fitted,
-            "alpha": self._alpha,
-            "balance_p": self._balance_p,
-            "beta": self._beta,
+            "alpha": _plain_float(self._alpha),
+            "balance_p": _plain_float(self._balance_p),
+            "beta": _plain_float(self._beta),
             "step": self._step,
             "last_calibration_step": self._last_calibration_step,
             "num_calibrations": self._num_calibrations,
@@ -572,6 +578,10 @@ class ClipCalibrator:
         self._num_calibrations = int(state["num_calibrations"])
         self._num_refits = int(state["num_refits"])
         self._pending_recalibration = bool(state["pending_recalibration"])
+
+
+def _plain_float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def _share(flags: Tensor) -> float:

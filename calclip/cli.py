@@ -76,6 +76,9 @@ class ScriptArguments:
 
     def __post_init__(self):
         from calclip.tasks import task_names
+        from calclip.trainers.field_checks import check_field_types
+
+        check_field_types(self)  # save_final_model: [false] from YAML would be truthy
 
         if self.trainer not in TRAINERS:
             raise ValueError(f"trainer must be one of {TRAINERS}, got {self.trainer!r}")

@@ -13,6 +13,9 @@ decoder layer are unaffected by the layer options.
 The converted names are recorded, sorted, in ``model._calclip_fp8_modules`` (and the config in
 ``model._calclip_fp8_config``) for export; ``dequantize_model`` removes both. Forward hooks registered on an
 original nn.Linear are not carried over to its replacement.
+
+A model on the meta device converts as any other; it works once materialized (``to_empty`` then initialized or
+loaded weights). Until then a call of the model raises, naming the layers whose weights have no data.
 """
 
 from __future__ import annotations
@@ -68,6 +71,20 @@ def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def _refuse_meta_forward(model: nn.Module, args) -> None:
+    """Root forward pre-hook of a model converted on the meta device: a clear error while FP8 weights have no data
+    (instead of an autocast error from inside a layer); removes itself at the first call after materialization."""
+    on_meta = [fqn for fqn, module in model.named_modules() if isinstance(module, FP8BlockLinear)
+               and module.weight.is_meta]  # fmt: skip
+    if on_meta:
+        raise RuntimeError(
+            f"FP8 layers {on_meta[:3]}{' ...' if len(on_meta) > 3 else ''} still have their weights on the meta "
+            "device: materialize the model before calling it (model.to_empty(device=...), then initialize or load "
+            "the weights); the FP8 layers quantize the real weights at their first call"
+        )
+    model.__dict__.pop("_calclip_meta_guard").remove()
+
+
 def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
                    module_filter_fn: ModuleFilter | None = None) -> nn.Module:
     """Replace eligible nn.Linear layers of ``model`` by FP8BlockLinear sharing their Parameters; returns
@@ -75,6 +92,9 @@ def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
     config = config if config is not None else Fp8Config()
     if isinstance(model, nn.Linear) and type(model) is nn.Linear:
         raise ValueError("quantize_model swaps submodules; wrap a bare nn.Linear in a container first")
+    if "_calclip_meta_guard" not in model.__dict__ and any(p.is_meta for p in model.parameters()):
+        # Converting on meta is fine (layers share the Parameters and quantize at call time), calling is not.
+        model._calclip_meta_guard = model.register_forward_pre_hook(_refuse_meta_forward)
     named = list(model.named_modules())
     kept_layers = _kept_layers([name for name, _ in named], config)
     patterns = [re.compile(p) for p in config.keep_patterns]

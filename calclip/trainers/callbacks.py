@@ -108,11 +108,12 @@ class EntropySpikeDetector:
             "window": self.window,
             "warmup": self.warmup,
             "z_threshold": self.z_threshold,
-            "entropy": list(self._all.values),
-            "entropy_neg_adv": list(self._neg.values),
+            # Plain floats (a numpy or tensor value passed to update() would not load with weights_only=True).
+            "entropy": [float(v) for v in self._all.values],
+            "entropy_neg_adv": [float(v) for v in self._neg.values],
             "num_steps": self.num_steps,
             "num_spikes": self.num_spikes,
-            "last_spike_step": self.last_spike_step,
+            "last_spike_step": None if self.last_spike_step is None else int(self.last_spike_step),
         }
 
     def load_state_dict(self, state: dict) -> None:

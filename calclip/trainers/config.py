@@ -21,6 +21,7 @@ from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
 from calclip.losses.registry import clip_mode_names
+from calclip.trainers.field_checks import check_field_types, check_inherited_ranges, resume_flag
 
 # The allowed values come from the modules that implement them, so the config and the code cannot disagree.
 CLIP_MODES = clip_mode_names()
@@ -155,6 +156,18 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "Needs a static cache: sets cache_implementation='static' when none is given."},
     )
 
+    # ---- data ----
+    check_dataset: bool = field(
+        default=True,
+        metadata={"help": "Check every row of the (map-style) datasets before training: empty prompts, columns the "
+                  "reward functions require, prompts too long for the model (calclip.trainers.data_checks)."},
+    )
+    truncate_long_prompts: bool = field(
+        default=False,
+        metadata={"help": "Keep the last max_position_embeddings - max_completion_length tokens of a longer prompt "
+                  "(left truncation) instead of failing at start-up."},
+    )
+
     # ---- monitoring ----
     entropy_spike_window: int = field(
         default=20, metadata={"help": "Optimizer steps in the rolling window of the entropy-spike detector."}
@@ -176,6 +189,10 @@ class CalibratedGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self.resume_from_checkpoint = resume_flag(self.resume_from_checkpoint)
+        # Before TRL's and transformers' own checks, which divide by some of these fields and read others by truthiness.
+        check_field_types(self)
+        check_inherited_ranges(self)
         super().__post_init__()
         self._validate_calclip_fields()
         if self.clip_mode == "clip_higher" and self.epsilon_high is None:

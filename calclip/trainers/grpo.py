@@ -10,6 +10,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   runs the same FP8 codes (``calclip.trainers.vllm_sync``): TRL's generation object is built block-FP8, its colocated
   engine starts only after the quantization (its ``modules_to_not_convert`` are the quantized model's BF16 linears),
   and every weight sync sends FP8 codes + ``weight_scale_inv`` for exactly the FP8 layers.
+- ``__init__`` / ``_tokenize_prompts``: the datasets are checked before training (``calclip.trainers.data_checks``:
+  empty prompts, columns the rewards require, prompts too long for the model's positions); with
+  ``truncate_long_prompts`` TRL's prompt token ids are left-truncated to fit.
 - ``_generate_single_turn``: on the transformers ``generate`` path TRL has no rollout log-probs. We ask ``generate``
   for its processed scores (the exact distribution each token was sampled from, after temperature, top-k, top-p,
   min-p and repetition penalty) and keep the sampled tokens' log-probs. Nothing is recomputed, so these are the
@@ -18,6 +21,8 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
 - ``_generate_and_score_completions``: after ``super()``, when a shadow calibration may fall in the optimizer steps
   this generation batch feeds, the BF16 shadow old log-probs are computed with the same (not yet updated) weights
   TRL just used for ``old_per_token_logps``; also logs the garbled-output signal.
+- ``_calculate_rewards``: after ``super()``, a completion with a +-inf reward is made unscorable like TRL's ``None``
+  rewards (``calclip.trainers.rewards``), counted in ``reward/nonfinite_count`` and warned about by function name.
 - ``_compute_loss`` (replaced; TRL's body is not copied): per-token log-probs from TRL's
   ``_get_per_token_logps_and_entropies``, bounds from the clip mode / calibrator, then
   ``calclip.losses.clipped_surrogate`` with TRL's normalization (``grpo``/``bnpo``/``dr_grpo`` divided by the
@@ -26,7 +31,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   gradients equal ``GRPOTrainer``'s (tests/trainers/test_parity.py).
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: calibrator and spike-detector state in every
   checkpoint (``calclip_state.pt``, written with the optimizer state, so before the hub push and checkpoint
-  rotation), restored on ``resume_from_checkpoint``.
+  rotation), restored on ``resume_from_checkpoint`` (read with ``weights_only=True``: calclip.trainers.checkpoint).
+- ``train``: ``resume_from_checkpoint=True`` resolves to the latest complete checkpoint (incomplete ones, left by a
+  kill during a save, are skipped with a warning), then ``super().train()``.
 
 Calibration happens only on mini-batches whose policy moved since the old log-probs were taken (DESIGN.md,
 Schedules): a micro-batch is exactly on-policy (r = 1) while the optimizer step is still the one at which its
@@ -46,7 +53,7 @@ tokens whose BF16 shadow ratio is below 1 - epsilon, i.e. what BF16 training wou
 ``clip/pos_high_frac``, ``clip/dual_frac``, ``mismatch/token_mult_prob_error`` and ``mismatch/kl_k3`` (old vs rollout
 log-probs), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``, ``entropy/neg_adv``,
 ``entropy/spike``, ``fp8/nonfinite_tokens`` (tokens whose FP8 linear output was non-finite),
-``loss/nonfinite_tokens``, ``completions/repeat_ngram_frac``; and TRL's ``clip_ratio/*``, ``kl``,
+``loss/nonfinite_tokens``, ``reward/nonfinite_count``, ``completions/repeat_ngram_frac``; and TRL's ``clip_ratio/*``, ``kl``,
 ``policy_loss``, ``aux_loss``. TRL's metrics keep TRL's names and reductions (token-weighted global means,
 ``clip_ratio/low_min``/``high_max`` over every rank's sequences); calclip's token-level metrics are token-weighted
 global means too (one all-reduce of (sum, count) pairs), counts are summed, per-micro-batch scalars averaged.
@@ -76,10 +83,18 @@ from calclip.losses import (
 )
 from calclip.losses.registry import ClipMode, get_clip_mode
 from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
+from calclip.trainers.checkpoint import (
+    CALCLIP_STATE_NAME,
+    CalclipStateError,
+    latest_complete_checkpoint,
+    load_calclip_state,
+    save_calclip_state,
+)
 from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
+from calclip.trainers.rewards import exclude_nonfinite_rewards
 from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
 
-CALCLIP_STATE_NAME = "calclip_state.pt"
 BF16_OLD_LOGPS_KEY = "bf16_old_per_token_logps"
 
 # Inputs TRL forwards to the model besides input_ids/attention_mask (multimodal models).
@@ -175,6 +190,9 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         with vllm_hook if fp8_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
         self.clip_mode = get_clip_mode(args.clip_mode)
+        self._prompt_token_limit = self._max_prompt_tokens()
+        if args.check_dataset:
+            self._check_datasets()
         if args.fp8:
             self._quantize_policy()
         if args.compile_generation:
@@ -200,6 +218,68 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         )
         self._step_entropies: list[tuple[float, float]] = []  # (entropy, A<0 entropy) of this step's micro-batches
         self._old_logps_step: int | None = None  # global_step at which the buffered generation batch was produced
+
+    # ------------------------------------------------------------------------------------------ data
+
+    def _max_prompt_tokens(self) -> int | None:
+        """Prompt tokens that leave room for max_completion_length in the model's positions (None: no known limit)."""
+        config = self.accelerator.unwrap_model(self.model).config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        positions = self._model_positions = getattr(config, "max_position_embeddings", None)
+        if not isinstance(positions, int) or self.max_completion_length is None:
+            return None
+        if self.max_completion_length >= positions:
+            # TRL runs this (rotary models go past their trained positions); only a prompt that alone exceeds the
+            # positions is refused then.
+            warnings.warn(
+                f"max_completion_length ({self.max_completion_length}) is not below the model's "
+                f"max_position_embeddings ({positions}): long completions go past the positions the model was "
+                "trained for",
+                UserWarning,
+                stacklevel=3,
+            )
+            return positions
+        return positions - self.max_completion_length
+
+    def _check_datasets(self) -> None:
+        """calclip.trainers.data_checks on the train and eval datasets, before anything is generated."""
+        splits = [("train_dataset", self.train_dataset)]
+        if isinstance(self.eval_dataset, dict):
+            splits += [(f"eval_dataset[{name!r}]", dataset) for name, dataset in self.eval_dataset.items()]
+        else:
+            splits.append(("eval_dataset", self.eval_dataset))
+        for split, dataset in splits:
+            if dataset is None or not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__"):
+                continue  # an IterableDataset cannot be scanned ahead
+            check_rows(dataset, self.reward_funcs, self.reward_func_names, split=split)
+            self._check_prompt_lengths(dataset, split)
+
+    def _check_prompt_lengths(self, dataset, split: str) -> None:
+        limit = self._prompt_token_limit
+        if limit is None or self._is_vlm or self.environment_factories is not None:
+            return  # image tokens and per-environment tool schemas are only known at generation time
+        tokenize = super()._tokenize_prompts  # TRL's own prompt tokenization (chat template, tools), untruncated
+        counts = prompt_token_counts(list(dataset[PROMPT_COLUMN]), lambda prompts: tokenize(prompts)[0])
+        long = [(index, tokens) for index, tokens in enumerate(counts) if tokens > limit]
+        if not long:
+            return
+        if not self.args.truncate_long_prompts:
+            raise ValueError(long_prompt_message(split, *long[0], limit, self.max_completion_length,
+                                                 self._model_positions))  # fmt: skip
+        warnings.warn(
+            f"{split}: {len(long)} prompts (first: row {long[0][0]}, {long[0][1]} tokens) are longer than {limit} "
+            "tokens and are left-truncated to their last tokens (truncate_long_prompts)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def _tokenize_prompts(self, prompts: list):
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        limit = self._prompt_token_limit
+        if self.args.truncate_long_prompts and limit is not None and not multimodal_fields:
+            # Keep the end: the latest turn and the generation prompt the completion follows (TRL's left truncation).
+            prompt_ids = [ids[-limit:] if len(ids) > limit else ids for ids in prompt_ids]
+        return prompt_ids, images, multimodal_fields
 
     # ------------------------------------------------------------------------------------------ FP8 policy
 
@@ -327,6 +407,23 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             output[BF16_OLD_LOGPS_KEY] = self._shadow_logps(output)
         self._log_repeated_ngrams(output, mode)
         return output
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL's rewards (gathered over ranks, so the count below is global), with +-inf handled like None.
+        rewards_per_func, counts = exclude_nonfinite_rewards(
+            super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        )
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["reward/nonfinite_count"].append(float(counts.sum().item()))
+        bad = {name: int(n) for name, n in zip(self.reward_func_names, counts.tolist()) if n}
+        if bad:
+            warnings.warn(
+                f"reward function(s) returned +-inf: {bad} (completions of {len(rewards_per_func)}); those completions "
+                "are excluded like None rewards (advantage 0), the rest of their groups keep their advantages",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return rewards_per_func
 
     def _shadow_logps(self, batch) -> torch.Tensor:
         """BF16 shadow log-probs of the batch's completion tokens under the current weights (no grad)."""
@@ -651,6 +748,18 @@ class CalibratedGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # resume_from_checkpoint=True: the latest *complete* checkpoint, where transformers' get_last_checkpoint takes
+        # the highest-numbered folder even when a kill during its save left it half-written.
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True: no complete checkpoint-N folder in output_dir "
+                    f"{self.args.output_dir!r}"
+                )
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def calclip_state_dict(self) -> dict:
         return {"calibrator": self.calibrator.state_dict(), "spike_detector": self.spike_detector.state_dict()}
 
@@ -664,7 +773,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         # (With save_only_model neither is saved, and such a checkpoint cannot resume.)
         super()._save_optimizer_and_scheduler(output_dir)
         if self.args.should_save:
-            torch.save(self.calclip_state_dict(), os.path.join(output_dir, CALCLIP_STATE_NAME))
+            save_calclip_state(self.calclip_state_dict(), os.path.join(output_dir, CALCLIP_STATE_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -672,6 +781,15 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             return
         path = os.path.join(checkpoint, CALCLIP_STATE_NAME)
         if os.path.exists(path):
-            self.load_calclip_state_dict(torch.load(path, weights_only=False))
+            state = load_calclip_state(path)  # weights_only: a crafted pickle is refused, never run
+            try:
+                self.load_calclip_state_dict(state)
+            except (KeyError, TypeError, ValueError) as err:
+                reason = f"its calibrator/spike-detector state is incomplete or malformed ({err})"
+                raise CalclipStateError(
+                    f"{path}: {reason}. Either resume from an earlier checkpoint, or delete {path} to resume with a "
+                    "fresh calibrator.",
+                    reason,
+                ) from err
         else:
             warnings.warn(f"{path} not found: calibrator and spike detector start fresh", UserWarning, stacklevel=2)

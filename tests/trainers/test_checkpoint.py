@@ -14,6 +14,7 @@ from calclip.testing import (
     tiny_prompt_dataset,
     tiny_training_args,
 )
+from calclip.trainers.checkpoint import CHECKPOINT_FILES_KEY
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.grpo import CALCLIP_STATE_NAME, CalibratedGRPOTrainer
 
@@ -56,7 +57,9 @@ def test_checkpoint_and_resume_restore_bounds_and_calibrator_state(tmp_path):
         uninterrupted = _trainer(tmp_path)
         uninterrupted.train()
     checkpoint = tmp_path / "checkpoint-2"
-    saved = torch.load(checkpoint / CALCLIP_STATE_NAME, weights_only=False)
+    saved = torch.load(checkpoint / CALCLIP_STATE_NAME, weights_only=True)  # plain values only
+    # the folder's files at the time of writing (crash-safe resume, tests/trainers/test_resume.py), not state
+    assert "optimizer.pt" in saved.pop(CHECKPOINT_FILES_KEY)
     assert os.path.exists(tmp_path / "checkpoint-4" / CALCLIP_STATE_NAME)  # every checkpoint carries it
 
     # the step-2 checkpoint holds a calibrated state, different from the initial one and from the final one

@@ -1,0 +1,123 @@
+"""calclip_state.pt is read without executing code, and an unreadable one fails naming the file and the ways out."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from calclip.calibration import ClipCalibrator
+from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+from calclip.testing import tiny_training_args
+from calclip.trainers.callbacks import EntropySpikeDetector
+from calclip.trainers.checkpoint import CalclipStateError, load_calclip_state
+from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.grpo import CALCLIP_STATE_NAME, CalibratedGRPOTrainer
+
+
+class _CreatesMarker:
+    """Unpickling this object calls Path.touch(marker): a stand-in for arbitrary code in a crafted checkpoint."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def _trainer(tmp_path):
+    tokenizer = build_tiny_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return CalibratedGRPOTrainer(
+            model=build_tiny_model(tokenizer),
+            reward_funcs=digit_share_reward,
+            args=tiny_training_args(CalibratedGRPOConfig, tmp_path / "out", clip_mode="calibrated"),
+            train_dataset=tiny_prompt_dataset(4),
+            processing_class=tokenizer,
+        )
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    return _trainer(tmp_path_factory.mktemp("safety"))
+
+
+def _checkpoint_with(tmp_path, payload) -> str:
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    torch.save(payload, folder / CALCLIP_STATE_NAME)
+    return str(folder)
+
+
+def test_crafted_pickle_in_state_file_does_not_run_on_resume(trainer, tmp_path):
+    marker = tmp_path / "pwned"
+    real = trainer.calclip_state_dict()
+    payload = {**real, "calibrator": {**real["calibrator"], "alpha": _CreatesMarker(str(marker))}}
+    folder = _checkpoint_with(tmp_path, payload)
+    path = os.path.join(folder, CALCLIP_STATE_NAME)
+    # the file is a live exploit: a plain unpickling runs it
+    with open(path, "rb") as handle:
+        torch.load(handle, weights_only=False)
+    assert marker.exists()
+    marker.unlink()
+
+    with pytest.raises(CalclipStateError) as caught:
+        trainer._load_optimizer_and_scheduler(folder)
+    assert not marker.exists()
+    message = str(caught.value)
+    assert path in message and "earlier checkpoint" in message and f"delete {path}" in message
+
+
+def test_real_state_round_trips_with_weights_only(trainer, tmp_path):
+    # A calibrated, non-initial state with every kind of value the two objects hold (None, floats, ints, tuples).
+    calibrator = ClipCalibrator(schedule="every_step", upper="quantile")
+    calibrator.needs_calibration(3)
+    generator = torch.Generator().manual_seed(0)
+    ratios = torch.exp(0.2 * torch.randn(4, 16, generator=generator))
+    calibrator.calibrate(ratios, ratios * 1.01, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4, 16))
+    detector = EntropySpikeDetector(window=4, warmup=2)
+    for step, value in enumerate([1.0, 1.1, 0.9]):
+        detector.update(value, value / 2, step=step)
+    import numpy as np
+
+    detector.update(np.float64(1.05), torch.tensor(0.5).item(), step=3)  # a numpy float: stored as a plain float
+    state = {"calibrator": calibrator.state_dict(), "spike_detector": detector.state_dict()}
+    folder = _checkpoint_with(tmp_path, state)
+    loaded = torch.load(os.path.join(folder, CALCLIP_STATE_NAME), weights_only=True)
+    assert loaded == state and loaded["calibrator"]["alpha"] is not None
+
+    trainer._load_optimizer_and_scheduler(folder)
+    assert trainer.calibrator.state_dict() == {**calibrator.state_dict(), "config": trainer.calibrator.state_dict()["config"]}
+    assert trainer.spike_detector.state_dict()["entropy"] == [1.0, 1.1, 0.9, 1.05]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "not_a_dict", "missing_keys"])
+def test_unreadable_state_file_names_the_file_and_the_ways_out(trainer, tmp_path, damage):
+    folder = _checkpoint_with(tmp_path, trainer.calclip_state_dict())
+    path = os.path.join(folder, CALCLIP_STATE_NAME)
+    data = open(path, "rb").read()
+    if damage == "truncated":
+        open(path, "wb").write(data[: len(data) // 2])
+    elif damage == "garbage":
+        open(path, "wb").write(b"not a torch file, not a pickle\n" * 20)
+    elif damage == "empty":
+        open(path, "wb").close()
+    elif damage == "not_a_dict":
+        torch.save([1, 2, 3], path)
+    else:
+        torch.save({"calibrator": {"low": 0.5}, "spike_detector": {}}, path)
+    with pytest.raises(CalclipStateError) as caught:
+        trainer._load_optimizer_and_scheduler(folder)
+    message = str(caught.value)
+    assert path in message and "earlier checkpoint" in message and f"delete {path}" in message
+
+
+def test_load_calclip_state_is_weights_only_for_any_caller(tmp_path):
+    marker = tmp_path / "pwned"
+    torch.save({"calibrator": {}, "spike_detector": _CreatesMarker(str(marker))}, tmp_path / "state.pt")
+    with pytest.raises(CalclipStateError, match="state.pt"):
+        load_calclip_state(str(tmp_path / "state.pt"))
+    assert not marker.exists()

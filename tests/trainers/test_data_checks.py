@@ -1,0 +1,123 @@
+"""The datasets are checked when the trainer is built: bad rows fail naming the row index and the column."""
+
+import warnings
+
+import pytest
+from datasets import Dataset
+
+from calclip.tasks import arithmetic_reward, format_reward
+from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_training_args
+from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.data_checks import required_reward_columns
+from calclip.trainers.grpo import CalibratedGRPOTrainer
+
+MAX_POSITIONS = 512  # build_tiny_model's max_position_embeddings
+COMPLETION = 8  # tiny_training_args' max_completion_length
+
+
+def _rows(n=4, **replace):
+    rows = [{"prompt": [{"role": "user", "content": f"{i}+1=?"}], "answer": str(i + 1)} for i in range(n)]
+    for index, row in replace.items():
+        rows[int(index.removeprefix("row"))] = row
+    return rows
+
+
+def _trainer(rows, reward_funcs=digit_share_reward, eval_rows=None, **overrides):
+    tokenizer = build_tiny_tokenizer()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*on-policy.*")
+        return CalibratedGRPOTrainer(
+            model=build_tiny_model(tokenizer),
+            reward_funcs=reward_funcs,
+            args=tiny_training_args(CalibratedGRPOConfig, "unused-output", fp8=False, **overrides),
+            train_dataset=Dataset.from_list(rows),
+            eval_dataset=None if eval_rows is None else Dataset.from_list(eval_rows),
+            processing_class=tokenizer,
+        )
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["", "   ", [], [{"role": "user", "content": ""}], [{"role": "system", "content": " "}, {"role": "user", "content": ""}]],
+    ids=["empty", "blank", "no_messages", "empty_message", "blank_messages"],
+)
+def test_empty_prompt_fails_at_construction_naming_row_and_column(prompt):
+    rows = _rows(4)
+    if isinstance(prompt, str):  # a standard (string-prompt) dataset
+        rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)]
+    rows[2] = {"prompt": prompt, "answer": "3"}
+    with pytest.raises(ValueError, match=r"train_dataset row 2, column 'prompt': empty prompt"):
+        _trainer(rows)
+
+
+def test_eval_dataset_is_checked_too():
+    with pytest.raises(ValueError, match=r"eval_dataset row 1, column 'prompt'"):
+        _trainer(_rows(4), eval_rows=_rows(2, row1={"prompt": [{"role": "user", "content": ""}], "answer": "2"}))
+
+
+def test_missing_reward_column_fails_naming_the_reward_function_and_column():
+    rows = [{"prompt": r["prompt"]} for r in _rows(4)]
+    with pytest.raises(ValueError, match=r"reward function 'arithmetic_reward' requires a 'answer' column"):
+        _trainer(rows, reward_funcs=[arithmetic_reward, format_reward])
+    rows = _rows(4, row3={"prompt": [{"role": "user", "content": "3+1=?"}], "answer": None})
+    with pytest.raises(ValueError, match=r"train_dataset row 3, column 'answer': None.*arithmetic_reward"):
+        _trainer(rows, reward_funcs=[arithmetic_reward, format_reward])
+    _trainer(_rows(4), reward_funcs=[arithmetic_reward, format_reward])  # the complete dataset passes
+
+
+def test_required_reward_columns_reads_the_signature():
+    def needs_two(prompts, completions, answer, *, difficulty, optional=1, **kwargs):
+        return []
+
+    def reads_kwargs(completions, **kwargs):
+        return []
+
+    assert required_reward_columns([needs_two, reads_kwargs, arithmetic_reward], ["a", "b", "c"]) == {
+        "a": ["answer", "difficulty"], "c": ["answer"],
+    }  # fmt: skip
+
+
+def _long_prompt(tokens):
+    # The tiny tokenizer has one token per character; the chat template adds its own tokens around the content.
+    return [{"role": "user", "content": "1" * tokens}]
+
+
+def test_prompt_longer_than_the_model_fails_naming_the_row():
+    rows = _rows(4, row1={"prompt": _long_prompt(MAX_POSITIONS), "answer": "1"})
+    with pytest.raises(ValueError) as caught:
+        _trainer(rows)
+    message = str(caught.value)
+    assert "train_dataset row 1, column 'prompt'" in message and "max_position_embeddings 512" in message
+    assert f"at most {MAX_POSITIONS - COMPLETION} tokens" in message and "truncate_long_prompts" in message
+
+
+def test_prompt_that_just_fits_passes():
+    trainer = _trainer(_rows(4))
+    header = len(trainer._tokenize_prompts([_long_prompt(0)])[0][0])  # chat-template tokens around the content
+    fits = MAX_POSITIONS - COMPLETION - header
+    _trainer(_rows(4, row0={"prompt": _long_prompt(fits), "answer": "1"}))
+    with pytest.raises(ValueError, match="row 0"):
+        _trainer(_rows(4, row0={"prompt": _long_prompt(fits + 1), "answer": "1"}))
+
+
+def test_truncate_long_prompts_keeps_the_last_tokens():
+    rows = _rows(4, row1={"prompt": _long_prompt(MAX_POSITIONS), "answer": "1"})
+    with pytest.warns(UserWarning, match=r"1 prompts \(first: row 1.*left-truncated"):
+        trainer = _trainer(rows, truncate_long_prompts=True)
+    short, long = trainer._tokenize_prompts([rows[0]["prompt"], rows[1]["prompt"]])[0]
+    untruncated = super(CalibratedGRPOTrainer, trainer)._tokenize_prompts([rows[1]["prompt"]])[0][0]
+    assert len(long) == MAX_POSITIONS - COMPLETION and list(long) == list(untruncated[-len(long):])
+    assert list(short) == list(super(CalibratedGRPOTrainer, trainer)._tokenize_prompts([rows[0]["prompt"]])[0][0])
+
+
+def test_max_completion_length_reaching_the_positions_warns_and_the_prompt_alone_must_fit():
+    with pytest.warns(UserWarning, match=r"max_completion_length \(512\) is not below"):
+        _trainer(_rows(4), max_completion_length=MAX_POSITIONS)  # TRL runs this: not refused
+    with pytest.warns(UserWarning, match="is not below"), pytest.raises(ValueError, match=r"row 2.*at most 512"):
+        _trainer(_rows(4, row2={"prompt": _long_prompt(MAX_POSITIONS), "answer": "3"}),
+                 max_completion_length=MAX_POSITIONS)
+
+
+def test_check_dataset_false_skips_the_scan():
+    _trainer(_rows(4, row0={"prompt": [{"role": "user", "content": ""}], "answer": "1"}), check_dataset=False)

@@ -1,0 +1,216 @@
+"""Crash-safe resume: a checkpoint folder left incomplete by a kill during its save is never resumed from.
+
+One real run saves checkpoint-2 and checkpoint-4 (tiny model, FP8, calibrated clipping; the calibrator state differs
+between the two). Each test copies that output folder, damages checkpoint-4 the way a kill at some moment of its
+save would leave it, and checks that ``resume_from_checkpoint=True`` resumes from checkpoint-2 with checkpoint-2's
+calibrator state, warning about checkpoint-4.
+"""
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+import transformers
+from transformers import TrainerCallback
+
+from calclip.testing import (
+    build_tiny_model,
+    build_tiny_tokenizer,
+    digit_share_reward,
+    tiny_prompt_dataset,
+    tiny_training_args,
+)
+from calclip.trainers.checkpoint import CHECKPOINT_FILES_KEY, checkpoint_problem, latest_complete_checkpoint
+from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.grpo import CALCLIP_STATE_NAME, CalibratedGRPOTrainer
+
+RUN = dict(
+    clip_mode="calibrated", fp8=True, max_steps=4, calibration_interval=2, calibration_ema=0.3,
+    save_strategy="steps", save_steps=2, entropy_spike_warmup=2,
+)  # fmt: skip
+# What a complete save of this run writes (transformers' save_model, optimizer/scheduler, calclip, RNG, state).
+EXPECTED_FILES = {
+    "model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "chat_template.jinja", "training_args.bin", "optimizer.pt", "scheduler.pt", CALCLIP_STATE_NAME,
+    "rng_state.pth", "trainer_state.json",
+}  # fmt: skip
+
+
+class _Resumed(Exception):
+    pass
+
+
+class _StopAtTrainBegin(TrainerCallback):
+    """Records the step and calclip state in force when training starts (right after a resume loaded them), then
+    stops the run: what the resume chose is all these tests need."""
+
+    def __init__(self, stop=True):
+        self.trainer, self.stop, self.step, self.state = None, stop, None, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step, self.state = state.global_step, self.trainer.calclip_state_dict()
+        if self.stop:
+            raise _Resumed
+
+
+def _trainer(output_dir, callback=None, **overrides):
+    tokenizer = build_tiny_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = CalibratedGRPOTrainer(
+            model=build_tiny_model(tokenizer),
+            reward_funcs=digit_share_reward,
+            args=tiny_training_args(CalibratedGRPOConfig, output_dir, **{**RUN, **overrides}),
+            train_dataset=tiny_prompt_dataset(16),
+            processing_class=tokenizer,
+            callbacks=[callback] if callback else None,
+        )
+    if callback is not None:
+        callback.trainer = callback.trainer or trainer
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(output_dir).train()
+    return output_dir
+
+
+def _state_without_manifest(folder):
+    state = torch.load(os.path.join(folder, CALCLIP_STATE_NAME), weights_only=True)
+    state.pop(CHECKPOINT_FILES_KEY, None)
+    return state
+
+
+def _copy(saved_run, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(saved_run, target)
+    return target
+
+
+def test_a_complete_save_writes_the_expected_files_and_records_them(saved_run):
+    for step in (2, 4):
+        folder = saved_run / f"checkpoint-{step}"
+        assert set(os.listdir(folder)) == EXPECTED_FILES
+        assert checkpoint_problem(str(folder)) is None
+        # written before RNG state and trainer state: those two (and the file itself) are not in its record
+        recorded = torch.load(folder / CALCLIP_STATE_NAME, weights_only=True)[CHECKPOINT_FILES_KEY]
+        assert set(recorded) == EXPECTED_FILES - {CALCLIP_STATE_NAME, "rng_state.pth", "trainer_state.json"}
+    assert _state_without_manifest(saved_run / "checkpoint-2") != _state_without_manifest(saved_run / "checkpoint-4")
+    assert latest_complete_checkpoint(str(saved_run)) == str(saved_run / "checkpoint-4")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_FILES))
+def test_a_folder_missing_any_file_is_never_chosen(saved_run, tmp_path, name):
+    run = _copy(saved_run, tmp_path)
+    os.remove(run / "checkpoint-4" / name)
+    with pytest.warns(UserWarning, match=r"skipping incomplete checkpoint .*checkpoint-4 .*missing"):
+        chosen = latest_complete_checkpoint(str(run))
+    assert chosen == str(run / "checkpoint-2")
+    assert name in checkpoint_problem(str(run / "checkpoint-4"))
+
+
+@pytest.mark.parametrize("name", [CALCLIP_STATE_NAME, "trainer_state.json"])
+def test_a_truncated_state_file_makes_the_folder_incomplete(saved_run, tmp_path, name):
+    run = _copy(saved_run, tmp_path)
+    path = run / "checkpoint-4" / name
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.warns(UserWarning, match=rf"checkpoint-4 \({name}"):
+        assert latest_complete_checkpoint(str(run)) == str(run / "checkpoint-2")
+
+
+# A kill at several moments of checkpoint-4's save: the files present when it struck, in transformers' save order.
+_MODEL_FILES = {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                "tokenizer_config.json", "chat_template.jinja", "training_args.bin"}  # fmt: skip
+KILLS = {
+    "during_model_save": {"config.json", "generation_config.json"},
+    "after_model_save": _MODEL_FILES,
+    "after_optimizer": _MODEL_FILES | {"optimizer.pt", "scheduler.pt"},
+    "during_calclip_state": _MODEL_FILES | {"optimizer.pt", "scheduler.pt", CALCLIP_STATE_NAME},  # truncated
+    "after_rng_state": EXPECTED_FILES - {"trainer_state.json"},
+}
+
+
+@pytest.mark.parametrize("kill", sorted(KILLS))
+def test_resume_true_after_a_kill_resumes_the_previous_checkpoint_and_its_calibrator(saved_run, tmp_path, kill):
+    run = _copy(saved_run, tmp_path)
+    folder = run / "checkpoint-4"
+    for name in EXPECTED_FILES - KILLS[kill]:
+        os.remove(folder / name)
+    if kill == "during_calclip_state":
+        data = (folder / CALCLIP_STATE_NAME).read_bytes()
+        (folder / CALCLIP_STATE_NAME).write_bytes(data[:100])
+    callback = _StopAtTrainBegin()
+    trainer = _trainer(run, callback)
+    with pytest.warns(UserWarning, match=r"skipping incomplete checkpoint .*checkpoint-4"), pytest.raises(_Resumed):
+        trainer.train(resume_from_checkpoint=True)
+    assert callback.step == 2
+    assert callback.state == _state_without_manifest(saved_run / "checkpoint-2")
+
+
+def test_resume_true_with_every_checkpoint_complete_takes_the_latest(saved_run, tmp_path):
+    run = _copy(saved_run, tmp_path)
+    callback = _StopAtTrainBegin()
+    with pytest.raises(_Resumed), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing is skipped, so no warning of ours
+        warnings.filterwarnings("ignore", message="(?!resume_from_checkpoint=True: skipping)")
+        _trainer(run, callback).train(resume_from_checkpoint=True)
+    assert callback.step == 4 and callback.state == _state_without_manifest(saved_run / "checkpoint-4")
+
+
+def test_resume_true_without_any_complete_checkpoint_fails_naming_the_folder(saved_run, tmp_path):
+    run = _copy(saved_run, tmp_path)
+    for step in (2, 4):
+        os.remove(run / f"checkpoint-{step}" / "trainer_state.json")
+    trainer = _trainer(run)
+    with pytest.warns(UserWarning, match="skipping"), pytest.raises(ValueError, match="no complete checkpoint"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumed_with_true_finishes_from_the_previous_checkpoint(saved_run, tmp_path):
+    """The issue's case end to end: trainer_state.json of the newest folder missing, the resumed run trains on."""
+    run = _copy(saved_run, tmp_path)
+    os.remove(run / "checkpoint-4" / "trainer_state.json")
+    callback = _StopAtTrainBegin(stop=False)
+    trainer = _trainer(run, callback)
+    with pytest.warns(UserWarning, match="skipping incomplete checkpoint"):
+        trainer.train(resume_from_checkpoint=True)
+    assert callback.step == 2 and callback.state == _state_without_manifest(saved_run / "checkpoint-2")
+    assert trainer.state.global_step == 4
+    assert checkpoint_problem(str(run / "checkpoint-4")) is None  # saved again, completely this time
+    history = json.loads((run / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3, 4]
+
+
+def test_resume_from_checkpoint_true_from_yaml_and_command_line(saved_run, tmp_path, monkeypatch):
+    """`calclip train` passes resume_from_checkpoint to train() as TRL's scripts do; `true` from YAML (a bool) and
+    `--resume_from_checkpoint true` (a string) both mean the latest complete checkpoint."""
+    from calclip import cli
+
+    run = _copy(saved_run, tmp_path)
+    os.remove(run / "checkpoint-4" / "optimizer.pt")
+    received = []
+    monkeypatch.setattr(transformers.Trainer, "train", lambda self, resume_from_checkpoint=None, *a, **k:
+                        received.append(resume_from_checkpoint))  # fmt: skip
+    config = tmp_path / "run.yaml"
+    config.write_text(f"output_dir: {run}\nmodel_name_or_path: tiny\nnum_train_examples: 8\nmax_steps: 4\n"
+                      "per_device_train_batch_size: 4\nnum_generations: 4\nmax_completion_length: 8\nsave_final_model: false\n"
+                      "report_to: none\nuse_cpu: true\nresume_from_checkpoint: true\n")  # fmt: skip
+    for extra in ([], ["--resume_from_checkpoint", "true"], ["--resume_from_checkpoint", "True"]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cli.train(["--config", str(config), *extra])
+    assert received == [str(run / "checkpoint-2")] * 3
+
+    _, args = cli.parse_train_args(["--config", str(config), "--resume_from_checkpoint", "false"])
+    assert args.resume_from_checkpoint is None
+    _, args = cli.parse_train_args(["--config", str(config), "--resume_from_checkpoint", str(run / "checkpoint-4")])
+    assert args.resume_from_checkpoint == str(run / "checkpoint-4")  # an explicit path is used as given

@@ -1,0 +1,93 @@
+"""+-inf rewards are excluded like TRL's None rewards: only that completion loses its advantage."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_prompt_dataset, tiny_training_args
+from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.grpo import CalibratedGRPOTrainer
+from calclip.trainers.rewards import exclude_nonfinite_rewards
+
+# Fixed rewards by position in the generation batch (2 prompts x 4 completions); the broken entry is position 1.
+BASE = [0.1, 0.7, 0.4, 0.9, 0.2, 0.5, 0.3, 0.8]
+
+
+def _reward(broken):
+    def scored_by_position(completions, **kwargs):
+        rewards = list(BASE)
+        rewards[1] = broken
+        return rewards
+
+    return scored_by_position
+
+
+def _advantages(tmp_path, broken, *, second=None):
+    tokenizer = build_tiny_tokenizer()
+    funcs = [_reward(broken)] + ([second] if second else [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = CalibratedGRPOTrainer(
+            model=build_tiny_model(tokenizer),
+            reward_funcs=funcs,
+            args=tiny_training_args(CalibratedGRPOConfig, tmp_path, clip_mode="static", fp8=False,
+                                    steps_per_generation=2),
+            train_dataset=tiny_prompt_dataset(2),
+            processing_class=tokenizer,
+        )
+    trainer.model.train()
+    rows = [tiny_prompt_dataset(2)[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        output = trainer._generate_and_score_completions(rows)
+    ours = [w for w in caught if "returned +-inf" in str(w.message)]
+    return output["advantages"], trainer._metrics["train"], ours
+
+
+def _expected(values):
+    """TRL's group normalization by hand (float64): (r - mean) / (std + 1e-4), std unbiased, NaN excluded."""
+    out = []
+    for group in (values[:4], values[4:]):
+        kept = [v for v in group if v is not None]
+        mean = sum(kept) / len(kept)
+        std = math.sqrt(sum((v - mean) ** 2 for v in kept) / (len(kept) - 1))
+        out += [0.0 if v is None else (v - mean) / (std + 1e-4) for v in group]
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("broken", [math.inf, -math.inf])
+def test_infinite_reward_excludes_only_that_completion(tmp_path, broken):
+    advantages, metrics, warned = _advantages(tmp_path / "inf", broken)
+    expected = _expected([BASE[0], None, *BASE[2:]])
+    torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=1e-6)
+    assert advantages[1] == 0 and (advantages[[0, 2, 3]] != 0).all()
+    # the same advantages as TRL gives when the function returns None there
+    none_advantages, none_metrics, none_warned = _advantages(tmp_path / "none", None)
+    torch.testing.assert_close(advantages, none_advantages, rtol=0, atol=0)
+    assert metrics["reward/nonfinite_count"] == [1.0] and none_metrics["reward/nonfinite_count"] == [0.0]
+    assert math.isfinite(metrics["reward"][0])
+    assert len(warned) == 1 and "scored_by_position" in str(warned[0].message) and not none_warned
+
+
+def test_infinite_reward_of_one_function_excludes_the_whole_completion(tmp_path):
+    def always_one(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    advantages, metrics, warned = _advantages(tmp_path, math.inf, second=always_one)
+    # position 1 is unscorable (advantage 0); the others are ranked on the sum of both functions
+    expected = _expected([BASE[0] + 1, None, *(b + 1 for b in BASE[2:])])
+    torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=1e-6)
+    assert metrics["reward/nonfinite_count"] == [1.0]
+    assert "'scored_by_position': 1" in str(warned[0].message) and "always_one" not in str(warned[0].message)
+
+
+def test_exclude_nonfinite_rewards_counts_per_function():
+    rewards = torch.tensor([[1.0, math.inf], [math.nan, 2.0], [-math.inf, -math.inf], [0.5, 0.25]])
+    cleaned, counts = exclude_nonfinite_rewards(rewards)
+    assert counts.tolist() == [1, 2]
+    assert torch.isnan(cleaned[[0, 2]]).all() and torch.isnan(cleaned[1, 0]) and cleaned[1, 1] == 2.0
+    assert cleaned[3].tolist() == [0.5, 0.25]
+    with pytest.raises(ValueError, match="rewards_per_func"):
+        exclude_nonfinite_rewards(torch.ones(3))
