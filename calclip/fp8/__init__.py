@@ -15,6 +15,6 @@ __all__ = [
     "BLOCK", "FP8_E4M3_MAX", "Fp8Config", "Fp8Recipe", "FP8BlockLinear", "fp8_recipe_names", "get_fp8_recipe",
     "is_fp8_linear", "bf16_shadow", "decoder_layer_index",
     "dequantize_1x128", "dequantize_128x1", "dequantize_128x128", "dequantize_model", "fp8_block_gemm",
-    "in_bf16_shadow", "invalidate_fp8_weight_caches", "pop_nonfinite_count", "quantize_1x128", "quantize_128x1", "quantize_128x128",
-    "quantize_model",
+    "in_bf16_shadow", "invalidate_fp8_weight_caches", "pop_nonfinite_count", "quantize_1x128", "quantize_128x1",
+    "quantize_128x128", "quantize_model",
 ]

@@ -1,7 +1,8 @@
 """``bf16_shadow(model)``: run a converted model in its master-weight precision, without copying weights.
 
-Under the context every FP8 linear (any recipe: FP8BlockLinear, TorchaoFloat8Linear) computes ``F.linear(x, weight, bias)`` from its own Parameters —
-bit-identical to the unconverted nn.Linear — so the calibrator's shadow forward costs no weight memory.
+Under the context every FP8 linear (any recipe: FP8BlockLinear, TorchaoFloat8Linear) computes
+``F.linear(x, weight, bias)`` from its own Parameters — bit-identical to the unconverted nn.Linear — so the
+calibrator's shadow forward costs no weight memory.
 Each layer holds a depth counter rather than a boolean: nested or overlapping shadows (the same model entered
 twice, or a model and one of its submodules) restore correctly, also when the body raises.
 """
