@@ -129,21 +129,28 @@ class TorchaoFloat8Linear(Float8Linear):
         device_type = x.device.type
         # Token rows in, token rows out: the non-finite count counts rows.
         x2 = x.reshape(-1, x.shape[-1])
-        if torch.is_autocast_enabled(device_type):
+        autocast = torch.is_autocast_enabled(device_type)
+        if autocast:
             x2 = x2.to(torch.get_autocast_dtype(device_type))
         # torchao's own autocast check reads CUDA autocast only: x2 is cast above, and autocast must not recast
         # torchao's operands. Under inference_mode torchao's rowwise path fails (a reshape of its FP8 tensor no
-        # longer decomposes to a view): step out of it, without grad, which computes the same values.
-        with torch.autocast(device_type, enabled=False), (
-                _outside_inference_mode() if torch.is_inference_mode_enabled() else contextlib.nullcontext()):
+        # longer decomposes to a view): step out of it, without grad, which computes the same values. (Dynamo
+        # cannot trace the inference-mode queries, and compiled code does not run under inference_mode.)
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+            with _outside_inference_mode(), torch.autocast(device_type, enabled=False):
+                y2 = super().forward(x2)
+        elif autocast:
+            with torch.autocast(device_type, enabled=False):
+                y2 = super().forward(x2)
+        else:
             y2 = super().forward(x2)
         self._count_nonfinite(y2)
         return y2.reshape(*x.shape[:-1], y2.shape[-1])
 
     def _count_nonfinite(self, y2: Tensor) -> None:
         counter = self.nonfinite_count
-        if counter is None or counter.device != y2.device or (
-                counter.is_inference() and not torch.is_inference_mode_enabled()):
+        if counter is None or counter.device != y2.device or (not torch.compiler.is_compiling() and (
+                counter.is_inference() and not torch.is_inference_mode_enabled())):
             # (re)created outside inference mode too: an inference tensor cannot be updated in place later
             carried = 0 if counter is None or counter.device != y2.device else int(counter)
             counter = self.nonfinite_count = torch.full((), carried, dtype=torch.int64, device=y2.device)

@@ -307,3 +307,28 @@ def test_only_tensorwise_makes_a_token_depend_on_the_rest_of_the_call():
         model = quantize_model(nn.Sequential(nn.Linear(64, 32)), Fp8Config(recipe=recipe, keep_patterns=()))
         with torch.no_grad():
             assert torch.equal(model(x), model(loud)[:4]) == independent, recipe
+
+
+@pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
+def test_compiles_without_graph_breaks_and_counts_inside_the_graph(recipe):
+    """calclip's additions (shadow flag, autocast, inference-mode step-out, counter) stay traceable: one graph per
+    call, so torch.compile does not recompile a resume function per layer shape."""
+    model = quantize_model(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 64)), Fp8Config(recipe=recipe))
+    x = torch.randn(8, 64)
+    model(x)  # the counters exist before tracing, as after the first eager step
+
+    def autocast_forward(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    for fn in (model, autocast_forward):
+        explanation = torch._dynamo.explain(fn)(x)
+        assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
+    pop_nonfinite_count(model)
+    x[3, 1] = float("inf")
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        y = compiled(x)
+        assert torch.equal(y.nan_to_num(), model(x).nan_to_num())
+    rows = 1 if recipe == "rowwise" else 8
+    assert int(pop_nonfinite_count(model)) == 2 * 2 * rows  # two layers, compiled call + eager call
