@@ -314,7 +314,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per arm per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per arm (compilation happens here)")
     parser.add_argument("--stock", action="store_true", help="also time torchao's own Float8Linear modules")
-    parser.add_argument("--noise-model", default="default", help="'default' (SmolLM2), 'tiny' or a local directory")
+    parser.add_argument("--noise-model", default=None,
+                        help="'default' (SmolLM2; the default), 'tiny' (the default with --tiny) or a local directory")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -323,16 +324,19 @@ def main(argv=None) -> None:
     parser.add_argument("--epsilon", type=float, default=0.2)
     parser.add_argument("--chunk", type=int, default=16, help="sequences per no-grad forward")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny shapes, the tiny model, eager only")
+    parser.add_argument("--cpu", action="store_true", help="run the given sizes on CPU (emulated FP8)")
     parser.add_argument("--traceback", action="store_true", help="print full tracebacks of failing arms")
     opts = parser.parse_args(argv)
     if opts.tiny:
         opts.rows, opts.batch, opts.seq, opts.vocab = ["2x128x256"], 2, 64, 256
         opts.rounds, opts.steps, opts.warmup = 2, 1, 1
         opts.modes = opts.modes or ["eager"]
-        opts.noise_model, opts.prompts, opts.generations, opts.max_new_tokens = "tiny", 2, 4, 8
+        opts.noise_model = opts.noise_model or "tiny"
+        opts.prompts, opts.generations, opts.max_new_tokens = 2, 4, 8
         opts.updates, opts.lr = 2, 1e-2
 
     opts.modes = opts.modes or ["eager", "compiled"]
+    opts.noise_model = opts.noise_model or "default"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     import transformers
 
@@ -344,8 +348,8 @@ def main(argv=None) -> None:
         print(f"torchao {torchao.__version__}")
     except ImportError:
         print("torchao not installed: rowwise/tensorwise arms will fail (pip install torchao)")
-    if device.type != "cuda" and not opts.tiny:
-        print("no CUDA: use --tiny for a CPU dry run")
+    if device.type != "cuda" and not (opts.tiny or opts.cpu):
+        print("no CUDA: use --tiny for a CPU dry run (or --cpu to run the given sizes on CPU)")
         return
     if opts.section in ("all", "speed"):
         speed(opts, device)

@@ -115,6 +115,13 @@ def test_gemm_option_sets_torchao_emulation():
 
     assert layer("auto").emulate and layer("emulated").emulate  # CPU weights
     assert not layer("scaled_mm").emulate
+    # "auto" follows the input's device: a layer set up for CUDA (as after conversion on a GPU) that gets a CPU
+    # input switches torchao's emulation on, in its config and in every per-GEMM config
+    auto = layer("auto")
+    auto._set_emulate(False)
+    assert not auto.emulate and not any(c.emulate for c in auto.linear_mm_config)
+    auto(torch.randn(4, 32))
+    assert auto.emulate and all(c.emulate for c in auto.linear_mm_config)
 
 
 # ------------------------------------------------------------------------------------------- numerics
