@@ -272,7 +272,7 @@ def noise(opts, device) -> None:
                 optimizer.zero_grad(set_to_none=True)
             new_q, new_b = logps(False), logps(True)
         except Exception as err:  # noqa: BLE001
-            rows.append([arm, "failed", "-", "-", "-", "-", _error_line(err)[:90]])
+            rows.append([arm, "failed", "-", "-", "-", "-", "-", _error_line(err)[:90]])
             if opts.traceback:
                 traceback.print_exc()
             continue
@@ -281,11 +281,12 @@ def noise(opts, device) -> None:
         share_q = ((neg & (torch.exp(new_q - old_q) < low)).sum() / neg.sum()).item()
         share_b = ((neg & (torch.exp(new_b - old_b) < low)).sum() / neg.sum()).item()
         tmpe = token_mult_prob_error(new_q, new_b, mask).item()
-        rows.append([arm, f"{tmpe:.4f}", f"{share_q:.4f}", f"{share_b:.4f}", f"{log_r_q.std().item():.4f}",
+        tmpe_before = token_mult_prob_error(old_q, old_b, mask).item()
+        rows.append([arm, f"{tmpe_before:.4f}", f"{tmpe:.4f}", f"{share_q:.4f}", f"{share_b:.4f}", f"{log_r_q.std().item():.4f}",
                      f"{log_r_b.std().item():.4f}", f"{time.perf_counter() - started:.1f} s"])
         print(f"   {arm}: done in {time.perf_counter() - started:.1f} s", flush=True)
         del policy, optimizer
-    _table(["arm", "tmpe FP8 vs shadow", "A<0 below 1-eps FP8", "A<0 below 1-eps shadow", "std log r FP8",
+    _table(["arm", "tmpe FP8 vs shadow, before", "after updates", "A<0 below 1-eps FP8", "A<0 below 1-eps shadow", "std log r FP8",
             "std log r shadow", "time / error"], rows)
     print("('bf16' has no FP8 layers: its shadow is itself. tmpe: 1.0 perfect, < 1.03-1.05 acceptable.)")
 

@@ -299,9 +299,16 @@ def test_cuda_scaled_mm_matches_the_emulation(recipe):
     real.load_state_dict(emulated.state_dict())
     real = real.cuda()
     x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
-    y_real = real(x)
+    x_real, x_emulated = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_real, y_emulated = real(x_real), emulated(x_emulated)
     assert not real[0].emulate  # "auto" re-decided on the CUDA input
-    assert _sqnr(emulated(x), y_real) > 40.0
+    # the same FP8 codes and scales; only the GEMMs' accumulation and the bf16 rounding differ
+    assert _sqnr(y_emulated, y_real) > 40.0
+    grad = torch.randn_like(y_real)
+    y_real.backward(grad)
+    y_emulated.backward(grad)
+    assert _sqnr(x_emulated.grad, x_real.grad) > 35.0
+    assert _sqnr(emulated[0].weight.grad, real[0].weight.grad) > 35.0
 
 
 def test_only_tensorwise_makes_a_token_depend_on_the_rest_of_the_call():
