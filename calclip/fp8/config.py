@@ -1,4 +1,4 @@
-"""FP8 block-recipe constants and the one configuration object of ``calclip.fp8``.
+"""FP8 constants, the recipe registry and the one configuration object of ``calclip.fp8``.
 
 ``Fp8Config`` follows torchao's float8 config: a frozen dataclass whose ``__post_init__`` validates every
 field with a message naming the field and the allowed values. It is plain data: ``calclip.fp8`` never reads
@@ -7,9 +7,11 @@ a trainer config, the trainer builds an ``Fp8Config`` from its own fields.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from dataclasses import dataclass
+from enum import Enum, unique
 
 import torch
 
@@ -21,6 +23,69 @@ BLOCK: int = 128
 
 BACKWARD_MODES = ("fp8", "bf16")
 GEMM_BACKENDS = ("auto", "scaled_mm", "triton", "emulated")
+
+TORCHAO_INSTALL_HINT = 'install the torchao extra: pip install "calclip[torchao]"'
+
+
+@unique
+class Fp8Recipe(str, Enum):
+    """FP8 scaling granularity of the linear layers, chosen by name (``Fp8Config.recipe``, ``fp8_recipe``).
+
+    Coarser scales give faster GEMMs and more quantization noise (more ratio noise, more A<0 tokens pushed below
+    the lower clip bound); calclip's trainer works the same on each."""
+
+    # DeepSeek-V3, calclip's own kernels: x and dy in 1x128 groups, W in 128x128 blocks, e4m3 throughout. Ragged
+    # dims, FP8-saved activations, codes identical to vLLM's block-FP8 layers (the only recipe vLLM export serves).
+    BLOCKWISE = "blockwise"
+    # torchao "rowwise": one scale per token row of x and dy and per output row of W, rounded down to a power of
+    # two, e4m3 throughout.
+    ROWWISE = "rowwise"
+    # torchao "tensorwise": one scale per tensor (x, W, dy), dy in e5m2; the fastest and the noisiest.
+    TENSORWISE = "tensorwise"
+
+    @property
+    def uses_torchao(self) -> bool:
+        return self is not Fp8Recipe.BLOCKWISE
+
+
+def fp8_recipe_names() -> tuple[str, ...]:
+    return tuple(recipe.value for recipe in Fp8Recipe)
+
+
+def get_fp8_recipe(name: str | Fp8Recipe) -> Fp8Recipe:
+    """Fp8Recipe for a config string; an unknown name raises ValueError listing the valid ones."""
+    if isinstance(name, Fp8Recipe):
+        return name
+    try:
+        return Fp8Recipe(name)
+    except ValueError:
+        raise ValueError(f"unknown FP8 recipe {name!r}; valid recipes: {', '.join(fp8_recipe_names())}") from None
+
+
+def require_recipe_available(recipe: str | Fp8Recipe, *, field: str = "Fp8Config.recipe") -> Fp8Recipe:
+    """The Fp8Recipe for ``recipe``; raises ImportError naming the extra when a torchao recipe is chosen but
+    torchao is not installed (checked without importing it)."""
+    recipe = get_fp8_recipe(recipe)
+    if recipe.uses_torchao and importlib.util.find_spec("torchao") is None:
+        raise ImportError(f"{field}={recipe.value!r} runs on torchao, which is not installed; {TORCHAO_INSTALL_HINT}")
+    return recipe
+
+
+def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", gemm: str = "auto",
+                           power_of_two_scales: bool = False, block_size: int = BLOCK,
+                           fused_quantizer: bool = False) -> list[str]:
+    """``Fp8Config`` option names set to a value that only the blockwise recipe honours, for ``recipe``.
+
+    torchao's rowwise/tensorwise recipes quantize the backward in FP8 with their own scale rule (rowwise:
+    power-of-two scales, tensorwise: exact), have no block size, no fused quantizer and no Triton GEMM backend
+    of calclip's; silently ignoring such a setting would measure something else than asked.
+    """
+    if not get_fp8_recipe(recipe).uses_torchao:
+        return []
+    conflicts = {"backward": backward != "fp8", "gemm": gemm == "triton",
+                 "power_of_two_scales": power_of_two_scales, "block_size": block_size != BLOCK,
+                 "fused_quantizer": fused_quantizer}
+    return [name for name, conflict in conflicts.items() if conflict]
 
 
 @dataclass(frozen=True)
@@ -37,9 +102,14 @@ class Fp8Config:
         layer stack separately (a vision tower's blocks and the language model's layers each keep their own).
     keep_last_fraction: share in [0, 1) of the last decoder layers kept in BF16 (rounded up).
     keep_patterns: regexes (``re.search`` on the fully qualified module name) of layers kept in BF16.
-    cache_weights: keep the quantized weight between calls until the weight changes. Turn it off when the
-        parameters are sharded (FSDP, ZeRO-3): the forward's weight is a fresh all-gather whose buffer key does
-        not follow the shards (the trainer does this itself; docs/usage.md, Multi-GPU).
+    recipe: "blockwise" (default) | "rowwise" | "tensorwise" (``Fp8Recipe``). rowwise and tensorwise run torchao's
+        float8 training (the ``[torchao]`` extra); with them backward must be "fp8", gemm "auto" | "scaled_mm" |
+        "emulated", and block_size, power_of_two_scales, fused_quantizer stay at their defaults
+        (``blockwise_only_options``).
+    cache_weights: keep the quantized weight between calls until the weight changes (blockwise; torchao's
+        recipes re-quantize the weight on every call). Turn it off when the parameters are sharded (FSDP,
+        ZeRO-3): the forward's weight is a fresh all-gather whose buffer key does not follow the shards (the
+        trainer does this itself; docs/usage.md, Multi-GPU).
     fused_quantizer: quantize x (forward) and dy (backward) 1x128 and 128x1 in one fused kernel that reads the
         tensor once. Off by default: on the H200 the fused kernel reached 25% of copy bandwidth (its exact
         divisions dominate) and the layer ran 1.11x BF16 against 1.23x with the two separate kernels at
@@ -56,6 +126,7 @@ class Fp8Config:
     keep_patterns: tuple[str, ...] = ("lm_head",)
     cache_weights: bool = True
     fused_quantizer: bool = False
+    recipe: str = Fp8Recipe.BLOCKWISE.value
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -87,3 +158,16 @@ class Fp8Config:
         for name in ("cache_weights", "fused_quantizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Fp8Config.{name} must be a bool, got {getattr(self, name)!r}")
+        try:
+            recipe = get_fp8_recipe(self.recipe)
+        except ValueError:
+            raise ValueError(f"Fp8Config.recipe must be one of {fp8_recipe_names()}, got {self.recipe!r}") from None
+        object.__setattr__(self, "recipe", recipe)  # the Enum member (a str: compares equal to its name)
+        conflicts = blockwise_only_options(recipe, backward=self.backward, gemm=self.gemm,
+                                           power_of_two_scales=self.power_of_two_scales,
+                                           block_size=self.block_size, fused_quantizer=self.fused_quantizer)
+        if conflicts:
+            settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in conflicts)
+            raise ValueError(f"Fp8Config.recipe={recipe.value!r} (torchao) cannot honour {settings}: these are "
+                             "options of the 'blockwise' recipe; leave them at their defaults")
+        require_recipe_available(recipe)

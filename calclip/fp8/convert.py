@@ -1,4 +1,8 @@
-"""Swap nn.Linear layers for FP8BlockLinear in place (torchao's ``convert_to_float8_training`` shape), and back.
+"""Swap nn.Linear layers for FP8 linears in place (torchao's ``convert_to_float8_training`` shape), and back.
+
+The FP8 linear is the one of ``config.recipe`` (``calclip.fp8.recipes``): FP8BlockLinear for blockwise, torchao's
+Float8Linear (``TorchaoFloat8Linear``) for rowwise and tensorwise. Every recipe goes through the same selection
+below, so selective precision means the same thing for each.
 
 Which layers convert: exact ``nn.Linear`` instances (subclasses are left alone: they may override forward)
 whose fully qualified name matches none of ``config.keep_patterns`` (``re.search``; "lm_head" by default),
@@ -29,6 +33,7 @@ from torch import nn
 
 from calclip.fp8.config import Fp8Config
 from calclip.fp8.linear import FP8BlockLinear, refresh_before_compiled_call
+from calclip.fp8.recipes import fp8_linear_from, is_fp8_linear
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)")
 
@@ -87,8 +92,9 @@ def _refuse_meta_forward(model: nn.Module, args) -> None:
 
 def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
                    module_filter_fn: ModuleFilter | None = None) -> nn.Module:
-    """Replace eligible nn.Linear layers of ``model`` by FP8BlockLinear sharing their Parameters; returns
-    ``model`` (modified in place). Converting an already converted model converts the remaining layers."""
+    """Replace eligible nn.Linear layers of ``model`` by ``config.recipe``'s FP8 linear sharing their Parameters;
+    returns ``model`` (modified in place). Converting an already converted model converts the remaining layers.
+    A layer the recipe cannot run raises before any layer is swapped."""
     config = config if config is not None else Fp8Config()
     if isinstance(model, nn.Linear) and type(model) is nn.Linear:
         raise ValueError("quantize_model swaps submodules; wrap a bare nn.Linear in a container first")
@@ -99,6 +105,7 @@ def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
     kept_layers = _kept_layers([name for name, _ in named], config)
     patterns = [re.compile(p) for p in config.keep_patterns]
     converted = set(getattr(model, "_calclip_fp8_modules", ()))
+    replacements: dict[str, nn.Module] = {}
     for fqn, module in named:
         if type(module) is not nn.Linear or not fqn:
             continue
@@ -106,7 +113,9 @@ def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
             continue
         if module_filter_fn is not None and not module_filter_fn(module, fqn):
             continue
-        _set_submodule(model, fqn, FP8BlockLinear.from_linear(module, config))
+        replacements[fqn] = fp8_linear_from(module, config, fqn)
+    for fqn, module in replacements.items():
+        _set_submodule(model, fqn, module)
         converted.add(fqn)
     model._calclip_fp8_modules = tuple(sorted(converted))
     model._calclip_fp8_config = config
@@ -130,9 +139,9 @@ def _track_fp8_layers(model: nn.Module) -> None:
 
 
 def dequantize_model(model: nn.Module) -> nn.Module:
-    """Replace every FP8BlockLinear by a plain nn.Linear sharing its Parameters; returns ``model``."""
+    """Replace every FP8 linear (any recipe) by a plain nn.Linear sharing its Parameters; returns ``model``."""
     for fqn, module in list(model.named_modules()):
-        if isinstance(module, FP8BlockLinear) and fqn:
+        if is_fp8_linear(module) and fqn:
             _set_submodule(model, fqn, module.to_linear())
     for attr in ("_calclip_fp8_modules", "_calclip_fp8_config"):
         if attr in model.__dict__:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from calclip.fp8.config import BLOCK, FP8_DTYPE
 from calclip.fp8.linear import FP8BlockLinear
+from calclip.fp8.recipes import torchao_linears
 from calclip.fp8.reference import quantize_128x128
 
 # Checkpoint-format scale name: DeepSeek-V3's, transformers' FP8Linear's and vLLM's Fp8LinearMethod.create_weights'.
@@ -75,7 +76,18 @@ def clean_param_name(name: str) -> str:
 
 
 def fp8_weight_specs(model: nn.Module) -> dict[str, Fp8WeightSpec]:
-    """Module name (wrapper prefixes stripped) -> quantization spec, for every FP8BlockLinear in ``model``."""
+    """Module name (wrapper prefixes stripped) -> quantization spec, for every FP8BlockLinear in ``model``.
+
+    Raises for a model with torchao-recipe (rowwise/tensorwise) layers: block-FP8 consumers (transformers'
+    FP8Linear, vLLM) serve 128x128 weight blocks only, and exporting such layers in BF16 would silently run
+    the rollout in another precision than the training forward."""
+    torchao_layers = torchao_linears(model)
+    if torchao_layers:
+        name, module = torchao_layers[0]
+        raise ValueError(
+            f"layer {clean_param_name(name)!r} uses FP8 recipe {module.fp8_config.recipe.value!r} (torchao): block-FP8 "
+            "export and vLLM weight sync serve recipe 'blockwise' only (fp8_recipe / Fp8Config.recipe)"
+        )
     return {
         clean_param_name(name): Fp8WeightSpec(module.fp8_config.block_size, module.fp8_config.power_of_two_scales)
         for name, module in model.named_modules()

@@ -18,6 +18,7 @@ from calclip.calibration import SCHEDULES as CALIBRATION_SCHEDULES
 from calclip.calibration import UPPER_MODES as CALIBRATION_UPPER_MODES
 from calclip.fp8.config import BACKWARD_MODES as FP8_BACKWARD_MODES
 from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
+from calclip.fp8.config import blockwise_only_options, fp8_recipe_names, get_fp8_recipe, require_recipe_available
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
 from calclip.losses.registry import clip_mode_names
@@ -25,6 +26,7 @@ from calclip.trainers.field_checks import check_field_types, check_inherited_ran
 
 # The allowed values come from the modules that implement them, so the config and the code cannot disagree.
 CLIP_MODES = clip_mode_names()
+FP8_RECIPES = fp8_recipe_names()
 OLD_LOGPS_SOURCES = ("trainer", "rollout")
 # Aggregations the calibrated loss reproduces exactly (TRL 1.16 normalizations).
 SUPPORTED_LOSS_TYPES = AGGREGATIONS
@@ -130,8 +132,16 @@ class CalibratedGRPOConfig(GRPOConfig):
     # ---- FP8 ----
     fp8: bool = field(
         default=True,
-        metadata={"help": "Quantize the policy's linear layers to block FP8 (DeepSeek-V3 recipe) for rollout and "
+        metadata={"help": "Quantize the policy's linear layers to FP8 (the recipe of fp8_recipe) for rollout and "
                   "training alike. Off: the policy trains in its own dtype."},
+    )
+    fp8_recipe: str = field(
+        default="blockwise",
+        metadata={"help": f"FP8 scaling granularity, one of {FP8_RECIPES}. 'blockwise': calclip's DeepSeek-V3 "
+                  "kernels (1x128 activation groups, 128x128 weight blocks; the only recipe with vLLM rollouts). "
+                  "'rowwise' / 'tensorwise': torchao's float8 training (pip install \"calclip[torchao]\"), coarser "
+                  "scales; they need fp8_backward 'fp8', fp8_gemm other than 'triton', and no "
+                  "fp8_power_of_two_scales."},
     )
     fp8_backward: str = field(
         default="fp8", metadata={"help": "'fp8': dgrad/wgrad GEMMs in FP8. 'bf16': straight-through BF16 backward."}
@@ -233,6 +243,22 @@ class CalibratedGRPOConfig(GRPOConfig):
         """The upper epsilon in force: ``epsilon_high``, or ``epsilon`` when unset (TRL's rule)."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
+    def _validate_fp8_recipe(self) -> None:
+        recipe = get_fp8_recipe(self.fp8_recipe)
+        if not recipe.uses_torchao:
+            return
+        conflicts = blockwise_only_options(recipe, backward=self.fp8_backward, gemm=self.fp8_gemm,
+                                           power_of_two_scales=self.fp8_power_of_two_scales)
+        if conflicts:
+            settings = ", ".join(f"fp8_{name}={getattr(self, 'fp8_' + name)!r}" for name in conflicts)
+            raise ValueError(f"fp8_recipe={recipe.value!r} (torchao) cannot honour {settings}: these are options of "
+                             "fp8_recipe 'blockwise'; leave them at their defaults")
+        if self.use_vllm:
+            raise ValueError(f"fp8_recipe={recipe.value!r} cannot run with use_vllm: vLLM rollouts on the policy's "
+                             "FP8 codes serve fp8_recipe 'blockwise' only (block-FP8 weights); use the transformers "
+                             "generate path (use_vllm False) or fp8_recipe 'blockwise'")
+        require_recipe_available(recipe, field="fp8_recipe")
+
     def _validate_calclip_fields(self) -> None:
         _one_of("clip_mode", self.clip_mode, CLIP_MODES)
         _one_of("calibration_schedule", self.calibration_schedule, CALIBRATION_SCHEDULES)
@@ -241,6 +267,9 @@ class CalibratedGRPOConfig(GRPOConfig):
         _one_of("old_logps_source", self.old_logps_source, OLD_LOGPS_SOURCES)
         _one_of("fp8_backward", self.fp8_backward, FP8_BACKWARD_MODES)
         _one_of("fp8_gemm", self.fp8_gemm, FP8_GEMM_BACKENDS)
+        _one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        if self.fp8:
+            self._validate_fp8_recipe()
         _one_of("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
         if not isinstance(self.compile_generation, bool):
             raise ValueError(f"compile_generation must be true or false, got {self.compile_generation!r}")
