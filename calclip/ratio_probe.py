@@ -61,7 +61,7 @@ def probe_moved_policy(
     attention_mask: Tensor | None = None,  # [B, T] 1 for real tokens; None: all real
     *,
     update_steps: int = 4,
-    lr: float = 1e-5,
+    lr: float = 1e-6,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     upper: str = "balance",
