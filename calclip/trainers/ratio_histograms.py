@@ -51,14 +51,15 @@ class RatioHistogramCallback(TrainerCallback):
             return
         import wandb
 
-        if wandb.run is not None:  # WandbCallback starts the run in on_train_begin; a disabled run has none
+        run = wandb.run  # WandbCallback starts it in on_train_begin; log to it, not through the module's global
+        if run is not None:
             payload = {
                 key: wandb.Histogram(values.numpy(), num_bins=NUM_BINS)
                 for key, values in self.merged().items()
                 if values.numel()
             }
             if payload:
-                wandb.log({**payload, "train/global_step": state.global_step})
+                run.log({**payload, "train/global_step": state.global_step})
         self._pending.clear()
 
 
