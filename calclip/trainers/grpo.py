@@ -82,6 +82,7 @@ from calclip.losses import (
     token_mult_prob_error,
 )
 from calclip.losses.registry import ClipMode, get_clip_mode
+from calclip.ratio_distributions import split_ratios
 from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
 from calclip.trainers.checkpoint import (
     CALCLIP_STATE_NAME,
@@ -93,6 +94,7 @@ from calclip.trainers.checkpoint import (
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
 from calclip.trainers.rewards import exclude_nonfinite_rewards
+from calclip.trainers.ratio_histograms import attach_ratio_histograms
 from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
 
 BF16_OLD_LOGPS_KEY = "bf16_old_per_token_logps"
@@ -218,6 +220,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         )
         self._step_entropies: list[tuple[float, float]] = []  # (entropy, A<0 entropy) of this step's micro-batches
         self._old_logps_step: int | None = None  # global_step at which the buffered generation batch was produced
+        # W&B histograms of the calibration ratios; None (no cost) unless W&B reports this run.
+        self._ratio_histograms = attach_ratio_histograms(self)
 
     # ------------------------------------------------------------------------------------------ data
 
@@ -586,6 +590,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             ratio_bf16, bf16_logps = self._shadow_ratio(inputs, logps, ratio_fp8)
             if ratio_bf16 is not None:
                 stats = self.calibrator.calibrate(ratio_bf16, ratio_fp8, advantages, mask)
+                if self._ratio_histograms is not None:
+                    self._ratio_histograms.record(split_ratios(ratio_fp8, ratio_bf16, advantages, mask))
                 stats.update(self._static_drop_shares(ratio_bf16, ratio_fp8, advantages, mask))
                 if bf16_logps is not None:
                     count = ((mask != 0) & torch.isfinite(logps) & torch.isfinite(bf16_logps)).sum()
