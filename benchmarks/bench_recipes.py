@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from _common import table  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
@@ -49,15 +51,6 @@ RECIPES = ("blockwise", "rowwise", "tensorwise")
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _table(columns: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
-    print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
-    print("| " + " | ".join("-" * w for w in widths) + " |")
-    for r in rows:
-        print("| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |")
-    sys.stdout.flush()
 
 
 def _error_line(err: BaseException) -> str:
@@ -172,7 +165,7 @@ def speed(opts, device) -> None:
                 ratio = f"{base / ms:.2f}x" if base else "-"
                 memory = f"{peak[key]:.2f}" if key in peak else "-"
                 rows.append([arm, mode, f"{ms:.1f}", ratio, memory, spread])
-        _table(["arm", "mode", "median step (ms)", "BF16/arm", "peak step mem (GiB)", "range over rounds (ms)"], rows)
+        table(["arm", "mode", "median step (ms)", "BF16/arm", "peak step mem (GiB)", "range over rounds (ms)"], rows)
         del runners, samples
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -286,7 +279,7 @@ def noise(opts, device) -> None:
                      f"{log_r_b.std().item():.4f}", f"{time.perf_counter() - started:.1f} s"])
         print(f"   {arm}: done in {time.perf_counter() - started:.1f} s", flush=True)
         del policy, optimizer
-    _table(["arm", "tmpe FP8 vs shadow, before", "after updates", "A<0 below 1-eps FP8", "A<0 below 1-eps shadow", "std log r FP8",
+    table(["arm", "tmpe FP8 vs shadow, before", "after updates", "A<0 below 1-eps FP8", "A<0 below 1-eps shadow", "std log r FP8",
             "std log r shadow", "time / error"], rows)
     print("('bf16' has no FP8 layers: its shadow is itself. tmpe: 1.0 perfect, < 1.03-1.05 acceptable.)")
 

@@ -296,12 +296,7 @@ class FP8BlockLinear(nn.Linear):
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear sharing this module's Parameters."""
-        linear = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(linear)
-        linear.in_features, linear.out_features = self.in_features, self.out_features
-        linear.weight, linear.bias = self.weight, self.bias
-        linear.train(self.training)
-        return linear
+        return linear_sharing_parameters(self)
 
     # -- weight codes -------------------------------------------------------------------------------------
 
@@ -424,6 +419,16 @@ class FP8BlockLinear(nn.Linear):
         cfg = self.fp8_config
         return (f"{super().extra_repr()}, block={cfg.block_size}, backward={cfg.backward}, gemm={cfg.gemm}, "
                 f"pow2={cfg.power_of_two_scales}")
+
+
+def linear_sharing_parameters(module: nn.Module) -> nn.Linear:
+    """A plain nn.Linear holding ``module``'s weight and bias Parameters (no copy): every FP8 linear's way back."""
+    linear = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = module.in_features, module.out_features
+    linear.weight, linear.bias = module.weight, module.bias
+    linear.train(module.training)
+    return linear
 
 
 @torch.compiler.disable  # allocation-time only; if a traced call ever reaches it, a graph break, not an error

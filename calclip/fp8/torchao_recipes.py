@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from calclip.fp8.config import TORCHAO_INSTALL_HINT, Fp8Config, Fp8Recipe, get_fp8_recipe
+from calclip.fp8.linear import linear_sharing_parameters
 
 try:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -103,12 +104,7 @@ class TorchaoFloat8Linear(Float8Linear):
 
     def to_linear(self) -> nn.Linear:
         """A plain nn.Linear sharing this module's Parameters."""
-        linear = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(linear)
-        linear.in_features, linear.out_features = self.in_features, self.out_features
-        linear.weight, linear.bias = self.weight, self.bias
-        linear.train(self.training)
-        return linear
+        return linear_sharing_parameters(self)
 
     @property
     def emulate(self) -> bool:
