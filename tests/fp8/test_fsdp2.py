@@ -114,6 +114,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 weight.add_(0.01)
         model(batch()).square().mean().backward()
         torch.save(result, f"{out_dir}/rank{rank}.pt")
+        # FSDP2's last reduce-scatter can still be in flight on gloo's worker threads; tearing the group down
+        # under it aborts the process ("terminate called without an active exception", seen in CI runs).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -231,6 +231,9 @@ def main(out_dir: Path) -> None:
     torch.save(record, out_dir / f"rank{rank}.pt")
     if rank == 0:
         print(json.dumps({k: record[k] for k in ("world_size", "distributed_type", "fp8_checks")}))
+    # Let every rank's in-flight collectives finish before exit (tests/fp8/test_fsdp2.py: a gloo rank exiting
+    # under pending work aborts).
+    torch.distributed.barrier()
 
 
 if __name__ == "__main__":

@@ -108,6 +108,10 @@ def _worker(out_dir: Path) -> None:
     state.pop("config")
     result = {"world_size": trainer.accelerator.num_processes, "bounds": list(trainer.calibrator.bounds)}
     (out_dir / f"rank{rank}.json").write_text(json.dumps({**result, "calibrator": state}))
+    # Finish every rank's in-flight gloo work before the interpreter exits: exiting under it aborted a rank
+    # ("terminate called without an active exception") in a loaded CI run.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
