@@ -33,7 +33,9 @@ Eager calls check staleness in the layer; under torch.compile the layer calls th
 ``calclip::fp8_linear_forward`` / ``calclip::fp8_linear_backward`` (fake implementations given, no graph
 break inside the layer), and the staleness check runs once per model call in a forward pre-hook that
 ``quantize_model`` puts on the root module (one graph break at the top of the model, outside the layers).
-``refresh_fp8_weights(model)`` does the same by hand, e.g. before replaying a graph captured by other means.
+``refresh_fp8_weights(model)`` does the same by hand, e.g. before replaying a graph captured by other means, or
+before each call of one submodule of a converted model compiled on its own (its layers leave the refresh to the
+root's hook, which that call does not run; a bare FP8BlockLinear compiled alone refreshes in its own hook).
 
 backward="bf16" is the straight-through comparison mode (eager only): dx = dy W_dq with W_dq =
 dequant(Q128x128(W)), and dW = dy^T x with the unquantized x (saved in its own dtype), plain matmuls.
@@ -361,8 +363,8 @@ class FP8BlockLinear(nn.Linear):
         """Bring the weight codes (and, when a backward may follow, the dgrad W^T codes) up to date with the
         weight; what the eager forward does by itself, and ``refresh_fp8_weights`` does before compiled calls."""
         self._refresh_weight_codes()
-        if for_backward is None:
-            for_backward = torch.is_grad_enabled() and self.weight.requires_grad
+        if for_backward is None:  # grad mode alone: a frozen weight (a LoRA base) still needs W^T for dx
+            for_backward = torch.is_grad_enabled()
         if for_backward and self.fp8_config.backward == "fp8":
             self._dgrad_codes()
 
@@ -401,8 +403,7 @@ class FP8BlockLinear(nn.Linear):
         if self._fp8_qw is None:
             raise RuntimeError("FP8BlockLinear is compiled before its weight codes exist: compile the model that "
                                "quantize_model converted (its pre-hook refreshes them), or call "
-                               "calclip.fp8.refresh_fp8_weights(model) before the compiled call")  # e.g. a
-            # layer of a converted model compiled alone after the model's tracking marked it refreshed_by_root
+                               "calclip.fp8.refresh_fp8_weights(model) before the compiled call")
         grad = torch.is_grad_enabled()
         save = grad and self.weight.requires_grad
         qwt, swt = (self._fp8_qwt, self._fp8_swt) if grad else (None, None)
