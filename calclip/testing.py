@@ -7,6 +7,7 @@ tokens and a chat template, so TRL's conversational prompt path runs exactly as 
 
 from __future__ import annotations
 
+import socket
 import string
 
 import torch
@@ -140,3 +141,10 @@ def tiny_training_args(config_cls, output_dir, **overrides):
     )
     defaults.update(overrides)
     return config_cls(**defaults)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for two-process gloo / accelerate tests)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,7 +1,6 @@
 """Step 7 across real processes: two gloo ranks on CPU hold identical bounds, equal to one process's result on
 the union of their tokens, with different token counts per rank (and a step where one rank has none)."""
 
-import socket
 import time
 from datetime import timedelta
 
@@ -11,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from calclip.calibration import ClipCalibrator, torch_distributed_all_gather
+from calclip.testing import free_port
 
 WORLD_SIZE = 2
 STEPS = 6
@@ -61,11 +61,6 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _union_batch(step):
     """Both ranks' tokens as flat [N] tensors, rank 0 first: the order the all-gather concatenates in."""
@@ -80,7 +75,7 @@ def _union_batch(step):
 
 
 def test_two_ranks_match_single_process_on_the_union(tmp_path):
-    context = mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
+    context = mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
         if time.monotonic() > deadline:

@@ -32,7 +32,7 @@ from fractions import Fraction
 from torch import nn
 
 from calclip.fp8.config import Fp8Config
-from calclip.fp8.linear import FP8BlockLinear, refresh_before_compiled_call
+from calclip.fp8.linear import FP8BlockLinear, fp8_layers, refresh_before_compiled_call
 from calclip.fp8.recipes import fp8_linear_from, is_fp8_linear
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)")
@@ -126,7 +126,7 @@ def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
 def _track_fp8_layers(model: nn.Module) -> None:
     """Keep the converted layers in a list on the root (no module walk per call) and, while there are any,
     the pre-hook that refreshes their weight codes before a torch.compile'd call of the model."""
-    layers = [m for m in model.modules() if isinstance(m, FP8BlockLinear)]
+    layers = fp8_layers(model)
     handle = model.__dict__.pop("_calclip_fp8_hook", None)
     if handle is not None:
         handle.remove()

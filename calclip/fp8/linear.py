@@ -442,6 +442,7 @@ def _mark_static(*tensors: Tensor) -> None:
 
 
 def fp8_layers(model: nn.Module) -> list[FP8BlockLinear]:
+    """Every FP8BlockLinear in ``model`` (``model`` itself included), in module order."""
     return [m for m in model.modules() if isinstance(m, FP8BlockLinear)]
 
 

@@ -337,7 +337,10 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     or another launch (needs ``counts_in_kernel(K)``). Codes and scales are the same with or without it.
     """
     _check_block(block)
-    soft_fp8 = _check_device(x)
+    count = nonfinite_count is not None
+    if count and weight_bad is None:
+        weight_bad = torch.zeros((), dtype=torch.bool, device=nonfinite_count.device)
+    soft_fp8 = _check_device(x, nonfinite_count, weight_bad) if count else _check_device(x)
     if x.dim() < 1:
         raise ValueError("quantize_1x128 needs at least one dim")
     x = _as_float_input(x)
@@ -346,16 +349,12 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     s2 = _scales_out(r, nb, gemm_layout, x.device)
     s = s2.view(*x.shape[:-1], nb)
-    count = nonfinite_count is not None
     if count:
         if not counts_in_kernel(k, block):
             raise ValueError(f"in-kernel counting needs K <= {_COUNT_MAX_GROUPS * BLOCK}, got K={k}")
         if nonfinite_count.dtype != torch.int64 or nonfinite_count.numel() != 1:
             raise ValueError(f"nonfinite_count must be an int64 [] tensor, got {nonfinite_count.dtype} "
                              f"{tuple(nonfinite_count.shape)}")
-        if weight_bad is None:
-            weight_bad = torch.zeros((), dtype=torch.bool, device=x.device)
-        _check_device(x, nonfinite_count, weight_bad)
     if x.numel() == 0:
         return q, s
     x2 = x.reshape(r, k)

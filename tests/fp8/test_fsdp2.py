@@ -13,7 +13,6 @@ are keyed on the gather buffer, whose Parameter never bumps its version and whos
 in-place write to the shards can leave stale codes (benchmarks/probes/probe_fsdp2_weight_cache.py).
 """
 
-import socket
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from calclip.fp8 import Fp8Config, FP8BlockLinear, quantize_model
+from calclip.testing import free_port
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120
@@ -121,15 +121,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_fsdp2_fp8_forward_uses_the_gathered_weight_of_this_step(tmp_path):
-    context = mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
+    context = mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
         if time.monotonic() > deadline:

@@ -7,7 +7,6 @@ The test launches this file as a script once per rank; ``python test_distributed
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -16,19 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from calclip.testing import free_port
+
 WORLD_SIZE = 2
 RUN = dict(clip_mode="calibrated", fp8=True, max_steps=2, calibration_interval=5, per_device_train_batch_size=4)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_two_ranks_apply_identical_global_bounds(tmp_path):
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(WORLD_SIZE):
         env = {

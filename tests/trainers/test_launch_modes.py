@@ -17,7 +17,6 @@ one assignment so accelerate's own FSDP2 preparation runs (see its docstring). Z
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 import torch
 
 from calclip.calibration import ClipCalibrator
+from calclip.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_launch_worker.py")
@@ -37,16 +37,11 @@ MICRO_BATCHES = RUN["max_steps"] * 2  # tiny_training_args: gradient_accumulatio
 TIMEOUT_S = 400
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _launch(mode: str, out_dir: Path) -> list[dict]:
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate" / f"{mode}.yaml"),
-        "--num_processes", str(WORLD_SIZE), "--main_process_port", str(_free_port()), "--mixed_precision", "no",
+        "--num_processes", str(WORLD_SIZE), "--main_process_port", str(free_port()), "--mixed_precision", "no",
         str(WORKER), str(out_dir),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
