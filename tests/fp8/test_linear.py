@@ -160,6 +160,40 @@ def test_weight_cache_invalidation(monkeypatch):
     assert "_weight_cache" not in str(list(fp8.state_dict()))
 
 
+def test_emulated_gemm_dequantizes_each_weight_version_once(monkeypatch):
+    """The CPU emulation keeps a weight's fp32 dequantization while its codes are unchanged (forward and dgrad
+    share it); an optimizer step re-quantizes the codes in place and the next call dequantizes the new ones,
+    so results equal a layer without any cache."""
+    from calclip.fp8 import gemm
+
+    calls = {"n": 0}
+    original = gemm.dequantize_128x128
+
+    def counted(*args, **kw):
+        calls["n"] += 1
+        return original(*args, **kw)
+
+    monkeypatch.setattr(gemm, "dequantize_128x128", counted)
+    _, fp8 = _pair(torch.float32, k=256, n=384)
+    ref = FP8BlockLinear(256, 384, config=Fp8Config(cache_weights=False))
+    ref.load_state_dict(fp8.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (fp8, ref)]
+    x, dy = torch.randn(8, 256), torch.randn(8, 384)
+    for step in range(3):
+        before = calls["n"]
+        got, want = _fwd_bwd(fp8, x, dy), _fwd_bwd(ref, x, dy)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), step
+        assert calls["n"] - before == 2, step  # once per layer: the dgrad reuses the forward's
+        fp8(x)  # the same weight version: nothing new
+        assert calls["n"] - before == 2, step
+        ref(x)  # cache_weights=False re-quantizes the codes in place (a new version): dequantized again
+        assert calls["n"] - before == 3, step
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_no_grad_forward_saves_nothing(monkeypatch, fused):
     counters = {name: _Counter(monkeypatch, name)
