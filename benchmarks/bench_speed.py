@@ -263,6 +263,11 @@ def compiled_warmup(arm_name: str, warm: Callable[[], None]) -> str:
 # optional peer: torchao's blockwise FP8 training linear
 
 
+def compile_module(module: nn.Module, opts) -> nn.Module:
+    """torch.compile with the run's --compile-backend and --compile-mode."""
+    return torch.compile(module, backend=opts.compile_backend, mode=opts.compile_mode)
+
+
 def torchao_blockwise():
     """(Float8BlockwiseLinear, Float8BlockwiseLinearConfig, quantize_) from torchao, or None with the reason."""
     try:
@@ -347,7 +352,7 @@ def layer_section(opts, sizes: Sizes) -> None:
             return build
 
         def compiled_arm(name: str, make: Callable[[], nn.Module]) -> Arm:
-            return setup_arm(name, lambda: arm_of(torch.compile(make(), backend=opts.compile_backend),
+            return setup_arm(name, lambda: arm_of(compile_module(make(), opts),
                                                   compiled=name)())
 
         arms: dict[str, Arm] = {"BF16": setup_arm("BF16", arm_of(base))}
@@ -484,15 +489,15 @@ def model_section(opts, sizes: Sizes) -> None:
         shared["bytes"] = (torch.cuda.memory_allocated() - outside) if cuda else 0
         if opts.compile_peers:
             arms["BF16 compile"] = setup_arm("BF16 compile", lambda: arm_of(
-                torch.compile(base, backend=opts.compile_backend), compiled="BF16 compile")())
+                compile_module(base, opts), compiled="BF16 compile")())
         arms["FP8 eager"] = setup_arm("FP8 eager", lambda: arm_of(calclip_fp8_copy(base))())
         arms["FP8 compile"] = setup_arm("FP8 compile", lambda: arm_of(
-            torch.compile(calclip_fp8_copy(base), backend=opts.compile_backend), compiled="FP8 compile")())
+            compile_module(calclip_fp8_copy(base), opts), compiled="FP8 compile")())
         if peer is not None:
             arms["torchao"] = setup_arm("torchao", lambda: arm_of(torchao_copy(base, peer))())
             if opts.compile_peers:
                 arms["torchao compile"] = setup_arm("torchao compile", lambda: arm_of(
-                    torch.compile(torchao_copy(base, peer), backend=opts.compile_backend),
+                    compile_module(torchao_copy(base, peer), opts),
                     compiled="torchao compile")())
         interleave(list(arms.values()), opts.repeats)
         names = list(arms)
@@ -797,6 +802,8 @@ def parse_args(argv=None):
                             help=f"{COUNT_HELP[name]} (default {gpu}; {tiny} with --tiny)")
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; "
                         "aot_eager with --tiny)")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode of the compiled arms, e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--compile-peers", action="store_true",
                         help="also time torch.compile'd BF16 and torchao arms (layer, model): more compile time")
     parser.add_argument("--trainer-runs", default="bf16_static,fp8_static",
@@ -831,7 +838,8 @@ def main(argv=None) -> int:
         print("no CUDA device: run on the GPU machine, or pass --tiny for the CPU check")
         return 2
     print(header_line(sizes))
-    print(f"sections {','.join(opts.sections)}  repeats {opts.repeats}  compile backend {opts.compile_backend}",
+    print(f"sections {','.join(opts.sections)}  repeats {opts.repeats}  compile backend {opts.compile_backend}"
+          f"  mode {opts.compile_mode or 'default'}",
           flush=True)
     sections = {"layer": layer_section, "model": model_section, "decode": decode_section,
                 "trainer": trainer_section, "smollm": smollm_section}

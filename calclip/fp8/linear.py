@@ -56,7 +56,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from calclip.fp8 import quant
 from calclip.fp8.config import BLOCK, Fp8Config
-from calclip.fp8.gemm import fp8_block_gemm, resolve_backend
+from calclip.fp8.gemm import fp8_block_gemm, resolve_backend, scaled_mm_blockwise
 
 # Advanced after every optimizer step of any optimizer in the process, and by invalidate_fp8_weight_caches():
 # part of every weight-cache key, since fused optimizers and `.data` writes change weights without bumping
@@ -91,15 +91,20 @@ def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype
     """fp8_block_gemm for operands already in the layouts the quantizers emit with gemm_layout=True; the
     backend decision is made once per shape, and the torch._scaled_mm path re-lays out nothing."""
     (m, k), n = qa.shape, qb.shape[0]
-    key = (backend, a_blocks, b_blocks, m, n, k, out_dtype, qa.device)
-    chosen = _gemm_choice.get(key)
-    if chosen is None:
-        chosen = _gemm_choice[key] = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks,
-                                                     b_blocks=b_blocks)
+    traced = quant.is_traced(qa)
+    if traced and not all(type(d) is int for d in (m, n, k)):  # symbolic sizes: decided while tracing, not cached
+        chosen = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks)
+    else:
+        key = (backend, a_blocks, b_blocks, m, n, k, out_dtype, qa.device)
+        chosen = _gemm_choice.get(key)
+        if chosen is None:
+            chosen = _gemm_choice[key] = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks,
+                                                         b_blocks=b_blocks)
     if chosen == "scaled_mm":
         # a [M, K] row-major, b = qb^T [K, N] column-major; 1x128 scales column-major, 128x128 row-major
         # (gemm.scaled_mm_block_gemm, whose re-layouts are no-ops for these operands).
-        return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
+        mm = scaled_mm_blockwise if traced else torch._scaled_mm
+        return mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
     return fp8_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, backend=chosen, a_blocks=a_blocks,
                           b_blocks=b_blocks)
 
@@ -187,11 +192,15 @@ class _FP8BlockLinearFn(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The same math as custom ops, for torch.compile (opaque to Inductor, CUDA-graph safe: no syncs).
+# The same math as torch.library triton ops, for torch.compile (CUDA-graph safe: no syncs). Dynamo records one
+# op per layer call (its fake implementation is the same code run on FakeTensors); AOTAutograd then decomposes
+# each op into the Triton kernels (recorded through wrap_triton, see triton_kernels._Tuned.launch) and the
+# opaque cuBLAS GEMM op ``calclip::scaled_mm_blockwise``, so Inductor launches them from its own generated
+# code: no Python of this module runs per call in a compiled graph.
 # ----------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("calclip::fp8_linear_forward", mutates_args=())
+@torch.library.triton_op("calclip::fp8_linear_forward", mutates_args=())
 def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor | None, swt: Tensor | None,
                 weight_bad: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool, gemm: str,
                 out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -204,35 +213,15 @@ def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor 
     return y, qxt, sxt, counter
 
 
-@_forward_op.register_fake
-def _(x2, weight, qw, sw, qwt, swt, weight_bad, save_for_wgrad, pow2, fused, gemm, out_dtype):
-    (m, k), n = x2.shape, qw.shape[0]
-    y = x2.new_empty((m, n), dtype=out_dtype)
-    if save_for_wgrad:  # the 128x1 quantizer's layouts: codes the transpose of a contiguous [K, M], scales row-major
-        qxt = x2.new_empty((k, m), dtype=torch.float8_e4m3fn).t()
-        sxt = x2.new_empty((-(-m // BLOCK), k), dtype=torch.float32)
-    else:
-        qxt, sxt = x2.new_empty((0,), dtype=torch.float8_e4m3fn), x2.new_empty((0,), dtype=torch.float32)
-    return y, qxt, sxt, x2.new_empty((), dtype=torch.int64)
-
-
-@torch.library.custom_op("calclip::fp8_linear_backward", mutates_args=())
+@torch.library.triton_op("calclip::fp8_linear_backward", mutates_args=())
 def _backward_op(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, need_dx: bool, need_dw: bool,
                  pow2: bool, fused: bool, gemm: str, x_dtype: torch.dtype,
                  w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """-> (dx [M, K] or [0], dW [N, K] or [0])"""
     dx, dw = _backward(dy2.contiguous(), qwt, swt, qxt, sxt, need_dx, need_dw, pow2, fused, gemm, x_dtype,
                        w_dtype)
-    empty = dy2.new_empty((0,))
-    return (dx if dx is not None else empty.to(x_dtype)), (dw if dw is not None else empty.to(w_dtype))
-
-
-@_backward_op.register_fake
-def _(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, pow2, fused, gemm, x_dtype, w_dtype):
-    m, n, k = dy2.shape[0], dy2.shape[1], qwt.shape[0] if need_dx else qxt.shape[1]
-    dx = dy2.new_empty((m, k) if need_dx else (0,), dtype=x_dtype)
-    dw = dy2.new_empty((n, k) if need_dw else (0,), dtype=w_dtype)
-    return dx, dw
+    return (dx if dx is not None else dy2.new_empty((0,), dtype=x_dtype)), \
+        (dw if dw is not None else dy2.new_empty((0,), dtype=w_dtype))
 
 
 def _setup_context(ctx, inputs, output) -> None:

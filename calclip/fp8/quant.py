@@ -11,12 +11,21 @@ from types import ModuleType
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from calclip.fp8 import reference
 from calclip.fp8.config import BLOCK
 
 _UNSET = object()
 _triton_module: object = _UNSET
+
+
+def is_traced(t: Tensor) -> bool:
+    """True for the stand-in tensors torch.compile traces with (FakeTensor under Dynamo, FunctionalTensor while
+    AOTAutograd decomposes calclip's triton ops): then kernels are recorded through ``torch.library.wrap_triton``
+    and GEMMs through custom ops, instead of being launched."""
+    return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
 def triton_kernels() -> ModuleType | None:

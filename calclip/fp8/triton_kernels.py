@@ -29,8 +29,10 @@ import triton
 import triton.language as tl
 from triton import knobs
 from torch import Tensor
+from torch.library import wrap_triton
 
 from calclip.fp8.config import BLOCK, FP8_DTYPE, FP8_E4M3_MAX
+from calclip.fp8.quant import is_traced
 from calclip.fp8.reference import AMAX_FLOOR
 
 __all__ = [
@@ -70,7 +72,10 @@ def _next_pow2(n: int) -> int:
 
 
 def _bucket(n: int) -> int:
-    """Autotune key for an outer (token) dim: next power of two, capped, so varying lengths reuse a tuning."""
+    """Autotune key for an outer (token) dim: next power of two, capped, so varying lengths reuse a tuning.
+    A symbolic size (torch.compile with dynamic shapes) is passed through: Inductor tunes the kernels itself."""
+    if type(n) is not int:
+        return n
     return min(_next_pow2(max(n, 1)), 1 << 16)
 
 
@@ -183,10 +188,18 @@ class _Tuned:
         self.autotuner = triton.autotune(configs=configs, key=key, restore_value=restore_value)(kernel)
         self.chosen: dict[tuple, tuple[dict, dict]] = {}  # key -> (config.kwargs, all launch kwargs)
         self._default_launch = (self.default.kwargs, self.default.all_kwargs())
+        # what torch.compile records (wrap_triton): the configs to tune over, or the default alone
+        self.traced = self.autotuner if _AUTOTUNE else triton.autotune(
+            configs=[self.default], key=key, restore_value=restore_value)(kernel)
 
     def launch(self, grid, key: tuple, soft_fp8: bool, *args, **kwargs) -> None:
         """grid: meta-parameter dict -> launch grid; key: the autotune key values plus the input dtypes.
-        ``args``: every non-constexpr kernel parameter, positionally; ``kwargs``: the constexpr ones."""
+        ``args``: every non-constexpr kernel parameter, positionally; ``kwargs``: the constexpr ones.
+        Under torch.compile's tracing (calclip's triton ops, linear.py) the launch is recorded through
+        ``wrap_triton``, so Inductor launches the kernel from its own generated code."""
+        if is_traced(args[0]):
+            wrap_triton(self.traced)[grid](*args, **kwargs)
+            return
         launch = self._default_launch if soft_fp8 or not _AUTOTUNE else self.chosen.get(key)
         if launch is None:
             self.autotuner[grid](*args, **kwargs)
