@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import io
 import math
 import os
@@ -654,10 +655,14 @@ def summarize_runs(times: dict[str, list[float]], base: str, *, run_over_base: b
 
 
 def trainer_runs(bts) -> dict[str, dict]:
-    """bench_trainer_step's runs plus the same with TrainingArguments.torch_compile (the training forward)."""
+    """bench_trainer_step's runs plus the same with TrainingArguments.torch_compile (the training forward), with
+    compile_generation (CUDA-graphed HF decode), and with both."""
     runs = dict(bts.RUNS)
-    runs["bf16_compile"] = {**bts.RUNS["bf16_static"], "torch_compile": True}
-    runs["fp8_compile"] = {**bts.RUNS["fp8_static"], "torch_compile": True}
+    for precision in ("bf16", "fp8"):
+        base = bts.RUNS[f"{precision}_static"]
+        runs[f"{precision}_compile"] = {**base, "torch_compile": True}
+        runs[f"{precision}_graphed_gen"] = {**base, "compile_generation": True}
+        runs[f"{precision}_compile_all"] = {**base, "torch_compile": True, "compile_generation": True}
     return runs
 
 
@@ -716,14 +721,18 @@ def smollm_section(opts, sizes: Sizes) -> None:
 
     steps = opts.smollm_warmup + opts.smollm_steps
     loaded: dict[tuple[str, str], tuple] = {}
-    times: dict[str, list[float]] = {name: [] for name in SMOLLM_CONFIGS}
+    runs = {name: (config, []) for name, config in SMOLLM_CONFIGS.items()}
+    if opts.smollm_graphed:  # the same runs with CUDA-graphed HF decode (compile_generation)
+        runs.update({f"{name}+graphed": (config, ["--compile_generation", "true"])
+                     for name, config in SMOLLM_CONFIGS.items()})
+    times: dict[str, list[float]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as out:
         for rnd in range(opts.run_rounds):
-            for name, config in SMOLLM_CONFIGS.items():
+            for name, (config, extra) in runs.items():
                 print(f"-- smollm {name}, round {rnd + 1}/{opts.run_rounds}", flush=True)
                 argv = ["--config", str(ROOT / config), "--max_steps", str(steps), "--report_to", "none",
                         "--output_dir", str(Path(out) / name), "--save_strategy", "no", "--logging_steps", "1",
-                        "--model_dtype", opts.smollm_dtype]
+                        "--model_dtype", opts.smollm_dtype, *extra]
                 argv += shlex.split(opts.smollm_args)
                 if opts.tiny:
                     argv += ["--model_name_or_path", "tiny", "--max_completion_length", str(sizes.completion_length),
@@ -802,14 +811,21 @@ def parse_args(argv=None):
                             help=f"{COUNT_HELP[name]} (default {gpu}; {tiny} with --tiny)")
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; "
                         "aot_eager with --tiny)")
+    parser.add_argument("--layer-shapes", default=None,
+                        help="layer rows as MxKxN,... (default: issue 8's three; the --tiny ones with --tiny)")
+    parser.add_argument("--models", default=None,
+                        help="model rows as LAYERSxHIDDENxINTERMEDIATE,... (default: issue 8's two)")
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode of the compiled arms, e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--compile-peers", action="store_true",
                         help="also time torch.compile'd BF16 and torchao arms (layer, model): more compile time")
     parser.add_argument("--trainer-runs", default="bf16_static,fp8_static",
                         help="runs compared (first = baseline): bench_trainer_step's bf16_static, fp8_static, "
-                        "fp8_calibrated, and bf16_compile / fp8_compile (the same with torch_compile=True)")
+                        "fp8_calibrated, and bf16_/fp8_ + compile (torch_compile=True), graphed_gen (compile_generation=True), "
+                        "compile_all (both)")
     parser.add_argument("--smollm-dtype", default="float32", help="--model_dtype of the smollm runs")
+    parser.add_argument("--smollm-graphed", action="store_true",
+                        help="also time both smollm runs with --compile_generation true (CUDA-graphed decode)")
     parser.add_argument("--smollm-args", default="", help="more `calclip train` flags for both smollm runs, e.g. "
                         "'--torch_compile true'")
     opts = parser.parse_args(argv)
@@ -825,6 +841,16 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
     if opts.compile_backend is None:
         opts.compile_backend = "aot_eager" if opts.tiny else "inductor"
+    for name in ("layer_shapes", "models"):
+        text = getattr(opts, name)
+        if text is not None:
+            try:
+                rows = tuple(tuple(int(v) for v in row.split("x")) for row in text.split(",") if row.strip())
+            except ValueError:
+                rows = ()
+            if not rows or any(len(r) != 3 or min(r) < 1 for r in rows):
+                parser.error(f"--{name.replace('_', '-')}: expected AxBxC,... of positive ints, got {text!r}")
+            setattr(opts, name, rows)
     return opts
 
 
@@ -834,6 +860,10 @@ def main(argv=None) -> int:
                        ("HF_DATASETS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(var, value)
     sizes = TINY_SIZES if opts.tiny else GPU_SIZES
+    if opts.layer_shapes:
+        sizes = dataclasses.replace(sizes, layer_shapes=opts.layer_shapes)
+    if opts.models:
+        sizes = dataclasses.replace(sizes, model_configs=opts.models)
     if sizes.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --tiny for the CPU check")
         return 2
