@@ -163,7 +163,8 @@ class CalibratedGRPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "Let transformers compile the HF generate decode step with CUDA graphs (its CompileConfig, "
                   "mode reduce-overhead; CUDA only), which TRL switches off: the FP8 decode is host-bound without it. "
-                  "Needs a static cache: sets cache_implementation='static' when none is given."},
+                  "Needs a static cache: sets cache_implementation='static' when none is given. On CUDA the master "
+                  "weights must be in the autocast dtype (model_dtype bfloat16 with bf16)."},
     )
 
     # ---- data ----

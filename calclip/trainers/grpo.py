@@ -166,6 +166,23 @@ class _SampledLogprobRecorder:
                 del model.generate  # back to the class method
 
 
+def compiled_generation_problem(device_type: str, master_dtype: torch.dtype, bf16: bool, fp16: bool) -> str | None:
+    """Why compile_generation cannot run with these settings, or None.
+
+    Measured on the H200 (2026-12-01, torch 2.11, transformers 5.17, docs/benchmarks.md): with float32 master
+    weights and bf16 autocast, the CUDA-compiled decode step writes bf16 keys into the static KV cache that the eager
+    prefill allocated in float32, and generate fails (`index_copy_(): ... Float and BFloat16`), for BF16 and FP8
+    policies alike. The same settings run on CPU, where transformers does not compile the decode step."""
+    autocast = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
+    if device_type != "cuda" or autocast is None or master_dtype == autocast:
+        return None
+    name = "bf16" if bf16 else "fp16"
+    return (f"compile_generation with {str(master_dtype).removeprefix('torch.')} master weights under {name} "
+            f"autocast fails in transformers' CUDA-graphed decode (its static KV cache is allocated in the prefill's "
+            f"dtype, the compiled decode step writes {name} keys): load the policy in the autocast dtype "
+            f"(model_dtype: {'bfloat16' if bf16 else 'float16'}), or set compile_generation: false")
+
+
 class CalibratedGRPOTrainer(GRPOTrainer):
     """Drop-in ``GRPOTrainer`` (same arguments) that takes a ``CalibratedGRPOConfig``.
 
@@ -320,6 +337,11 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         if config is None:  # vLLM or paged generation: no HF generate to compile
             warnings.warn("compile_generation has no effect with vLLM or paged generation", stacklevel=3)
             return
+        policy = self.accelerator.unwrap_model(self.model)
+        problem = compiled_generation_problem(self.accelerator.device.type, next(policy.parameters()).dtype,
+                                              self.args.bf16, self.args.fp16)
+        if problem:
+            raise ValueError(problem)
         config.disable_compile = False
         if config.cache_implementation is None:
             config.cache_implementation = "static"

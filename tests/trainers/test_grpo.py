@@ -272,3 +272,22 @@ def test_compile_generation_undoes_trls_disable_compile(tokenizer, tmp_path):
     assert all(math.isfinite(v) for v in logged(trainer, "loss"))
     with pytest.raises(ValueError, match="compile_generation"):
         tiny_training_args(CalibratedGRPOConfig, tmp_path / "bad", compile_generation="yes")
+
+
+def test_compile_generation_refuses_what_fails_on_cuda_and_runs_on_cpu(tokenizer, tmp_path):
+    """fp32 master weights under bf16/fp16 autocast: CUDA-graphed decode failed on the H200 (static cache dtype),
+    so that is refused on CUDA naming the fields; matching dtypes, no autocast, or CPU pass."""
+    from calclip.trainers.grpo import compiled_generation_problem
+
+    problem = compiled_generation_problem("cuda", torch.float32, True, False)
+    assert "model_dtype: bfloat16" in problem and "compile_generation: false" in problem
+    assert "model_dtype: float16" in compiled_generation_problem("cuda", torch.float32, False, True)
+    assert "bfloat16 master weights under fp16" in compiled_generation_problem("cuda", torch.bfloat16, False, True)
+    for ok in (("cuda", torch.bfloat16, True, False), ("cuda", torch.float32, False, False),
+               ("cpu", torch.float32, True, False)):
+        assert compiled_generation_problem(*ok) is None, ok
+    # on CPU the fp32 + bf16-autocast combination trains with the static cache
+    trainer = make_trainer(tokenizer, tmp_path, fp8=True, compile_generation=True, bf16=True)
+    assert trainer.accelerator.mixed_precision == "bf16" and trainer.model.dtype == torch.float32
+    trainer.train()
+    assert all(math.isfinite(v) for v in logged(trainer, "loss"))
