@@ -128,3 +128,27 @@ def test_a_layer_compiled_on_its_own_refreshes_its_codes():
         for opt in opts:
             opt.step()
             opt.zero_grad()
+
+
+def test_dynamic_shapes_compile_once_and_equal_eager():
+    """torch.compile(dynamic=True): token counts vary (RL batches do) without recompiling, and every size equals
+    eager; the layer's per-shape caches are skipped for symbolic sizes while tracing. (Batches of at most 128
+    tokens compile once more: their 128x1 scales have a size-1 dim, which Dynamo specializes.)"""
+    eager, model = _pair()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    counts = torch._dynamo.utils.counters
+    graphs = []
+    # all above 128 tokens: at most one 128-token scale group would be a size-1 dim, which Dynamo specializes
+    for rows in (160, 300, 520):
+        x = torch.randn(rows, 256)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ye, yc = eager(xe), compiled(xc)
+        assert torch.equal(ye, yc), rows
+        ye.sum().backward()
+        yc.sum().backward()
+        assert torch.equal(xe.grad, xc.grad), rows
+        for pe, pc in zip(eager.parameters(), model.parameters()):
+            assert torch.equal(pe.grad, pc.grad), rows
+            pe.grad = pc.grad = None
+        graphs.append(counts["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 2, graphs  # the later sizes reuse the first graphs
