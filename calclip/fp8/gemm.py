@@ -79,7 +79,8 @@ def _dequantized_weight(q: Tensor, s: Tensor, block: int) -> Tensor:
     FP8BlockLinear call at 16 tokens). FP8BlockLinear's codes are refreshed in place, which bumps their
     version, so the versions of q and s are the staleness key. The dgrad operand (q.t(), s.t(): views of the
     forward's codes) reuses the forward's dequantization, transposed: elementwise, so the same values.
-    Tensors without a version counter (inference mode) and torch.compile's stand-ins are not cached."""
+    Tensors without a version counter (inference mode) and torch.compile's stand-ins are not cached. Memory: one
+    fp32 copy per weight (4 bytes per parameter) while the codes live, the price of emulating FP8 without kernels."""
     if q.is_inference() or s.is_inference() or is_traced(q):
         return dequantize_128x128(q, s, block=block)
     root_q = q if q._base is None else q._base

@@ -29,9 +29,9 @@ torch._scaled_mm gets K-major operands) are refreshed with the codes once a back
 A refresh bumps the codes' autograd version, so a backward whose forward saw older codes raises instead of
 computing a gradient against weights it never used.
 
-Eager calls check staleness in the layer; under torch.compile the layer calls the custom ops
-``calclip::fp8_linear_forward`` / ``calclip::fp8_linear_backward`` (fake implementations given, no graph
-break inside the layer), and the staleness check runs once per model call in a forward pre-hook that
+Eager calls check staleness in the layer; under torch.compile the layer calls the triton ops
+``calclip::fp8_linear_forward`` / ``calclip::fp8_linear_backward`` (no graph break inside the layer; Inductor
+sees and launches their Triton kernels), and the staleness check runs once per model call in a forward pre-hook that
 ``quantize_model`` puts on the root module (one graph break at the top of the model, outside the layers).
 ``refresh_fp8_weights(model)`` does the same by hand, e.g. before replaying a graph captured by other means, or
 before each call of one submodule of a converted model compiled on its own (its layers leave the refresh to the
