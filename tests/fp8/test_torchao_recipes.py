@@ -303,9 +303,11 @@ def _step_gain_ratio(recipe, power_of_two_scales):
 # Issue 12. Power-of-two scales keep a weight's mantissa bits, so a bf16 value with 5 significant bits sits exactly
 # on a rounding tie between two e4m3 codes (1 in 16 bf16 values, 2.7% of SmolLM2's weights); any update, however
 # small, moves it off the tie in its own direction and its code by a whole e4m3 step, all of them along the
-# gradient. Measured gain ratios, seeds 0-5: exact scales 1.9-9.6 for every recipe, power-of-two scales 33.5-39.0
-# (SmolLM2-135M: token-mult-prob-error FP8 vs shadow 1.87 -> 111.7 after one step under torchao's own rowwise).
+# gradient. Measured gain ratios over model seeds 0-5, every recipe: exact scales 0.5-12.2, power-of-two scales
+# 33.6-41.0; seed 0 (used here): 2.6-2.8 and 33.6-34.2. (SmolLM2-135M: token-mult-prob-error FP8 vs shadow
+# 1.87 -> 111.7 after one step under torchao's own rowwise recipe, benchmarks/probes/probe_rowwise_drift.py.)
 EXACT_SCALES_MAX_GAIN_RATIO = 15.0
+POW2_SCALES_MIN_GAIN_RATIO = 25.0
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", *TORCHAO_RECIPES])
@@ -316,7 +318,7 @@ def test_a_tiny_step_moves_the_fp8_forward_about_as_far_as_its_shadow(recipe):
 @pytest.mark.parametrize("recipe", ["blockwise", *TORCHAO_RECIPES])
 def test_power_of_two_scales_amplify_a_tiny_step_from_bf16_weights(recipe):
     # why power_of_two_scales is off by default, for every recipe (torchao's own rowwise recipe turns it on)
-    assert _step_gain_ratio(recipe, power_of_two_scales=True) > 2 * EXACT_SCALES_MAX_GAIN_RATIO
+    assert _step_gain_ratio(recipe, power_of_two_scales=True) > POW2_SCALES_MIN_GAIN_RATIO
 
 
 @pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
