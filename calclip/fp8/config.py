@@ -37,8 +37,8 @@ class Fp8Recipe(str, Enum):
     # DeepSeek-V3, calclip's own kernels: x and dy in 1x128 groups, W in 128x128 blocks, e4m3 throughout. Ragged
     # dims, FP8-saved activations, codes identical to vLLM's block-FP8 layers (the only recipe vLLM export serves).
     BLOCKWISE = "blockwise"
-    # torchao "rowwise": one scale per token row of x and dy and per output row of W, rounded down to a power of
-    # two, e4m3 throughout.
+    # torchao "rowwise": one scale per token row of x and dy and per output row of W, e4m3 throughout. Exact
+    # scales unless power_of_two_scales (torchao's own recipe rounds them to a power of two: see Fp8Config).
     ROWWISE = "rowwise"
     # torchao "tensorwise": one scale per tensor (x, W, dy), dy in e5m2; the fastest and the noisiest.
     TENSORWISE = "tensorwise"
@@ -72,18 +72,16 @@ def require_recipe_available(recipe: str | Fp8Recipe, *, field: str = "Fp8Config
 
 
 def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", gemm: str = "auto",
-                           power_of_two_scales: bool = False, block_size: int = BLOCK,
-                           fused_quantizer: bool = False) -> list[str]:
+                           block_size: int = BLOCK, fused_quantizer: bool = False) -> list[str]:
     """``Fp8Config`` option names set to a value that only the blockwise recipe honours, for ``recipe``.
 
-    torchao's rowwise/tensorwise recipes quantize the backward in FP8 with their own scale rule (rowwise:
-    power-of-two scales, tensorwise: exact), have no block size, no fused quantizer and no Triton GEMM backend
-    of calclip's; silently ignoring such a setting would measure something else than asked.
+    torchao's rowwise/tensorwise recipes always quantize the backward in FP8, have no block size, no fused
+    quantizer and no Triton GEMM backend of calclip's; silently ignoring such a setting would measure something
+    else than asked. (power_of_two_scales is honoured by every recipe.)
     """
     if not get_fp8_recipe(recipe).uses_torchao:
         return []
-    conflicts = {"backward": backward != "fp8", "gemm": gemm == "triton",
-                 "power_of_two_scales": power_of_two_scales, "block_size": block_size != BLOCK,
+    conflicts = {"backward": backward != "fp8", "gemm": gemm == "triton", "block_size": block_size != BLOCK,
                  "fused_quantizer": fused_quantizer}
     return [name for name, conflict in conflicts.items() if conflict]
 
@@ -94,7 +92,14 @@ class Fp8Config:
 
     block_size: quantization block edge (1 x block_size groups, block_size x block_size weight blocks).
         Only 128 is supported by the GPU kernels; the CPU reference accepts any positive size.
-    power_of_two_scales: round every scale UP to a power of two (exact scaling, nothing saturates).
+    power_of_two_scales: round every scale UP to a power of two (exact scaling, nothing saturates), any recipe
+        (torchao's ``round_scales_to_power_of_2`` for rowwise and tensorwise). Off by default for every recipe,
+        although torchao's own rowwise recipe turns it on: a power-of-two scale keeps a weight's mantissa bits,
+        so a weight with 5 significant bits (1 in 16 bf16 values) sits exactly on a rounding tie between two
+        e4m3 codes, and the smallest update moves its code a whole e4m3 step in the update's direction. Fp32
+        master weights loaded from a bf16 checkpoint then take an FP8 step far larger than their BF16 shadow's:
+        on SmolLM2-135M one AdamW step at lr 1e-6 took the rowwise token-mult-prob-error FP8 vs shadow from 1.87
+        to 111.7 with power-of-two scales, 1.39 to 1.31 without (benchmarks/probes/probe_rowwise_drift.py).
     backward: "fp8" (DeepSeek-V3: dgrad and wgrad GEMMs in FP8) or "bf16" (straight-through: BF16
         matmuls against the dequantized weight and the unquantized activations).
     gemm: "auto" | "scaled_mm" | "triton" | "emulated" (see ``calclip.fp8.gemm``).
@@ -104,8 +109,7 @@ class Fp8Config:
     keep_patterns: regexes (``re.search`` on the fully qualified module name) of layers kept in BF16.
     recipe: "blockwise" (default) | "rowwise" | "tensorwise" (``Fp8Recipe``). rowwise and tensorwise run torchao's
         float8 training (the ``[torchao]`` extra); with them backward must be "fp8", gemm "auto" | "scaled_mm" |
-        "emulated", and block_size, power_of_two_scales, fused_quantizer stay at their defaults
-        (``blockwise_only_options``).
+        "emulated", and block_size, fused_quantizer stay at their defaults (``blockwise_only_options``).
     cache_weights: keep the quantized weight between calls until the weight changes (blockwise; torchao's
         recipes re-quantize the weight on every call). Turn it off when the parameters are sharded (FSDP,
         ZeRO-3): the forward's weight is a fresh all-gather whose buffer key does not follow the shards (the
@@ -164,7 +168,6 @@ class Fp8Config:
             raise ValueError(f"Fp8Config.recipe must be one of {fp8_recipe_names()}, got {self.recipe!r}") from None
         object.__setattr__(self, "recipe", recipe)  # the Enum member (a str: compares equal to its name)
         conflicts = blockwise_only_options(recipe, backward=self.backward, gemm=self.gemm,
-                                           power_of_two_scales=self.power_of_two_scales,
                                            block_size=self.block_size, fused_quantizer=self.fused_quantizer)
         if conflicts:
             settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in conflicts)

@@ -14,6 +14,10 @@ what calclip's trainer relies on from every FP8 linear, the same contract as ``F
   counts; under rowwise only the rows holding it;
 - autocast: x is cast to the autocast dtype of its own device type (torchao's forward only reads CUDA's).
 
+Scales are exact (448 / amax) unless ``Fp8Config.power_of_two_scales``, for both recipes: torchao's rowwise
+recipe rounds them down to a power of two, which under fp32 master weights holding bf16 values turns a tiny
+update into whole-code FP8 steps along the gradient (issue 12; ``Fp8Config.power_of_two_scales`` says why).
+
 What torchao does differently from the blockwise recipe: dims must be multiples of 16 (torch._scaled_mm; the
 conversion refuses other layers, on CPU too, so a CPU run predicts the GPU's), the weight is re-quantized on
 every call (there is no weight cache: ``generate`` re-quantizes per decode step), activations are saved for
@@ -59,12 +63,16 @@ def _torchao_setup() -> None:
         _torchao_setup_done = True
 
 
-def torchao_linear_config(recipe: str | Fp8Recipe, *, emulate: bool) -> Float8LinearConfig:
-    """torchao's own recipe (``Float8LinearConfig.from_recipe_name``) with its emulation switch set."""
+def torchao_linear_config(recipe: str | Fp8Recipe, *, emulate: bool,
+                          power_of_two_scales: bool = False) -> Float8LinearConfig:
+    """torchao's own recipe (``Float8LinearConfig.from_recipe_name``) with its emulation switch set and its scales
+    rounded to powers of two exactly when ``power_of_two_scales`` (torchao's rowwise recipe rounds by default;
+    calclip does not: see ``Fp8Config.power_of_two_scales``)."""
     recipe = get_fp8_recipe(recipe)
     if not recipe.uses_torchao:
         raise ValueError(f"recipe {recipe.value!r} is calclip's own, not a torchao recipe")
-    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe.value), emulate=emulate)
+    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe.value), emulate=emulate,
+                               round_scales_to_power_of_2=power_of_two_scales)
 
 
 def check_scaled_mm_shape(linear: nn.Linear, fqn: str, recipe: Fp8Recipe) -> None:
@@ -95,7 +103,8 @@ class TorchaoFloat8Linear(Float8Linear):
         check_scaled_mm_shape(linear, fqn, recipe)
         _torchao_setup()
         emulate = config.gemm == "emulated" or (config.gemm == "auto" and linear.weight.device.type != "cuda")
-        new = cls.from_float(linear, config=torchao_linear_config(recipe, emulate=emulate))
+        new = cls.from_float(linear, config=torchao_linear_config(
+            recipe, emulate=emulate, power_of_two_scales=config.power_of_two_scales))
         new.train(linear.training)
         new.fp8_config = config
         new.bf16_shadow_depth = 0

@@ -140,8 +140,7 @@ class CalibratedGRPOConfig(GRPOConfig):
         metadata={"help": f"FP8 scaling granularity, one of {FP8_RECIPES}. 'blockwise': calclip's DeepSeek-V3 "
                   "kernels (1x128 activation groups, 128x128 weight blocks; the only recipe with vLLM rollouts). "
                   "'rowwise' / 'tensorwise': torchao's float8 training (pip install \"calclip[torchao]\"), coarser "
-                  "scales; they need fp8_backward 'fp8', fp8_gemm other than 'triton', and no "
-                  "fp8_power_of_two_scales."},
+                  "scales; they need fp8_backward 'fp8' and fp8_gemm other than 'triton'."},
     )
     fp8_backward: str = field(
         default="fp8", metadata={"help": "'fp8': dgrad/wgrad GEMMs in FP8. 'bf16': straight-through BF16 backward."}
@@ -157,7 +156,10 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "stays BF16 (TRL's fused log-prob head reads lm_head.weight directly)."},
     )
     fp8_power_of_two_scales: bool = field(
-        default=False, metadata={"help": "Round every FP8 scale up to a power of two."}
+        default=False, metadata={"help": "Round every FP8 scale up to a power of two (any fp8_recipe). Off by "
+                                 "default: with fp32 master weights loaded from bf16 (or coarser) values, a "
+                                 "tiny update moves many FP8 weight codes a whole step (docs/usage.md, FP8 "
+                                 "recipes)."}
     )
     compile_generation: bool = field(
         default=False,
@@ -248,8 +250,7 @@ class CalibratedGRPOConfig(GRPOConfig):
         recipe = get_fp8_recipe(self.fp8_recipe)
         if not recipe.uses_torchao:
             return
-        conflicts = blockwise_only_options(recipe, backward=self.fp8_backward, gemm=self.fp8_gemm,
-                                           power_of_two_scales=self.fp8_power_of_two_scales)
+        conflicts = blockwise_only_options(recipe, backward=self.fp8_backward, gemm=self.fp8_gemm)
         if conflicts:
             settings = ", ".join(f"fp8_{name}={getattr(self, 'fp8_' + name)!r}" for name in conflicts)
             raise ValueError(f"fp8_recipe={recipe.value!r} (torchao) cannot honour {settings}: these are options of "
