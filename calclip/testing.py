@@ -143,6 +143,23 @@ def tiny_training_args(config_cls, output_dir, **overrides):
     return config_cls(**defaults)
 
 
+def tiny_trainer(output_dir, *, tokenizer=None, num_prompts: int = 8, callbacks=None, **overrides):
+    """A CalibratedGRPOTrainer of the tiny model (``build_tiny_model``) on ``tiny_prompt_dataset(num_prompts)``
+    with ``digit_share_reward`` and ``tiny_training_args(CalibratedGRPOConfig, output_dir, **overrides)``."""
+    from calclip.trainers.config import CalibratedGRPOConfig  # the trainer imports TRL: only when asked for
+    from calclip.trainers.grpo import CalibratedGRPOTrainer
+
+    tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
+    return CalibratedGRPOTrainer(
+        model=build_tiny_model(tokenizer),
+        reward_funcs=digit_share_reward,
+        args=tiny_training_args(CalibratedGRPOConfig, output_dir, **overrides),
+        train_dataset=tiny_prompt_dataset(num_prompts),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (for two-process gloo / accelerate tests)."""
     with socket.socket() as sock:

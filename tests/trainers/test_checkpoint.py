@@ -7,16 +7,9 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from calclip.testing import (
-    build_tiny_model,
-    build_tiny_tokenizer,
-    digit_share_reward,
-    tiny_prompt_dataset,
-    tiny_training_args,
-)
+from calclip.testing import tiny_trainer
 from calclip.trainers.checkpoint import CHECKPOINT_FILES_KEY
-from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.grpo import CALCLIP_STATE_NAME, CalibratedGRPOTrainer
+from calclip.trainers.grpo import CALCLIP_STATE_NAME
 
 # Two generation rounds of 2 optimizer steps; calibration every 2 steps, so steps 2 and 4 calibrate on their
 # moved mini-batches and the checkpoint at step 2 holds a calibrated, non-initial state.
@@ -37,15 +30,7 @@ class _StateAtTrainBegin(TrainerCallback):
 
 
 def _trainer(tmp_path, callback=None):
-    tokenizer = build_tiny_tokenizer()
-    trainer = CalibratedGRPOTrainer(
-        model=build_tiny_model(tokenizer),
-        reward_funcs=digit_share_reward,
-        args=tiny_training_args(CalibratedGRPOConfig, tmp_path, **RUN),
-        train_dataset=tiny_prompt_dataset(16),
-        processing_class=tokenizer,
-        callbacks=[callback] if callback else None,
-    )
+    trainer = tiny_trainer(tmp_path, num_prompts=16, callbacks=[callback] if callback else None, **RUN)
     if callback is not None:
         callback.trainer = trainer
     return trainer

@@ -7,12 +7,10 @@ import pytest
 import torch
 
 from calclip.calibration import ClipCalibrator
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
-from calclip.testing import tiny_training_args
+from calclip.testing import tiny_trainer
 from calclip.trainers.callbacks import EntropySpikeDetector
 from calclip.trainers.checkpoint import CalclipStateError, load_calclip_state
-from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.grpo import CALCLIP_STATE_NAME, CalibratedGRPOTrainer
+from calclip.trainers.grpo import CALCLIP_STATE_NAME
 
 
 class _CreatesMarker:
@@ -28,16 +26,9 @@ class _CreatesMarker:
 
 
 def _trainer(tmp_path):
-    tokenizer = build_tiny_tokenizer()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return CalibratedGRPOTrainer(
-            model=build_tiny_model(tokenizer),
-            reward_funcs=digit_share_reward,
-            args=tiny_training_args(CalibratedGRPOConfig, tmp_path / "out", clip_mode="calibrated"),
-            train_dataset=tiny_prompt_dataset(4),
-            processing_class=tokenizer,
-        )
+        return tiny_trainer(tmp_path / "out", num_prompts=4, clip_mode="calibrated")
 
 
 @pytest.fixture(scope="module")

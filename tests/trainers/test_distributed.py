@@ -64,25 +64,10 @@ def test_two_ranks_apply_identical_global_bounds(tmp_path):
 
 
 def _worker(out_dir: Path) -> None:
-    from calclip.testing import (
-        build_tiny_model,
-        build_tiny_tokenizer,
-        digit_share_reward,
-        tiny_prompt_dataset,
-        tiny_training_args,
-    )
-    from calclip.trainers.config import CalibratedGRPOConfig
-    from calclip.trainers.grpo import CalibratedGRPOTrainer
+    from calclip.testing import tiny_trainer
 
     warnings.simplefilter("ignore")
-    tokenizer = build_tiny_tokenizer()
-    trainer = CalibratedGRPOTrainer(
-        model=build_tiny_model(tokenizer),
-        reward_funcs=digit_share_reward,
-        args=tiny_training_args(CalibratedGRPOConfig, out_dir / "run", disable_tqdm=True, **RUN),
-        train_dataset=tiny_prompt_dataset(16),
-        processing_class=tokenizer,
-    )
+    trainer = tiny_trainer(out_dir / "run", num_prompts=16, disable_tqdm=True, **RUN)
     rank = trainer.accelerator.process_index
 
     # record this rank's calibration tokens (flattened masked tokens) before the calibrator gathers them

@@ -13,15 +13,8 @@ from trl import TrlParser
 pytest.importorskip("torchao.float8")
 
 from calclip.fp8.torchao_recipes import TorchaoFloat8Linear  # noqa: E402
-from calclip.testing import (  # noqa: E402
-    build_tiny_model,
-    build_tiny_tokenizer,
-    digit_share_reward,
-    tiny_prompt_dataset,
-    tiny_training_args,
-)
+from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer  # noqa: E402
 from calclip.trainers.config import CalibratedGRPOConfig  # noqa: E402
-from calclip.trainers.grpo import CalibratedGRPOTrainer  # noqa: E402
 
 CPU = dict(output_dir="unused", report_to="none", use_cpu=True, bf16=False, num_generations=2,
            per_device_train_batch_size=2)
@@ -59,10 +52,8 @@ def test_fp8_recipe_parses_from_yaml_and_cli(tmp_path):
 
 
 def _trainer(tokenizer, tmp_path, callbacks=None, **overrides):
-    args = tiny_training_args(CalibratedGRPOConfig, tmp_path, clip_mode="calibrated", fp8=True, **overrides)
-    return CalibratedGRPOTrainer(model=build_tiny_model(tokenizer), reward_funcs=digit_share_reward, args=args,
-                                 train_dataset=tiny_prompt_dataset(8), processing_class=tokenizer,
-                                 callbacks=callbacks)
+    return tiny_trainer(tmp_path, tokenizer=tokenizer, callbacks=callbacks, clip_mode="calibrated", fp8=True,
+                        **overrides)
 
 
 class _WeightsAtTrainBegin(TrainerCallback):

@@ -6,17 +6,12 @@ import pytest
 import torch
 
 from calclip.ratio_distributions import split_ratios
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset, tiny_training_args
-from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.grpo import CalibratedGRPOTrainer
+from calclip.testing import tiny_trainer
 from calclip.trainers.ratio_histograms import RatioHistogramCallback, histogram_keys
 
 
 def make_trainer(tmp_path, **overrides):
-    tokenizer = build_tiny_tokenizer()
-    args = tiny_training_args(CalibratedGRPOConfig, tmp_path, clip_mode="calibrated", fp8=True, **overrides)
-    return CalibratedGRPOTrainer(model=build_tiny_model(tokenizer), reward_funcs=digit_share_reward, args=args,
-                                 train_dataset=tiny_prompt_dataset(8), processing_class=tokenizer)
+    return tiny_trainer(tmp_path, clip_mode="calibrated", fp8=True, **overrides)
 
 
 def test_no_callback_without_wandb(tmp_path):

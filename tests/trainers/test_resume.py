@@ -16,16 +16,9 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
-from calclip.testing import (
-    build_tiny_model,
-    build_tiny_tokenizer,
-    digit_share_reward,
-    tiny_prompt_dataset,
-    tiny_training_args,
-)
+from calclip.testing import tiny_trainer
 from calclip.trainers.checkpoint import CHECKPOINT_FILES_KEY, checkpoint_problem, latest_complete_checkpoint
-from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.grpo import CALCLIP_STATE_NAME, CalibratedGRPOTrainer
+from calclip.trainers.grpo import CALCLIP_STATE_NAME
 
 RUN = dict(
     clip_mode="calibrated", fp8=True, max_steps=4, calibration_interval=2, calibration_ema=0.3,
@@ -57,17 +50,10 @@ class _StopAtTrainBegin(TrainerCallback):
 
 
 def _trainer(output_dir, callback=None, **overrides):
-    tokenizer = build_tiny_tokenizer()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = CalibratedGRPOTrainer(
-            model=build_tiny_model(tokenizer),
-            reward_funcs=digit_share_reward,
-            args=tiny_training_args(CalibratedGRPOConfig, output_dir, **{**RUN, **overrides}),
-            train_dataset=tiny_prompt_dataset(16),
-            processing_class=tokenizer,
-            callbacks=[callback] if callback else None,
-        )
+        trainer = tiny_trainer(output_dir, num_prompts=16, callbacks=[callback] if callback else None,
+                               **{**RUN, **overrides})
     if callback is not None:
         callback.trainer = callback.trainer or trainer
     return trainer
