@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from calclip.fp8 import quant
-from calclip.fp8.config import BLOCK, Fp8Config
+from calclip.fp8.config import Fp8Config
 from calclip.fp8.gemm import fp8_block_gemm, resolve_backend, scaled_mm_blockwise
 
 # Advanced after every optimizer step of any optimizer in the process, and by invalidate_fp8_weight_caches():
@@ -460,12 +460,13 @@ def refresh_before_compiled_call(model: nn.Module, args) -> None:
         _refresh_outside_graph(model)
 
 
-def pop_nonfinite_count(model: nn.Module) -> Tensor:
-    """Sum of ``nonfinite_count`` over every FP8BlockLinear in ``model`` (0-dim int64 tensor, no sync), and
+def pop_nonfinite_count(model: nn.Module, types: tuple[type[nn.Module], ...] = (FP8BlockLinear,)) -> Tensor:
+    """Sum of ``nonfinite_count`` over every module of ``types`` in ``model`` (FP8BlockLinear by default;
+    ``calclip.fp8.pop_nonfinite_count`` passes every recipe's FP8 linear) as a 0-dim int64 tensor (no sync), and
     reset them to zero. Returns a CPU zero when no layer has run yet."""
     total: Tensor | None = None
     for module in model.modules():
-        if isinstance(module, FP8BlockLinear) and module.nonfinite_count is not None:
+        if isinstance(module, types) and module.nonfinite_count is not None:
             count = module.nonfinite_count
             total = count.clone() if total is None else total + count.to(total.device)
             count.zero_()

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from calclip.fp8.config import Fp8Config, get_fp8_recipe, require_recipe_available
 from calclip.fp8.linear import FP8BlockLinear
-from calclip.fp8.linear import pop_nonfinite_count as _pop_blockwise_nonfinite_count
+from calclip.fp8.linear import pop_nonfinite_count as _pop_nonfinite_count
 
 _TORCHAO_MODULE = "calclip.fp8.torchao_recipes"
 
@@ -57,10 +57,4 @@ def fp8_linear_from(linear: nn.Linear, config: Fp8Config, fqn: str = "") -> nn.L
 def pop_nonfinite_count(model: nn.Module) -> Tensor:
     """Sum of ``nonfinite_count`` over every FP8 linear of ``model``, any recipe (0-dim int64 tensor, no sync),
     and reset them to zero. Returns a CPU zero when no layer has run yet."""
-    total = _pop_blockwise_nonfinite_count(model)
-    torchao_recipes = _torchao_recipes()
-    if torchao_recipes is not None:
-        torchao_total = torchao_recipes.pop_nonfinite_count(model)
-        if torchao_total is not None:
-            total = torchao_total + total.to(torchao_total.device)
-    return total
+    return _pop_nonfinite_count(model, fp8_linear_types())

@@ -164,15 +164,3 @@ class TorchaoFloat8Linear(Float8Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={get_fp8_recipe(self.fp8_config.recipe).value}, emulate={self.emulate}"
-
-
-def pop_nonfinite_count(model: nn.Module) -> Tensor | None:
-    """Sum of ``nonfinite_count`` over the TorchaoFloat8Linear layers of ``model`` (0-dim int64, no sync), reset
-    to zero; None when none has run yet."""
-    total: Tensor | None = None
-    for module in model.modules():
-        if isinstance(module, TorchaoFloat8Linear) and module.nonfinite_count is not None:
-            count = module.nonfinite_count
-            total = count.clone() if total is None else total + count.to(total.device)
-            count.zero_()
-    return total
