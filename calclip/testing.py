@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import string
+import time
 
 import torch
 
@@ -158,6 +159,22 @@ def tiny_trainer(output_dir, *, tokenizer=None, num_prompts: int = 8, callbacks=
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+
+
+def spawn_workers(worker, out_dir, nprocs: int, timeout_s: float, what: str) -> None:
+    """Run ``worker(rank, port, out_dir)`` in ``nprocs`` processes (torch.multiprocessing.spawn, a fresh
+    ``free_port()`` for their process group) and wait for them; kill them and fail the test naming ``what`` once
+    ``timeout_s`` seconds have passed. A worker's exception is raised here by spawn."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{what} did not finish within {timeout_s} s")
 
 
 def free_port() -> int:

@@ -1,16 +1,13 @@
 """Step 7 across real processes: two gloo ranks on CPU hold identical bounds, equal to one process's result on
 the union of their tokens, with different token counts per rank (and a step where one rank has none)."""
 
-import time
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from calclip.calibration import ClipCalibrator, torch_distributed_all_gather
-from calclip.testing import free_port
+from calclip.testing import spawn_workers
 
 WORLD_SIZE = 2
 STEPS = 6
@@ -75,13 +72,7 @@ def _union_batch(step):
 
 
 def test_two_ranks_match_single_process_on_the_union(tmp_path):
-    context = mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"distributed calibration did not finish within {TIMEOUT_S} s")
+    spawn_workers(_worker, tmp_path, WORLD_SIZE, TIMEOUT_S, "distributed calibration")
 
     results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
     expected_ragged = [torch.tensor([10.0, 11.0, 12.0], dtype=torch.float64),

@@ -13,18 +13,16 @@ are keyed on the gather buffer, whose Parameter never bumps its version and whos
 in-place write to the shards can leave stale codes (benchmarks/probes/probe_fsdp2_weight_cache.py).
 """
 
-import time
 from dataclasses import replace
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from calclip.fp8 import Fp8Config, FP8BlockLinear, quantize_model
-from calclip.testing import free_port
+from calclip.testing import spawn_workers
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120
@@ -124,13 +122,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_fp8_forward_uses_the_gathered_weight_of_this_step(tmp_path):
-    context = mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"FSDP2 workers did not finish within {TIMEOUT_S} s")
+    spawn_workers(_worker, tmp_path, WORLD_SIZE, TIMEOUT_S, "FSDP2 workers")
 
     for rank in range(WORLD_SIZE):
         result = torch.load(tmp_path / f"rank{rank}.pt")
