@@ -58,6 +58,9 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--smooth", type=int, default=1, help="figure: trailing moving average over this many "
                         "logged steps per seed; default 1 (none)")
     parser.add_argument("--plot-only", metavar="DIR", help="redraw the table and figure of an existing comparison")
+    parser.add_argument("--partial", action="store_true", help="table and figure also read runs that ended before "
+                        "max_steps without failing (time limit, killed machine): a run counts for a window its "
+                        "logged steps reach, and is drawn up to its last step")
     parser.add_argument("--list-arms", action="store_true", help="print the preset arms and their fields")
     return parser
 
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if options.plot_only:
             if options.config or train_flags:
                 raise ValueError("--plot-only redraws an existing comparison: give no --config or train flags")
-            return _redraw(Path(options.plot_only), windows, options.smooth)
+            return _redraw(Path(options.plot_only), windows, options.smooth, options.partial)
         return _compare(options, train_flags, windows)
     except (ValueError, RuntimeError) as error:
         print(f"calclip compare: error: {error}", file=sys.stderr)
@@ -128,8 +131,9 @@ def _compare(options, train_flags: list[str], windows) -> int:
             group=group, time_limit_s=options.time_limit, stop_timeout_s=options.stop_timeout,
             threads_per_run=_threads_per_run(options.parallel),
         )
-    report_path, figure, note = report.write_report(root, windows=windows, smooth=options.smooth)
-    _print_summary(root, report_path, figure, note, windows)
+    report_path, figure, note = report.write_report(root, windows=windows, smooth=options.smooth,
+                                                    partial=options.partial)
+    _print_summary(root, report_path, figure, note, windows, options.partial)
     failed = [label for label, outcome in outcomes.items() if outcome.status == FAILED]
     unfinished = [label for label, outcome in outcomes.items() if outcome.status != FINISHED]
     if failed:
@@ -141,19 +145,19 @@ def _compare(options, train_flags: list[str], windows) -> int:
     return EXIT_OK
 
 
-def _redraw(root: Path, windows, smooth: int) -> int:
+def _redraw(root: Path, windows, smooth: int, partial: bool) -> int:
     if not (root / folder.COMPARISON_FILE).exists():
         raise ValueError(f"--plot-only {root}: no {folder.COMPARISON_FILE} there (not a calclip compare folder)")
-    report_path, figure, note = report.write_report(root, windows=windows, smooth=smooth)
-    _print_summary(root, report_path, figure, note, windows)
+    report_path, figure, note = report.write_report(root, windows=windows, smooth=smooth, partial=partial)
+    _print_summary(root, report_path, figure, note, windows, partial)
     return EXIT_OK if figure is not None else EXIT_FAILED_RUNS
 
 
-def _print_summary(root, report_path, figure, note, windows) -> None:
+def _print_summary(root, report_path, figure, note, windows, partial: bool = False) -> None:
     record, runs = report.load_runs(root)
     windows = windows or report.default_windows(report.max_steps(record))
     print()
-    print(report.markdown_tables(record, runs, windows[-1:]))
+    print(report.markdown_tables(record, runs, windows[-1:], partial))
     print(f"report: {report_path}")
     print(f"figure: {figure}" if figure is not None else f"figure: {note}")
 

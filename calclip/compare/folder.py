@@ -114,14 +114,23 @@ class FolderLock:
     def __init__(self, root: Path):
         self.path = Path(root) / LOCK_FILE
 
-    def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def _holder(self) -> int | None:
+        """The pid of a live calclip compare on this host holding the folder, else None."""
         try:
             pid_text, _, host = self.path.read_text().strip().partition(" ")
             pid = int(pid_text)
         except (FileNotFoundError, ValueError):
-            pid, host = None, ""
-        if pid is not None and pid != os.getpid() and host == socket.gethostname() and _alive(pid):
+            return None
+        return pid if host == socket.gethostname() and _alive(pid) else None
+
+    def held_by_live_process(self) -> bool:
+        """Whether a calclip compare (this one included) is running in the folder now."""
+        return self._holder() is not None
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        pid = self._holder()
+        if pid is not None and pid != os.getpid():
             raise RuntimeError(f"another calclip compare (pid {pid}) is running in {self.path.parent}")
         self.path.write_text(f"{os.getpid()} {socket.gethostname()}\n")
         return self

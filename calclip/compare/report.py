@@ -5,6 +5,11 @@ are skipped; a NaN logged there makes the mean NaN). The table shows, per arm, t
 of those window means +- their sample standard deviation (n-1; none for one seed). The figure has one panel per
 metric: per arm the mean over seeds at each logged step (after an optional trailing moving average per seed) and
 a band from the seeds' minimum to maximum.
+
+``partial=True`` (``calclip compare --partial``) also reads runs that ended before max_steps without failing
+(stopped by a time limit, or interrupted: status ``running`` with no live compare on the folder): such a run
+counts for a window only when its logged steps reach the window's last step, and the figure draws it up to its
+last logged step. A failed run never counts.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 
 from calclip.compare import folder
 from calclip.compare.metrics import FIELD_NAMES, METRIC_FIELDS, METRICS_FILE, read_metrics
-from calclip.compare.runner import FAILED, FINISHED, read_status
+from calclip.compare.runner import FAILED, FINISHED, RUNNING, STOPPED, read_status
 
 REPORT_FILE = "report.md"
 FIGURE_FILE = "figure.png"
@@ -37,12 +42,30 @@ assert set(TABLE_METRICS) <= set(FIELD_NAMES) and set(PLOT_METRICS) <= set(FIELD
 DESCRIPTIONS = dict(METRIC_FIELDS)
 
 
+INTERRUPTED = "interrupted"  # status "running" in the file, but no calclip compare holds the folder
+
+
 @dataclass
 class Run:
     arm: str
     seed: int
-    status: str  # finished, failed, stopped, running, not started
+    status: str  # finished, failed, stopped, running, interrupted, not started
     rows: list[dict]
+
+    @property
+    def last_step(self) -> int:
+        return self.rows[-1]["step"] if self.rows else 0
+
+
+def counts(run: Run, window: "Window | None" = None, partial: bool = False) -> bool:
+    """Whether ``run`` enters the table for ``window`` (the figure when None): finished runs always; with
+    ``partial``, a stopped or interrupted run whose logged steps reach the window's last step (any logged step
+    for the figure)."""
+    if run.status == FINISHED:
+        return True
+    if not partial or run.status not in (STOPPED, RUNNING, INTERRUPTED) or not run.rows:
+        return False
+    return window is None or run.last_step >= window.last
 
 
 @dataclass(frozen=True)
@@ -60,11 +83,14 @@ def load_runs(root: Path) -> tuple[dict, list[Run]]:
     record = folder.load(root)
     if record is None:
         raise ValueError(f"{root}: no {folder.COMPARISON_FILE} (not a calclip compare folder)")
+    live = folder.FolderLock(root).held_by_live_process()
     runs = []
     for arm in record["arms"]:
         for seed in record["seeds"]:
             directory = folder.run_directory(root, arm, seed)
             status = (read_status(directory) or {}).get("status", "not started")
+            if status == RUNNING and not live:
+                status = INTERRUPTED
             runs.append(Run(arm, seed, status, read_metrics(directory / METRICS_FILE)))
     return record, runs
 
@@ -103,9 +129,10 @@ def window_mean(rows: list[dict], metric: str, window: Window) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
-def arm_summary(runs: list[Run], metric: str, window: Window) -> tuple[float, float | None, int] | None:
-    """(mean, sample std or None, n) over the finished seeds' window means; None when no seed logged it."""
-    means = [m for run in runs if run.status == FINISHED
+def arm_summary(runs: list[Run], metric: str, window: Window,
+                partial: bool = False) -> tuple[float, float | None, int] | None:
+    """(mean, sample std or None, n) over the counted seeds' window means (`counts`); None when none logged it."""
+    means = [m for run in runs if counts(run, window, partial)
              for m in [window_mean(run.rows, metric, window)] if m is not None]
     if not means:
         return None
@@ -121,30 +148,35 @@ def format_cell(summary) -> str:
     return f"{mean:.4g}" if std is None else f"{mean:.4g} ± {std:.2g}"
 
 
-def arm_header(arm: str, runs: list[Run]) -> str:
-    finished = [run for run in runs if run.status == FINISHED]
-    header = f"{arm} (n={len(finished)})"
-    others = [run for run in runs if run.status != FINISHED]
-    if others:
-        header += " " + "; ".join(f"seed {run.seed} {'FAILED' if run.status == FAILED else run.status}"
-                                  for run in others)
-    return header
+def arm_header(arm: str, runs: list[Run], window: Window | None = None, partial: bool = False) -> str:
+    counted = [run for run in runs if counts(run, window, partial)]
+    header = f"{arm} (n={len(counted)})"
+    notes = [f"seed {run.seed} to step {run.last_step} ({run.status})" for run in counted if run.status != FINISHED]
+    notes += [f"seed {run.seed} {'FAILED' if run.status == FAILED else run.status}"
+              + (f" at step {run.last_step}" if run.rows and run.status != FAILED else "")
+              for run in runs if run not in counted]
+    return header + (" " + "; ".join(notes) if notes else "")
 
 
-def markdown_tables(record: dict, runs: list[Run], windows: list[Window]) -> str:
+def markdown_tables(record: dict, runs: list[Run], windows: list[Window], partial: bool = False) -> str:
     by_arm = {arm: [run for run in runs if run.arm == arm] for arm in record["arms"]}
     lines = []
     for window in windows:
         lines += [f"### {window.title()}", ""]
-        lines.append("| metric | " + " | ".join(arm_header(arm, arm_runs) for arm, arm_runs in by_arm.items()) + " |")
+        lines.append("| metric | " + " | ".join(arm_header(arm, arm_runs, window, partial)
+                                               for arm, arm_runs in by_arm.items()) + " |")
         lines.append("|---" * (len(by_arm) + 1) + "|")
         for metric in TABLE_METRICS:
             cells = []
             for arm_runs in by_arm.values():
-                if not any(run.status == FINISHED for run in arm_runs):
-                    cells.append("failed" if any(run.status == FAILED for run in arm_runs) else "not run")
+                if not any(counts(run, window, partial) for run in arm_runs):
+                    if any(run.status == FAILED for run in arm_runs):
+                        cells.append("failed")
+                    else:
+                        reached = "not reached" if partial else "unfinished"
+                        cells.append(reached if any(run.rows for run in arm_runs) else "not run")
                 else:
-                    cells.append(format_cell(arm_summary(arm_runs, metric, window)))
+                    cells.append(format_cell(arm_summary(arm_runs, metric, window, partial)))
             lines.append(f"| `{metric}` | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -167,7 +199,7 @@ def runs_table(runs: list[Run], root: Path) -> str:
 
 
 def render_report(root: Path, record: dict, runs: list[Run], windows: list[Window], figure: Path | None,
-                  figure_note: str | None = None) -> str:
+                  figure_note: str | None = None, partial: bool = False) -> str:
     arms = record["arms"]
     lines = [f"# calclip compare: {Path(root).name}", ""]
     lines.append(f"Config `{record['config_path']}`, seeds {', '.join(map(str, record['seeds']))}, "
@@ -179,13 +211,17 @@ def render_report(root: Path, record: dict, runs: list[Run], windows: list[Windo
     lines += ["", "## Runs", "", runs_table(runs, root), ""]
     lines += ["## Window means ± std over seeds", "",
               "Per run, the mean of a metric over the steps of the window where it was logged; then the mean over "
-              "finished seeds ± their sample standard deviation (n-1; no ± with one seed). `-`: never logged in "
-              "the window.", ""]
-    lines.append(markdown_tables(record, runs, windows))
+              + ("the seeds whose run reached the window's last step (finished, or stopped/interrupted later: "
+                 "`--partial`)" if partial else "finished seeds")
+              + " ± their sample standard deviation (n-1; no ± with one seed). `-`: never logged in the window.", ""]
+    lines.append(markdown_tables(record, runs, windows, partial))
     lines += ["## Figure", ""]
     if figure is not None:
         lines += [f"![comparison]({figure.name})", ""]
-        lines.append("Mean over finished seeds per arm; band: minimum to maximum over seeds.")
+        lines.append("Mean over finished seeds per arm; band: minimum to maximum over seeds." if not partial else
+                     "Mean per arm over the seeds logged at each step (`--partial`: runs that ended early are drawn "
+                     "up to their last step, so the mean's seed set shrinks where they end); band: minimum to "
+                     "maximum over those seeds.")
     else:
         lines.append(figure_note or "no figure")
     lines += ["", "## Metrics", ""]
@@ -203,11 +239,12 @@ def _smoothed(values: list[float], window: int) -> list[float]:
     return out
 
 
-def curve(runs: list[Run], metric: str, smooth: int = 1) -> tuple[list[int], list[float], list[float], list[float]]:
-    """(steps, mean, min, max) over the finished runs at every step where at least one logged ``metric``."""
+def curve(runs: list[Run], metric: str, smooth: int = 1,
+          partial: bool = False) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) over the counted runs (`counts`) at every step where at least one logged ``metric``."""
     per_step: dict[int, list[float]] = {}
     for run in runs:
-        if run.status != FINISHED:
+        if not counts(run, None, partial):
             continue
         points = [(row["step"], row[metric]) for row in run.rows if row.get(metric) is not None]
         values = _smoothed([value for _, value in points], smooth)
@@ -218,7 +255,7 @@ def curve(runs: list[Run], metric: str, smooth: int = 1) -> tuple[list[int], lis
             [min(per_step[s]) for s in steps], [max(per_step[s]) for s in steps])
 
 
-def plot(record: dict, runs: list[Run], path: Path, smooth: int = 1) -> Path:
+def plot(record: dict, runs: list[Run], path: Path, smooth: int = 1, partial: bool = False) -> Path:
     """Write the figure; ImportError (with `MATPLOTLIB_MISSING`) without matplotlib."""
     try:
         import matplotlib
@@ -234,7 +271,7 @@ def plot(record: dict, runs: list[Run], path: Path, smooth: int = 1) -> Path:
     for index, metric in enumerate(PLOT_METRICS):
         ax = axes[index // columns][index % columns]
         for arm_index, arm in enumerate(record["arms"]):
-            steps, mean, low, high = curve([run for run in runs if run.arm == arm], metric, smooth)
+            steps, mean, low, high = curve([run for run in runs if run.arm == arm], metric, smooth, partial)
             if not steps:
                 continue
             color = colors[arm_index % len(colors)]
@@ -251,25 +288,28 @@ def plot(record: dict, runs: list[Run], path: Path, smooth: int = 1) -> Path:
         figure.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False)
     seeds = ", ".join(map(str, record["seeds"]))
     smooth_note = f", moving average over {smooth} logged steps" if smooth > 1 else ""
-    figure.suptitle(f"mean over seeds {seeds} (band: min-max){smooth_note}", fontsize=9, y=0.005, va="bottom")
+    partial_note = "; runs that ended early drawn to their last step" if partial else ""
+    figure.suptitle(f"mean over seeds {seeds} (band: min-max){smooth_note}{partial_note}", fontsize=9, y=0.005,
+                    va="bottom")
     figure.tight_layout(rect=(0, 0.02, 1, 0.95))
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
 
 
-def write_report(root: Path, *, windows: list[Window] | None = None, smooth: int = 1) -> tuple[Path, Path | None, str | None]:
+def write_report(root: Path, *, windows: list[Window] | None = None, smooth: int = 1,
+                 partial: bool = False) -> tuple[Path, Path | None, str | None]:
     """Write ``report.md`` and ``figure.png`` from the folder's runs; return (report, figure or None, note)."""
     root = Path(root)
     record, runs = load_runs(root)
     windows = windows or default_windows(max_steps(record))
     figure, note = None, None
     try:
-        figure = plot(record, runs, root / FIGURE_FILE, smooth)
+        figure = plot(record, runs, root / FIGURE_FILE, smooth, partial)
     except ImportError as error:
         note = str(error)
     report = root / REPORT_FILE
-    report.write_text(render_report(root, record, runs, windows, figure, note))
+    report.write_text(render_report(root, record, runs, windows, figure, note, partial))
     return report, figure, note
 
 

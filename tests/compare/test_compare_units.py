@@ -233,6 +233,86 @@ def test_curve_mean_and_band_over_finished_seeds():
     assert report.curve(runs, "reward", smooth=2) == ([1, 2], [1.5, 2.0], [1.0, 2.0], [2.0, 2.0])
 
 
+def test_partial_counts_unfinished_runs_only_for_the_windows_they_reach():
+    window = report.Window(1, 2)
+    finished = _run("a", 0, "finished", [(1, 1.0), (2, 3.0), (3, 5.0)])  # window mean 2.0
+    stopped = _run("a", 1, "stopped", [(1, 4.0), (2, 6.0)])  # reaches step 2: window mean 5.0
+    short = _run("a", 2, "interrupted", [(1, 100.0)])  # never reaches step 2
+    failed = _run("a", 3, "failed", [(1, 7.0), (2, 7.0), (3, 7.0)])  # never counted, even with partial
+    runs = [finished, stopped, short, failed]
+    assert report.arm_summary(runs, "reward", window) == (2.0, None, 1)  # default: finished seeds only
+    mean, std, n = report.arm_summary(runs, "reward", window, partial=True)
+    assert (mean, n) == (3.5, 2) and std == pytest.approx(statistics.stdev([2.0, 5.0]), rel=1e-12)
+    assert report.arm_summary(runs, "reward", report.Window(1, 1), partial=True)[:3:2] == (35.0, 3)
+    assert report.arm_header("a", runs, window, partial=True) == (
+        "a (n=2) seed 1 to step 2 (stopped); seed 2 interrupted at step 1; seed 3 FAILED")
+    assert report.arm_header("a", runs, window) == (
+        "a (n=1) seed 1 stopped at step 2; seed 2 interrupted at step 1; seed 3 FAILED")
+    # The figure draws a partial run up to its last step; a failed one never.
+    assert report.curve(runs, "reward", partial=True) == ([1, 2, 3], [35.0, 4.5, 5.0], [1.0, 3.0, 5.0],
+                                                          [100.0, 6.0, 5.0])
+    assert report.curve(runs, "reward") == ([1, 2, 3], [1.0, 3.0, 5.0], [1.0, 3.0, 5.0], [1.0, 3.0, 5.0])
+
+
+def test_table_cells_of_an_arm_whose_runs_did_not_get_there():
+    record = {"arms": {"done": {}, "short": {}, "none": {}}, "seeds": [0]}
+    runs = [_run("done", 0, "finished", [(1, 0.5), (2, 0.7)]), _run("short", 0, "stopped", [(1, 0.25)]),
+            _run("none", 0, "not started", [])]
+    windows = [report.Window(1, 1), report.Window(1, 2)]
+    lines = [line for line in report.markdown_tables(record, runs, windows, partial=True).splitlines()
+             if line.startswith("| `reward`")]
+    assert lines == ["| `reward` | 0.5 | 0.25 | not run |", "| `reward` | 0.6 | not reached | not run |"]
+    lines = [line for line in report.markdown_tables(record, runs, windows[:1]).splitlines()
+             if line.startswith("| `reward`")]
+    assert lines == ["| `reward` | 0.5 | unfinished | not run |"]
+
+
+def _synthetic_folder(root: Path, runs: dict) -> None:
+    """A comparison folder as `calclip compare` leaves it: record, per-run status and metrics files."""
+    record = {"format": folder.FORMAT_VERSION, "created": "2026-12-01 00:00:00", "group": "g",
+              "config_path": "configs/x.yaml", "seeds": sorted({seed for _, seed in runs}),
+              "arms": {arm: {"overrides": {}, "description": "", "config": {"max_steps": 4}}
+                       for arm, _ in runs}}
+    root.mkdir(parents=True)
+    (root / folder.COMPARISON_FILE).write_text(json.dumps(record))
+    for (arm, seed), (status, rewards) in runs.items():
+        directory = folder.run_directory(root, arm, seed)
+        directory.mkdir(parents=True)
+        (directory / runner.STATUS_FILE).write_text(json.dumps({"status": status, "pid": 1, "wall_s": 0.0}))
+        with (directory / metrics.METRICS_FILE).open("w") as handle:
+            for step, reward in enumerate(rewards, start=1):
+                handle.write(json.dumps({"step": step, "time": float(step), "reward": reward}) + "\n")
+
+
+def test_a_running_status_with_no_live_compare_reads_as_interrupted(tmp_path):
+    root = tmp_path / "cmp"
+    _synthetic_folder(root, {("a", 0): ("running", [1.0, 2.0])})
+    assert [run.status for run in report.load_runs(root)[1]] == ["interrupted"]
+    (root / folder.LOCK_FILE).write_text(f"{os.getpid()} {__import__('socket').gethostname()}\n")
+    assert [run.status for run in report.load_runs(root)[1]] == ["running"]  # a live compare holds the folder
+    (root / folder.LOCK_FILE).write_text(f"{os.getpid()} some-other-host\n")  # a folder copied off a machine
+    assert [run.status for run in report.load_runs(root)[1]] == ["interrupted"]
+
+
+def test_plot_only_partial_reports_the_metrics_files_numbers(tmp_path, capsys):
+    root = tmp_path / "cmp"
+    _synthetic_folder(root, {("a", 0): ("finished", [1.0, 2.0, 3.0, 4.0]), ("a", 1): ("finished", [3.0, 4.0, 5.0, 6.0]),
+                             ("b", 0): ("running", [0.5, 1.5, 2.5]), ("b", 1): ("running", [1.5, 0.5])})
+    assert command.main(["--plot-only", str(root), "--windows", "1-2,1-3", "--partial"]) in (
+        command.EXIT_OK, command.EXIT_FAILED_RUNS)  # the latter without matplotlib (no figure)
+    text = (root / report.REPORT_FILE).read_text()
+    reward = [line for line in text.splitlines() if line.startswith("| `reward`")]
+    # steps 1-2: a = mean(1.5, 3.5) +- stdev; b = mean(1.0, 1.0) over both interrupted seeds. Steps 1-3: b seed 1
+    # stops at step 2, so only seed 0 (mean 1.5) counts.
+    assert reward == [f"| `reward` | 2.5 ± {statistics.stdev([1.5, 3.5]):.2g} | 1 ± 0 |",
+                      f"| `reward` | 3 ± {statistics.stdev([2.0, 4.0]):.2g} | 1.5 |"]
+    assert "b (n=1) seed 0 to step 3 (interrupted); seed 1 interrupted at step 2" in text
+    assert "`--partial`" in text
+    command.main(["--plot-only", str(root), "--windows", "1-2"])  # without --partial: interrupted runs left out
+    reward = [line for line in (root / report.REPORT_FILE).read_text().splitlines() if line.startswith("| `reward`")]
+    assert reward == [f"| `reward` | 2.5 ± {statistics.stdev([1.5, 3.5]):.2g} | unfinished |"]
+
+
 # ---------------------------------------------------------------------------------------------------- callbacks
 
 
