@@ -38,7 +38,11 @@ PLOT_METRICS = (
     "clip/neg_low_frac_bf16", "calib/low", "calib/high", "mismatch/token_mult_prob_error",
     "completions/mean_length", "completions/repeat_ngram_frac", "step_time",
 )
+# Drawn on a log y axis: one burst (a token-mult-prob-error of 1e3, a first step that compiles kernels) would
+# otherwise flatten the rest of the curve.
+LOG_SCALE_METRICS = frozenset({"mismatch/token_mult_prob_error", "step_time"})
 assert set(TABLE_METRICS) <= set(FIELD_NAMES) and set(PLOT_METRICS) <= set(FIELD_NAMES)
+assert LOG_SCALE_METRICS <= set(PLOT_METRICS)
 DESCRIPTIONS = dict(METRIC_FIELDS)
 
 
@@ -277,8 +281,12 @@ def plot(record: dict, runs: list[Run], path: Path, smooth: int = 1, partial: bo
             color = colors[arm_index % len(colors)]
             ax.plot(steps, mean, color=color, linewidth=1.2, label=arm, marker="." if len(steps) < 20 else None)
             ax.fill_between(steps, low, high, color=color, alpha=0.2, linewidth=0)
-        ax.set_title(metric, fontsize=9)
-        ax.ticklabel_format(axis="y", useOffset=False)  # 1.0312, not 0.0312 + 1
+        if metric in LOG_SCALE_METRICS and ax.has_data():
+            ax.set_yscale("log")
+            ax.set_title(f"{metric} (log)", fontsize=9)
+        else:
+            ax.set_title(metric, fontsize=9)
+            ax.ticklabel_format(axis="y", useOffset=False)  # 1.0312, not 0.0312 + 1
         ax.tick_params(labelsize=7)
         ax.set_xlabel("step", fontsize=7)
     for index in range(len(PLOT_METRICS), rows * columns):
