@@ -200,6 +200,14 @@ class CalibratedGRPOConfig(GRPOConfig):
         default=4,
         metadata={"help": "n of the garbled-output signal completions/repeat_ngram_frac (share of repeated n-grams)."},
     )
+    mismatch_dump_threshold: float | None = field(
+        default=5.0,
+        metadata={"help": "Rollout vs trainer log-prob gap (nats) above which a completion token is appended to "
+                  "<output_dir>/mismatch_outliers.jsonl (step, row, position, token, both log-probs, the BF16 "
+                  "shadow's where computed, the completion text; largest first, at most 32 a step and 2000 a run). "
+                  "null: off. Needs rollout log-probs (transformers generate, or vLLM) and "
+                  "old_logps_source='trainer'. The step's largest gap is logged as mismatch/max_abs_logp_diff."},
+    )
 
     def __post_init__(self):
         self.resume_from_checkpoint = resume_flag(self.resume_from_checkpoint)
@@ -275,6 +283,11 @@ class CalibratedGRPOConfig(GRPOConfig):
         _one_of("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
         if not isinstance(self.compile_generation, bool):
             raise ValueError(f"compile_generation must be true or false, got {self.compile_generation!r}")
+        if self.mismatch_dump_threshold is not None and (
+            not _is_number(self.mismatch_dump_threshold) or not self.mismatch_dump_threshold > 0
+        ):
+            raise ValueError(f"mismatch_dump_threshold must be a number of nats > 0, or null (off), got "
+                             f"{self.mismatch_dump_threshold!r}")
 
         if not _is_number(self.dual_clip_c) or self.dual_clip_c <= 1.0:
             raise ValueError(f"dual_clip_c must be a number > 1, got {self.dual_clip_c!r}")

@@ -93,6 +93,7 @@ from calclip.trainers.checkpoint import (
 )
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
+from calclip.trainers.mismatch_outliers import MismatchOutlierLog, logp_gaps, outlier_path
 from calclip.trainers.rewards import exclude_nonfinite_rewards
 from calclip.trainers.ratio_histograms import attach_ratio_histograms
 from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
@@ -109,7 +110,7 @@ _PER_STEP_STATS = ("calib/low", "calib/high", "clip/neg_low_frac_fp8", "clip/pos
 # Stats summed over ranks (counts); every other stat is averaged over ranks.
 _SUMMED_STATS = ("fp8/nonfinite_tokens", "loss/nonfinite_tokens", "tis/nonfinite_tokens")
 # Reduced over ranks by their extreme, not their mean.
-_MIN_STATS, _MAX_STATS = ("tis/weight_min",), ("tis/weight_max",)
+_MIN_STATS, _MAX_STATS = ("tis/weight_min",), ("tis/weight_max", "mismatch/max_abs_logp_diff")
 
 
 def _sum_count(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,6 +237,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             window=args.entropy_spike_window, warmup=args.entropy_spike_warmup, z_threshold=args.entropy_spike_z
         )
         self._step_entropies: list[tuple[float, float]] = []  # (entropy, A<0 entropy) of this step's micro-batches
+        self._outlier_log: MismatchOutlierLog | None = None  # created at the first outlier check
+        self._outlier_warned = False
         self._old_logps_step: int | None = None  # global_step at which the buffered generation batch was produced
         # W&B histograms of the calibration ratios; None (no cost) unless W&B reports this run.
         self._ratio_histograms = attach_ratio_histograms(self)
@@ -692,6 +695,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             token_sums["mismatch/token_mult_prob_error"] = (token_mult_prob_error(old_logps, rollout, mask) * count,
                                                             count)  # fmt: skip
             token_sums["mismatch/kl_k3"] = (kl_k3(old_logps, rollout, mask) * count, count)
+            self._mismatch_outliers(mode, inputs, old_logps, rollout, mask, stats)
         if "tis/weight_mean" in stats:
             self._tis_token_sums(inputs, old_logps, mask, stats, token_sums)
 
@@ -729,6 +733,30 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             self._step_entropies.append((values["entropy"], values["entropy/neg_adv"]))
             if self.accelerator.sync_gradients:
                 self._end_of_step_monitoring()
+
+    def _mismatch_outliers(self, mode, inputs, old_logps, rollout, mask, stats) -> None:
+        """mismatch/max_abs_logp_diff, and in training the tokens above mismatch_dump_threshold written out
+        (calclip.trainers.mismatch_outliers)."""
+        gaps = logp_gaps(old_logps.detach(), rollout, mask)
+        stats["mismatch/max_abs_logp_diff"] = gaps.max() if gaps.numel() else gaps.new_zeros(())
+        threshold = self.args.mismatch_dump_threshold
+        if threshold is None or mode != "train":
+            return
+        if self._outlier_log is None:
+            path = outlier_path(self.args.output_dir, self.accelerator.process_index)
+            self._outlier_log = MismatchOutlierLog(path, threshold)
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        step = self.state.global_step + 1  # the optimizer step this loss feeds (the metrics files' step)
+        found = self._outlier_log.record(
+            step=step, rank=self.accelerator.process_index, gaps=gaps, completion_ids=inputs["completion_ids"],
+            trainer_logps=old_logps.detach(), rollout_logps=rollout, mask=mask,
+            shadow_logps=inputs.get(BF16_OLD_LOGPS_KEY), decode=getattr(tokenizer, "decode", None),
+        )
+        if found and not self._outlier_warned:
+            self._outlier_warned = True
+            warnings.warn(f"{found} completion token(s) at step {step} have rollout and trainer log-probs more than "
+                          f"{threshold} nats apart (max {float(gaps.max()):.3g}): written to "
+                          f"{self._outlier_log.path} (warned once; the file keeps them)", stacklevel=2)
 
     def _tis_token_sums(self, inputs, old_logps, mask, stats, token_sums) -> None:
         """TIS means over their weighted units (tokens, or sequences in the sequence modes) as (sum, count) pairs;
