@@ -12,7 +12,9 @@ of whole 128-element groups into registers, reduces it, and writes codes and sca
 
 On CUDA the launchers autotune the tile shapes over a few configs (keyed on the inner dim and a bucket of the
 outer one, so a new sequence length does not retune); set ``CALCLIP_TRITON_AUTOTUNE=0`` to use the default
-config only. On CPU tensors the kernels run under ``TRITON_INTERPRET=1`` (tests only): the interpreter's own
+config only. The timings are kept on disk in Triton's cache (``triton.autotune(cache_results=True)``, keyed by the
+Triton version, the GPU target, the kernel source, the key and the configs), so a second process on the machine
+reuses them instead of re-timing every config; ``CALCLIP_TRITON_AUTOTUNE_CACHE=0`` turns that off. On CPU tensors the kernels run under ``TRITON_INTERPRET=1`` (tests only): the interpreter's own
 fp32 -> fp8 cast truncates instead of rounding and cannot produce NaN, so in that mode the kernels encode the
 e4m3fn bits in software (``_e4m3fn_bits``) and store them through a uint8 view. The GPU tests check that this
 software encoder equals the hardware ``cvt.rn.satfinite.e4m3x2.f32`` on every fp32 input they try.
@@ -178,6 +180,10 @@ class _Tuned:
     later calls look the config up in a dict and launch the plain kernel with it, so a steady-state call pays
     one dict lookup instead of the autotuner's per-call argument dicts and key building. The interpreter and
     ``CALCLIP_TRITON_AUTOTUNE=0`` always use the first (default) config.
+
+    The timings persist in Triton's on-disk cache (``cache_results``; off with ``CALCLIP_TRITON_AUTOTUNE_CACHE=0``):
+    in the first H200 comparison (docs/benchmarks.md, 2026-12-01) every FP8 process spent ~190 s more than BF16 on
+    its first step, twelve processes compiling and timing the same configs at once.
     """
 
     def __init__(self, kernel, configs: list[triton.Config], key: list[str],
@@ -185,7 +191,9 @@ class _Tuned:
         self.kernel = kernel
         self.default = configs[0]
         # restore_value: arguments the kernel accumulates into (a counter), restored after each timing run
-        self.autotuner = triton.autotune(configs=configs, key=key, restore_value=restore_value)(kernel)
+        cache_results = os.environ.get("CALCLIP_TRITON_AUTOTUNE_CACHE", "1") != "0"
+        self.autotuner = triton.autotune(configs=configs, key=key, restore_value=restore_value,
+                                         cache_results=cache_results)(kernel)
         self.chosen: dict[tuple, tuple[dict, dict]] = {}  # key -> (config.kwargs, all launch kwargs)
         self._default_launch = (self.default.kwargs, self.default.all_kwargs())
         # what torch.compile records (wrap_triton): the configs to tune over, or the default alone

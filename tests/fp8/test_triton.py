@@ -22,7 +22,7 @@ DEVICE = "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
 
 
 
-NO_DEVICE_TESTS = {"test_kernels_compile_for_sm90_without_a_gpu"}
+NO_DEVICE_TESTS = {"test_kernels_compile_for_sm90_without_a_gpu", "test_autotune_timings_persist_unless_turned_off"}
 
 
 @pytest.fixture(autouse=True)
@@ -354,6 +354,24 @@ def test_gemm_rejects_bad_operands():
         tk.fp8_block_gemm_triton(qa, sa, qb, sb, out_dtype=torch.int32)
     y = tk.fp8_block_gemm_triton(qa[:0], sa[:0], qb, sb, out_dtype=torch.bfloat16)
     assert y.shape == (0, 256)
+
+
+def test_autotune_timings_persist_unless_turned_off(monkeypatch):
+    """Every calclip autotuner keeps its timings in Triton's disk cache (a second process on the machine skips the
+    timing runs); CALCLIP_TRITON_AUTOTUNE_CACHE=0 turns that off. (Triton itself ignores cache_results under the
+    interpreter, so the flag handed to triton.autotune is what is checked here.)"""
+    seen = []
+    real = tk.triton.autotune
+
+    def recording_autotune(*args, **kwargs):
+        seen.append(kwargs.get("cache_results"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tk.triton, "autotune", recording_autotune)
+    tk._Tuned(tk._fp8_block_gemm_kernel, tk._GEMM_CONFIGS, key=["M_BUCKET", "N", "K"])
+    monkeypatch.setenv("CALCLIP_TRITON_AUTOTUNE_CACHE", "0")
+    tk._Tuned(tk._fp8_block_gemm_kernel, tk._GEMM_CONFIGS, key=["M_BUCKET", "N", "K"])
+    assert seen[0] is True and seen[-1] is False
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter does not compile")
