@@ -37,6 +37,13 @@ sees and launches their Triton kernels), and the staleness check runs once per m
 before each call of one submodule of a converted model compiled on its own (its layers leave the refresh to the
 root's hook, which that call does not run; a bare FP8BlockLinear compiled alone refreshes in its own hook).
 
+Fused decode (opt-in, ``Fp8Config.decode_fused_max_m``, off by default and not yet measured on a GPU): an eager
+forward with grad disabled (rollout decode) and at most that many rows takes ONE launch,
+``triton_kernels.fp8_linear_fused_quant_gemm``, which quantizes x's 1x128 groups in the GEMM's prologue and counts
+non-finite rows itself: the same codes and scales as the two-launch path, which a training forward always takes
+(its backward needs the saved 128x1 codes). Compiled calls keep the triton ops above (the fused kernel is an
+eager-only path).
+
 backward="bf16" is the straight-through comparison mode (eager only): dx = dy W_dq with W_dq =
 dequant(Q128x128(W)), and dW = dy^T x with the unquantized x (saved in its own dtype), plain matmuls.
 
@@ -48,6 +55,8 @@ forward call (including gradient-checkpointing recomputation); ``pop_nonfinite_c
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -245,6 +254,21 @@ def _forward_op_backward(ctx, dy2, _dqxt, _dsxt, _dcount):
 _forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context)
 
 
+_FUSED_DECODE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fused_decode_kernel(x2: Tensor):
+    """``triton_kernels.fp8_linear_fused_quant_gemm`` when it can serve ``x2`` (a CUDA tensor, or a CPU tensor
+    under TRITON_INTERPRET=1, in bf16/fp16/fp32, triton importable), else None: then the layer's usual path runs.
+    Fp8Config.decode_fused_max_m opts in; its validation already asked for block_size 128 and a non-emulated gemm."""
+    if x2.dtype not in _FUSED_DECODE_DTYPES:
+        return None
+    if not x2.is_cuda and not (x2.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        return None
+    module = quant.triton_kernels()
+    return getattr(module, "fp8_linear_fused_quant_gemm", None) if module is not None else None
+
+
 class FP8BlockLinear(nn.Linear):
     """nn.Linear computing in block FP8. Same Parameters (weight [N, K], bias [N]) and state_dict keys as
     nn.Linear; output and input gradient in the input dtype (the autocast dtype under autocast), weight
@@ -381,6 +405,11 @@ class FP8BlockLinear(nn.Linear):
 
     def _eager_forward(self, x2: Tensor, cfg: Fp8Config) -> Tensor:
         self._refresh_weight_codes()
+        if cfg.decode_fused_max_m and not torch.is_grad_enabled() and 0 < x2.shape[0] <= cfg.decode_fused_max_m:
+            fused = _fused_decode_kernel(x2)
+            if fused is not None:  # one launch: quantize x in the GEMM's prologue, count non-finite rows
+                return fused(x2, self._fp8_qw, self._fp8_sw, out_dtype=x2.dtype, nonfinite_count=self.nonfinite_count,
+                             weight_bad=self._fp8_bad, pow2=cfg.power_of_two_scales)
         return _FP8BlockLinearFn.apply(x2, self.weight, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                        self.nonfinite_count, self, cfg, x2.dtype, torch.is_grad_enabled())
 
