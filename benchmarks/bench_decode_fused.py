@@ -20,8 +20,9 @@ Sections (``--only``):
   (30 layers, h576 i1536, 9 heads / 3 KV heads): BF16 vs FP8 (field off) vs FP8 fused (field on). Decode
   tokens/s between CUDA events after the first and the last token (prefill excluded; bench_speed's clock), and
   the share of generated tokens where the two FP8 arms agree (greedy; they differ only by fp32 rounding order).
-  The fused path is eager-only: CUDA-graphed decode (``cache_implementation="static"``) keeps the unfused ops,
-  so this section has no graphed setting.
+  Settings (``--settings``): ``eager`` (dynamic cache) and ``graphed`` (``cache_implementation="static"``:
+  transformers compiles the decode step with CUDA graphs; the fused arm's linears are then the triton op
+  ``calclip::fp8_linear_decode``). ``--models`` picks the models (``8L``, ``smollm``).
 
 Method: arms interleaved (A B C A B C ...) over ``--repeats`` rounds after a warm-up; medians with [min-max];
 ratio columns are medians of per-round ratios, time of the denominator arm over the fused arm (> 1: fused is
@@ -43,8 +44,8 @@ from torch import nn
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
 from _common import ROTATE_BYTES, git_commit, package_version, table
-from bench_speed import (Arm, cell, free_memory, interleave, paired_ratio, setup_arm, sharing_copy, short_error,
-                         step_clock, sync)
+from bench_speed import (cell, compiled_warmup, free_memory, interleave, paired_ratio, setup_arm, sharing_copy,
+                         short_error, step_clock, sync, watch_recompiles)
 
 SECTIONS = ("layer", "decode")
 # (K, N): SmolLM2-135M's q/o, gate/up, down, k/v; then the 8-layer h2048 i8192 model's.
@@ -53,7 +54,8 @@ LAYER_MS = (1, 16, 64, 256)
 TINY_LAYER_SHAPES = ((576, 192), (130, 100))
 TINY_LAYER_MS = (1, 16)
 # (name, layers, hidden, intermediate, heads, kv heads, vocab)
-MODELS = (("8L h2048 i8192", 8, 2048, 8192, 16, 16, 32000), ("SmolLM2-135M shape", 30, 576, 1536, 9, 3, 49152))
+MODELS = {"8L": ("8L h2048 i8192", 8, 2048, 8192, 16, 16, 32000),
+          "smollm": ("SmolLM2-135M shape", 30, 576, 1536, 9, 3, 49152)}
 TINY_MODELS = (("tiny h192", 1, 192, 320, 2, 1, 512),)
 DECODE_BATCHES, TINY_DECODE_BATCHES = (64, 256), (2, 4)
 FUSED_MAX_M = 256  # covers every M and batch above
@@ -214,6 +216,9 @@ def build_model(layers: int, hidden: int, inter: int, heads: int, kv_heads: int,
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
 
 
+SETTINGS = {"eager": {}, "graphed": {"cache_implementation": "static"}}
+
+
 def decode_section(opts) -> None:
     import transformers
     from transformers import LogitsProcessorList
@@ -229,45 +234,56 @@ def decode_section(opts) -> None:
         models = {"BF16": base, "FP8": quantize_model(sharing_copy(base), Fp8Config()).eval(),
                   "fused": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=FUSED_MAX_M)).eval()}
         for batch in opts.decode_batches:
-            print(f"-- decode {name}, batch {batch}", flush=True)
             gen = torch.Generator(device="cpu").manual_seed(batch)
             prompt = torch.randint(3, vocab, (batch, opts.prompt), generator=gen).to(device)
             mask = torch.ones_like(prompt)
-            last: dict[str, torch.Tensor] = {}
+            for setting in opts.settings:
+                print(f"-- decode {name}, batch {batch}, {setting}", flush=True)
+                extra = SETTINGS[setting]
+                if extra:  # this batch's decode step compiles with static shapes, as in a run with one batch size
+                    torch._dynamo.reset()
+                last: dict[str, torch.Tensor] = {}
 
-            def arm_of(arm: str, model: nn.Module):
-                def generate_once() -> dict[str, float]:
-                    clock = step_clock()
-                    with torch.no_grad():
-                        out = model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=opts.new_tokens,
-                                             min_new_tokens=opts.new_tokens, do_sample=False, pad_token_id=0,
-                                             logits_processor=LogitsProcessorList([clock]))
-                    seconds, steps = clock.decode_seconds()
-                    last[arm] = out[:, opts.prompt:]
-                    return {"tok_s": batch * steps / seconds, "ms_step": seconds / steps * 1e3}
+                def arm_of(arm: str, model: nn.Module):
+                    def generate_once() -> dict[str, float]:
+                        clock = step_clock()
+                        with torch.no_grad():
+                            out = model.generate(input_ids=prompt, attention_mask=mask,
+                                                 max_new_tokens=opts.new_tokens, min_new_tokens=opts.new_tokens,
+                                                 do_sample=False, pad_token_id=0,
+                                                 logits_processor=LogitsProcessorList([clock]), **extra)
+                        seconds, steps = clock.decode_seconds()
+                        last[arm] = out[:, opts.prompt:]
+                        return {"tok_s": batch * steps / seconds, "ms_step": seconds / steps * 1e3}
 
-                def build():
-                    generate_once()  # warm-up: codes, autotuning, compilation
-                    return generate_once
-                return build
+                    def build():
+                        if extra and device.type == "cuda":  # compile + record the CUDA graphs
+                            compiled_warmup(f"{arm} {setting} b{batch}", lambda: [generate_once() for _ in range(2)])
+                            return watch_recompiles(f"{arm} {setting} b{batch}", generate_once)
+                        generate_once()  # warm-up: codes, autotuning, Triton compilation
+                        return generate_once
+                    return build
 
-            arms = {arm: setup_arm(arm, arm_of(arm, model)) for arm, model in models.items()}
-            interleave(list(arms.values()), opts.repeats)
-            agree = (f"{float((last['FP8'] == last['fused']).float().mean()) * 100:.1f}%"
-                     if "FP8" in last and "fused" in last else "-")
-            rows.append([name, str(batch)] + [cell(arms[a], "tok_s", 0) for a in arms]
-                        + [cell(arms[a], "ms_step", 2) for a in arms]
-                        + [paired_ratio(arms["fused"], arms["FP8"], "tok_s"),
-                           paired_ratio(arms["fused"], arms["BF16"], "tok_s"), agree])
-            del arms, last
+                arms = {arm: setup_arm(arm, arm_of(arm, model)) for arm, model in models.items()}
+                interleave(list(arms.values()), opts.repeats)
+                agree = (f"{float((last['FP8'] == last['fused']).float().mean()) * 100:.1f}%"
+                         if "FP8" in last and "fused" in last else "-")
+                rows.append([name, str(batch), setting] + [cell(arms[a], "tok_s", 0) for a in arms]
+                            + [cell(arms[a], "ms_step", 2) for a in arms]
+                            + [paired_ratio(arms["fused"], arms["FP8"], "tok_s"),
+                               paired_ratio(arms["fused"], arms["BF16"], "tok_s"), agree])
+                del arms, last
         del models, base
         free_memory()
-    print(f"\n### decode: HF generate eager, prompt {opts.prompt}, {opts.new_tokens} new tokens, greedy "
+    print(f"\n### decode: HF generate, prompt {opts.prompt}, {opts.new_tokens} new tokens, greedy "
           f"(median [min-max] of {opts.repeats} rounds)")
-    table(["model", "batch", "BF16 tok/s", "FP8 tok/s", "fused tok/s", "BF16 ms/step", "FP8 ms/step",
+    table(["model", "batch", "setting", "BF16 tok/s", "FP8 tok/s", "fused tok/s", "BF16 ms/step", "FP8 ms/step",
            "fused ms/step", "fused/FP8 tok/s", "fused/BF16 tok/s", "FP8 = fused tokens"], rows)
     print("tok/s over the decode steps after the first token; fused = FP8 with decode_fused_max_m="
-          f"{FUSED_MAX_M}. 'FP8 = fused tokens': share of generated tokens equal in the last round.", flush=True)
+          f"{FUSED_MAX_M}; graphed = cache_implementation='static' (transformers compiles the decode step, mode "
+          "reduce-overhead, on CUDA only). 'FP8 = fused tokens': share of generated tokens equal in the last "
+          "round (greedy; the arms differ by fp32 rounding order at most; --tiny: the interpreter's fp32->bf16 cast "
+          "truncates, so near-ties flip).", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -283,6 +299,9 @@ def parse_args(argv=None):
     parser.add_argument("--replays", type=int, default=20, help="CUDA-graph replays per round (layer)")
     parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 64; 4 --tiny)")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 32; 5 --tiny)")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"decode models, of {tuple(MODELS)}")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"decode settings, of {tuple(SETTINGS)}")
+    parser.add_argument("--batches", default=None, help="decode batch sizes, e.g. 64,256 (default; 2,4 --tiny)")
     opts = parser.parse_args(argv)
     opts.sections = [s.strip() for s in opts.only.split(",") if s.strip()]
     bad = [s for s in opts.sections if s not in SECTIONS]
@@ -298,8 +317,19 @@ def parse_args(argv=None):
     opts.device = "cpu" if opts.tiny else "cuda"
     opts.layer_shapes = TINY_LAYER_SHAPES if opts.tiny else LAYER_SHAPES
     opts.layer_ms = TINY_LAYER_MS if opts.tiny else LAYER_MS
-    opts.models = TINY_MODELS if opts.tiny else MODELS
-    opts.decode_batches = TINY_DECODE_BATCHES if opts.tiny else DECODE_BATCHES
+    for name, allowed in (("models", MODELS), ("settings", SETTINGS)):
+        chosen = [v.strip() for v in getattr(opts, name).split(",") if v.strip()]
+        if not chosen or any(v not in allowed for v in chosen):
+            parser.error(f"--{name}: choose from {tuple(allowed)}, got {getattr(opts, name)!r}")
+        setattr(opts, name, chosen)
+    opts.models = list(TINY_MODELS) if opts.tiny else [MODELS[m] for m in opts.models]
+    try:
+        batches = tuple(int(b) for b in opts.batches.split(",")) if opts.batches else None
+    except ValueError:
+        batches = ()
+    if batches is not None and (not batches or min(batches) < 1 or max(batches) > FUSED_MAX_M):
+        parser.error(f"--batches: positive ints up to {FUSED_MAX_M}, got {opts.batches!r}")
+    opts.decode_batches = batches or (TINY_DECODE_BATCHES if opts.tiny else DECODE_BATCHES)
     return opts
 
 

@@ -124,7 +124,7 @@ class Fp8Config:
         have to run as ONE launch that quantizes x in the GEMM's prologue (``fp8_linear_fused_quant_gemm``)
         instead of a quantizer launch and a GEMM launch: meant for rollout decode steps (M = batch). Same codes
         and scales; the GEMM accumulates like the ``triton`` backend (not ``torch._scaled_mm``: fp32 rounding
-        order only). Eager calls on CUDA only (or CPU under TRITON_INTERPRET=1); compiled calls and training
+        order only). CUDA (eager and compiled calls), or eager CPU calls under TRITON_INTERPRET=1; training
         forwards never take it. Opt-in because its speed is not measured on a GPU yet.
     """
 

@@ -37,12 +37,13 @@ sees and launches their Triton kernels), and the staleness check runs once per m
 before each call of one submodule of a converted model compiled on its own (its layers leave the refresh to the
 root's hook, which that call does not run; a bare FP8BlockLinear compiled alone refreshes in its own hook).
 
-Fused decode (opt-in, ``Fp8Config.decode_fused_max_m``, off by default and not yet measured on a GPU): an eager
-forward with grad disabled (rollout decode) and at most that many rows takes ONE launch,
+Fused decode (opt-in, ``Fp8Config.decode_fused_max_m``, off by default and not yet measured on a GPU): a forward
+with grad disabled (rollout decode) and at most that many rows takes ONE launch,
 ``triton_kernels.fp8_linear_fused_quant_gemm``, which quantizes x's 1x128 groups in the GEMM's prologue and counts
 non-finite rows itself: the same codes and scales as the two-launch path, which a training forward always takes
-(its backward needs the saved 128x1 codes). Compiled calls keep the triton ops above (the fused kernel is an
-eager-only path).
+(its backward needs the saved 128x1 codes). Compiled calls on CUDA record it as the triton op
+``calclip::fp8_linear_decode`` (CUDA graphs included); compiled CPU calls stay unfused (the interpreter's kernels
+cannot be recorded).
 
 backward="bf16" is the straight-through comparison mode (eager only): dx = dy W_dq with W_dq =
 dequant(Q128x128(W)), and dW = dy^T x with the unquantized x (saved in its own dtype), plain matmuls.
@@ -231,6 +232,16 @@ def _backward_op(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor
                        w_dtype)
     return (dx if dx is not None else dy2.new_empty((0,), dtype=x_dtype)), \
         (dw if dw is not None else dy2.new_empty((0,), dtype=w_dtype))
+
+
+@torch.library.triton_op("calclip::fp8_linear_decode", mutates_args=())
+def _decode_op(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, pow2: bool,
+               out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The fused no-grad forward (Fp8Config.decode_fused_max_m) -> (y [M, N], non-finite rows [] int64)."""
+    counter = torch.zeros((), dtype=torch.int64, device=x2.device)
+    y = _fused_decode_kernel(x2)(x2, qw, sw, out_dtype=out_dtype, nonfinite_count=counter, weight_bad=weight_bad,
+                                 pow2=pow2)
+    return y, counter
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -423,6 +434,13 @@ class FP8BlockLinear(nn.Linear):
                                "quantize_model converted (its pre-hook refreshes them), or call "
                                "calclip.fp8.refresh_fp8_weights(model) before the compiled call")
         grad = torch.is_grad_enabled()
+        # CUDA only: under the interpreter (CPU) wrap_triton cannot record a kernel, so such calls stay unfused.
+        if not grad and x2.is_cuda and cfg.decode_fused_max_m and 0 < x2.shape[0] <= cfg.decode_fused_max_m and \
+                _fused_decode_kernel(x2) is not None:
+            y, bad_rows = torch.ops.calclip.fp8_linear_decode(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
+                                                              cfg.power_of_two_scales, x2.dtype)
+            self.nonfinite_count.add_(bad_rows)
+            return y
         save = grad and self.weight.requires_grad
         qwt, swt = (self._fp8_qwt, self._fp8_swt) if grad else (None, None)
         if grad and qwt is None:

@@ -814,15 +814,18 @@ def _fp8_linear_fused_quant_kernel(
         tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=(n_bad > 0) & (pid_n == 0))
 
 
-# Small-M tiles only (the path serves M <= Fp8Config.decode_fused_max_m): BLOCK_M >= 16 is tl.dot's minimum.
-_FUSED_DEFAULT = triton.Config({"BLOCK_M": 16, "BLOCK_N": 64}, num_warps=4, num_stages=4)
+# BLOCK_M is 64 in every config, although decode has fewer rows: on sm_90 Triton runs a BLOCK_M >= 64 FP8 dot on
+# Hopper's FP8 wgmma (like every config of the unfused GEMM) but a BLOCK_M 16/32 one on mma.sync with the codes
+# upcast to f16, which sums a K block with other rounding; one MMA family keeps the outputs independent of which
+# config the autotuner picks, and equal to the unfused path's. Masked rows cost no memory traffic; decode is
+# bound by the weight reads. BLOCK_N 32 gives narrow layers (SmolLM2's k/v, N = 192) more programs.
+_FUSED_DEFAULT = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=4)
 _FUSED_CONFIGS = [
     _FUSED_DEFAULT,
-    triton.Config({"BLOCK_M": 16, "BLOCK_N": 128}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=5),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=4),
 ]
 _fp8_linear_fused_quant_tuned = _Tuned(_fp8_linear_fused_quant_kernel, _FUSED_CONFIGS, key=["M_BUCKET", "N", "K"],
                                        restore_value=["count_ptr"])

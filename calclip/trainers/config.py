@@ -164,7 +164,8 @@ class CalibratedGRPOConfig(GRPOConfig):
     fp8_decode_fused_max_m: int = field(
         default=0, metadata={"help": "0 (off) or the most tokens a no-grad FP8 forward (rollout decode: batch rows) "
                              "may have to quantize its input inside the GEMM, one kernel launch per linear instead "
-                             "of two (Fp8Config.decode_fused_max_m; fp8_recipe 'blockwise', CUDA, eager calls only). "
+                             "of two (Fp8Config.decode_fused_max_m; fp8_recipe 'blockwise', CUDA, with or without "
+                             "compile_generation). "
                              "Same FP8 codes; opt-in: its speed is not measured on a GPU yet."}
     )
     compile_generation: bool = field(
