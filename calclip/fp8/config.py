@@ -72,17 +72,18 @@ def require_recipe_available(recipe: str | Fp8Recipe, *, field: str = "Fp8Config
 
 
 def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", gemm: str = "auto",
-                           block_size: int = BLOCK, fused_quantizer: bool = False) -> list[str]:
+                           block_size: int = BLOCK, fused_quantizer: bool = False,
+                           decode_fused_max_m: int = 0) -> list[str]:
     """``Fp8Config`` option names set to a value that only the blockwise recipe honours, for ``recipe``.
 
     torchao's rowwise/tensorwise recipes always quantize the backward in FP8, have no block size, no fused
-    quantizer and no Triton GEMM backend of calclip's; silently ignoring such a setting would measure something
-    else than asked. (power_of_two_scales is honoured by every recipe.)
+    quantizer, no fused decode kernel and no Triton GEMM backend of calclip's; silently ignoring such a setting
+    would measure something else than asked. (power_of_two_scales is honoured by every recipe.)
     """
     if not get_fp8_recipe(recipe).uses_torchao:
         return []
     conflicts = {"backward": backward != "fp8", "gemm": gemm == "triton", "block_size": block_size != BLOCK,
-                 "fused_quantizer": fused_quantizer}
+                 "fused_quantizer": fused_quantizer, "decode_fused_max_m": decode_fused_max_m != 0}
     return [name for name, conflict in conflicts.items() if conflict]
 
 
@@ -109,7 +110,8 @@ class Fp8Config:
     keep_patterns: regexes (``re.search`` on the fully qualified module name) of layers kept in BF16.
     recipe: "blockwise" (default) | "rowwise" | "tensorwise" (``Fp8Recipe``). rowwise and tensorwise run torchao's
         float8 training (the ``[torchao]`` extra); with them backward must be "fp8", gemm "auto" | "scaled_mm" |
-        "emulated", and block_size, fused_quantizer stay at their defaults (``blockwise_only_options``).
+        "emulated", and block_size, fused_quantizer, decode_fused_max_m stay at their defaults
+        (``blockwise_only_options``).
     cache_weights: keep the quantized weight between calls until the weight changes (blockwise; torchao's
         recipes re-quantize the weight on every call). Turn it off when the parameters are sharded (FSDP,
         ZeRO-3): the forward's weight is a fresh all-gather whose buffer key does not follow the shards (the
@@ -118,6 +120,12 @@ class Fp8Config:
         tensor once. Off by default: on the H200 the fused kernel reached 25% of copy bandwidth (its exact
         divisions dominate) and the layer ran 1.11x BF16 against 1.23x with the two separate kernels at
         M=8192, K=4096, N=14336 (docs/benchmarks.md). Same codes either way.
+    decode_fused_max_m: 0 (default: off) or the largest number of rows (tokens) a forward with grad disabled may
+        have to run as ONE launch that quantizes x in the GEMM's prologue (``fp8_linear_fused_quant_gemm``)
+        instead of a quantizer launch and a GEMM launch: meant for rollout decode steps (M = batch). Same codes
+        and scales; the GEMM accumulates like the ``triton`` backend (not ``torch._scaled_mm``: fp32 rounding
+        order only). CUDA (eager and compiled calls), or eager CPU calls under TRITON_INTERPRET=1; training
+        forwards never take it. Opt-in because its speed is not measured on a GPU yet.
     """
 
     block_size: int = BLOCK
@@ -131,6 +139,7 @@ class Fp8Config:
     cache_weights: bool = True
     fused_quantizer: bool = False
     recipe: str = Fp8Recipe.BLOCKWISE.value
+    decode_fused_max_m: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -162,13 +171,23 @@ class Fp8Config:
         for name in ("cache_weights", "fused_quantizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Fp8Config.{name} must be a bool, got {getattr(self, name)!r}")
+        max_m = self.decode_fused_max_m
+        if isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 0:
+            raise ValueError(f"Fp8Config.decode_fused_max_m must be an int >= 0 (0: off), got {max_m!r}")
+        if max_m and self.block_size != BLOCK:
+            raise ValueError(f"Fp8Config.decode_fused_max_m={max_m} runs calclip's Triton kernel, which needs "
+                             f"block_size={BLOCK}; got block_size={self.block_size}")
+        if max_m and self.gemm == "emulated":
+            raise ValueError(f"Fp8Config.decode_fused_max_m={max_m} runs calclip's Triton kernel, but gemm='emulated' "
+                             "asks for the torch emulation; set decode_fused_max_m=0 or another gemm")
         try:
             recipe = get_fp8_recipe(self.recipe)
         except ValueError:
             raise ValueError(f"Fp8Config.recipe must be one of {fp8_recipe_names()}, got {self.recipe!r}") from None
         object.__setattr__(self, "recipe", recipe)  # the Enum member (a str: compares equal to its name)
         conflicts = blockwise_only_options(recipe, backward=self.backward, gemm=self.gemm,
-                                           block_size=self.block_size, fused_quantizer=self.fused_quantizer)
+                                           block_size=self.block_size, fused_quantizer=self.fused_quantizer,
+                                           decode_fused_max_m=self.decode_fused_max_m)
         if conflicts:
             settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in conflicts)
             raise ValueError(f"Fp8Config.recipe={recipe.value!r} (torchao) cannot honour {settings}: these are "

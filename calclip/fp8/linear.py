@@ -37,6 +37,14 @@ sees and launches their Triton kernels), and the staleness check runs once per m
 before each call of one submodule of a converted model compiled on its own (its layers leave the refresh to the
 root's hook, which that call does not run; a bare FP8BlockLinear compiled alone refreshes in its own hook).
 
+Fused decode (opt-in, ``Fp8Config.decode_fused_max_m``, off by default and not yet measured on a GPU): a forward
+with grad disabled (rollout decode) and at most that many rows takes ONE launch,
+``triton_kernels.fp8_linear_fused_quant_gemm``, which quantizes x's 1x128 groups in the GEMM's prologue and counts
+non-finite rows itself: the same codes and scales as the two-launch path, which a training forward always takes
+(its backward needs the saved 128x1 codes). Compiled calls on CUDA record it as the triton op
+``calclip::fp8_linear_decode`` (CUDA graphs included); compiled CPU calls stay unfused (the interpreter's kernels
+cannot be recorded).
+
 backward="bf16" is the straight-through comparison mode (eager only): dx = dy W_dq with W_dq =
 dequant(Q128x128(W)), and dW = dy^T x with the unquantized x (saved in its own dtype), plain matmuls.
 
@@ -48,6 +56,8 @@ forward call (including gradient-checkpointing recomputation); ``pop_nonfinite_c
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -224,6 +234,16 @@ def _backward_op(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor
         (dw if dw is not None else dy2.new_empty((0,), dtype=w_dtype))
 
 
+@torch.library.triton_op("calclip::fp8_linear_decode", mutates_args=())
+def _decode_op(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, pow2: bool,
+               out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The fused no-grad forward (Fp8Config.decode_fused_max_m) -> (y [M, N], non-finite rows [] int64)."""
+    counter = torch.zeros((), dtype=torch.int64, device=x2.device)
+    y = _fused_decode_kernel(x2)(x2, qw, sw, out_dtype=out_dtype, nonfinite_count=counter, weight_bad=weight_bad,
+                                 pow2=pow2)
+    return y, counter
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x2, weight, qw, sw, qwt, swt, weight_bad, save_for_wgrad, pow2, fused, gemm, out_dtype = inputs
     _, qxt, sxt, _ = output
@@ -243,6 +263,21 @@ def _forward_op_backward(ctx, dy2, _dqxt, _dsxt, _dcount):
 
 
 _forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context)
+
+
+_FUSED_DECODE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fused_decode_kernel(x2: Tensor):
+    """``triton_kernels.fp8_linear_fused_quant_gemm`` when it can serve ``x2`` (a CUDA tensor, or a CPU tensor
+    under TRITON_INTERPRET=1, in bf16/fp16/fp32, triton importable), else None: then the layer's usual path runs.
+    Fp8Config.decode_fused_max_m opts in; its validation already asked for block_size 128 and a non-emulated gemm."""
+    if x2.dtype not in _FUSED_DECODE_DTYPES:
+        return None
+    if not x2.is_cuda and not (x2.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        return None
+    module = quant.triton_kernels()
+    return getattr(module, "fp8_linear_fused_quant_gemm", None) if module is not None else None
 
 
 class FP8BlockLinear(nn.Linear):
@@ -381,6 +416,11 @@ class FP8BlockLinear(nn.Linear):
 
     def _eager_forward(self, x2: Tensor, cfg: Fp8Config) -> Tensor:
         self._refresh_weight_codes()
+        if cfg.decode_fused_max_m and not torch.is_grad_enabled() and 0 < x2.shape[0] <= cfg.decode_fused_max_m:
+            fused = _fused_decode_kernel(x2)
+            if fused is not None:  # one launch: quantize x in the GEMM's prologue, count non-finite rows
+                return fused(x2, self._fp8_qw, self._fp8_sw, out_dtype=x2.dtype, nonfinite_count=self.nonfinite_count,
+                             weight_bad=self._fp8_bad, pow2=cfg.power_of_two_scales)
         return _FP8BlockLinearFn.apply(x2, self.weight, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                        self.nonfinite_count, self, cfg, x2.dtype, torch.is_grad_enabled())
 
@@ -394,6 +434,13 @@ class FP8BlockLinear(nn.Linear):
                                "quantize_model converted (its pre-hook refreshes them), or call "
                                "calclip.fp8.refresh_fp8_weights(model) before the compiled call")
         grad = torch.is_grad_enabled()
+        # CUDA only: under the interpreter (CPU) wrap_triton cannot record a kernel, so such calls stay unfused.
+        if not grad and x2.is_cuda and cfg.decode_fused_max_m and 0 < x2.shape[0] <= cfg.decode_fused_max_m and \
+                _fused_decode_kernel(x2) is not None:
+            y, bad_rows = torch.ops.calclip.fp8_linear_decode(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
+                                                              cfg.power_of_two_scales, x2.dtype)
+            self.nonfinite_count.add_(bad_rows)
+            return y
         save = grad and self.weight.requires_grad
         qwt, swt = (self._fp8_qwt, self._fp8_swt) if grad else (None, None)
         if grad and qwt is None:

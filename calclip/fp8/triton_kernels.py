@@ -43,6 +43,7 @@ __all__ = [
     "quantize_128x128",
     "quantize_1x128_and_128x1",
     "fp8_block_gemm_triton",
+    "fp8_linear_fused_quant_gemm",
 ]
 
 # Constants used inside kernels must be tl.constexpr globals (Triton rejects plain Python globals in @jit code).
@@ -736,4 +737,159 @@ def fp8_block_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out
         qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1), y.stride(0), y.stride(1),
         sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1), bucket,
         A_SCALE_ROWS=a_rows, B_SCALE_ROWS=b_rows, INTERPRET=soft_fp8, BLOCK_K=BLOCK)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Small-M forward with the activation quantization in the GEMM's prologue: one launch per linear (decode).
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _e4m3fn_in_registers(codes, SOFT_FP8: tl.constexpr):
+    """fp32 codes from _scaled_codes -> e4m3fn values for tl.dot: the very cast _store_codes stores (hardware
+    round-to-nearest-even cast, or under the interpreter the software bits reinterpreted as e4m3fn)."""
+    if SOFT_FP8:
+        a = _e4m3fn_bits(codes).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        a = codes.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return a
+
+
+@triton.jit
+def _fused_quant_gemm_step(acc, row_bad, x_ptrs, row_mask, b_ptrs, sb_ptrs, k0, K, stride_bk, stride_sbk,
+                           POW2: tl.constexpr, SOFT_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K block (= one 1x128 group of every row): quantize the x tile as _quantize_1x128_kernel does, then
+    ``acc += (codes @ b_blk) * sx x sb`` exactly as _fp8_block_gemm_step does. row_bad [BLOCK_M] int32 |= the
+    rows whose group is non-finite. x_ptrs [BLOCK_M, 1] / b_ptrs [1, BLOCK_N] point at column 0."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K  # ragged last group: masked x are 0 (amax unchanged), masked weight codes are 0
+    x = tl.load(x_ptrs + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    amax = _abs_max(x, 1)  # [BLOCK_M]
+    nonfinite = amax == float("inf")
+    sa = _block_scale(amax, nonfinite, POW2)
+    a = _e4m3fn_in_registers(_scaled_codes(x, sa[:, None], nonfinite[:, None]), SOFT_FP8)
+    b = tl.load(b_ptrs + offs_k[:, None] * stride_bk, mask=k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+    sb = tl.load(sb_ptrs + (k0 // BLOCK_K) * stride_sbk)
+    acc = acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
+    return acc, tl.maximum(row_bad, nonfinite.to(tl.int32))
+
+
+@triton.jit
+def _fp8_linear_fused_quant_kernel(
+    x_ptr, b_ptr, c_ptr, sb_ptr,  # x [M, K] (last dim contiguous), b [N, K] e4m3fn, c [M, N], sb [N/128, K/128]
+    count_ptr, weight_bad_ptr,  # COUNT only: int64 [] counter += bad rows; bool [] "the weight has a NaN block"
+    M, N, K,
+    stride_xm, stride_bn, stride_bk, stride_cm, stride_cn, stride_sbn, stride_sbk,
+    M_BUCKET,  # autotune key only
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program: a [BLOCK_M, BLOCK_N] tile of c = Q1x128(x) Q128x128(W)^T. Each program quantizes its rows'
+    groups itself (every N tile redoes it: cheap at decode's few rows), so no codes go through memory.
+
+    COUNT: the programs of the first N tile (they hold every K group of their rows) add the number of their
+    rows with a non-finite group (every valid row when ``weight_bad_ptr`` is set) to ``count_ptr``: each row
+    once, as quantize_1x128's counting kernel does."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M  # masked rows load zeros: finite, never stored, never counted
+    # Weight columns past N wrap around (in bounds, never stored), as in _fp8_block_gemm_kernel.
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn  # [1, BLOCK_N]
+    sb_ptrs = sb_ptr + (offs_n // BLOCK_K) * stride_sbn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row_bad = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    if SOFT_FP8:  # the interpreter passes K as a 1-element array (see _fp8_block_gemm_kernel)
+        k0 = 0
+        while k0 < K:
+            acc, row_bad = _fused_quant_gemm_step(acc, row_bad, x_ptrs, row_mask, b_ptrs, sb_ptrs, k0, K,
+                                                  stride_bk, stride_sbk, POW2, SOFT_FP8, BLOCK_K)
+            k0 += BLOCK_K
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc, row_bad = _fused_quant_gemm_step(acc, row_bad, x_ptrs, row_mask, b_ptrs, sb_ptrs, k0, K,
+                                                  stride_bk, stride_sbk, POW2, SOFT_FP8, BLOCK_K)
+
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols[None, :] < N))
+    if COUNT:
+        weight_bad = tl.load(weight_bad_ptr).to(tl.int32)
+        n_bad = tl.where(weight_bad != 0, tl.sum(row_mask.to(tl.int32), axis=0), tl.sum(row_bad, axis=0))
+        tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=(n_bad > 0) & (pid_n == 0))
+
+
+# BLOCK_M is 64 in every config, although decode has fewer rows: on sm_90 Triton runs a BLOCK_M >= 64 FP8 dot on
+# Hopper's FP8 wgmma (like every config of the unfused GEMM) but a BLOCK_M 16/32 one on mma.sync with the codes
+# upcast to f16, which sums a K block with other rounding; one MMA family keeps the outputs independent of which
+# config the autotuner picks, and equal to the unfused path's. Masked rows cost no memory traffic; decode is
+# bound by the weight reads. BLOCK_N 32 gives narrow layers (SmolLM2's k/v, N = 192) more programs.
+_FUSED_DEFAULT = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=4)
+_FUSED_CONFIGS = [
+    _FUSED_DEFAULT,
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=5),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=4),
+]
+_fp8_linear_fused_quant_tuned = _Tuned(_fp8_linear_fused_quant_kernel, _FUSED_CONFIGS, key=["M_BUCKET", "N", "K"],
+                                       restore_value=["count_ptr"])
+
+
+def fp8_linear_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype: torch.dtype,
+                                nonfinite_count: Tensor | None = None, weight_bad: Tensor | None = None,
+                                pow2: bool = False) -> Tensor:
+    """y = Q1x128(x2) Q128x128(W)^T in ONE launch: the 1x128 activation groups are quantized in the GEMM's
+    prologue, in registers, never stored. Made for small M (decode); large M re-quantizes x once per N tile.
+
+    x2: [M, K] bf16/fp16/fp32 (fp64 rounded to fp32), last dim contiguous (else copied), M and K ragged allowed
+    qw: [N, K] float8_e4m3fn, any strides;   sw: float32 [ceil(N/128), ceil(K/128)], any strides
+    -> y [M, N] out_dtype (bf16/fp16/fp32), contiguous.
+    Bit for bit ``fp8_block_gemm_triton(*quantize_1x128(x2, pow2=pow2), qw, sw, out_dtype=out_dtype)``: the same
+    codes and scales (the quantizer's jit helpers), the same per-K-block products and accumulation order.
+    ``nonfinite_count`` / ``weight_bad``: as in quantize_1x128 (the same number is added, inside the kernel).
+    """
+    soft_fp8 = _check_device(x2, qw, sw)
+    _check_2d("fp8_linear_fused_quant_gemm", x2)
+    x2 = _as_float_input(x2)
+    if qw.dtype != FP8_DTYPE or qw.dim() != 2 or qw.shape[1] != x2.shape[1]:
+        raise ValueError(f"qw must be {FP8_DTYPE} [N, {x2.shape[1]}], got {qw.dtype} {tuple(qw.shape)}")
+    if out_dtype not in _GEMM_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_GEMM_OUT_DTYPES}, got {out_dtype}")
+    (m, k), n = x2.shape, qw.shape[0]
+    kb = _ceil_div(k, BLOCK)
+    want = (_ceil_div(n, BLOCK), kb)
+    if sw.dtype != torch.float32 or tuple(sw.shape) != want:
+        raise ValueError(f"sw must be float32 {want} (128x128 blocks of qw), got {sw.dtype} {tuple(sw.shape)}")
+    count = nonfinite_count is not None
+    if count:
+        if weight_bad is None:
+            weight_bad = torch.zeros((), dtype=torch.bool, device=nonfinite_count.device)
+        _check_device(x2, nonfinite_count, weight_bad)
+        if nonfinite_count.dtype != torch.int64 or nonfinite_count.numel() != 1:
+            raise ValueError(f"nonfinite_count must be an int64 [] tensor, got {nonfinite_count.dtype} "
+                             f"{tuple(nonfinite_count.shape)}")
+        if weight_bad.dtype != torch.bool or weight_bad.numel() != 1:
+            raise ValueError(f"weight_bad must be a bool [] tensor, got {weight_bad.dtype} {tuple(weight_bad.shape)}")
+    y = torch.empty(m, n, dtype=out_dtype, device=x2.device)
+    if m == 0 or k == 0:  # nothing to count either: quantize_1x128 of an empty x adds nothing
+        return y.zero_()
+    if n == 0:  # no output to fuse into; the rows are still counted as the unfused layer counts them
+        if count:
+            quantize_1x128(x2, pow2=pow2, nonfinite_count=nonfinite_count, weight_bad=weight_bad)
+        return y
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if not count:
+        nonfinite_count = weight_bad = sw  # unused (COUNT=False); any pointer will do
+    bucket = _bucket(m)
+    _fp8_linear_fused_quant_tuned.launch(
+        lambda meta: (_ceil_div(m, meta["BLOCK_M"]), _ceil_div(n, meta["BLOCK_N"])),
+        (bucket, n, k, x2.dtype, out_dtype, count), soft_fp8,
+        x2, qw, y, sw, nonfinite_count, weight_bad, m, n, k,
+        x2.stride(0), qw.stride(0), qw.stride(1), y.stride(0), y.stride(1), sw.stride(0), sw.stride(1), bucket,
+        POW2=pow2, SOFT_FP8=soft_fp8, COUNT=count, BLOCK_K=BLOCK)
     return y

@@ -161,6 +161,13 @@ class CalibratedGRPOConfig(GRPOConfig):
                                  "tiny update moves many FP8 weight codes a whole step (docs/usage.md, FP8 "
                                  "recipes)."}
     )
+    fp8_decode_fused_max_m: int = field(
+        default=0, metadata={"help": "0 (off) or the most tokens a no-grad FP8 forward (rollout decode: batch rows) "
+                             "may have to quantize its input inside the GEMM, one kernel launch per linear instead "
+                             "of two (Fp8Config.decode_fused_max_m; fp8_recipe 'blockwise', CUDA, with or without "
+                             "compile_generation). "
+                             "Same FP8 codes; opt-in: its speed is not measured on a GPU yet."}
+    )
     compile_generation: bool = field(
         default=False,
         metadata={"help": "Let transformers compile the HF generate decode step with CUDA graphs (its CompileConfig, "
@@ -258,7 +265,8 @@ class CalibratedGRPOConfig(GRPOConfig):
         recipe = get_fp8_recipe(self.fp8_recipe)
         if not recipe.uses_torchao:
             return
-        conflicts = blockwise_only_options(recipe, backward=self.fp8_backward, gemm=self.fp8_gemm)
+        conflicts = blockwise_only_options(recipe, backward=self.fp8_backward, gemm=self.fp8_gemm,
+                                           decode_fused_max_m=self.fp8_decode_fused_max_m)
         if conflicts:
             settings = ", ".join(f"fp8_{name}={getattr(self, 'fp8_' + name)!r}" for name in conflicts)
             raise ValueError(f"fp8_recipe={recipe.value!r} (torchao) cannot honour {settings}: these are options of "
@@ -364,8 +372,12 @@ class CalibratedGRPOConfig(GRPOConfig):
                 "tis_mode='none' (TRL's correction is then applied) or vllm_importance_sampling_correction=False"
             )
 
-        for name in ("fp8_keep_first_n_layers", "fp8_keep_last_n_layers", "repeat_ngram_size"):
+        for name in ("fp8_keep_first_n_layers", "fp8_keep_last_n_layers", "fp8_decode_fused_max_m",
+                     "repeat_ngram_size"):
             _int_at_least(name, getattr(self, name), 1 if name == "repeat_ngram_size" else 0)
+        if self.fp8 and self.fp8_decode_fused_max_m and self.fp8_gemm == "emulated":
+            raise ValueError("fp8_decode_fused_max_m runs calclip's Triton kernel, but fp8_gemm='emulated' asks for "
+                             "the torch emulation; set fp8_decode_fused_max_m 0 or another fp8_gemm")
         if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):
             raise ValueError(f"fp8_keep_patterns must be a list of regex strings, got {self.fp8_keep_patterns!r}")
         _int_at_least("entropy_spike_window", self.entropy_spike_window, 2)

@@ -291,3 +291,12 @@ def test_compile_generation_refuses_what_fails_on_cuda_and_runs_on_cpu(tokenizer
     assert trainer.accelerator.mixed_precision == "bf16" and trainer.model.dtype == torch.float32
     trainer.train()
     assert all(math.isfinite(v) for v in logged(trainer, "loss"))
+
+
+def test_fp8_decode_fused_max_m_reaches_every_fp8_layer(tokenizer, tmp_path):
+    """The trainer field becomes Fp8Config.decode_fused_max_m of the policy's FP8 layers; off by default."""
+    layers = [m for m in make_trainer(tokenizer, tmp_path / "default").model.modules() if isinstance(m, FP8BlockLinear)]
+    assert layers and all(m.fp8_config.decode_fused_max_m == 0 for m in layers)
+    trainer = make_trainer(tokenizer, tmp_path / "on", fp8_decode_fused_max_m=64)
+    layers = [m for m in trainer.model.modules() if isinstance(m, FP8BlockLinear)]
+    assert layers and all(m.fp8_config.decode_fused_max_m == 64 for m in layers)

@@ -31,7 +31,7 @@ def test_fp8_recipe_field_validation():
     with pytest.raises(ValueError, match=r"fp8_recipe must be one of \('blockwise', 'rowwise', 'tensorwise'\)"):
         _config(fp8_recipe="channelwise")
     assert _config(fp8_recipe="rowwise", fp8_power_of_two_scales=True).fp8_power_of_two_scales  # every recipe's
-    for option, value in (("fp8_backward", "bf16"), ("fp8_gemm", "triton")):
+    for option, value in (("fp8_backward", "bf16"), ("fp8_gemm", "triton"), ("fp8_decode_fused_max_m", 8)):
         with pytest.raises(ValueError, match=rf"fp8_recipe='rowwise' \(torchao\) cannot honour {option}={value!r}"):
             _config(fp8_recipe="rowwise", **{option: value})
         _config(fp8_recipe="rowwise", fp8=False, **{option: value})  # FP8 off: the recipe is not used

@@ -1,0 +1,458 @@
+"""The one-launch small-M forward (``fp8_linear_fused_quant_gemm``: 1x128 quantization of x in the GEMM's
+prologue) and its opt-in wiring (``Fp8Config.decode_fused_max_m``).
+
+Bar: bit for bit the unfused Triton path ``fp8_block_gemm_triton(*quantize_1x128(x), qw, sw)`` (same codes, scales
+and accumulation order) and the same non-finite row count; against the float64 dequantized reference within the
+fp32 rounding of its sums. On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it); on a GPU
+the same tests allow FP8 wgmma's block-sum precision instead of bit equality (see GPU_BLOCK_SUM_RTOL).
+
+    python -m pytest -q tests/fp8/test_fused_decode.py                        # CPU (interpreter) or CUDA
+    TRITON_INTERPRET=0 python -m pytest -q tests/fp8/test_fused_decode.py     # CPU: the sm_90 compile check
+"""
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
+NO_DEVICE_TESTS = {"test_fused_kernel_compiles_for_sm90_without_a_gpu", "test_config_field_validation",
+                   "test_compiled_decode_op_records_one_fused_kernel"}
+
+
+@pytest.fixture(autouse=True)
+def _needs_device(request):
+    if DEVICE is None and request.node.originalname not in NO_DEVICE_TESTS:
+        pytest.skip("needs CUDA, or TRITON_INTERPRET=1 to run the kernels on CPU")
+
+
+from calclip.fp8 import FP8BlockLinear, Fp8Config, bf16_shadow, gemm, linear, quantize_model  # noqa: E402
+from calclip.fp8 import reference as ref  # noqa: E402
+from calclip.fp8 import triton_kernels as tk  # noqa: E402
+from calclip.fp8.config import BLOCK  # noqa: E402
+
+NAN, INF = float("nan"), float("inf")
+FP32_UNIT_ROUNDOFF = 2.0**-24
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _same_bits(a, b):
+    """Bit-equal tensors of one float dtype (NaN payloads included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.view(_INT_VIEW[a.dtype]), b.view(_INT_VIEW[b.dtype]))
+
+
+# Under the interpreter both kernels run the same numpy matmul per K block: bit for bit. On sm_90 both run FP8
+# wgmma (m64 x BLOCK_N x k32, every config: test_fused_kernel_compiles_for_sm90_without_a_gpu), so they should
+# agree bit for bit there too, but that is not verified on a GPU yet: the GPU branch asserts what FP8 wgmma's
+# block sums guarantee (~14 bits, DeepSeek-V3 report), 2**-12 of sum |x w| (4x margin), plus each output's own
+# rounding (unit roundoff per rounding, two roundings: one per kernel).
+GPU_BLOCK_SUM_RTOL = 2.0**-12
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def _abs_products(x, qw, sw, pow2=False):
+    """sum_k |dequant(Q1x128(x))| |dequant(W codes)| in float64 [M, N], from calclip.fp8.reference alone."""
+    xd = ref.dequantize_1x128(*ref.quantize_1x128(x.float().cpu(), pow2=pow2)).double()
+    wd = ref.dequantize_128x128(qw.cpu(), sw.cpu()).double()
+    return xd.abs() @ wd.abs().t()
+
+
+def _assert_matches_unfused(y_fused, y_ref, x, qw, sw, pow2=False, roundings=2):
+    """Bit for bit under the interpreter; on a GPU the same NaNs and the MMA accumulation bound above."""
+    if INTERPRET:
+        diff = (y_fused.float() - y_ref.float()).abs().nan_to_num().max()
+        assert _same_bits(y_fused, y_ref), f"not bit-equal, max |diff| {diff}"
+        return
+    assert y_fused.dtype == y_ref.dtype and y_fused.shape == y_ref.shape
+    assert torch.equal(y_fused.isnan(), y_ref.isnan())
+    finite = ~y_ref.isnan().cpu()
+    bound = GPU_BLOCK_SUM_RTOL * _abs_products(x.reshape(-1, x.shape[-1]), qw, sw, pow2).reshape(y_ref.shape)
+    bound = bound + roundings * UNIT_ROUNDOFF[y_ref.dtype] * y_ref.double().abs().cpu() * 1.01
+    err = (y_fused.double() - y_ref.double()).abs().cpu()
+    assert bool((err[finite] <= bound[finite]).all()), f"worst err/bound {(err[finite] / bound[finite]).max():.3g}"
+
+
+def _x(m, k, dtype, seed, bad_rows=()):
+    """Random rows over 9 decades along K (small groups reach e4m3 subnormals); ``bad_rows``: (row, col, value)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-6, 3, k)
+    for row, col, value in bad_rows:
+        x[row, col] = value
+    return x.to(dtype).to(DEVICE)
+
+
+def _weight(n, k, seed):
+    g = torch.Generator().manual_seed(seed + 1000)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(DEVICE)
+    return tk.quantize_128x128(w)
+
+
+def _unfused(x, qw, sw, out_dtype, pow2, weight_bad=None):
+    """What FP8BlockLinear's forward computes with the triton GEMM backend: two launches, and its counter."""
+    count = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    qx, sx = tk.quantize_1x128(x, pow2=pow2, gemm_layout=True, nonfinite_count=count, weight_bad=weight_bad)
+    return tk.fp8_block_gemm_triton(qx, sx, qw, sw, out_dtype=out_dtype), count
+
+
+def _fused(x, qw, sw, out_dtype, pow2, weight_bad=None):
+    count = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    y = tk.fp8_linear_fused_quant_gemm(x, qw, sw, out_dtype=out_dtype, nonfinite_count=count, weight_bad=weight_bad,
+                                       pow2=pow2)
+    return y, count
+
+
+# (M, K, N, input dtype, pow2, bad elements): ragged and aligned M/N/K, SmolLM2's K=576 and 1536, M=1/7/64.
+CASES = [
+    (1, 576, 100, torch.bfloat16, False, ()),
+    (7, 576, 192, torch.bfloat16, True, ((2, 575, NAN), (5, 0, -INF))),  # ragged last group holds the NaN
+    (64, 128, 100, torch.float32, False, ((63, 7, INF),)),
+    (7, 1536, 64, torch.float32, True, ((0, 1000, NAN), (0, 3, INF))),  # one row, two bad groups: counted once
+    (17, 130, 576, torch.bfloat16, False, ()),
+    (1, 128, 1536, torch.float16, True, ()),
+    (64, 130, 100, torch.bfloat16, True, ((1, 129, NAN), (40, 64, INF))),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype,pow2,bad", CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}-{c[3]}-pow2={c[4]}-bad={len(c[5])}"
+                                                              for c in CASES])
+def test_fused_equals_unfused_triton_bit_for_bit(m, k, n, dtype, pow2, bad):
+    x = _x(m, k, dtype, seed=m * k + n, bad_rows=bad)
+    qw, sw = _weight(n, k, seed=n)
+    out_dtype = dtype
+    y_fused, count_fused = _fused(x, qw, sw, out_dtype, pow2)
+    y_ref, count_ref = _unfused(x, qw, sw, out_dtype, pow2)
+    _assert_matches_unfused(y_fused, y_ref, x, qw, sw, pow2)
+    expected_bad = int((~torch.isfinite(x.float())).any(dim=1).sum())  # worked out without any quantizer
+    assert expected_bad == len({row for row, _, _ in bad})
+    assert int(count_fused) == int(count_ref) == expected_bad
+    assert torch.equal(y_fused.isnan().all(dim=1).cpu(), (~torch.isfinite(x.float())).any(dim=1).cpu())
+
+
+@pytest.mark.parametrize("m,k,n", [(7, 576, 300), (64, 130, 192)])
+def test_weight_with_a_nan_block_counts_every_row(m, k, n):
+    x = _x(m, k, torch.bfloat16, seed=1, bad_rows=((3, 4, NAN),))
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    w[n - 1, k - 1] = NAN  # the last (ragged) weight block: its 128 output columns and the token count go bad
+    qw, sw = tk.quantize_128x128(w)
+    weight_bad = torch.isnan(sw).any()
+    y_fused, count_fused = _fused(x, qw, sw, torch.float32, False, weight_bad)
+    y_ref, count_ref = _unfused(x, qw, sw, torch.float32, False, weight_bad)
+    _assert_matches_unfused(y_fused, y_ref, x, qw, sw)
+    assert int(count_fused) == int(count_ref) == m
+    assert bool(y_fused[:, (n - 1) // BLOCK * BLOCK:].isnan().all())
+    assert not bool(y_fused[0, :BLOCK].isnan().any())  # row 0 and the first weight block are finite
+
+
+def test_counts_add_up_over_calls_and_n_tiles():
+    """Many N tiles (N = 1536 is 24 tiles of 64): each bad row is still added once per call."""
+    x = _x(3, 128, torch.bfloat16, seed=3, bad_rows=((1, 0, INF),))
+    qw, sw = _weight(1536, 128, seed=3)
+    count = torch.full((), 5, dtype=torch.int64, device=DEVICE)
+    for _ in range(2):
+        tk.fp8_linear_fused_quant_gemm(x, qw, sw, out_dtype=torch.bfloat16, nonfinite_count=count)
+    assert int(count) == 5 + 2
+
+
+@pytest.mark.parametrize("m,k,n,out_dtype", [(7, 576, 100, torch.float32), (64, 130, 192, torch.float32),
+                                             (1, 1536, 64, torch.bfloat16)])
+def test_fused_matches_float64_dequantized_reference(m, k, n, out_dtype):
+    """y vs (dequant Q1x128(x)) @ (dequant Q128x128(W))^T in float64, from calclip.fp8.reference alone.
+
+    Products of two e4m3 codes are exact in fp32; each output is a sum of K of them, grouped in 128-wide blocks,
+    with two roundings more per block (the scale product and its multiply). The recursive-summation bound
+    |fl(sum) - sum| <= gamma_n * sum |terms|, n = 128 + ceil(K/128) + 2 roundings along any path, holds for
+    every accumulation order; it scales with sum |x_k w_k|, so it is tight, not a blanket tolerance (an FP8
+    code off by one step would exceed it by orders of magnitude). bf16 output adds its own rounding (the
+    interpreter truncates: one bf16 ulp, 2**-7 relative); on a GPU, FP8 wgmma's block sums add theirs."""
+    x = _x(m, k, torch.float32, seed=4)
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(5)) * 0.05)
+    qw, sw = tk.quantize_128x128(w.to(DEVICE))
+    y = tk.fp8_linear_fused_quant_gemm(x, qw, sw, out_dtype=out_dtype).double().cpu()
+    xd = ref.dequantize_1x128(*ref.quantize_1x128(x.cpu())).double()
+    wd = ref.dequantize_128x128(*ref.quantize_128x128(w)).double()
+    exact = xd @ wd.t()
+    rounds = BLOCK + -(-k // BLOCK) + 2
+    bound = rounds * FP32_UNIT_ROUNDOFF * (xd.abs() @ wd.abs().t()) * 1.01
+    if not INTERPRET:  # FP8 wgmma's block sums (see GPU_BLOCK_SUM_RTOL)
+        bound = bound + GPU_BLOCK_SUM_RTOL * (xd.abs() @ wd.abs().t())
+    if out_dtype == torch.bfloat16:
+        bound = bound + exact.abs() * 2.0**-7
+    err = (y - exact).abs()
+    assert bool((err <= bound).all()), f"worst err/bound {(err / bound).max():.3g}"
+
+
+def test_empty_and_invalid_inputs():
+    qw, sw = _weight(100, 576, seed=6)
+    x = _x(4, 576, torch.bfloat16, seed=6)
+    count = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    y = tk.fp8_linear_fused_quant_gemm(x[:0], qw, sw, out_dtype=torch.bfloat16, nonfinite_count=count)
+    assert y.shape == (0, 100) and int(count) == 0
+    y = tk.fp8_linear_fused_quant_gemm(x[:, :0], qw[:, :0], sw[:, :0], out_dtype=torch.float32)
+    assert y.shape == (4, 100) and not bool(y.any())
+    with pytest.raises(ValueError, match="qw must be"):
+        tk.fp8_linear_fused_quant_gemm(x, qw.float(), sw, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="qw must be"):
+        tk.fp8_linear_fused_quant_gemm(x[:, :512], qw, sw, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="sw must be float32"):
+        tk.fp8_linear_fused_quant_gemm(x, qw, sw[:, :4], out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        tk.fp8_linear_fused_quant_gemm(x, qw, sw, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="nonfinite_count must be an int64"):
+        tk.fp8_linear_fused_quant_gemm(x, qw, sw, out_dtype=torch.bfloat16, nonfinite_count=count.int())
+    with pytest.raises(TypeError, match="bf16/fp16/fp32"):
+        tk.fp8_linear_fused_quant_gemm(x.to(torch.int32), qw, sw, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.skipif(INTERPRET, reason="the interpreter does not compile (run with TRITON_INTERPRET=0)")
+def test_fused_kernel_compiles_for_sm90_without_a_gpu():
+    """Every autotune config compiles to sm_90 (the interpreter accepts code Triton would reject) with the
+    hardware e4m3 cast, exact divisions, the counter's atomic and Hopper's FP8 wgmma, the MMA every config of
+    the unfused GEMM uses (a BLOCK_M below 64 would compile to mma.sync on f16-upcast codes: other sums)."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton built without the NVIDIA backend")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = tk._fp8_linear_fused_quant_kernel
+    types = {"x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "sb_ptr": "*fp32", "count_ptr": "*i64",
+             "weight_bad_ptr": "*i1", **{name: "i32" for name in fn.arg_names[6:17]}}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items() if t != "i32"}
+    for config in tk._FUSED_CONFIGS:
+        constexprs = {"POW2": True, "SOFT_FP8": False, "COUNT": True, "BLOCK_K": BLOCK, **config.kwargs}
+        signature = {**types, **{n: "constexpr" for n in constexprs}}
+        src = ASTSource(fn=fn, signature={n: signature[n] for n in fn.arg_names}, constexprs=constexprs, attrs=attrs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": config.num_warps, "num_stages": config.num_stages}).asm["ptx"]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
+        assert "atom.global" in ptx and "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx and "mma.sync" not in ptx
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Wiring: Fp8Config.decode_fused_max_m
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_config_field_validation():
+    assert Fp8Config().decode_fused_max_m == 0
+    assert Fp8Config(decode_fused_max_m=64).decode_fused_max_m == 64
+    for bad in (-1, 1.5, True, "64", None):
+        with pytest.raises(ValueError, match=r"Fp8Config.decode_fused_max_m must be an int >= 0"):
+            Fp8Config(decode_fused_max_m=bad)
+    with pytest.raises(ValueError, match=r"decode_fused_max_m=8 .* needs block_size=128"):
+        Fp8Config(decode_fused_max_m=8, block_size=64)
+    with pytest.raises(ValueError, match=r"decode_fused_max_m=8 .* gemm='emulated'"):
+        Fp8Config(decode_fused_max_m=8, gemm="emulated")
+    with pytest.raises(ValueError, match=r"cannot honour decode_fused_max_m=8"):
+        Fp8Config(decode_fused_max_m=8, recipe="rowwise")
+
+
+class _CallCounter:
+    """Counts calls of triton_kernels.fp8_linear_fused_quant_gemm (the layer looks it up on every call)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = tk.fp8_linear_fused_quant_gemm
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(tk, "fp8_linear_fused_quant_gemm", counted)
+
+
+@pytest.fixture
+def triton_gemm_everywhere(monkeypatch):
+    """Run the unfused layer's GEMM on calclip's Triton kernel on CPU too (interpreter), as on a GPU whose K is
+    not a multiple of 512: the path the fused kernel must equal bit for bit. (The quantizers on CPU are the
+    reference, whose codes and scales the Triton quantizers equal bit for bit: tests/fp8/test_triton.py.)"""
+    forced = lambda backend, *args, **kwargs: "triton"  # noqa: E731
+    monkeypatch.setattr(gemm, "resolve_backend", forced)
+    monkeypatch.setattr(linear, "resolve_backend", forced)
+    monkeypatch.setattr(linear, "_gemm_choice", {})
+
+
+def _layer_pair(k, n, max_m, seed=0):
+    torch.manual_seed(seed)
+    base = torch.nn.Linear(k, n, device=DEVICE)
+    off = FP8BlockLinear.from_linear(base, Fp8Config(keep_patterns=()))
+    on = FP8BlockLinear.from_linear(base, Fp8Config(keep_patterns=(), decode_fused_max_m=max_m))
+    return off, on
+
+
+def test_layer_takes_the_fused_path_only_for_small_no_grad_calls(monkeypatch, triton_gemm_everywhere):
+    calls = _CallCounter(monkeypatch)
+    off, on = _layer_pair(576, 100, max_m=8)
+    x = _x(2 * 4, 576, torch.bfloat16, seed=7, bad_rows=((1, 5, NAN), (6, 575, INF))).reshape(2, 4, 576)
+    with torch.no_grad():
+        y_off, y_on = off(x), on(x)
+    assert calls.calls == 1
+    assert y_on.shape == (2, 4, 100)
+    _assert_matches_unfused(y_on, y_off, x, on._fp8_qw, on._fp8_sw, roundings=4)  # bias added: one more each
+    assert int(on.nonfinite_count) == int(off.nonfinite_count) == 2
+    with torch.no_grad():
+        on(_x(9, 576, torch.bfloat16, seed=8))  # M = 9 > 8: the usual two launches
+    assert calls.calls == 1
+    xg = x.detach().requires_grad_()
+    y_train = on(xg)  # grad enabled: the training forward, whose backward needs the saved codes
+    assert calls.calls == 1 and _same_bits(y_train.detach(), y_off)
+    y_train.float().nan_to_num().sum().backward()
+    assert on.weight.grad is not None and xg.grad is not None
+    with torch.no_grad():
+        on.weight[0, 0] = NAN  # a weight block with a NaN (its _version moves: codes refresh): every row counts
+        before = int(on.nonfinite_count)
+        on(x)
+    assert calls.calls == 2 and int(on.nonfinite_count) == before + 8
+
+
+def _generate(model, prompt, mask):
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=2, min_new_tokens=2,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU test (the GPU path is covered by the kernel tests above)")
+def test_generate_with_the_fused_decode_equals_the_unfused_model(monkeypatch):
+    """A tiny Llama (hidden 192: ragged blocks) converted with quantize_model generates greedily under no_grad:
+    with decode_fused_max_m the decode steps' linears take the fused kernel (prefill, 15 rows, does not), and
+    logits and tokens are bit-equal to the unfused model on the Triton GEMM, and equal to the default CPU
+    backend (emulated: one fp32 matmul per linear) up to fp32 rounding order."""
+    pytest.importorskip("transformers")
+    from calclip.testing import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    models = {}
+    for name, max_m in (("off", 0), ("on", 4)):
+        model = build_tiny_model(tokenizer, hidden_size=192, intermediate_size=320, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, seed=0).to(DEVICE).eval()
+        models[name] = quantize_model(model, Fp8Config(decode_fused_max_m=max_m))
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, len(tokenizer), (3, 5), generator=g).to(DEVICE)
+    mask = torch.ones_like(prompt)
+    seq_emulated, logits_emulated = _generate(models["off"], prompt, mask)  # the default CPU GEMM backend
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gemm, "resolve_backend", lambda backend, *a, **kw: "triton")
+        patch.setattr(linear, "resolve_backend", lambda backend, *a, **kw: "triton")
+        patch.setattr(linear, "_gemm_choice", {})
+        calls = _CallCounter(patch)
+        seq_off, logits_off = _generate(models["off"], prompt, mask)
+        assert calls.calls == 0
+        seq_on, logits_on = _generate(models["on"], prompt, mask)
+    fp8_linears = 7  # q, k, v, o, gate, up, down; the LM head stays BF16
+    assert calls.calls == fp8_linears  # the decode step's 3 rows; the 15-row prefill is not fused
+    assert torch.equal(seq_on, seq_off) and _same_bits(logits_on, logits_off)
+    assert torch.equal(seq_on, seq_emulated)
+    # Same codes, a different fp32 summation order per linear: (128 + ceil(K/128) + 2) * 2**-24 ~ 1e-5 of
+    # sum |x w| at most (test_fused_matches_float64_dequantized_reference); 1e-5 of the largest logit is that
+    # bound, while FP8 itself (the same model unquantized, bf16_shadow) moves the logits far more.
+    with bf16_shadow(models["off"]):
+        _, logits_unquantized = _generate(models["off"], prompt, mask)
+    tolerance = 1e-5 * float(logits_emulated.abs().max())
+    assert float((logits_on - logits_emulated).abs().max()) <= tolerance
+    assert float((logits_unquantized - logits_emulated).abs().max()) > 100 * tolerance
+    for name in models:
+        counts = [int(m.nonfinite_count) for m in linear.fp8_layers(models[name])]
+        assert counts == [0] * fp8_linears
+
+
+def test_compiled_cpu_calls_stay_unfused(monkeypatch):
+    """Under torch.compile on CPU the fused kernel cannot be recorded (under the interpreter wrap_triton hands back
+    the raw kernel, which cannot run on the stand-in tensors), so compiled CPU calls keep calclip's unfused ops and
+    equal the eager unfused layer; on CUDA they record calclip::fp8_linear_decode (the two tests below)."""
+    calls = _CallCounter(monkeypatch)
+    off, on = _layer_pair(256, 128, max_m=64, seed=1)
+    x = _x(16, 256, torch.float32, seed=9)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(on, backend="aot_eager")
+        with torch.no_grad():
+            y_compiled, y_off = compiled(x), off(x)
+    finally:
+        torch._dynamo.reset()
+    assert calls.calls == 0 and torch.equal(y_compiled, y_off)
+
+
+# AOTAutograd's decomposition of calclip::fp8_linear_decode (what Inductor compiles) traced on fake CUDA tensors:
+# runs without a GPU, in a fresh process because the kernels must be compiled-mode Triton functions, not the
+# interpreter's. Prints the names of the Triton kernels the traced graph launches.
+_TRACE_DECODE_OP = """
+import sys
+import torch
+from torch._functorch.aot_autograd import aot_function
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
+from torch._subclasses.fake_tensor import FakeTensorMode
+import calclip.fp8.linear  # registers the op
+
+kernels = []
+def record(gm, inputs):
+    for node in gm.graph.nodes:
+        if node.target is triton_kernel_wrapper_functional:
+            kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+            kernels.append(getattr(kernel, "fn", kernel).__name__)
+    return gm
+
+def decode(x, qw, sw, bad):
+    return torch.ops.calclip.fp8_linear_decode(x, qw, sw, bad, True, torch.bfloat16)
+
+with FakeTensorMode():
+    args = (torch.empty(64, 576, dtype=torch.bfloat16, device="cuda"),
+            torch.empty(192, 576, dtype=torch.float8_e4m3fn, device="cuda"),
+            torch.empty(2, 5, device="cuda"), torch.empty((), dtype=torch.bool, device="cuda"))
+    try:
+        with torch.no_grad():
+            aot_function(decode, fw_compiler=record)(*args)
+    except RuntimeError as err:  # running the traced graph needs CUDA; the trace is what is checked
+        print("run:", str(err).splitlines()[0], file=sys.stderr)
+print("KERNELS", ",".join(kernels))
+"""
+
+
+def test_compiled_decode_op_records_one_fused_kernel():
+    """The op that compiled no-grad calls take on CUDA decomposes into exactly the fused kernel, one launch."""
+    pytest.importorskip("triton.backends.nvidia", reason="triton built without the NVIDIA backend")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get(
+        "PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _TRACE_DECODE_OP], env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("KERNELS")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    assert lines[-1] == "KERNELS _fp8_linear_fused_quant_kernel", done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiled calls fuse on CUDA only")
+def test_gpu_compiled_decode_takes_the_fused_op_and_matches_eager():
+    off, on = _layer_pair(576, 192, max_m=64, seed=2)
+    x = _x(16, 576, torch.bfloat16, seed=10, bad_rows=((3, 7, NAN),))
+    ops = []
+
+    def backend(gm, inputs):
+        ops.extend(str(node.target) for node in gm.graph.nodes)
+        from torch._inductor.compile_fx import compile_fx  # what backend="inductor" runs
+
+        return compile_fx(gm, inputs)
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(on, backend=backend)
+        with torch.no_grad():
+            y_eager = on(x)
+            before = int(on.nonfinite_count)
+            y_compiled = compiled(x)
+            after = int(on.nonfinite_count)
+            y_training_shape = compiled(_x(65, 576, torch.bfloat16, seed=11))  # M > 64: the unfused op
+    finally:
+        torch._dynamo.reset()
+    assert any("fp8_linear_decode" in op for op in ops) and any("fp8_linear_forward" in op for op in ops)
+    assert after == before + 1 and y_training_shape.shape == (65, 192)
+    _assert_matches_unfused(y_compiled, y_eager, x, on._fp8_qw, on._fp8_sw, roundings=4)
