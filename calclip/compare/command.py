@@ -115,7 +115,8 @@ def _compare(options, train_flags: list[str], windows) -> int:
     with folder.FolderLock(root):
         previous = folder.load(root)
         group = options.wandb_group or (previous or {}).get("group") or root.resolve().name
-        folder.check_or_create(root, config_path=options.config, arms=arms, configs=configs, seeds=seeds, group=group)
+        folder.check_or_create(root, config_path=options.config, arms=arms, configs=configs, seeds=seeds, group=group,
+                               defaults=_field_defaults())
         if not (root / "config.yaml").exists():
             shutil.copyfile(config_path, root / "config.yaml")
         specs = [
@@ -175,6 +176,20 @@ def _resolve(arm: Arm, config_path: str, train_flags: list[str], root: Path) -> 
     except (ValueError, TypeError) as error:
         raise ValueError(f"arm {arm.name!r}: {error}") from None
     return {**dataclasses.asdict(script_args), **training_args.to_dict()}
+
+
+def _field_defaults() -> dict:
+    """Every `calclip train` field with a plain default (ScriptArguments, CalibratedGRPOConfig), JSON-normalized like
+    the folder's configs: what a field the folder's record lacks stood at when that folder was made."""
+    from calclip.cli import ScriptArguments
+    from calclip.trainers.config import CalibratedGRPOConfig
+
+    defaults = {}
+    for cls in (ScriptArguments, CalibratedGRPOConfig):
+        for field in dataclasses.fields(cls):
+            if field.default is not dataclasses.MISSING:
+                defaults[field.name] = field.default
+    return folder.comparable(defaults)
 
 
 def _train_argv(arm: Arm, config_path: str, train_flags: list[str], seed: int, directory: Path) -> list[str]:

@@ -29,6 +29,7 @@ UNCOMPARED_FIELDS = frozenset(RUN_FIELDS) | {
     "hub_revision", "save_strategy", "save_steps", "save_total_limit", "save_on_each_node", "save_only_model",
     "save_final_model", "disable_tqdm", "log_level", "log_level_replica", "log_on_each_node",
     "log_completions", "log_completions_hub_repo", "num_completions_to_print", "dataloader_num_workers",
+    "mismatch_dump_threshold",  # where outlier tokens are written out, not what is trained
 }
 
 
@@ -52,8 +53,13 @@ def load(root: Path) -> dict | None:
     return record
 
 
-def config_differences(record: dict, arms: list[Arm], configs: dict[str, dict]) -> list[str]:
-    """One line per field in which ``configs`` (arm -> comparable config) differs from the folder's record."""
+def config_differences(record: dict, arms: list[Arm], configs: dict[str, dict],
+                       defaults: dict | None = None) -> list[str]:
+    """One line per field in which ``configs`` (arm -> comparable config) differs from the folder's record.
+
+    ``defaults`` (field -> comparable default): a field the folder's record lacks (a calclip that added it since
+    the folder was made) is no difference while its value now is its default, which is how that calclip ran."""
+    defaults = defaults or {}
     stored = record["arms"]
     set_by_arms = {field for arm in arms for field in arm.overrides}
     set_by_arms |= {field for entry in stored.values() for field in entry["overrides"]}
@@ -68,6 +74,8 @@ def config_differences(record: dict, arms: list[Arm], configs: dict[str, dict]) 
             fields = (set(config) | set(reference)) - set_by_arms
         for field in sorted(fields):
             old, new = reference.get(field, "<unset>"), config.get(field, "<unset>")
+            if field not in reference and field in defaults and new == defaults[field]:
+                continue
             if old != new:
                 differing.setdefault(field, []).append((arm.name, old, new))
     lines = []
@@ -80,7 +88,7 @@ def config_differences(record: dict, arms: list[Arm], configs: dict[str, dict]) 
 
 
 def check_or_create(root: Path, *, config_path: str, arms: list[Arm], configs: dict[str, dict], seeds: list[int],
-                    group: str) -> dict:
+                    group: str, defaults: dict | None = None) -> dict:
     """Refuse a folder of a different config (ValueError naming the fields); else record the arms and seeds."""
     root = Path(root)
     record = load(root)
@@ -91,7 +99,7 @@ def check_or_create(root: Path, *, config_path: str, arms: list[Arm], configs: d
         record = {"format": FORMAT_VERSION, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "group": group,
                   "config_path": str(config_path), "arms": {}, "seeds": []}
     else:
-        differences = config_differences(record, arms, configs)
+        differences = config_differences(record, arms, configs, defaults)
         if differences:
             raise ValueError(
                 f"{root} holds runs of a different config:\n  " + "\n  ".join(differences)

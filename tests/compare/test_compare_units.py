@@ -165,6 +165,23 @@ def test_config_differences_name_the_fields():
         "max_steps: 300 in the folder, 500 now (arms: fp8_calibrated)"]
 
 
+def test_a_field_added_since_the_folder_was_made_counts_only_off_its_default():
+    base = {"learning_rate": 1e-5, "tis_mode": "none", "clip_mode": "static"}
+    stored = _record({"fp8_static": base}, {"fp8_static": arms.PRESETS["fp8_static"].overrides})
+    preset = [arms.PRESETS["fp8_static"]]
+    at_default = {"fp8_static": dict(base, fp8_decode_fused_max_m=0)}
+    assert folder.config_differences(stored, preset, at_default, {"fp8_decode_fused_max_m": 0}) == []
+    assert folder.config_differences(stored, preset, at_default) == [  # without defaults every new field counts
+        'fp8_decode_fused_max_m: "<unset>" in the folder, 0 now (arms: fp8_static)']
+    changed = {"fp8_static": dict(base, fp8_decode_fused_max_m=64)}
+    assert folder.config_differences(stored, preset, changed, {"fp8_decode_fused_max_m": 0}) == [
+        'fp8_decode_fused_max_m: "<unset>" in the folder, 64 now (arms: fp8_static)']
+    # The defaults the command passes come from the dataclasses, normalized like the folder's configs.
+    defaults = command._field_defaults()
+    assert defaults["fp8_decode_fused_max_m"] == 0 and defaults["clip_mode"] == "calibrated" and defaults["fp8"] is True
+    assert "mismatch_dump_threshold" not in defaults  # where outliers are written is not compared at all
+
+
 def test_comparable_drops_run_and_output_fields():
     config = {"seed": 3, "output_dir": "x", "run_name": "r", "report_to": ["wandb"], "save_steps": 5,
               "learning_rate": 1e-5, "calibration_init_bounds": (0.6, 1.8)}
