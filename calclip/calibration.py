@@ -536,6 +536,10 @@ class ClipCalibrator:
             stats["calib/beta"] = self._beta
         stats["clip/neg_low_frac_fp8"] = _share(ratio_fp8[adv < 0] < low)
         stats["clip/pos_high_frac"] = _share(ratio_fp8[adv > 0] > high)
+        # How many tokens this fit saw (over all ranks): quantiles of a few hundred tokens move a lot between
+        # calibrations (the evidence run's calibrated bounds did, docs/evidence.md), and these say how few.
+        stats["calib/neg_tokens"] = float((adv < 0).sum())
+        stats["calib/pos_tokens"] = float((adv > 0).sum())
         return stats
 
     # -- checkpointing --------------------------------------------------------------------------------

@@ -411,6 +411,8 @@ def test_initial_bounds_then_first_calibration_replaces_them():
     assert stats["clip/neg_low_frac_fp8"] == pytest.approx(float((rq[neg] < expected.low).double().mean()))
     assert stats["clip/neg_low_frac_bf16"] == pytest.approx(float((rb[neg] < expected.low).double().mean()))
     assert stats["clip/pos_high_frac"] == pytest.approx(float((rq[pos] > expected.high).double().mean()))
+    assert (stats["calib/neg_tokens"], stats["calib/pos_tokens"]) == (float(neg.sum()), float(pos.sum()))
+    assert stats["calib/neg_tokens"] > 0 and stats["calib/pos_tokens"] > 0
 
 
 def test_ema_smooths_later_calibrations():

@@ -46,7 +46,8 @@ off the shadow policy is the policy itself, so the BF16 ratios are the FP8 ones 
 non-calibrated clip modes the same shadow forwards run on the same schedule when FP8 is on, for monitoring only.
 
 Metrics (under ``train/``, through TRL's ``self._metrics``): ``calib/low``, ``calib/high`` (bounds in force),
-``calib/alpha``, ``calib/balance_p`` (shadow steps), ``clip/neg_low_frac_fp8`` (share of A<0 tokens whose ratio is
+``calib/alpha``, ``calib/balance_p``, ``calib/neg_tokens``, ``calib/pos_tokens`` (calibration steps: the statistics
+and the A<0 / A>0 token counts the fit used), ``clip/neg_low_frac_fp8`` (share of A<0 tokens whose ratio is
 below the lower bound in force: the penalties dropped), ``clip/neg_low_frac_bf16`` (shadow steps: share of A<0
 tokens whose BF16 shadow ratio is below 1 - epsilon, i.e. what BF16 training would drop, the calibration's target),
 ``clip/neg_low_frac_fp8_static`` (shadow steps: the same share for the FP8 ratios, what static clipping drops),
