@@ -398,10 +398,14 @@ class FP8BlockLinear(nn.Linear):
         if self.bf16_shadow_depth > 0:
             return F.linear(x, self.weight, self.bias)
         device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            x = x.to(torch.get_autocast_dtype(device_type))
-        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         cfg = self.fp8_config
+        autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        if autocast is not None and x.dtype != autocast:
+            y = self._fused_decode_of_fp32(x, cfg, autocast)
+            if y is not None:
+                return y
+            x = x.to(autocast)
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         if not torch.compiler.is_compiling():
             y = self._eager_forward(x2, cfg)
         elif cfg.backward == "fp8":
@@ -423,6 +427,26 @@ class FP8BlockLinear(nn.Linear):
                              weight_bad=self._fp8_bad, pow2=cfg.power_of_two_scales)
         return _FP8BlockLinearFn.apply(x2, self.weight, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                        self.nonfinite_count, self, cfg, x2.dtype, torch.is_grad_enabled())
+
+    def _fused_decode_of_fp32(self, x: Tensor, cfg: Fp8Config, autocast: torch.dtype) -> Tensor | None:
+        """Eager fused decode of an fp32 x under bf16/fp16 autocast, with the autocast cast done in the kernel's
+        registers (bit for bit ``x.to(autocast)`` first, one launch fewer): fp32 master weights leave the residual
+        stream fp32, so q/k/v and gate/up would each launch a cast. None when the fused path does not apply."""
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (not cfg.decode_fused_max_m or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or x.dtype != torch.float32 or autocast not in (torch.bfloat16, torch.float16)
+                or not 0 < rows <= cfg.decode_fused_max_m):
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        fused = _fused_decode_kernel(x2)
+        if fused is None:
+            return None
+        self._refresh_weight_codes()
+        y = fused(x2, self._fp8_qw, self._fp8_sw, out_dtype=autocast, nonfinite_count=self.nonfinite_count,
+                  weight_bad=self._fp8_bad, pow2=cfg.power_of_two_scales, round_to=autocast)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @torch.compiler.disable
     def _eager_forward_outside_graph(self, x2: Tensor, cfg: Fp8Config) -> Tensor:

@@ -757,14 +757,37 @@ def _e4m3fn_in_registers(codes, SOFT_FP8: tl.constexpr):
 
 
 @triton.jit
+def _rounded_to_16_bits(x, ROUND: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """fp32 x -> the fp32 value of x rounded to bf16 (ROUND 1) or fp16 (ROUND 2), round-to-nearest-even with
+    overflow to inf, as torch's x.to(bf16 / fp16) rounds; ROUND 0: x. Under the interpreter (SOFT_FP8) the bf16
+    rounding is done on the bits, since the interpreter's own cast truncates (its fp16 cast is numpy's, RTNE)."""
+    if ROUND == 1:
+        if SOFT_FP8:
+            bits = x.to(tl.uint32, bitcast=True)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            x = tl.where(x != x, x, rounded)  # NaN stays NaN (the carry could make it inf)
+        else:
+            x = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+    elif ROUND == 2:
+        if SOFT_FP8:
+            x = x.to(tl.float16).to(tl.float32)
+        else:
+            x = x.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+    return x
+
+
+@triton.jit
 def _fused_quant_gemm_step(acc, row_bad, x_ptrs, row_mask, b_ptrs, sb_ptrs, k0, K, stride_bk, stride_sbk,
-                           POW2: tl.constexpr, SOFT_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+                           POW2: tl.constexpr, SOFT_FP8: tl.constexpr, BLOCK_K: tl.constexpr,
+                           ROUND: tl.constexpr):
     """One K block (= one 1x128 group of every row): quantize the x tile as _quantize_1x128_kernel does, then
     ``acc += (codes @ b_blk) * sx x sb`` exactly as _fp8_block_gemm_step does. row_bad [BLOCK_M] int32 |= the
-    rows whose group is non-finite. x_ptrs [BLOCK_M, 1] / b_ptrs [1, BLOCK_N] point at column 0."""
+    rows whose group is non-finite. x_ptrs [BLOCK_M, 1] / b_ptrs [1, BLOCK_N] point at column 0. ROUND: fp32 x
+    rounded to bf16 / fp16 first (`_rounded_to_16_bits`), the autocast cast done in registers."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = offs_k < K  # ragged last group: masked x are 0 (amax unchanged), masked weight codes are 0
     x = tl.load(x_ptrs + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    x = _rounded_to_16_bits(x, ROUND, SOFT_FP8)
     amax = _abs_max(x, 1)  # [BLOCK_M]
     nonfinite = amax == float("inf")
     sa = _block_scale(amax, nonfinite, POW2)
@@ -782,7 +805,7 @@ def _fp8_linear_fused_quant_kernel(
     M, N, K,
     stride_xm, stride_bn, stride_bk, stride_cm, stride_cn, stride_sbn, stride_sbk,
     M_BUCKET,  # autotune key only
-    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr,
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr, ROUND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] tile of c = Q1x128(x) Q128x128(W)^T. Each program quantizes its rows'
@@ -806,12 +829,12 @@ def _fp8_linear_fused_quant_kernel(
         k0 = 0
         while k0 < K:
             acc, row_bad = _fused_quant_gemm_step(acc, row_bad, x_ptrs, row_mask, b_ptrs, sb_ptrs, k0, K,
-                                                  stride_bk, stride_sbk, POW2, SOFT_FP8, BLOCK_K)
+                                                  stride_bk, stride_sbk, POW2, SOFT_FP8, BLOCK_K, ROUND)
             k0 += BLOCK_K
     else:
         for k0 in range(0, K, BLOCK_K):
             acc, row_bad = _fused_quant_gemm_step(acc, row_bad, x_ptrs, row_mask, b_ptrs, sb_ptrs, k0, K,
-                                                  stride_bk, stride_sbk, POW2, SOFT_FP8, BLOCK_K)
+                                                  stride_bk, stride_sbk, POW2, SOFT_FP8, BLOCK_K, ROUND)
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
@@ -839,9 +862,12 @@ _fp8_linear_fused_quant_tuned = _Tuned(_fp8_linear_fused_quant_kernel, _FUSED_CO
                                        restore_value=["count_ptr"])
 
 
+_ROUND_CODES = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def fp8_linear_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype: torch.dtype,
                                 nonfinite_count: Tensor | None = None, weight_bad: Tensor | None = None,
-                                pow2: bool = False) -> Tensor:
+                                pow2: bool = False, round_to: torch.dtype | None = None) -> Tensor:
     """y = Q1x128(x2) Q128x128(W)^T in ONE launch: the 1x128 activation groups are quantized in the GEMM's
     prologue, in registers, never stored. Made for small M (decode); large M re-quantizes x once per N tile.
 
@@ -851,7 +877,12 @@ def fp8_linear_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype
     Bit for bit ``fp8_block_gemm_triton(*quantize_1x128(x2, pow2=pow2), qw, sw, out_dtype=out_dtype)``: the same
     codes and scales (the quantizer's jit helpers), the same per-K-block products and accumulation order.
     ``nonfinite_count`` / ``weight_bad``: as in quantize_1x128 (the same number is added, inside the kernel).
+    ``round_to`` (bf16 / fp16, fp32 x2 only): x2 is first rounded to that dtype in registers, so the result is
+    bit for bit that of ``x2.to(round_to)``: the autocast cast of an fp32 activation without its own launch.
     """
+    if round_to is not None and (round_to not in _ROUND_CODES or x2.dtype != torch.float32):
+        raise ValueError(f"round_to must be torch.bfloat16 or torch.float16 with an fp32 x2, got {round_to} with "
+                         f"{x2.dtype}")
     soft_fp8 = _check_device(x2, qw, sw)
     _check_2d("fp8_linear_fused_quant_gemm", x2)
     x2 = _as_float_input(x2)
@@ -879,7 +910,8 @@ def fp8_linear_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype
         return y.zero_()
     if n == 0:  # no output to fuse into; the rows are still counted as the unfused layer counts them
         if count:
-            quantize_1x128(x2, pow2=pow2, nonfinite_count=nonfinite_count, weight_bad=weight_bad)
+            quantize_1x128(x2 if round_to is None else x2.to(round_to), pow2=pow2, nonfinite_count=nonfinite_count,
+                           weight_bad=weight_bad)
         return y
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -888,8 +920,8 @@ def fp8_linear_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype
     bucket = _bucket(m)
     _fp8_linear_fused_quant_tuned.launch(
         lambda meta: (_ceil_div(m, meta["BLOCK_M"]), _ceil_div(n, meta["BLOCK_N"])),
-        (bucket, n, k, x2.dtype, out_dtype, count), soft_fp8,
+        (bucket, n, k, x2.dtype, out_dtype, count, round_to), soft_fp8,
         x2, qw, y, sw, nonfinite_count, weight_bad, m, n, k,
         x2.stride(0), qw.stride(0), qw.stride(1), y.stride(0), y.stride(1), sw.stride(0), sw.stride(1), bucket,
-        POW2=pow2, SOFT_FP8=soft_fp8, COUNT=count, BLOCK_K=BLOCK)
+        POW2=pow2, SOFT_FP8=soft_fp8, COUNT=count, ROUND=_ROUND_CODES[round_to], BLOCK_K=BLOCK)
     return y

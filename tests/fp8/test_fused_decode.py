@@ -223,13 +223,72 @@ def test_fused_kernel_compiles_for_sm90_without_a_gpu():
              "weight_bad_ptr": "*i1", **{name: "i32" for name in fn.arg_names[6:17]}}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items() if t != "i32"}
     for config in tk._FUSED_CONFIGS:
-        constexprs = {"POW2": True, "SOFT_FP8": False, "COUNT": True, "BLOCK_K": BLOCK, **config.kwargs}
+        constexprs = {"POW2": True, "SOFT_FP8": False, "COUNT": True, "ROUND": 0, "BLOCK_K": BLOCK,
+                      **config.kwargs}
         signature = {**types, **{n: "constexpr" for n in constexprs}}
         src = ASTSource(fn=fn, signature={n: signature[n] for n in fn.arg_names}, constexprs=constexprs, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": config.num_warps, "num_stages": config.num_stages}).asm["ptx"]
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
         assert "atom.global" in ptx and "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx and "mma.sync" not in ptx
+    # fp32 x rounded to bf16 in registers (ROUND 1): the hardware round-to-nearest-even conversion.
+    types32 = {**types, "x_ptr": "*fp32"}
+    constexprs = {"POW2": True, "SOFT_FP8": False, "COUNT": True, "ROUND": 1, "BLOCK_K": BLOCK,
+                  **tk._FUSED_DEFAULT.kwargs}
+    signature = {**types32, **{n: "constexpr" for n in constexprs}}
+    src = ASTSource(fn=fn, signature={n: signature[n] for n in fn.arg_names}, constexprs=constexprs, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+    assert "cvt.rn.bf16" in ptx and "wgmma.mma_async" in ptx
+
+
+def _rounding_edge_cases(dtype):
+    """fp32 values at the edges of rounding to ``dtype``: exact ties (round to even), values that round up past the
+    largest finite value (-> inf), NaNs whose payload sits in the low bits (a carry must not turn them into inf),
+    infinities, subnormals and signed zeros, then random values over 60 decades."""
+    g = torch.Generator().manual_seed(11)
+    if dtype == torch.bfloat16:
+        bits = torch.randint(0, 2**31 - 1, (96,), generator=g, dtype=torch.int64)
+        ties = ((bits & ~0xFFFF) | 0x8000).to(torch.int32).view(torch.float32)  # exactly half a bf16 ulp
+        special = torch.tensor([3.3961e38, 3.4e38, -3.4e38, 1e-40, -1e-45, -0.0, 0.0, INF, -INF])
+        nans = torch.tensor([0x7F800001, 0x7FC00000, 0x7F80FFFF], dtype=torch.int32).view(torch.float32)
+    else:
+        base = torch.randn(96, generator=g).to(torch.float16).double()
+        ulp = torch.tensor(base.numpy()).abs() * 2.0**-10  # about one fp16 ulp: a half-ulp offset is near a tie
+        ties = (base + 0.5 * ulp).float()
+        special = torch.tensor([65504.0, 65519.0, 65520.0, -65520.0, 1e-8, 6e-8, -0.0, INF, -INF])
+        nans = torch.tensor([0x7FC00000, 0x7F800001], dtype=torch.int32).view(torch.float32)
+    rand = torch.randn(64, generator=g) * torch.logspace(-30, 30, 64)
+    return torch.cat([ties, special, nans, rand])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_round_to_equals_casting_first_bit_for_bit(dtype):
+    """round_to rounds fp32 x to bf16/fp16 in registers exactly as x.to(dtype) does, so output and count equal
+    those of the cast-first call on every edge case (ties, overflow to inf, NaN payloads, subnormals). Each edge
+    value leads its own 1x128 group (its largest magnitude, so a rounding difference moves the group's scale and
+    every code of it); the rest of the group are fractions of it, rounded too."""
+    leaders = _rounding_edge_cases(dtype)
+    g = torch.Generator().manual_seed(5)
+    fractions = torch.rand(leaders.numel(), BLOCK, generator=g) * 1.8 - 0.9
+    groups = torch.where(leaders.isfinite()[:, None], leaders[:, None] * fractions, torch.ones(1))
+    groups[:, 0] = leaders
+    if groups.shape[0] % 2:
+        groups = torch.cat([groups, torch.ones(1, BLOCK)])
+    x = groups.reshape(-1, 2 * BLOCK).to(DEVICE)  # two groups per row: K = 256
+    qw, sw = _weight(64, 2 * BLOCK, seed=3)
+    for pow2 in (False, True):
+        count_round = torch.zeros((), dtype=torch.int64, device=DEVICE)
+        count_cast = torch.zeros((), dtype=torch.int64, device=DEVICE)
+        y_round = tk.fp8_linear_fused_quant_gemm(x, qw, sw, out_dtype=dtype, nonfinite_count=count_round,
+                                                 pow2=pow2, round_to=dtype)
+        y_cast = tk.fp8_linear_fused_quant_gemm(x.to(dtype), qw, sw, out_dtype=dtype, nonfinite_count=count_cast,
+                                                pow2=pow2)
+        assert _same_bits(y_round, y_cast)
+        assert int(count_round) == int(count_cast) > int(torch.isinf(x).any(-1).sum() + torch.isnan(x).any(-1).sum())
+    with pytest.raises(ValueError, match="round_to"):
+        tk.fp8_linear_fused_quant_gemm(x.to(dtype), qw, sw, out_dtype=dtype, round_to=dtype)  # not fp32
+    with pytest.raises(ValueError, match="round_to"):
+        tk.fp8_linear_fused_quant_gemm(x, qw, sw, out_dtype=dtype, round_to=torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -307,6 +366,34 @@ def test_layer_takes_the_fused_path_only_for_small_no_grad_calls(monkeypatch, tr
         before = int(on.nonfinite_count)
         on(x)
     assert calls.calls == 2 and int(on.nonfinite_count) == before + 8
+
+
+def test_layer_under_autocast_rounds_fp32_inputs_in_the_kernel(monkeypatch, triton_gemm_everywhere):
+    """An fp32 activation under bf16 autocast (fp32 master weights leave the residual stream fp32) takes the fused
+    kernel uncast: the same bits and count as casting it first, without the cast's launch; grad-enabled and
+    larger calls cast as before."""
+    calls = _CallCounter(monkeypatch)
+    _, on = _layer_pair(576, 100, max_m=8)
+    x = _x(2 * 3, 576, torch.float32, seed=9, bad_rows=((2, 100, NAN),)).reshape(2, 3, 576)
+    seen = []
+    real = tk.fp8_linear_fused_quant_gemm
+
+    def recording(x2, *args, **kwargs):
+        seen.append((x2.dtype, kwargs.get("round_to")))
+        return real(x2, *args, **kwargs)
+
+    monkeypatch.setattr(tk, "fp8_linear_fused_quant_gemm", recording)
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y_uncast = on(x)
+        count_uncast = int(on.nonfinite_count)
+        y_cast = on(x.to(torch.bfloat16))
+    assert seen == [(torch.float32, torch.bfloat16), (torch.bfloat16, None)]
+    assert y_uncast.dtype == torch.bfloat16 and y_uncast.shape == (2, 3, 100) and _same_bits(y_uncast, y_cast)
+    assert count_uncast == 1 and int(on.nonfinite_count) == 2
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y_train = on(x)  # grad enabled: cast, then the training forward
+    assert len(seen) == 2 and _same_bits(y_train.detach(), y_cast)
+    del calls
 
 
 def _generate(model, prompt, mask):
