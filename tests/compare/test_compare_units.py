@@ -418,6 +418,18 @@ def test_command_refuses_bad_input_before_running(tmp_path, capsys):
     assert not (tmp_path / "c").exists()  # nothing was created
 
 
+def test_an_arm_can_name_an_fp8_recipe():
+    """Issue 12: speed and dropout of the granularities side by side, one arm per recipe."""
+    pytest.importorskip("torchao", reason="the rowwise recipe converts through torchao (calclip[torchao])")
+    root = Path(__file__).resolve().parents[2]
+    arm = arms.parse_arm_spec("rowwise_static:fp8=true,fp8_recipe=rowwise,clip_mode=static,tis_mode=none")
+    config = command._resolve(arm, str(root / "configs" / "demo.yaml"), [], root / "runs" / "unused")
+    assert (config["fp8"], config["fp8_recipe"], config["clip_mode"]) == (True, "rowwise", "static")
+    with pytest.raises(ValueError, match="fp8_recipe"):
+        command._resolve(arms.parse_arm_spec("bad:fp8=true,fp8_recipe=columnwise"), str(root / "configs" / "demo.yaml"),
+                         [], root / "runs" / "unused")
+
+
 def test_list_arms(capsys):
     assert command.main(["--list-arms"]) == 0
     out = capsys.readouterr().out
