@@ -268,6 +268,11 @@ _forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context
 _FUSED_DECODE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _fused_decode_applies(x2: Tensor, cfg: Fp8Config) -> bool:
+    """Fp8Config.decode_fused_max_m's rule: grad disabled (rollout) and 1 to decode_fused_max_m rows."""
+    return bool(cfg.decode_fused_max_m) and not torch.is_grad_enabled() and 0 < x2.shape[0] <= cfg.decode_fused_max_m
+
+
 def _fused_decode_kernel(x2: Tensor):
     """``triton_kernels.fp8_linear_fused_quant_gemm`` when it can serve ``x2`` (a CUDA tensor, or a CPU tensor
     under TRITON_INTERPRET=1, in bf16/fp16/fp32, triton importable), else None: then the layer's usual path runs.
@@ -400,18 +405,18 @@ class FP8BlockLinear(nn.Linear):
         device_type = x.device.type
         cfg = self.fp8_config
         autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        if autocast is not None and x.dtype != autocast:
-            y = self._fused_decode_of_fp32(x, cfg, autocast)
-            if y is not None:
-                return y
-            x = x.to(autocast)
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        if not torch.compiler.is_compiling():
-            y = self._eager_forward(x2, cfg)
-        elif cfg.backward == "fp8":
-            y = self._compiled_forward(x2, cfg)
-        else:  # the straight-through comparison mode has no custom op: it runs eagerly (a graph break per layer)
-            y = self._eager_forward_outside_graph(x2, cfg)
+        compiling = torch.compiler.is_compiling()
+        y = None if compiling else self._eager_fused_decode(x2, cfg, autocast)
+        if y is None:
+            if autocast is not None:
+                x2 = x2.to(autocast)
+            if not compiling:
+                y = self._eager_forward(x2, cfg)
+            elif cfg.backward == "fp8":
+                y = self._compiled_forward(x2, cfg)
+            else:  # the straight-through comparison mode has no custom op: it runs eagerly (a graph break per layer)
+                y = self._eager_forward_outside_graph(x2, cfg)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         # Reshaped outside the autograd Function: a view returned by a custom Function cannot be modified in
@@ -420,37 +425,34 @@ class FP8BlockLinear(nn.Linear):
 
     def _eager_forward(self, x2: Tensor, cfg: Fp8Config) -> Tensor:
         self._refresh_weight_codes()
-        if cfg.decode_fused_max_m and not torch.is_grad_enabled() and 0 < x2.shape[0] <= cfg.decode_fused_max_m:
-            fused = _fused_decode_kernel(x2)
-            if fused is not None:  # one launch: quantize x in the GEMM's prologue, count non-finite rows
-                return fused(x2, self._fp8_qw, self._fp8_sw, out_dtype=x2.dtype, nonfinite_count=self.nonfinite_count,
-                             weight_bad=self._fp8_bad, pow2=cfg.power_of_two_scales)
         return _FP8BlockLinearFn.apply(x2, self.weight, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                        self.nonfinite_count, self, cfg, x2.dtype, torch.is_grad_enabled())
 
-    def _fused_decode_of_fp32(self, x: Tensor, cfg: Fp8Config, autocast: torch.dtype) -> Tensor | None:
-        """Eager fused decode of an fp32 x under bf16/fp16 autocast, with the autocast cast done in the kernel's
-        registers (bit for bit ``x.to(autocast)`` first, one launch fewer): fp32 master weights leave the residual
-        stream fp32, so q/k/v and gate/up would each launch a cast. None when the fused path does not apply."""
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (not cfg.decode_fused_max_m or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or x.dtype != torch.float32 or autocast not in (torch.bfloat16, torch.float16)
-                or not 0 < rows <= cfg.decode_fused_max_m):
+    def _eager_fused_decode(self, x2: Tensor, cfg: Fp8Config, autocast: torch.dtype | None) -> Tensor | None:
+        """The eager fused decode (one launch: x quantized in the GEMM's prologue, non-finite rows counted), or None
+        when it does not apply. x2 is taken before the autocast cast: an fp32 x2 under bf16/fp16 autocast is rounded
+        in the kernel's registers (bit for bit ``x2.to(autocast)`` first, one launch fewer; fp32 master weights
+        leave the residual stream fp32, so q/k/v and gate/up would each launch a cast)."""
+        if not _fused_decode_applies(x2, cfg):
             return None
-        x2 = x.reshape(-1, x.shape[-1])
+        round_to = None
+        if autocast is not None and x2.dtype != autocast:
+            if x2.dtype == torch.float32 and autocast in (torch.bfloat16, torch.float16):
+                round_to = autocast
+            else:
+                x2 = x2.to(autocast)
         fused = _fused_decode_kernel(x2)
         if fused is None:
             return None
         self._refresh_weight_codes()
-        y = fused(x2, self._fp8_qw, self._fp8_sw, out_dtype=autocast, nonfinite_count=self.nonfinite_count,
-                  weight_bad=self._fp8_bad, pow2=cfg.power_of_two_scales, round_to=autocast)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return fused(x2, self._fp8_qw, self._fp8_sw, out_dtype=round_to or x2.dtype,
+                     nonfinite_count=self.nonfinite_count, weight_bad=self._fp8_bad, pow2=cfg.power_of_two_scales,
+                     round_to=round_to)
 
     @torch.compiler.disable
     def _eager_forward_outside_graph(self, x2: Tensor, cfg: Fp8Config) -> Tensor:
-        return self._eager_forward(x2, cfg)
+        y = self._eager_fused_decode(x2, cfg, None)
+        return self._eager_forward(x2, cfg) if y is None else y
 
     def _compiled_forward(self, x2: Tensor, cfg: Fp8Config) -> Tensor:
         if self._fp8_qw is None:
@@ -459,8 +461,7 @@ class FP8BlockLinear(nn.Linear):
                                "calclip.fp8.refresh_fp8_weights(model) before the compiled call")
         grad = torch.is_grad_enabled()
         # CUDA only: under the interpreter (CPU) wrap_triton cannot record a kernel, so such calls stay unfused.
-        if not grad and x2.is_cuda and cfg.decode_fused_max_m and 0 < x2.shape[0] <= cfg.decode_fused_max_m and \
-                _fused_decode_kernel(x2) is not None:
+        if x2.is_cuda and _fused_decode_applies(x2, cfg) and _fused_decode_kernel(x2) is not None:
             y, bad_rows = torch.ops.calclip.fp8_linear_decode(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                                               cfg.power_of_two_scales, x2.dtype)
             self.nonfinite_count.add_(bad_rows)
