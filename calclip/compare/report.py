@@ -158,7 +158,7 @@ def arm_header(arm: str, runs: list[Run], window: Window | None = None, partial:
     notes = [f"seed {run.seed} to step {run.last_step} ({run.status})" for run in counted if run.status != FINISHED]
     notes += [f"seed {run.seed} {'FAILED' if run.status == FAILED else run.status}"
               + (f" at step {run.last_step}" if run.rows and run.status != FAILED else "")
-              for run in runs if run not in counted]
+              for run in runs if not counts(run, window, partial)]
     return header + (" " + "; ".join(notes) if notes else "")
 
 

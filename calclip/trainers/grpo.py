@@ -239,7 +239,6 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         )
         self._step_entropies: list[tuple[float, float]] = []  # (entropy, A<0 entropy) of this step's micro-batches
         self._outlier_log: MismatchOutlierLog | None = None  # created at the first outlier check
-        self._outlier_warned = False
         self._old_logps_step: int | None = None  # global_step at which the buffered generation batch was produced
         # W&B histograms of the calibration ratios; None (no cost) unless W&B reports this run.
         self._ratio_histograms = attach_ratio_histograms(self)
@@ -739,7 +738,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     def _mismatch_outliers(self, mode, inputs, old_logps, rollout, mask, stats) -> None:
         """mismatch/max_abs_logp_diff, and in training the tokens above mismatch_dump_threshold written out
         (calclip.trainers.mismatch_outliers)."""
-        gaps = logp_gaps(old_logps.detach(), rollout, mask)
+        old_logps = old_logps.detach()
+        gaps = logp_gaps(old_logps, rollout, mask)
         stats["mismatch/max_abs_logp_diff"] = gaps.max() if gaps.numel() else gaps.new_zeros(())
         threshold = self.args.mismatch_dump_threshold
         if threshold is None or mode != "train":
@@ -751,11 +751,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         step = self.state.global_step + 1  # the optimizer step this loss feeds (the metrics files' step)
         found = self._outlier_log.record(
             step=step, rank=self.accelerator.process_index, gaps=gaps, completion_ids=inputs["completion_ids"],
-            trainer_logps=old_logps.detach(), rollout_logps=rollout, mask=mask,
+            trainer_logps=old_logps, rollout_logps=rollout, mask=mask,
             shadow_logps=inputs.get(BF16_OLD_LOGPS_KEY), decode=getattr(tokenizer, "decode", None),
         )
-        if found and not self._outlier_warned:
-            self._outlier_warned = True
+        if found and self._outlier_log.seen == found:  # the first outliers of the run
             warnings.warn(f"{found} completion token(s) at step {step} have rollout and trainer log-probs more than "
                           f"{threshold} nats apart (max {float(gaps.max()):.3g}): written to "
                           f"{self._outlier_log.path} (warned once; the file keeps them)", stacklevel=2)
