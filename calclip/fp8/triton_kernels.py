@@ -99,6 +99,18 @@ def _check_device(*tensors: Tensor) -> bool:
     raise ValueError(f"Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), got {device}")
 
 
+def _counter_operands(x: Tensor, nonfinite_count: Tensor, weight_bad: Tensor | None) -> tuple[bool, Tensor]:
+    """(soft_fp8, weight_bad) for a kernel that adds x's non-finite rows to ``nonfinite_count`` (int64 [] on x's
+    device; checked here) — every row when ``weight_bad`` (bool [], default False) is set."""
+    if weight_bad is None:
+        weight_bad = torch.zeros((), dtype=torch.bool, device=nonfinite_count.device)
+    soft_fp8 = _check_device(x, nonfinite_count, weight_bad)
+    if nonfinite_count.dtype != torch.int64 or nonfinite_count.numel() != 1:
+        raise ValueError(f"nonfinite_count must be an int64 [] tensor, got {nonfinite_count.dtype} "
+                         f"{tuple(nonfinite_count.shape)}")
+    return soft_fp8, weight_bad
+
+
 def _as_float_input(x: Tensor) -> Tensor:
     if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"expected a bf16/fp16/fp32/fp64 tensor, got {x.dtype}")
@@ -360,9 +372,7 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     """
     _check_block(block)
     count = nonfinite_count is not None
-    if count and weight_bad is None:
-        weight_bad = torch.zeros((), dtype=torch.bool, device=nonfinite_count.device)
-    soft_fp8 = _check_device(x, nonfinite_count, weight_bad) if count else _check_device(x)
+    soft_fp8, weight_bad = _counter_operands(x, nonfinite_count, weight_bad) if count else (_check_device(x), None)
     if x.dim() < 1:
         raise ValueError("quantize_1x128 needs at least one dim")
     x = _as_float_input(x)
@@ -374,9 +384,6 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     if count:
         if not counts_in_kernel(k, block):
             raise ValueError(f"in-kernel counting needs K <= {_COUNT_MAX_GROUPS * BLOCK}, got K={k}")
-        if nonfinite_count.dtype != torch.int64 or nonfinite_count.numel() != 1:
-            raise ValueError(f"nonfinite_count must be an int64 [] tensor, got {nonfinite_count.dtype} "
-                             f"{tuple(nonfinite_count.shape)}")
     if x.numel() == 0:
         return q, s
     x2 = x.reshape(r, k)
@@ -897,12 +904,7 @@ def fp8_linear_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype
         raise ValueError(f"sw must be float32 {want} (128x128 blocks of qw), got {sw.dtype} {tuple(sw.shape)}")
     count = nonfinite_count is not None
     if count:
-        if weight_bad is None:
-            weight_bad = torch.zeros((), dtype=torch.bool, device=nonfinite_count.device)
-        _check_device(x2, nonfinite_count, weight_bad)
-        if nonfinite_count.dtype != torch.int64 or nonfinite_count.numel() != 1:
-            raise ValueError(f"nonfinite_count must be an int64 [] tensor, got {nonfinite_count.dtype} "
-                             f"{tuple(nonfinite_count.shape)}")
+        _, weight_bad = _counter_operands(x2, nonfinite_count, weight_bad)
         if weight_bad.dtype != torch.bool or weight_bad.numel() != 1:
             raise ValueError(f"weight_bad must be a bool [] tensor, got {weight_bad.dtype} {tuple(weight_bad.shape)}")
     y = torch.empty(m, n, dtype=out_dtype, device=x2.device)
