@@ -45,8 +45,8 @@ from torch import nn
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
 from _common import ROTATE_BYTES, git_commit, package_version, table
-from bench_speed import (cell, compiled_warmup, free_memory, interleave, paired_ratio, setup_arm, sharing_copy,
-                         short_error, step_clock, sync, watch_recompiles)
+from bench_speed import (build_llama, cell, compiled_warmup, free_memory, interleave, paired_ratio, setup_arm,
+                         sharing_copy, short_error, step_clock, sync, watch_recompiles)
 
 SECTIONS = ("layer", "decode")
 # (K, N): SmolLM2-135M's q/o, gate/up, down, k/v; then the 8-layer h2048 i8192 model's.
@@ -205,20 +205,6 @@ def _same_output(fp8_layer: nn.Module, fused_layer: nn.Module, x: torch.Tensor) 
 # decode (HF generate)
 
 
-def build_model(layers: int, hidden: int, inter: int, heads: int, kv_heads: int, vocab: int, device,
-                dtype=torch.bfloat16):
-    """Random-weight Llama in ``dtype`` (bf16, or fp32 masters run under bf16 autocast), sdpa attention, untied
-    LM head."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-
-
 SETTINGS = {"eager": {}, "graphed": {"cache_implementation": "static"}}
 
 
@@ -242,7 +228,9 @@ def decode_section(opts) -> None:
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if fp32_masters else contextlib.nullcontext
     for name, *shape, vocab in opts.models:
         free_memory()
-        base = build_model(*shape, vocab, device, torch.float32 if fp32_masters else torch.bfloat16)
+        layers, hidden, inter, heads, kv_heads = shape
+        base = build_llama(layers, hidden, inter, vocab, device, heads=heads, kv_heads=kv_heads,
+                           dtype=torch.float32 if fp32_masters else torch.bfloat16).eval()
         models = {"BF16": base, "FP8": quantize_model(sharing_copy(base), Fp8Config()).eval(),
                   "fused": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=FUSED_MAX_M)).eval()}
         for batch in opts.decode_batches:

@@ -387,18 +387,20 @@ def layer_section(opts, sizes: Sizes) -> None:
 # model (fwd + bwd + AdamW)
 
 
-def build_llama(layers: int, hidden: int, intermediate: int, vocab: int, device, seed: int = 0):
-    """Random-weight Llama in bf16, sdpa attention, head dim 128, untied LM head (as calclip's tests)."""
+def build_llama(layers: int, hidden: int, intermediate: int, vocab: int, device, seed: int = 0, *,
+                heads: int | None = None, kv_heads: int | None = None, dtype: torch.dtype = torch.bfloat16):
+    """Random-weight Llama in ``dtype`` (bf16 by default), sdpa attention, untied LM head (as calclip's tests);
+    head dim 128 and no grouped-query attention unless ``heads`` / ``kv_heads`` say otherwise."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    heads = max(1, hidden // 128)
+    heads = heads or max(1, hidden // 128)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
                          max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                          pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model
 
 
