@@ -793,12 +793,17 @@ def _fused_quant_gemm_step(acc, row_bad, x_ptrs, row_mask, b_ptrs, sb_ptrs, k0, 
     rounded to bf16 / fp16 first (`_rounded_to_16_bits`), the autocast cast done in registers."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = offs_k < K  # ragged last group: masked x are 0 (amax unchanged), masked weight codes are 0
-    x = tl.load(x_ptrs + offs_k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    valid = row_mask[:, None] & k_mask[None, :]
+    x = tl.load(x_ptrs + offs_k[None, :], mask=valid, other=0.0).to(tl.float32)
     x = _rounded_to_16_bits(x, ROUND, SOFT_FP8)
     amax = _abs_max(x, 1)  # [BLOCK_M]
     nonfinite = amax == float("inf")
     sa = _block_scale(amax, nonfinite, POW2)
-    a = _e4m3fn_in_registers(_scaled_codes(x, sa[:, None], nonfinite[:, None]), SOFT_FP8)
+    # The masked elements (padding rows of a decode tile, a ragged group's tail) divide 1 instead of 0 and their
+    # code is then set to 0, the code 0 / scale gives: a zero dividend sends the hardware's IEEE division down its
+    # slow path, and at decode's M << BLOCK_M nearly every element of the tile is padding.
+    codes = _scaled_codes(tl.where(valid, x, 1.0), sa[:, None], nonfinite[:, None])
+    a = _e4m3fn_in_registers(tl.where(valid, codes, 0.0), SOFT_FP8)
     b = tl.load(b_ptrs + offs_k[:, None] * stride_bk, mask=k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
     sb = tl.load(sb_ptrs + (k0 // BLOCK_K) * stride_sbk)
     acc = acc + tl.dot(a, b) * (sa[:, None] * sb[None, :])
@@ -855,15 +860,18 @@ def _fp8_linear_fused_quant_kernel(
 # BLOCK_M is 64 in every config, although decode has fewer rows: on sm_90 Triton runs a BLOCK_M >= 64 FP8 dot on
 # Hopper's FP8 wgmma (like every config of the unfused GEMM) but a BLOCK_M 16/32 one on mma.sync with the codes
 # upcast to f16, which sums a K block with other rounding; one MMA family keeps the outputs independent of which
-# config the autotuner picks, and equal to the unfused path's. Masked rows cost no memory traffic; decode is
-# bound by the weight reads. BLOCK_N 32 gives narrow layers (SmolLM2's k/v, N = 192) more programs.
-_FUSED_DEFAULT = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=4)
+# config the autotuner picks, and equal to the unfused path's. Masked rows cost no memory traffic, but every program
+# quantizes its BLOCK_M x 128 x tile per K step (an IEEE division per element): on the H200 the first configs (4
+# warps) were ALU-bound, 2.6-7x slower on the GPU than quantize + GEMM (docs/benchmarks.md), so 8-warp configs
+# share that work among more warps. BLOCK_N 32 gives narrow layers (SmolLM2's k/v, N = 192) more programs.
+_FUSED_DEFAULT = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=3)
 _FUSED_CONFIGS = [
     _FUSED_DEFAULT,
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=5),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=4, num_stages=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 256}, num_warps=8, num_stages=2),
 ]
 _fp8_linear_fused_quant_tuned = _Tuned(_fp8_linear_fused_quant_kernel, _FUSED_CONFIGS, key=["M_BUCKET", "N", "K"],
                                        restore_value=["count_ptr"])

@@ -47,11 +47,13 @@ def _same_bits(a, b):
 
 
 # Under the interpreter both kernels run the same numpy matmul per K block: bit for bit. On sm_90 both run FP8
-# wgmma (m64 x BLOCK_N x k32, every config: test_fused_kernel_compiles_for_sm90_without_a_gpu), so they should
-# agree bit for bit there too, but that is not verified on a GPU yet: the GPU branch asserts what FP8 wgmma's
-# block sums guarantee (~14 bits, DeepSeek-V3 report), 2**-12 of sum |x w| (4x margin), plus each output's own
-# rounding (unit roundoff per rounding, two roundings: one per kernel).
-GPU_BLOCK_SUM_RTOL = 2.0**-12
+# wgmma (m64 x BLOCK_N x k32, every config: test_fused_kernel_compiles_for_sm90_without_a_gpu); on the H200 the
+# layer benchmark found them bit-equal (docs/benchmarks.md), but the GPU branch asserts only what FP8 wgmma's block
+# sums guarantee: each k32 MMA adds its products to the accumulator keeping ~14 bits (DeepSeek-V3 report), an error
+# of at most 2**-13 of the magnitudes summed so far, so a 128-wide block (four k32 steps) is within 4 * 2**-13 =
+# 2**-11 of sum |x w|; plus each output's own rounding (unit roundoff per rounding, two roundings: one per kernel).
+# (2**-12, this constant's first value, was below that: on the H200 one output of the float64 test reached 1.01x.)
+GPU_BLOCK_SUM_RTOL = (BLOCK // 32) * 2.0**-13
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
