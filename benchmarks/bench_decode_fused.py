@@ -147,7 +147,7 @@ def layer_section(opts) -> None:
     from calclip.fp8 import FP8BlockLinear, Fp8Config
 
     device = torch.device(opts.device)
-    off, on = Fp8Config(), Fp8Config(decode_fused_max_m=FUSED_MAX_M)
+    off, on = Fp8Config(decode_fused_max_m=0), Fp8Config(decode_fused_max_m=FUSED_MAX_M)
     rows = []
     for k, n in opts.layer_shapes:
         sets = _sets(k, n, opts.tiny)
@@ -231,7 +231,7 @@ def decode_section(opts) -> None:
         layers, hidden, inter, heads, kv_heads = shape
         base = build_llama(layers, hidden, inter, vocab, device, heads=heads, kv_heads=kv_heads,
                            dtype=torch.float32 if fp32_masters else torch.bfloat16).eval()
-        models = {"BF16": base, "FP8": quantize_model(sharing_copy(base), Fp8Config()).eval(),
+        models = {"BF16": base, "FP8": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=0)).eval(),
                   "fused": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=FUSED_MAX_M)).eval()}
         for batch in opts.decode_batches:
             gen = torch.Generator(device="cpu").manual_seed(batch)

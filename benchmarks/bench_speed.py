@@ -727,8 +727,9 @@ def smollm_section(opts, sizes: Sizes) -> None:
     if opts.smollm_graphed:  # the same runs with CUDA-graphed HF decode (compile_generation)
         runs.update({f"{name}+graphed": (config, ["--compile_generation", "true"])
                      for name, config in SMOLLM_CONFIGS.items()})
-    if opts.smollm_fused:  # the FP8 run with the one-launch decode kernel (fp8_decode_fused_max_m)
-        runs.update({f"{name}+fused": (config, ["--fp8_decode_fused_max_m", str(opts.smollm_fused)])
+    if opts.smollm_fused is not None:  # the FP8 run with an explicit fp8_decode_fused_max_m (0: two launches)
+        label = f"+fused{opts.smollm_fused}" if opts.smollm_fused else "+unfused"
+        runs.update({f"{name}{label}": (config, ["--fp8_decode_fused_max_m", str(opts.smollm_fused)])
                      for name, config in SMOLLM_CONFIGS.items() if name.startswith("fp8")})
     times: dict[str, list[float]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as out:
@@ -831,8 +832,9 @@ def parse_args(argv=None):
     parser.add_argument("--smollm-dtype", default="float32", help="--model_dtype of the smollm runs")
     parser.add_argument("--smollm-graphed", action="store_true",
                         help="also time both smollm runs with --compile_generation true (CUDA-graphed decode)")
-    parser.add_argument("--smollm-fused", type=int, default=0, metavar="M",
-                        help="also time the FP8 smollm run with --fp8_decode_fused_max_m M (fused decode kernel)")
+    parser.add_argument("--smollm-fused", type=int, default=None, metavar="M",
+                        help="also time the FP8 smollm run with --fp8_decode_fused_max_m M (0: the two-launch decode; "
+                             "the default run's is automatic: fused in eager CUDA decode)")
     parser.add_argument("--smollm-args", default="", help="more `calclip train` flags for both smollm runs, e.g. "
                         "'--torch_compile true'")
     opts = parser.parse_args(argv)

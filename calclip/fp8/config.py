@@ -73,7 +73,7 @@ def require_recipe_available(recipe: str | Fp8Recipe, *, field: str = "Fp8Config
 
 def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", gemm: str = "auto",
                            block_size: int = BLOCK, fused_quantizer: bool = False,
-                           decode_fused_max_m: int = 0) -> list[str]:
+                           decode_fused_max_m: int | None = None) -> list[str]:
     """``Fp8Config`` option names set to a value that only the blockwise recipe honours, for ``recipe``.
 
     torchao's rowwise/tensorwise recipes always quantize the backward in FP8, have no block size, no fused
@@ -83,8 +83,13 @@ def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", ge
     if not get_fp8_recipe(recipe).uses_torchao:
         return []
     conflicts = {"backward": backward != "fp8", "gemm": gemm == "triton", "block_size": block_size != BLOCK,
-                 "fused_quantizer": fused_quantizer, "decode_fused_max_m": decode_fused_max_m != 0}
+                 "fused_quantizer": fused_quantizer, "decode_fused_max_m": decode_fused_max_m not in (None, 0)}
     return [name for name, conflict in conflicts.items() if conflict]
+
+
+# Fp8Config.decode_fused_max_m=None's row limit: RL decode batches (a generation batch of completions is M); the
+# H200 measured the fused kernel faster in eager calls up to M=256, the largest it timed (docs/benchmarks.md).
+DECODE_FUSED_AUTO_MAX_M = 256
 
 
 @dataclass(frozen=True)
@@ -120,13 +125,18 @@ class Fp8Config:
         tensor once. Off by default: on the H200 the fused kernel reached 25% of copy bandwidth (its exact
         divisions dominate) and the layer ran 1.11x BF16 against 1.23x with the two separate kernels at
         M=8192, K=4096, N=14336 (docs/benchmarks.md). Same codes either way.
-    decode_fused_max_m: 0 (default: off) or the largest number of rows (tokens) a forward with grad disabled may
-        have to run as ONE launch that quantizes x in the GEMM's prologue (``fp8_linear_fused_quant_gemm``)
-        instead of a quantizer launch and a GEMM launch: meant for rollout decode steps (M = batch). Same codes
-        and scales; the GEMM accumulates like the ``triton`` backend (not ``torch._scaled_mm``: fp32 rounding
-        order only). CUDA (eager and compiled calls), or eager CPU calls under TRITON_INTERPRET=1; training
-        forwards never take it. Opt-in because its speed is not measured on a GPU yet.
-    """
+    decode_fused_max_m: None (default: automatic), 0 (off) or the largest number of rows (tokens) a forward with
+        grad disabled may have to run as ONE launch that quantizes x in the GEMM's prologue
+        (``fp8_linear_fused_quant_gemm``) instead of a quantizer launch and a GEMM launch: meant for rollout decode
+        steps (M = batch). Same codes and scales; the GEMM accumulates like the ``triton`` backend (not
+        ``torch._scaled_mm``: fp32 rounding order only). Training forwards never take it.
+        None: eager CUDA calls of up to ``DECODE_FUSED_AUTO_MAX_M`` (256) rows when gemm is "auto" or "triton"
+        (blockwise, block_size 128), nothing else. That is where the H200 measured it faster (docs/benchmarks.md,
+        2026-12-01: eager per call 1.6-3.2x the two-launch path at every shape measured, HF decode of a
+        SmolLM2-shaped model 1.6x tokens/s), while inside CUDA graphs (compiled calls) the two-launch path's GPU
+        time was lower at every shape (the fused kernel redoes the quantization in each N tile).
+        An int N > 0: eager and compiled calls of up to N rows on CUDA (compiled calls record the triton op
+        ``calclip::fp8_linear_decode``), and eager CPU calls under TRITON_INTERPRET=1 (the tests).    """
 
     block_size: int = BLOCK
     power_of_two_scales: bool = False
@@ -139,7 +149,7 @@ class Fp8Config:
     cache_weights: bool = True
     fused_quantizer: bool = False
     recipe: str = Fp8Recipe.BLOCKWISE.value
-    decode_fused_max_m: int = 0
+    decode_fused_max_m: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -172,8 +182,9 @@ class Fp8Config:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Fp8Config.{name} must be a bool, got {getattr(self, name)!r}")
         max_m = self.decode_fused_max_m
-        if isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 0:
-            raise ValueError(f"Fp8Config.decode_fused_max_m must be an int >= 0 (0: off), got {max_m!r}")
+        if max_m is not None and (isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 0):
+            raise ValueError(f"Fp8Config.decode_fused_max_m must be None (automatic) or an int >= 0 (0: off), "
+                             f"got {max_m!r}")
         if max_m and self.block_size != BLOCK:
             raise ValueError(f"Fp8Config.decode_fused_max_m={max_m} runs calclip's Triton kernel, which needs "
                              f"block_size={BLOCK}; got block_size={self.block_size}")
@@ -193,3 +204,12 @@ class Fp8Config:
             raise ValueError(f"Fp8Config.recipe={recipe.value!r} (torchao) cannot honour {settings}: these are "
                              "options of the 'blockwise' recipe; leave them at their defaults")
         require_recipe_available(recipe)
+
+    def fused_decode_max_m(self, *, cuda: bool, compiled: bool) -> int:
+        """The most rows a no-grad forward may have to take the fused decode kernel (0: never), for a call on CUDA
+        or not, compiled or eager: ``decode_fused_max_m`` resolved (its None means the automatic rule)."""
+        if self.decode_fused_max_m is not None:
+            return self.decode_fused_max_m
+        automatic = (cuda and not compiled and self.recipe == Fp8Recipe.BLOCKWISE and self.block_size == BLOCK
+                     and self.gemm in ("auto", "triton"))
+        return DECODE_FUSED_AUTO_MAX_M if automatic else 0

@@ -37,13 +37,13 @@ sees and launches their Triton kernels), and the staleness check runs once per m
 before each call of one submodule of a converted model compiled on its own (its layers leave the refresh to the
 root's hook, which that call does not run; a bare FP8BlockLinear compiled alone refreshes in its own hook).
 
-Fused decode (opt-in, ``Fp8Config.decode_fused_max_m``, off by default and not yet measured on a GPU): a forward
-with grad disabled (rollout decode) and at most that many rows takes ONE launch,
-``triton_kernels.fp8_linear_fused_quant_gemm``, which quantizes x's 1x128 groups in the GEMM's prologue and counts
-non-finite rows itself: the same codes and scales as the two-launch path, which a training forward always takes
-(its backward needs the saved 128x1 codes). Compiled calls on CUDA record it as the triton op
-``calclip::fp8_linear_decode`` (CUDA graphs included); compiled CPU calls stay unfused (the interpreter's kernels
-cannot be recorded).
+Fused decode (``Fp8Config.decode_fused_max_m``): a forward with grad disabled (rollout decode) and at most that
+many rows takes ONE launch, ``triton_kernels.fp8_linear_fused_quant_gemm``, which quantizes x's 1x128 groups in the
+GEMM's prologue and counts non-finite rows itself: the same codes and scales as the two-launch path, which a training
+forward always takes (its backward needs the saved 128x1 codes). By default (None) only eager CUDA calls of up to
+256 rows take it: there the H200 measured it faster, while in CUDA graphs the two-launch path's GPU time was lower.
+An explicit limit also applies to compiled calls on CUDA, recorded as the triton op ``calclip::fp8_linear_decode``
+(CUDA graphs included); compiled CPU calls stay unfused (the interpreter's kernels cannot be recorded).
 
 backward="bf16" is the straight-through comparison mode (eager only): dx = dy W_dq with W_dq =
 dequant(Q128x128(W)), and dW = dy^T x with the unquantized x (saved in its own dtype), plain matmuls.
@@ -268,15 +268,18 @@ _forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context
 _FUSED_DECODE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _fused_decode_applies(x2: Tensor, cfg: Fp8Config) -> bool:
-    """Fp8Config.decode_fused_max_m's rule: grad disabled (rollout) and 1 to decode_fused_max_m rows."""
-    return bool(cfg.decode_fused_max_m) and not torch.is_grad_enabled() and 0 < x2.shape[0] <= cfg.decode_fused_max_m
+def _fused_decode_applies(x2: Tensor, cfg: Fp8Config, *, compiled: bool) -> bool:
+    """Fp8Config.decode_fused_max_m's rule: grad disabled (rollout) and 1 to max_m rows, max_m resolved for this
+    call (``Fp8Config.fused_decode_max_m``: None is automatic, eager CUDA calls only)."""
+    if torch.is_grad_enabled():
+        return False
+    return 0 < x2.shape[0] <= cfg.fused_decode_max_m(cuda=x2.is_cuda, compiled=compiled)
 
 
 def _fused_decode_kernel(x2: Tensor):
     """``triton_kernels.fp8_linear_fused_quant_gemm`` when it can serve ``x2`` (a CUDA tensor, or a CPU tensor
     under TRITON_INTERPRET=1, in bf16/fp16/fp32, triton importable), else None: then the layer's usual path runs.
-    Fp8Config.decode_fused_max_m opts in; its validation already asked for block_size 128 and a non-emulated gemm."""
+    Whether a call may take it is ``_fused_decode_applies`` (Fp8Config.decode_fused_max_m, resolved per call)."""
     if x2.dtype not in _FUSED_DECODE_DTYPES:
         return None
     if not x2.is_cuda and not (x2.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"):
@@ -433,7 +436,7 @@ class FP8BlockLinear(nn.Linear):
         when it does not apply. x2 is taken before the autocast cast: an fp32 x2 under bf16/fp16 autocast is rounded
         in the kernel's registers (bit for bit ``x2.to(autocast)`` first, one launch fewer; fp32 master weights
         leave the residual stream fp32, so q/k/v and gate/up would each launch a cast)."""
-        if not _fused_decode_applies(x2, cfg):
+        if not _fused_decode_applies(x2, cfg, compiled=False):
             return None
         round_to = None
         if autocast is not None and x2.dtype != autocast:
@@ -461,7 +464,7 @@ class FP8BlockLinear(nn.Linear):
                                "calclip.fp8.refresh_fp8_weights(model) before the compiled call")
         grad = torch.is_grad_enabled()
         # CUDA only: under the interpreter (CPU) wrap_triton cannot record a kernel, so such calls stay unfused.
-        if x2.is_cuda and _fused_decode_applies(x2, cfg) and _fused_decode_kernel(x2) is not None:
+        if x2.is_cuda and _fused_decode_applies(x2, cfg, compiled=True) and _fused_decode_kernel(x2) is not None:
             y, bad_rows = torch.ops.calclip.fp8_linear_decode(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                                               cfg.power_of_two_scales, x2.dtype)
             self.nonfinite_count.add_(bad_rows)

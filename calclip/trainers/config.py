@@ -161,12 +161,13 @@ class CalibratedGRPOConfig(GRPOConfig):
                                  "tiny update moves many FP8 weight codes a whole step (docs/usage.md, FP8 "
                                  "recipes)."}
     )
-    fp8_decode_fused_max_m: int = field(
-        default=0, metadata={"help": "0 (off) or the most tokens a no-grad FP8 forward (rollout decode: batch rows) "
-                             "may have to quantize its input inside the GEMM, one kernel launch per linear instead "
-                             "of two (Fp8Config.decode_fused_max_m; fp8_recipe 'blockwise', CUDA, with or without "
-                             "compile_generation). "
-                             "Same FP8 codes; opt-in: its speed is not measured on a GPU yet."}
+    fp8_decode_fused_max_m: int | None = field(
+        default=None, metadata={"help": "Fused decode: the most tokens a no-grad FP8 forward (rollout decode: batch "
+                                "rows) may have to quantize its input inside the GEMM, one kernel launch per linear "
+                                "instead of two (Fp8Config.decode_fused_max_m, fp8_recipe 'blockwise', same FP8 "
+                                "codes). None (default): eager CUDA generation up to 256 rows, where the H200 "
+                                "measured it faster (not inside compile_generation's CUDA graphs, where it measured "
+                                "slower); 0: off; N: up to N rows, eager and compiled, on CUDA."}
     )
     compile_generation: bool = field(
         default=False,
@@ -374,6 +375,8 @@ class CalibratedGRPOConfig(GRPOConfig):
 
         for name in ("fp8_keep_first_n_layers", "fp8_keep_last_n_layers", "fp8_decode_fused_max_m",
                      "repeat_ngram_size"):
+            if name == "fp8_decode_fused_max_m" and self.fp8_decode_fused_max_m is None:
+                continue  # automatic
             _int_at_least(name, getattr(self, name), 1 if name == "repeat_ngram_size" else 0)
         if self.fp8 and self.fp8_decode_fused_max_m and self.fp8_gemm == "emulated":
             raise ValueError("fp8_decode_fused_max_m runs calclip's Triton kernel, but fp8_gemm='emulated' asks for "

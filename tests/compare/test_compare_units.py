@@ -169,17 +169,18 @@ def test_a_field_added_since_the_folder_was_made_counts_only_off_its_default():
     base = {"learning_rate": 1e-5, "tis_mode": "none", "clip_mode": "static"}
     stored = _record({"fp8_static": base}, {"fp8_static": arms.PRESETS["fp8_static"].overrides})
     preset = [arms.PRESETS["fp8_static"]]
-    at_default = {"fp8_static": dict(base, fp8_decode_fused_max_m=0)}
-    assert folder.config_differences(stored, preset, at_default, {"fp8_decode_fused_max_m": 0}) == []
+    at_default = {"fp8_static": dict(base, fp8_recipe="blockwise")}
+    assert folder.config_differences(stored, preset, at_default, {"fp8_recipe": "blockwise"}) == []
     assert folder.config_differences(stored, preset, at_default) == [  # without defaults every new field counts
-        'fp8_decode_fused_max_m: "<unset>" in the folder, 0 now (arms: fp8_static)']
-    changed = {"fp8_static": dict(base, fp8_decode_fused_max_m=64)}
-    assert folder.config_differences(stored, preset, changed, {"fp8_decode_fused_max_m": 0}) == [
-        'fp8_decode_fused_max_m: "<unset>" in the folder, 64 now (arms: fp8_static)']
+        'fp8_recipe: "<unset>" in the folder, "blockwise" now (arms: fp8_static)']
+    changed = {"fp8_static": dict(base, fp8_recipe="rowwise")}
+    assert folder.config_differences(stored, preset, changed, {"fp8_recipe": "blockwise"}) == [
+        'fp8_recipe: "<unset>" in the folder, "rowwise" now (arms: fp8_static)']
     # The defaults the command passes come from the dataclasses, normalized like the folder's configs.
     defaults = command._field_defaults()
-    assert defaults["fp8_decode_fused_max_m"] == 0 and defaults["clip_mode"] == "calibrated" and defaults["fp8"] is True
+    assert defaults["fp8_recipe"] == "blockwise" and defaults["clip_mode"] == "calibrated" and defaults["fp8"] is True
     assert "mismatch_dump_threshold" not in defaults  # where outliers are written is not compared at all
+    assert "fp8_decode_fused_max_m" not in defaults  # one decode launch or two: the same codes, not compared
 
 
 def test_comparable_drops_run_and_output_fields():

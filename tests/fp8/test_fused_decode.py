@@ -20,6 +20,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
 NO_DEVICE_TESTS = {"test_fused_kernel_compiles_for_sm90_without_a_gpu", "test_config_field_validation",
+                   "test_automatic_limit_is_eager_cuda_blockwise_only",
                    "test_compiled_decode_op_records_one_fused_kernel"}
 
 
@@ -32,7 +33,7 @@ def _needs_device(request):
 from calclip.fp8 import FP8BlockLinear, Fp8Config, bf16_shadow, gemm, linear, quantize_model  # noqa: E402
 from calclip.fp8 import reference as ref  # noqa: E402
 from calclip.fp8 import triton_kernels as tk  # noqa: E402
-from calclip.fp8.config import BLOCK  # noqa: E402
+from calclip.fp8.config import BLOCK, DECODE_FUSED_AUTO_MAX_M, blockwise_only_options  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 FP32_UNIT_ROUNDOFF = 2.0**-24
@@ -299,10 +300,11 @@ def test_round_to_equals_casting_first_bit_for_bit(dtype):
 
 
 def test_config_field_validation():
-    assert Fp8Config().decode_fused_max_m == 0
+    assert Fp8Config().decode_fused_max_m is None  # automatic
     assert Fp8Config(decode_fused_max_m=64).decode_fused_max_m == 64
-    for bad in (-1, 1.5, True, "64", None):
-        with pytest.raises(ValueError, match=r"Fp8Config.decode_fused_max_m must be an int >= 0"):
+    assert Fp8Config(decode_fused_max_m=0).decode_fused_max_m == 0
+    for bad in (-1, 1.5, True, "64"):
+        with pytest.raises(ValueError, match=r"Fp8Config.decode_fused_max_m must be None \(automatic\) or an int"):
             Fp8Config(decode_fused_max_m=bad)
     with pytest.raises(ValueError, match=r"decode_fused_max_m=8 .* needs block_size=128"):
         Fp8Config(decode_fused_max_m=8, block_size=64)
@@ -310,6 +312,37 @@ def test_config_field_validation():
         Fp8Config(decode_fused_max_m=8, gemm="emulated")
     with pytest.raises(ValueError, match=r"cannot honour decode_fused_max_m=8"):
         Fp8Config(decode_fused_max_m=8, recipe="rowwise")
+    # The automatic default conflicts with nothing: it resolves to "off" wherever the kernel does not apply.
+    assert blockwise_only_options("rowwise") == [] and blockwise_only_options("rowwise", decode_fused_max_m=0) == []
+    Fp8Config(block_size=64), Fp8Config(gemm="emulated")
+
+
+def test_automatic_limit_is_eager_cuda_blockwise_only():
+    """None resolves to DECODE_FUSED_AUTO_MAX_M for eager CUDA calls whose GEMM would be calclip's (auto/triton),
+    to 0 everywhere else; an explicit limit is the limit everywhere."""
+    auto = Fp8Config()
+    assert auto.fused_decode_max_m(cuda=True, compiled=False) == DECODE_FUSED_AUTO_MAX_M == 256
+    assert Fp8Config(gemm="triton").fused_decode_max_m(cuda=True, compiled=False) == 256
+    assert auto.fused_decode_max_m(cuda=True, compiled=True) == 0  # CUDA graphs: the two-launch path was faster
+    assert auto.fused_decode_max_m(cuda=False, compiled=False) == 0  # CPU: the interpreter would be slow
+    for cfg in (Fp8Config(gemm="scaled_mm"), Fp8Config(gemm="emulated"), Fp8Config(block_size=64)):
+        assert cfg.fused_decode_max_m(cuda=True, compiled=False) == 0, cfg
+    for value in (0, 64):
+        cfg = Fp8Config(decode_fused_max_m=value)
+        assert {cfg.fused_decode_max_m(cuda=c, compiled=k) for c in (True, False) for k in (True, False)} == {value}
+
+
+def test_automatic_limit_leaves_cpu_calls_unfused(monkeypatch):
+    """With the default config a CPU no-grad forward never launches the fused kernel, even under the interpreter
+    (tests run with TRITON_INTERPRET=1), while an explicit limit does; on CUDA both do."""
+    calls = _CallCounter(monkeypatch)
+    x = _x(4, 256, torch.bfloat16, seed=11)
+    for max_m, expected in ((None, int(x.is_cuda)), (8, 1)):
+        layer = FP8BlockLinear(256, 128, bias=False, config=Fp8Config(decode_fused_max_m=max_m)).to(DEVICE)
+        with torch.no_grad():
+            layer(x)
+        assert calls.calls == expected, (max_m, calls.calls)
+        calls.calls = 0
 
 
 class _CallCounter:

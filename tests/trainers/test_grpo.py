@@ -294,9 +294,11 @@ def test_compile_generation_refuses_what_fails_on_cuda_and_runs_on_cpu(tokenizer
 
 
 def test_fp8_decode_fused_max_m_reaches_every_fp8_layer(tokenizer, tmp_path):
-    """The trainer field becomes Fp8Config.decode_fused_max_m of the policy's FP8 layers; off by default."""
+    """The trainer field becomes Fp8Config.decode_fused_max_m of the policy's FP8 layers; automatic (None) by
+    default, 0 turns it off."""
     layers = [m for m in make_trainer(tokenizer, tmp_path / "default").model.modules() if isinstance(m, FP8BlockLinear)]
-    assert layers and all(m.fp8_config.decode_fused_max_m == 0 for m in layers)
-    trainer = make_trainer(tokenizer, tmp_path / "on", fp8_decode_fused_max_m=64)
-    layers = [m for m in trainer.model.modules() if isinstance(m, FP8BlockLinear)]
-    assert layers and all(m.fp8_config.decode_fused_max_m == 64 for m in layers)
+    assert layers and all(m.fp8_config.decode_fused_max_m is None for m in layers)
+    for value in (64, 0):
+        trainer = make_trainer(tokenizer, tmp_path / f"set{value}", fp8_decode_fused_max_m=value)
+        layers = [m for m in trainer.model.modules() if isinstance(m, FP8BlockLinear)]
+        assert layers and all(m.fp8_config.decode_fused_max_m == value for m in layers)
