@@ -136,7 +136,8 @@ class Fp8Config:
         SmolLM2-shaped model 1.6x tokens/s), while inside CUDA graphs (compiled calls) the two-launch path's GPU
         time was lower at every shape (the fused kernel redoes the quantization in each N tile).
         An int N > 0: eager and compiled calls of up to N rows on CUDA (compiled calls record the triton op
-        ``calclip::fp8_linear_decode``), and eager CPU calls under TRITON_INTERPRET=1 (the tests).    """
+        ``calclip::fp8_linear_decode``), and eager CPU calls under TRITON_INTERPRET=1 (the tests).
+    """
 
     block_size: int = BLOCK
     power_of_two_scales: bool = False
