@@ -133,8 +133,9 @@ class Fp8Config:
         None: eager CUDA calls of up to ``DECODE_FUSED_AUTO_MAX_M`` (256) rows when gemm is "auto" or "triton"
         (blockwise, block_size 128), nothing else. That is where the H200 measured it faster (docs/benchmarks.md,
         2026-12-01: eager per call 1.6-3.2x the two-launch path at every shape measured, HF decode of a
-        SmolLM2-shaped model 1.6x tokens/s), while inside CUDA graphs (compiled calls) the two-launch path's GPU
-        time was lower at every shape (the fused kernel redoes the quantization in each N tile).
+        SmolLM2-shaped model 1.6x tokens/s), while inside CUDA graphs (compiled calls, or eager calls being
+        captured) the two-launch path's GPU time was lower at every shape (the fused kernel redoes the quantization
+        in each N tile).
         An int N > 0: eager and compiled calls of up to N rows on CUDA (compiled calls record the triton op
         ``calclip::fp8_linear_decode``), and eager CPU calls under TRITON_INTERPRET=1 (the tests).
     """
@@ -208,7 +209,8 @@ class Fp8Config:
 
     def fused_decode_max_m(self, *, cuda: bool, compiled: bool) -> int:
         """The most rows a no-grad forward may have to take the fused decode kernel (0: never), for a call on CUDA
-        or not, compiled or eager: ``decode_fused_max_m`` resolved (its None means the automatic rule)."""
+        or not, compiled (or captured into a CUDA graph) or eager: ``decode_fused_max_m`` resolved (its None means
+        the automatic rule)."""
         if self.decode_fused_max_m is not None:
             return self.decode_fused_max_m
         automatic = (cuda and not compiled and self.recipe == Fp8Recipe.BLOCKWISE and self.block_size == BLOCK

@@ -345,6 +345,30 @@ def test_automatic_limit_leaves_cpu_calls_unfused(monkeypatch):
         calls.calls = 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs CUDA")
+def test_automatic_limit_leaves_a_cuda_graph_capture_unfused(monkeypatch):
+    """An eager call captured into a CUDA graph takes the two launches under the automatic limit (in graphs their
+    GPU time measured lower), and the graph replays the same output; outside the capture the call is fused."""
+    calls = _CallCounter(monkeypatch)
+    x = _x(16, 256, torch.bfloat16, seed=12).to("cuda")
+    torch.manual_seed(12)
+    auto = FP8BlockLinear(256, 384, bias=False, dtype=torch.bfloat16, device="cuda", config=Fp8Config())
+    unfused = FP8BlockLinear(256, 384, bias=False, dtype=torch.bfloat16, device="cuda",
+                             config=Fp8Config(decode_fused_max_m=0))
+    unfused.weight.data.copy_(auto.weight.data)
+    with torch.no_grad():
+        expected = unfused(x)  # also tunes the two-launch kernels before the capture
+        auto(x)
+        assert calls.calls == 1  # eager, outside a capture: fused
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = auto(x)
+        assert calls.calls == 1  # the capture took the two launches
+        graph.replay()
+        torch.cuda.synchronize()
+    assert _same_bits(y, expected)
+
+
 class _CallCounter:
     """Counts calls of triton_kernels.fp8_linear_fused_quant_gemm (the layer looks it up on every call)."""
 
