@@ -275,7 +275,8 @@ def _fused_decode_applies(x2: Tensor, cfg: Fp8Config, *, compiled: bool) -> bool
     if torch.is_grad_enabled():
         return False
     cuda = x2.is_cuda
-    in_graph = compiled or (cuda and torch.cuda.is_current_stream_capturing())
+    # Only the automatic rule tells a capture from an eager call: an explicit limit skips the query.
+    in_graph = compiled or (cuda and cfg.decode_fused_max_m is None and torch.cuda.is_current_stream_capturing())
     return 0 < x2.shape[0] <= cfg.fused_decode_max_m(cuda=cuda, compiled=in_graph)
 
 

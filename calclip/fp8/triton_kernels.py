@@ -822,7 +822,8 @@ def _fp8_linear_fused_quant_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] tile of c = Q1x128(x) Q128x128(W)^T. Each program quantizes its rows'
-    groups itself (every N tile redoes it: cheap at decode's few rows), so no codes go through memory.
+    groups itself, so no codes go through memory; every N tile redoes that work, which on the H200 made this
+    kernel's GPU time higher than quantize + GEMM at every decode shape (see _FUSED_CONFIGS).
 
     COUNT: the programs of the first N tile (they hold every K group of their rows) add the number of their
     rows with a non-finite group (every valid row when ``weight_bad_ptr`` is set) to ``count_ptr``: each row
