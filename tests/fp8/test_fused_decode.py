@@ -397,7 +397,8 @@ def triton_gemm_everywhere(monkeypatch):
 def _layer_pair(k, n, max_m, seed=0):
     torch.manual_seed(seed)
     base = torch.nn.Linear(k, n, device=DEVICE)
-    off = FP8BlockLinear.from_linear(base, Fp8Config(keep_patterns=()))
+    # off: the two launches, named (the automatic default fuses eager CUDA calls, which would make off fused too)
+    off = FP8BlockLinear.from_linear(base, Fp8Config(keep_patterns=(), decode_fused_max_m=0))
     on = FP8BlockLinear.from_linear(base, Fp8Config(keep_patterns=(), decode_fused_max_m=max_m))
     return off, on
 
@@ -507,6 +508,7 @@ def test_generate_with_the_fused_decode_equals_the_unfused_model(monkeypatch):
         assert counts == [0] * fp8_linears
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU test (compiled CUDA calls record the fused op: the tests below)")
 def test_compiled_cpu_calls_stay_unfused(monkeypatch):
     """Under torch.compile on CPU the fused kernel cannot be recorded (under the interpreter wrap_triton hands back
     the raw kernel, which cannot run on the stand-in tensors), so compiled CPU calls keep calclip's unfused ops and
