@@ -19,6 +19,8 @@
 # (0 all finished, 1 a run failed, 3 stopped by the time limit: call again).
 #
 # Environment: ARMS, SEEDS, PARALLEL (12), LIMIT (420), DIR (runs/evidence; runs/evidence-probe with PROBE=1),
+# NAME (start: the comparison folder's name under $WORK/runs, default evidence; e.g. NAME=evidence-lr3e-5 with
+# `start --learning_rate 3e-5` for the harsher regime of docs/evidence.md),
 # WORK, WARM (start: 1 runs 4 FP8 steps alone first, with start's extra flags, to fill Triton's autotune cache; 0
 # skips it), COMMIT (the commit device.txt records, where the copy's git metadata is stale), FROM (a comparison
 # folder to start from, e.g. docs/evidence/2026-12-01-smollm2: its finished runs are kept and skipped, the others
@@ -50,7 +52,7 @@ start)
     mkdir -p "$WORK"
     # A copy of the code: the repository folder is replaced by the next device call while this runs.
     rm -rf "$WORK/code" && mkdir -p "$WORK/code" && tar --exclude=./.git --exclude=./runs -cf - . | tar -xf - -C "$WORK/code"
-    DIR=$WORK/runs/evidence
+    DIR=$WORK/runs/${NAME:-evidence}
     if [ -n "${FROM:-}" ] && [ ! -d "$DIR" ]; then
         mkdir -p "$DIR" && cp -r "$FROM/." "$DIR/" && echo "started from $FROM"
     fi
