@@ -246,6 +246,13 @@ _compiled_launches: dict[tuple, tuple] = {}
 _MAX_LAUNCH_ENTRIES = 1 << 14  # one per distinct argument tuple (shapes, strides); cleared when full
 
 
+def _launch_hook(hook):
+    """A Triton launch hook, or None when there is none to call. Triton 3.6 keeps each hook in a ``HookChain`` that
+    exists even when empty, and its own launch path then builds the launch metadata and calls both empty chains from
+    C on every launch; calclip's passes None instead, as Triton does where no hook was ever set."""
+    return None if hook is None or getattr(hook, "calls", None) == [] else hook
+
+
 def _fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict, config_kwargs: dict) -> None:
     device = torch.cuda.current_device()  # Triton launches on the current device too
     # The exact int arguments (shapes, strides) and each tensor's dtype and address mod 16: a finer key than
@@ -262,9 +269,10 @@ def _fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict, config_kwargs: 
         _compiled_launches[key] = (compiled, tuple(merged[n] for n in names))
         return
     compiled, constexprs = entry
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    enter, leave = _launch_hook(knobs.runtime.launch_enter_hook), _launch_hook(knobs.runtime.launch_exit_hook)
     stream = torch._C._cuda_getCurrentRawStream(device)
-    metadata = compiled.launch_metadata(grid, stream, *args, *constexprs) if enter is not None else None
+    hooked = enter is not None or leave is not None
+    metadata = compiled.launch_metadata(grid, stream, *args, *constexprs) if hooked else None
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
     compiled.run(grid[0], grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,

@@ -248,3 +248,29 @@ def test_fast_launch_reuses_kernels_only_for_the_same_specialization():
         counter = torch.zeros((), dtype=torch.int64, device="cuda")
         tk.quantize_1x128(x, nonfinite_count=counter)
         assert int(counter) == 0
+
+
+def test_fast_launch_still_calls_registered_launch_hooks():
+    """With no hook registered the fast path passes None (triton_kernels._launch_hook); a hook added to Triton's
+    launch_enter_hook chain must still see every launch of calclip's kernels, with the kernel's name."""
+    from triton import knobs
+
+    x = torch.randn(256, 576, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # autotuned, then compiled and cached by _fast_launch: the next calls take its fast path
+        tk.quantize_1x128(x)
+        tk.quantize_128x1(x)
+    names = []
+
+    def record(metadata):
+        names.append(metadata.get()["name"])
+
+    knobs.runtime.launch_enter_hook.add(record)
+    try:
+        tk.quantize_1x128(x)
+        tk.quantize_128x1(x)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(record)
+    assert len(names) == 2 and "quantize_1x128" in names[0] and "quantize_128x1" in names[1], names
+    tk.quantize_1x128(x)
+    assert len(names) == 2
