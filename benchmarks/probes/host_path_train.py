@@ -89,6 +89,12 @@ def stub_launches() -> object:
         return getattr(tk, name, None) or getattr(reference, name)
 
     quant._impl = impl
+
+    def requantize(w, q, s, bad, *, transposed=None, block=128, pow2=False):  # the weight refresh's CUDA path
+        qt, st = transposed if transposed is not None else (None, None)
+        tk.requantize_128x128_(w, q, s, bad, qt=qt, st=st, block=block, pow2=pow2)
+
+    quant.requantize_128x128_ = requantize
     forced = lambda backend, *args, **kwargs: "triton"  # noqa: E731
     gemm.resolve_backend = forced
     linear.resolve_backend = forced
@@ -154,6 +160,10 @@ def main() -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     qw, sw, bad, count = layer._fp8_qw, layer._fp8_sw, layer._fp8_bad, layer.nonfinite_count
     x2 = x.detach()
+
+    def refresh():
+        linear.invalidate_fp8_weight_caches()
+        layer._refresh_weight_codes()
     qx, sx = quant.quantize_1x128(x2, gemm_layout=True)
     rows = {
         "FP8 layer forward + backward (per layer of the chain)": per_call_us(fp8_step, opts.calls) / opts.layers,
@@ -166,6 +176,7 @@ def main() -> None:
         "  GEMM (linear._gemm, Triton wrapper)": per_call_us(lambda: linear._gemm(
             qx, sx, qw, sw, dtype, "auto", "1x128", "128x128"), opts.calls * 5),
         "  weight-staleness check": per_call_us(layer._refresh_weight_codes, opts.calls * 5),
+        "  weight refresh after a weight change (2 launches)": per_call_us(refresh, opts.calls * 5),
         "  torch.empty of one output": per_call_us(lambda: torch.empty(opts.m, opts.n, dtype=dtype), opts.calls * 5),
     }
     print(f"host us per call, M={opts.m} K={opts.k} N={opts.n} {opts.dtype}, {opts.layers} layers chained "

@@ -25,7 +25,9 @@ device): in-place updates (optimizer.step, load_state_dict's copy_) bump _versio
 and fused optimizers (transformers' default adamw_torch_fused), which bump neither, advance a process-wide
 weight epoch through a global optimizer step post-hook; code that writes ``param.data`` directly calls
 ``invalidate_fp8_weight_caches()``. The W^T codes that dgrad reads ([K, N] contiguous on CUDA, so
-torch._scaled_mm gets K-major operands) are refreshed with the codes once a backward has needed them.
+torch._scaled_mm gets K-major operands) are made by the first backward that needs them; from then on a refresh
+writes codes, scales, the non-finite flag and W^T in one Triton launch (``quant.requantize_128x128_``) instead of
+eight launches (quantize, isnan, any, three copies, two transposing copies).
 A refresh bumps the codes' autograd version, so a backward whose forward saw older codes raises instead of
 computing a gradient against weights it never used.
 
@@ -353,22 +355,27 @@ class FP8BlockLinear(nn.Linear):
         if self._fp8_key == key and self.fp8_config.cache_weights:
             return
         cfg = self.fp8_config
+        w = self.weight.detach()
+        dgrad_fresh = False
         # Outside inference mode, so codes built under torch.inference_mode can still be saved by autograd.
         with torch.inference_mode(False), torch.no_grad():
-            qw, sw = quant.quantize_128x128(self.weight.detach(), block=cfg.block_size,
-                                            pow2=cfg.power_of_two_scales)
-            bad = torch.isnan(sw).any()
-            if self._fp8_qw is None or self._fp8_qw.shape != qw.shape or self._fp8_qw.device != qw.device:
-                self._fp8_qw, self._fp8_sw, self._fp8_bad = qw, sw, bad
-                _mark_static(qw, sw, bad)
+            qw = self._fp8_qw
+            if qw is None or qw.shape != w.shape or qw.device != w.device:
+                qw, sw = quant.quantize_128x128(w, block=cfg.block_size, pow2=cfg.power_of_two_scales)
+                self._fp8_qw, self._fp8_sw, self._fp8_bad = qw, sw, torch.isnan(sw).any()
+                _mark_static(self._fp8_qw, self._fp8_sw, self._fp8_bad)
             else:  # in place: captured graphs and saved-for-backward checks see the same tensors
-                self._fp8_qw.copy_(qw)
-                self._fp8_sw.copy_(sw)
-                self._fp8_bad.copy_(bad)
+                qwt = self._fp8_qwt
+                # W^T's buffers, once a backward has made them (CUDA; on CPU they are views of the codes), are
+                # refreshed by the same launch instead of by two copies at the next backward.
+                dgrad_fresh = qw.is_cuda and qwt is not None and qwt.shape == qw.t().shape and qwt.device == qw.device
+                quant.requantize_128x128_(w, qw, self._fp8_sw, self._fp8_bad,
+                                          transposed=(qwt, self._fp8_swt) if dgrad_fresh else None,
+                                          block=cfg.block_size, pow2=cfg.power_of_two_scales)
             if self.nonfinite_count is None or self.nonfinite_count.device != qw.device:
                 self._new_counter(qw.device)
         self._fp8_key = key
-        self._fp8_dgrad_key = None  # W^T follows on the next backward that needs it
+        self._fp8_dgrad_key = key if dgrad_fresh else None  # else W^T follows on the next backward that needs it
 
     def _dgrad_codes(self) -> tuple[Tensor, Tensor]:
         """(W^T codes [K, N], W^T scales [K/128, N/128]) of the current weight codes for dx = dy W. On CUDA

@@ -122,6 +122,28 @@ def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tu
     return _impl(w, "quantize_128x128", block)(w, block=block, pow2=pow2)
 
 
+def requantize_128x128_(w: Tensor, q: Tensor, s: Tensor, bad: Tensor, *,
+                        transposed: tuple[Tensor, Tensor] | None = None, block: int = BLOCK,
+                        pow2: bool = False) -> None:
+    """Refresh a weight's code buffers in place: q, s = quantize_128x128(w), bad (bool []) = a scale is NaN, and,
+    when ``transposed`` = (qt, st) is given, qt = q.t(), st = s.t() (contiguous). On CUDA one Triton launch writes
+    them all (FP8BlockLinear's weight refresh; copies would be six more launches); elsewhere the quantizer's
+    outputs are copied in. Either way the buffers keep their storage and their autograd versions move."""
+    module = triton_kernels() if w.is_cuda and block == BLOCK else None
+    fn = getattr(module, "requantize_128x128_", None) if module is not None else None
+    if fn is not None:
+        qt, st = transposed if transposed is not None else (None, None)
+        fn(w, q, s, bad, qt=qt, st=st, block=block, pow2=pow2)
+        return
+    q_new, s_new = quantize_128x128(w, block=block, pow2=pow2)
+    q.copy_(q_new)
+    s.copy_(s_new)
+    bad.copy_(torch.isnan(s_new).any())
+    if transposed is not None:
+        transposed[0].copy_(q_new.t())
+        transposed[1].copy_(s_new.t())
+
+
 dequantize_1x128 = reference.dequantize_1x128
 dequantize_128x1 = reference.dequantize_128x1
 dequantize_128x128 = reference.dequantize_128x128

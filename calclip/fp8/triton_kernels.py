@@ -41,6 +41,7 @@ __all__ = [
     "quantize_1x128",
     "quantize_128x1",
     "quantize_128x128",
+    "requantize_128x128_",
     "quantize_1x128_and_128x1",
     "fp8_block_gemm_triton",
     "fp8_linear_fused_quant_gemm",
@@ -566,13 +567,9 @@ def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = Fals
 
 
 @triton.jit
-def _quantize_128x128_kernel(
-    w_ptr, q_ptr, s_ptr,  # w [N, K] any strides; q [N, K] contiguous; s [NBN, NBK] contiguous
-    N, K, NBK, stride_wn, stride_wk,
-    POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
-    GROUP: tl.constexpr, GROUPS: tl.constexpr,
-):
-    """One program: GROUP rows x GROUPS blocks of GROUP columns, a [GROUP, GROUPS, GROUP] tile."""
+def _weight_tile(w_ptr, N, K, stride_wn, stride_wk, POW2: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    """This program's GROUP rows x GROUPS blocks of GROUP columns of w, a [GROUP, GROUPS, GROUP] tile, quantized:
+    (rows, groups, cols, mask, codes, scales [GROUPS], non-finite blocks [GROUPS])."""
     pid_n = tl.program_id(0)
     rows = (pid_n * GROUP + tl.arange(0, GROUP)).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -584,8 +581,42 @@ def _quantize_128x128_kernel(
     nonfinite = amax == float("inf")
     scale = _block_scale(amax, nonfinite, POW2)
     codes = _scaled_codes(w, scale[None, :, None], nonfinite[None, :, None])
+    return rows, groups, cols, mask, codes, scale, nonfinite
+
+
+@triton.jit
+def _quantize_128x128_kernel(
+    w_ptr, q_ptr, s_ptr,  # w [N, K] any strides; q [N, K] contiguous; s [NBN, NBK] contiguous
+    N, K, NBK, stride_wn, stride_wk,
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """One program: GROUP rows x GROUPS blocks of GROUP columns, a [GROUP, GROUPS, GROUP] tile."""
+    rows, groups, cols, mask, codes, scale, nonfinite = _weight_tile(w_ptr, N, K, stride_wn, stride_wk, POW2, GROUP,
+                                                                     GROUPS)
     _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
-    tl.store(s_ptr + pid_n * NBK + groups, scale, mask=groups < NBK)
+    tl.store(s_ptr + tl.program_id(0) * NBK + groups, scale, mask=groups < NBK)
+
+
+@triton.jit
+def _requantize_128x128_kernel(
+    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, bad_ptr,  # q [N, K], s [NBN, NBK], qt [K, N], st [NBK, NBN]: contiguous
+    N, K, NBN, NBK, stride_wn, stride_wk,        # bad: one byte, zeroed by the caller, set to 1 by a NaN/Inf block
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, TRANSPOSED: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """_quantize_128x128_kernel into existing buffers, also writing W^T's codes and scales (TRANSPOSED) and the
+    "weight has a non-finite block" flag: a weight refresh in one launch."""
+    rows, groups, cols, mask, codes, scale, nonfinite = _weight_tile(w_ptr, N, K, stride_wn, stride_wk, POW2, GROUP,
+                                                                     GROUPS)
+    pid_n = tl.program_id(0)
+    _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
+    real = groups < NBK
+    tl.store(s_ptr + pid_n * NBK + groups, scale, mask=real)
+    if TRANSPOSED:
+        _store_codes(qt_ptr + cols.to(tl.int64) * N + rows[:, None, None], codes, mask, SOFT_FP8)
+        tl.store(st_ptr + groups * NBN + pid_n, scale, mask=real)
+    tl.store(bad_ptr + groups * 0, tl.full([GROUPS], 1, tl.uint8), mask=nonfinite & real)
 
 
 _QUANT_128X128_DEFAULT = triton.Config({"GROUPS": 1}, num_warps=8)
@@ -619,6 +650,46 @@ def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tu
         w, _codes_out(q, soft_fp8), s, n, k, nbk, w.stride(0), w.stride(1),
         POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     return q, s
+
+
+_requantize_128x128_tuned = _Tuned(_requantize_128x128_kernel, _QUANT_128X128_CONFIGS, key=["N", "K"])
+
+
+def requantize_128x128_(w: Tensor, q: Tensor, s: Tensor, bad: Tensor, *, qt: Tensor | None = None,
+                        st: Tensor | None = None, block: int = BLOCK, pow2: bool = False) -> None:
+    """Re-quantize a weight into existing buffers, in place, in one launch (plus the flag's zeroing): the codes and
+    scales ``quantize_128x128(w)`` returns, ``bad`` (bool []) = whether a scale is NaN, and, when given, W^T's codes
+    ``qt`` [K, N] and scales ``st`` [NBK, NBN] (``q.t()``/``s.t()``, contiguous). Every buffer's autograd version
+    is bumped, as ``copy_`` would: a backward that saved the old codes raises instead of using the new ones.
+
+    w: [N, K] bf16/fp16/fp32, any strides; q [N, K] e4m3fn, s [ceil(N/128), ceil(K/128)] fp32, contiguous.
+    """
+    _check_block(block)
+    transposed = qt is not None or st is not None
+    if transposed and (qt is None or st is None):
+        raise ValueError("requantize_128x128_ needs both qt and st, or neither")
+    tensors = (w, q, s, bad, qt, st) if transposed else (w, q, s, bad)
+    soft_fp8 = _check_device(*tensors)
+    _check_2d("requantize_128x128_", w)
+    w = _as_float_input(w)
+    n, k = w.shape
+    nbn, nbk = _ceil_div(n, block), _ceil_div(k, block)
+    wanted = [("q", q, (n, k), FP8_DTYPE), ("s", s, (nbn, nbk), torch.float32), ("bad", bad, (), torch.bool)]
+    if transposed:
+        wanted += [("qt", qt, (k, n), FP8_DTYPE), ("st", st, (nbk, nbn), torch.float32)]
+    for name, t, shape, dtype in wanted:
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"requantize_128x128_: {name} must be a contiguous {dtype} {list(shape)}, got "
+                             f"{t.dtype} {list(t.shape)} (strides {t.stride()})")
+    bad.zero_()
+    if w.numel():
+        _requantize_128x128_tuned.launch(
+            lambda meta: (nbn, _ceil_div(nbk, meta["GROUPS"])), (n, k, w.dtype, transposed), soft_fp8,
+            w, _codes_out(q, soft_fp8), s, _codes_out(qt if transposed else q, soft_fp8), st if transposed else s,
+            bad.view(torch.uint8), n, k, nbn, nbk, w.stride(0), w.stride(1),
+            POW2=pow2, SOFT_FP8=soft_fp8, TRANSPOSED=transposed, GROUP=block)
+    for t in (q, s, qt, st) if transposed else (q, s):
+        torch.autograd.graph.increment_version(t)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -274,3 +274,37 @@ def test_fast_launch_still_calls_registered_launch_hooks():
     assert len(names) == 2 and "quantize_1x128" in names[0] and "quantize_128x1" in names[1], names
     tk.quantize_1x128(x)
     assert len(names) == 2
+
+
+def test_weight_refresh_writes_codes_and_dgrad_codes_in_place():
+    """After an optimizer step the layer's refresh writes the new weight's codes, scales, non-finite flag and W^T
+    codes (triton_kernels.requantize_128x128_, one launch) into the same buffers: equal to the reference's, W^T
+    current without the next backward's copies, and a backward of a forward that saw the old codes raises."""
+    from calclip.fp8 import FP8BlockLinear
+
+    torch.manual_seed(0)
+    layer = FP8BlockLinear(576, 1536, bias=False, device="cuda", dtype=torch.float32)  # fp32 masters
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(256, 576, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        layer(x).float().sum().backward()
+    buffers = lambda: (layer._fp8_qw, layer._fp8_sw, layer._fp8_bad, layer._fp8_qwt, layer._fp8_swt)  # noqa: E731
+    ptrs = [t.data_ptr() for t in buffers()]
+    for _ in range(3):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        assert layer._fp8_dgrad_key == layer._fp8_key  # W^T came with the refresh, not from the backward's copies
+        q_ref, s_ref = ref.quantize_128x128(layer.weight.detach().cpu())
+        assert torch.equal(layer._fp8_sw.cpu(), s_ref) and _codes_differ(layer._fp8_qw.cpu(), q_ref) == 0
+        assert torch.equal(layer._fp8_swt.cpu(), s_ref.t()) and _codes_differ(layer._fp8_qwt.cpu(), q_ref.t()) == 0
+        assert not bool(layer._fp8_bad) and [t.data_ptr() for t in buffers()] == ptrs
+        y.float().sum().backward()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_stale = layer(x)
+    opt.step()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        layer(x)  # refreshes the codes y_stale saved
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y_stale.float().sum().backward()

@@ -361,3 +361,52 @@ def test_output_can_be_modified_in_place_like_nn_linear():
         y.mul_(2.0)
         y.sum().backward()
         assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_requantize_dispatch_refreshes_buffers_in_place(transposed):
+    """quant.requantize_128x128_ off CUDA (the reference path; the Triton launch is tests/fp8/test_triton.py's):
+    the buffers get quantize_128x128's codes and scales, W^T's when asked, the non-finite flag, and new versions."""
+    w = torch.randn(200, 300)
+    w[150, 290] = float("nan")
+    q_ref, s_ref = quantize_128x128(w)
+    q = torch.zeros(200, 300, dtype=torch.float8_e4m3fn)
+    s, bad = torch.zeros(2, 3), torch.zeros((), dtype=torch.bool)
+    qt, st = torch.zeros(300, 200, dtype=torch.float8_e4m3fn), torch.zeros(3, 2)
+    buffers = (q, s, bad, qt, st) if transposed else (q, s, bad)
+    versions, ptrs = [t._version for t in buffers], [t.data_ptr() for t in buffers]
+    quant.requantize_128x128_(w, q, s, bad, transposed=(qt, st) if transposed else None)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.nan_to_num(-1.0), s_ref.nan_to_num(-1.0)) and bool(bad)
+    if transposed:
+        assert torch.equal(qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8))
+        assert torch.equal(st.nan_to_num(-1.0), s_ref.t().nan_to_num(-1.0))
+    else:
+        assert not bool(st.any())
+    assert all(t._version > v for t, v in zip(buffers, versions)) and [t.data_ptr() for t in buffers] == ptrs
+
+
+def test_optimizer_steps_refresh_the_layers_codes_in_place():
+    """After each optimizer step the codes are the new weight's, in the same tensors (graphs and saved-tensor checks
+    see one storage), and a backward whose forward saw the old codes raises."""
+    torch.manual_seed(0)
+    layer = FP8BlockLinear(256, 384, bias=False)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    x = torch.randn(16, 256, requires_grad=True)  # dx needed: the forward saves the (W^T) codes
+    layer(x).sum().backward()
+    buffers = (layer._fp8_qw, layer._fp8_sw, layer._fp8_bad)
+    ptrs = [t.data_ptr() for t in buffers]
+    for _ in range(2):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        y = layer(x)
+        q_ref, s_ref = quantize_128x128(layer.weight.detach())
+        assert torch.equal(layer._fp8_qw.view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(layer._fp8_sw, s_ref) and not bool(layer._fp8_bad)
+        assert [t.data_ptr() for t in (layer._fp8_qw, layer._fp8_sw, layer._fp8_bad)] == ptrs
+        y.sum().backward()
+    y_stale = layer(x)
+    opt.step()
+    layer(x)  # refreshes the codes the stale forward saved
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y_stale.sum().backward()

@@ -448,3 +448,70 @@ def test_launch_hook_passes_only_hooks_with_something_to_call():
         return None
 
     assert tk._launch_hook(plain) is plain
+
+
+def _garbage_buffers(n, k, transposed):
+    """Code/scale/flag buffers holding stale values (a previous weight's), on the test device."""
+    nbn, nbk = -(-n // BLOCK), -(-k // BLOCK)
+    q = torch.full((n, k), 3.0).to(FP8_DTYPE).to(DEVICE)
+    s = torch.full((nbn, nbk), 7.0, device=DEVICE)
+    bad = torch.ones((), dtype=torch.bool, device=DEVICE)  # stale "non-finite" flag: must be cleared
+    qt = torch.full((k, n), -2.0).to(FP8_DTYPE).to(DEVICE) if transposed else None
+    st = torch.full((nbk, nbn), 5.0, device=DEVICE) if transposed else None
+    return q, s, bad, qt, st
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (200, 70), (128, 256), (300, 130)])
+def test_requantize_128x128_in_place_matches_reference(shape, dtype, pow2, transposed):
+    """The weight refresh's one launch writes quantize_128x128's codes and scales into the existing buffers (same
+    storage), W^T's when asked (q.t() / s.t(), contiguous), clears a stale non-finite flag, and bumps every
+    buffer's autograd version as copy_ would."""
+    w = _wide_range(shape, dtype, seed=sum(shape) + 1)
+    q, s, bad, qt, st = _garbage_buffers(*shape, transposed)
+    buffers = [t for t in (q, s, qt, st) if t is not None]
+    ptrs, versions = [t.data_ptr() for t in buffers], [t._version for t in buffers]
+    tk.requantize_128x128_(w, q, s, bad, qt=qt, st=st, pow2=pow2)
+    q_ref, s_ref = ref.quantize_128x128(w.cpu(), pow2=pow2)
+    assert _scales_equal(s.cpu(), s_ref) and _codes_equal(q.cpu(), q_ref) == 0
+    assert not bool(bad)
+    if transposed:
+        assert qt.is_contiguous() and st.is_contiguous()
+        assert _scales_equal(st.cpu(), s_ref.t()) and _codes_equal(qt.cpu(), q_ref.t()) == 0
+    assert [t.data_ptr() for t in buffers] == ptrs
+    assert all(t._version > v for t, v in zip(buffers, versions))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_requantize_128x128_flags_nonfinite_blocks_and_takes_strided_weights(transposed):
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(160, 300, generator=g)).to(DEVICE)
+    w[140, 260] = NAN  # block (1, 2): every code NaN, scale NaN
+    w[3, 5] = INF      # block (0, 0)
+    wt = w.t().contiguous().t()  # the same values, column-major
+    q, s, bad, qt, st = _garbage_buffers(160, 300, transposed)
+    bad.zero_()  # the flag must be set, not merely left as it was
+    tk.requantize_128x128_(wt, q, s, bad, qt=qt, st=st)
+    q_ref, s_ref = ref.quantize_128x128(w.cpu())
+    assert bool(bad) and int(s_ref.isnan().sum()) == 2
+    assert _scales_equal(s.cpu(), s_ref) and _codes_equal(q.cpu(), q_ref) == 0
+    if transposed:
+        assert _scales_equal(st.cpu(), s_ref.t()) and _codes_equal(qt.cpu(), q_ref.t()) == 0
+    w[140, 260], w[3, 5] = 0.5, -0.5  # finite again: the next refresh clears the flag
+    tk.requantize_128x128_(w, q, s, bad, qt=qt, st=st)
+    assert not bool(bad) and not bool(s.isnan().any())
+
+
+def test_requantize_128x128_rejects_buffers_it_cannot_fill():
+    w = torch.randn(130, 256, device=DEVICE)
+    q, s, bad, qt, st = _garbage_buffers(130, 256, True)
+    with pytest.raises(ValueError, match="qt and st"):
+        tk.requantize_128x128_(w, q, s, bad, qt=qt)
+    with pytest.raises(ValueError, match=r"s must be a contiguous torch.float32 \[2, 2\]"):
+        tk.requantize_128x128_(w, q, s[:1], bad)
+    with pytest.raises(ValueError, match="qt must be a contiguous"):
+        tk.requantize_128x128_(w, q, s, bad, qt=qt.t().contiguous().t(), st=st)
+    with pytest.raises(ValueError, match="bad must be"):
+        tk.requantize_128x128_(w, q, s, torch.zeros(1, dtype=torch.bool, device=DEVICE))
