@@ -38,10 +38,16 @@ PLOT_METRICS = (
     "clip/neg_low_frac_bf16", "calib/low", "calib/high", "mismatch/token_mult_prob_error",
     "completions/mean_length", "completions/repeat_ngram_frac", "step_time",
 )
+# The per-seed tables' columns: what tells one seed's drift or garbling from its arm's spread.
+PER_SEED_METRICS = (
+    "reward", "entropy", "clip/neg_low_frac_fp8", "clip/neg_low_frac_fp8_static", "clip/neg_low_frac_bf16",
+    "mismatch/token_mult_prob_error", "completions/mean_length", "completions/repeat_ngram_frac", "entropy/spike",
+)
 # Drawn on a log y axis: one burst (a token-mult-prob-error of 1e3, a first step that compiles kernels) would
 # otherwise flatten the rest of the curve.
 LOG_SCALE_METRICS = frozenset({"mismatch/token_mult_prob_error", "step_time"})
 assert set(TABLE_METRICS) <= set(FIELD_NAMES) and set(PLOT_METRICS) <= set(FIELD_NAMES)
+assert set(PER_SEED_METRICS) <= set(TABLE_METRICS)
 assert LOG_SCALE_METRICS <= set(PLOT_METRICS)
 DESCRIPTIONS = dict(METRIC_FIELDS)
 
@@ -186,6 +192,26 @@ def markdown_tables(record: dict, runs: list[Run], windows: list[Window], partia
     return "\n".join(lines)
 
 
+def per_seed_tables(record: dict, runs: list[Run], windows: list[Window], partial: bool = False) -> str:
+    """Per window, one row per counted run (``counts``): its window mean of each PER_SEED_METRICS metric, the
+    numbers the arm's mean ± std is computed from."""
+    lines = []
+    for window in windows:
+        lines += [f"### {window.title()}", "", "| arm | seed | " + " | ".join(f"`{m}`" for m in PER_SEED_METRICS) + " |",
+                  "|---|---|" + "---|" * len(PER_SEED_METRICS)]
+        for arm in record["arms"]:
+            for run in runs:
+                if run.arm != arm or not counts(run, window, partial):
+                    continue
+                cells = []
+                for metric in PER_SEED_METRICS:
+                    mean = window_mean(run.rows, metric, window)
+                    cells.append("-" if mean is None else f"{mean:.4g}")
+                lines.append(f"| {arm} | {run.seed} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def runs_table(runs: list[Run], root: Path) -> str:
     lines = ["| arm | seed | status | steps logged | wall |", "|---|---|---|---|---|"]
     for run in runs:
@@ -219,6 +245,9 @@ def render_report(root: Path, record: dict, runs: list[Run], windows: list[Windo
                  "`--partial`)" if partial else "finished seeds")
               + " ± their sample standard deviation (n-1; no ± with one seed). `-`: never logged in the window.", ""]
     lines.append(markdown_tables(record, runs, windows, partial))
+    lines += ["## Per seed", "", "Each counted run's window mean (the numbers behind the ± above), for the metrics "
+              "where one seed can drift or garble on its own.", ""]
+    lines.append(per_seed_tables(record, runs, windows, partial))
     lines += ["## Figure", ""]
     if figure is not None:
         lines += [f"![comparison]({figure.name})", ""]

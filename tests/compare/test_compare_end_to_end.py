@@ -97,6 +97,24 @@ def test_table_numbers_equal_the_metrics_files(comparison):
             assert cells["reward"]["broken (n=0) seed 0 FAILED"] == "failed"
 
 
+def test_per_seed_numbers_equal_the_metrics_files(comparison):
+    folder, _ = comparison
+    text = (folder / "report.md").read_text().split("## Per seed\n", 1)[1]
+    block = text.split("### steps 1-2 (all)\n", 1)[1].split("\n\n", 1)[0].strip().splitlines()
+    headers = [cell.strip().strip("`") for cell in block[0].strip("|").split("|")]
+    assert headers == ["arm", "seed", *report.PER_SEED_METRICS]
+    rows = [dict(zip(headers, (cell.strip() for cell in line.strip("|").split("|")))) for line in block[2:]]
+    assert [(row["arm"], row["seed"]) for row in rows] == [(arm, "0") for arm in GOOD_ARMS.split(",")]  # no failed run
+    for row in rows:
+        logged = metrics.read_metrics(folder / row["arm"] / "seed0" / "metrics.jsonl")
+        for metric in report.PER_SEED_METRICS:
+            values = [r[metric] for r in logged if 1 <= r["step"] <= 2 and r[metric] is not None]
+            if not values:
+                assert row[metric] == "-", (metric, row["arm"])
+            else:
+                assert float(row[metric]) == pytest.approx(sum(values) / len(values), rel=5e-4, abs=1e-12)
+
+
 def test_figure_is_a_png(comparison):
     pytest.importorskip("matplotlib")
     folder, _ = comparison

@@ -234,6 +234,20 @@ def test_table_marks_an_arm_without_finished_runs():
     assert reward_line == "| `reward` | 0.5 | failed |"
 
 
+def test_per_seed_tables_show_each_counted_runs_window_mean():
+    record = {"arms": {"a": {}, "b": {}}, "seeds": [0, 1]}
+    runs = [_run("a", 0, "finished", [(1, 1.0), (2, 2.0)]), _run("a", 1, "failed", [(1, 9.0)]),
+            _run("b", 0, "stopped", [(1, 4.0)]), _run("b", 1, "finished", [(1, 0.25), (2, None)])]
+    window = report.Window(1, 2, "all")
+    lines = report.per_seed_tables(record, runs, [window]).splitlines()
+    assert lines[0] == "### steps 1-2 (all)"
+    rows = [line.split(" | ")[:3] for line in lines[4:] if line]
+    assert rows == [["| a", "0", "1.5"], ["| b", "1", "0.25"]]  # failed and unfinished runs are left out
+    partial = report.per_seed_tables(record, runs, [report.Window(1, 1)], partial=True).splitlines()
+    assert [line.split(" | ")[:3] for line in partial[4:] if line] == [["| a", "0", "1"], ["| b", "0", "4"],
+                                                                       ["| b", "1", "0.25"]]
+
+
 def test_windows():
     assert report.default_windows(300) == [report.Window(1, 300, "all"), report.Window(226, 300, "last 75 steps")]
     assert report.default_windows(1) == [report.Window(1, 1, "all")]
