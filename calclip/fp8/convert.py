@@ -132,7 +132,7 @@ def _track_fp8_layers(model: nn.Module) -> None:
         handle.remove()
     model.__dict__.pop("_calclip_fp8_layers", None)
     for layer in layers:
-        layer._fp8_refreshed_by_root = layer is not model
+        layer._set_refreshed_by_root(layer is not model)
     if layers:
         model._calclip_fp8_layers = layers
         model._calclip_fp8_hook = model.register_forward_pre_hook(refresh_before_compiled_call)

@@ -320,7 +320,19 @@ class FP8BlockLinear(nn.Linear):
         # A layer compiled on its own refreshes its codes in its own pre-hook; inside a model that quantize_model
         # converted, the root's pre-hook does it for all layers (one graph break per model, not per layer).
         self._fp8_refreshed_by_root = False
-        self.register_forward_pre_hook(_refresh_layer_before_compiled_call)
+        self._fp8_own_refresh_hook = self.register_forward_pre_hook(_refresh_layer_before_compiled_call)
+
+    def _set_refreshed_by_root(self, by_root: bool) -> None:
+        """Whether the converted root's pre-hook refreshes this layer's codes before compiled calls. If it does, the
+        layer's own pre-hook would do nothing and is removed: a module without hooks takes nn.Module's fast call
+        path, which saves host time in every eager call (decode calls each layer once per token)."""
+        self._fp8_refreshed_by_root = by_root
+        handle = self._fp8_own_refresh_hook
+        if by_root and handle is not None:
+            handle.remove()
+            self._fp8_own_refresh_hook = None
+        elif not by_root and handle is None:
+            self._fp8_own_refresh_hook = self.register_forward_pre_hook(_refresh_layer_before_compiled_call)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None) -> "FP8BlockLinear":

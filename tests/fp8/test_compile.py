@@ -152,3 +152,25 @@ def test_dynamic_shapes_compile_once_and_equal_eager():
             pe.grad = pc.grad = None
         graphs.append(counts["stats"]["unique_graphs"])
     assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 2, graphs  # the later sizes reuse the first graphs
+
+
+def test_layers_inside_a_converted_model_carry_no_hook_of_their_own():
+    """The root's pre-hook refreshes every layer before compiled calls, so a converted model's layers drop their
+    own (a no-op for them) and take nn.Module's hook-free call path; a bare layer keeps its hook; copies keep
+    whichever they had."""
+    import copy
+
+    model = quantize_model(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 128)))
+    layers = [m for m in model if isinstance(m, FP8BlockLinear)]
+    assert len(layers) == 2 and all(not m._forward_pre_hooks and m._fp8_refreshed_by_root for m in layers)
+    assert len(model._forward_pre_hooks) == 1  # the root's
+    bare = FP8BlockLinear(256, 128)
+    assert len(bare._forward_pre_hooks) == 1 and not bare._fp8_refreshed_by_root
+    twin = copy.deepcopy(model)
+    assert all(not m._forward_pre_hooks for m in twin if isinstance(m, FP8BlockLinear))
+    assert len(copy.deepcopy(bare)._forward_pre_hooks) == 1
+    layers[0]._set_refreshed_by_root(False)  # e.g. taken out of the model: its own hook comes back, once
+    layers[0]._set_refreshed_by_root(False)
+    assert len(layers[0]._forward_pre_hooks) == 1
+    x = torch.randn(4, 256)
+    assert torch.equal(model(x), twin(x))
