@@ -689,7 +689,8 @@ def requantize_128x128_(w: Tensor, q: Tensor, s: Tensor, bad: Tensor, *, qt: Ten
             bad.view(torch.uint8), n, k, nbn, nbk, w.stride(0), w.stride(1),
             POW2=pow2, SOFT_FP8=soft_fp8, TRANSPOSED=transposed, GROUP=block)
     for t in (q, s, qt, st) if transposed else (q, s):
-        torch.autograd.graph.increment_version(t)
+        if not t.is_inference():  # inference tensors keep no version (nor can autograd have saved them)
+            torch.autograd.graph.increment_version(t)
 
 
 # ----------------------------------------------------------------------------------------------------------
