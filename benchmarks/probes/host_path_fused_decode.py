@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from calclip.fp8 import FP8BlockLinear, Fp8Config, quant  # noqa: E402
+from calclip.fp8 import FP8BlockLinear, Fp8Config, quant, quantize_model  # noqa: E402
 
 
 def per_call_us(fn, calls: int = 3000) -> float:
@@ -56,16 +56,22 @@ def main() -> None:
         layer(x)
         qw, sw, bad, count = layer._fp8_qw, layer._fp8_sw, layer._fp8_bad, layer.nonfinite_count
         x2 = x.reshape(-1, opts.k)
+        inside = quantize_model(torch.nn.Sequential(torch.nn.Linear(opts.k, opts.n, bias=False)),
+                                Fp8Config(decode_fused_max_m=opts.m))[0]  # no pre-hook of its own
+        inside(x)
         rows = {
-            "module call (layer(x))": per_call_us(lambda: layer(x)),
+            "module call (layer(x)), bare layer": per_call_us(lambda: layer(x)),
+            "module call, layer of a converted model": per_call_us(lambda: inside(x)),
             "layer.forward(x)": per_call_us(lambda: layer.forward(x)),
             "fp8_linear_fused_quant_gemm": per_call_us(lambda: tk.fp8_linear_fused_quant_gemm(
+                x2, qw, sw, out_dtype=torch.float32, nonfinite_count=count, weight_bad=bad)),
+            "fp8_linear_decode_unchecked (the layer's)": per_call_us(lambda: tk.fp8_linear_decode_unchecked(
                 x2, qw, sw, out_dtype=torch.float32, nonfinite_count=count, weight_bad=bad)),
             "torch.empty of the output": per_call_us(lambda: torch.empty(opts.m, opts.n)),
         }
     print(f"host us per call, M={opts.m} K={opts.k} N={opts.n} (Triton's C launcher stubbed out)")
     for name, us in rows.items():
-        print(f"  {name:32s} {us:6.1f}")
+        print(f"  {name:44s} {us:6.1f}")
 
 
 if __name__ == "__main__":

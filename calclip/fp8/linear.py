@@ -283,15 +283,16 @@ def _fused_decode_applies(x2: Tensor, cfg: Fp8Config, *, compiled: bool) -> bool
 
 
 def _fused_decode_kernel(x2: Tensor):
-    """``triton_kernels.fp8_linear_fused_quant_gemm`` when it can serve ``x2`` (a CUDA tensor, or a CPU tensor
-    under TRITON_INTERPRET=1, in bf16/fp16/fp32, triton importable), else None: then the layer's usual path runs.
+    """``triton_kernels.fp8_linear_decode_unchecked`` (fp8_linear_fused_quant_gemm without its argument checks,
+    for the layer's own operands) when it can serve ``x2`` (a CUDA tensor, or a CPU tensor under
+    TRITON_INTERPRET=1, in bf16/fp16/fp32, triton importable), else None: then the layer's usual path runs.
     Whether a call may take it is ``_fused_decode_applies`` (Fp8Config.decode_fused_max_m, resolved per call)."""
     if x2.dtype not in _FUSED_DECODE_DTYPES:
         return None
     if not x2.is_cuda and not (x2.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"):
         return None
     module = quant.triton_kernels()
-    return getattr(module, "fp8_linear_fused_quant_gemm", None) if module is not None else None
+    return getattr(module, "fp8_linear_decode_unchecked", None) if module is not None else None
 
 
 class FP8BlockLinear(nn.Linear):
@@ -468,9 +469,13 @@ class FP8BlockLinear(nn.Linear):
             else:
                 x2 = x2.to(autocast)
         fused = _fused_decode_kernel(x2)
-        if fused is None:
+        # The kernel takes the layer's operands unchecked: a call it cannot serve (a wrong width, another device,
+        # an empty layer) takes the usual path, which raises where nn.Linear would.
+        if fused is None or x2.shape[1] != self.in_features or self.in_features == 0 or self.out_features == 0:
             return None
         self._refresh_weight_codes()
+        if x2.get_device() != self._fp8_qw.get_device():
+            return None
         return fused(x2, self._fp8_qw, self._fp8_sw, out_dtype=round_to or x2.dtype,
                      nonfinite_count=self.nonfinite_count, weight_bad=self._fp8_bad, pow2=cfg.power_of_two_scales,
                      round_to=round_to)

@@ -45,6 +45,7 @@ __all__ = [
     "quantize_1x128_and_128x1",
     "fp8_block_gemm_triton",
     "fp8_linear_fused_quant_gemm",
+    "fp8_linear_decode_unchecked",
 ]
 
 # Constants used inside kernels must be tl.constexpr globals (Triton rejects plain Python globals in @jit code).
@@ -1005,15 +1006,37 @@ def fp8_linear_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype
             quantize_1x128(x2 if round_to is None else x2.to(round_to), pow2=pow2, nonfinite_count=nonfinite_count,
                            weight_bad=weight_bad)
         return y
+    _launch_fused_quant_gemm(x2, qw, sw, y, nonfinite_count, weight_bad, pow2, round_to, soft_fp8)
+    return y
+
+
+def _launch_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, y: Tensor, nonfinite_count: Tensor | None,
+                             weight_bad: Tensor | None, pow2: bool, round_to: torch.dtype | None,
+                             soft_fp8: bool) -> None:
+    """The launch of fp8_linear_fused_quant_gemm for checked operands with M, N, K >= 1, into y [M, N]."""
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
+    count = nonfinite_count is not None
     if not count:
         nonfinite_count = weight_bad = sw  # unused (COUNT=False); any pointer will do
+    (m, k), n = x2.shape, qw.shape[0]
     bucket = _bucket(m)
     _fp8_linear_fused_quant_tuned.launch(
         lambda meta: (_ceil_div(m, meta["BLOCK_M"]), _ceil_div(n, meta["BLOCK_N"])),
-        (bucket, n, k, x2.dtype, out_dtype, count, round_to), soft_fp8,
+        (bucket, n, k, x2.dtype, y.dtype, count, round_to), soft_fp8,
         x2, qw, y, sw, nonfinite_count, weight_bad, m, n, k,
         x2.stride(0), qw.stride(0), qw.stride(1), y.stride(0), y.stride(1), sw.stride(0), sw.stride(1), bucket,
         POW2=pow2, SOFT_FP8=soft_fp8, COUNT=count, ROUND=_ROUND_CODES[round_to], BLOCK_K=BLOCK)
+
+
+def fp8_linear_decode_unchecked(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype: torch.dtype,
+                                nonfinite_count: Tensor, weight_bad: Tensor, pow2: bool = False,
+                                round_to: torch.dtype | None = None) -> Tensor:
+    """fp8_linear_fused_quant_gemm for FP8BlockLinear's eager decode, without the argument checks: they cost ~4 us
+    of host time per call (decode calls every linear once per token; benchmarks/probes/host_path_fused_decode.py).
+    The caller guarantees what the checks would: x2 [M, K] bf16/fp16/fp32 with M >= 1, on the device of the layer's
+    own qw [N, K] e4m3fn (K >= 1, N >= 1) and sw [ceil(N/128), ceil(K/128)] fp32, counter int64 [] and flag bool [];
+    round_to only with an fp32 x2; out_dtype bf16/fp16/fp32."""
+    y = torch.empty(x2.shape[0], qw.shape[0], dtype=out_dtype, device=x2.device)
+    _launch_fused_quant_gemm(x2, qw, sw, y, nonfinite_count, weight_bad, pow2, round_to, _check_device(x2))
     return y

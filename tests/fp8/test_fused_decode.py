@@ -136,6 +136,43 @@ def test_fused_equals_unfused_triton_bit_for_bit(m, k, n, dtype, pow2, bad):
     assert torch.equal(y_fused.isnan().all(dim=1).cpu(), (~torch.isfinite(x.float())).any(dim=1).cpu())
 
 
+@pytest.mark.parametrize("m,k,n,dtype,pow2,bad", CASES[:4], ids=[f"{c[0]}x{c[1]}x{c[2]}" for c in CASES[:4]])
+def test_the_layers_unchecked_entry_equals_the_checked_one(m, k, n, dtype, pow2, bad):
+    """fp8_linear_decode_unchecked (the layer's entry: no argument checks) launches what fp8_linear_fused_quant_gemm
+    does: the same output bits and count, with a weight flag, and with the in-register autocast rounding."""
+    x = _x(m, k, dtype, seed=m + k + n, bad_rows=bad)
+    qw, sw = _weight(n, k, seed=n + 1)
+    for weight_bad in (False, True):
+        flag = torch.tensor(weight_bad, device=DEVICE)
+        y_checked, count_checked = _fused(x, qw, sw, dtype, pow2, weight_bad=flag)
+        count = torch.zeros((), dtype=torch.int64, device=DEVICE)
+        y = tk.fp8_linear_decode_unchecked(x, qw, sw, out_dtype=dtype, nonfinite_count=count, weight_bad=flag,
+                                           pow2=pow2)
+        assert _same_bits(y, y_checked) and int(count) == int(count_checked) == (m if weight_bad else len(
+            {row for row, _, _ in bad}))
+    if dtype == torch.float32:
+        flag = torch.tensor(False, device=DEVICE)
+        count = torch.zeros((), dtype=torch.int64, device=DEVICE)
+        y = tk.fp8_linear_decode_unchecked(x, qw, sw, out_dtype=torch.bfloat16, nonfinite_count=count,
+                                           weight_bad=flag, pow2=pow2, round_to=torch.bfloat16)
+        y_cast, _ = _fused(x.to(torch.bfloat16), qw, sw, torch.bfloat16, pow2)
+        assert _same_bits(y, y_cast)
+
+
+def test_a_call_the_unchecked_kernel_cannot_serve_takes_the_usual_path(monkeypatch):
+    """The layer hands the kernel its operands unchecked, so it checks the input's width itself: a wrong width
+    never reaches the kernel and fails as the unfused layer fails."""
+    calls = _CallCounter(monkeypatch)
+    off, on = _layer_pair(256, 128, max_m=64, seed=2)
+    with torch.no_grad():
+        on(_x(4, 256, torch.float32, seed=1))
+        assert calls.calls == 1
+        for layer in (off, on):
+            with pytest.raises((ValueError, RuntimeError)):
+                layer(_x(4, 384, torch.float32, seed=1))
+    assert calls.calls == 1
+
+
 @pytest.mark.parametrize("m,k,n", [(7, 576, 300), (64, 130, 192)])
 def test_weight_with_a_nan_block_counts_every_row(m, k, n):
     x = _x(m, k, torch.bfloat16, seed=1, bad_rows=((3, 4, NAN),))
@@ -370,17 +407,18 @@ def test_automatic_limit_leaves_a_cuda_graph_capture_unfused(monkeypatch):
 
 
 class _CallCounter:
-    """Counts calls of triton_kernels.fp8_linear_fused_quant_gemm (the layer looks it up on every call)."""
+    """Counts calls of triton_kernels.fp8_linear_decode_unchecked, the fused kernel's entry for the layer (it looks
+    it up on every call)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = tk.fp8_linear_fused_quant_gemm
+        real = tk.fp8_linear_decode_unchecked
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(tk, "fp8_linear_fused_quant_gemm", counted)
+        monkeypatch.setattr(tk, "fp8_linear_decode_unchecked", counted)
 
 
 @pytest.fixture
@@ -436,13 +474,13 @@ def test_layer_under_autocast_rounds_fp32_inputs_in_the_kernel(monkeypatch, trit
     _, on = _layer_pair(576, 100, max_m=8)
     x = _x(2 * 3, 576, torch.float32, seed=9, bad_rows=((2, 100, NAN),)).reshape(2, 3, 576)
     seen = []
-    real = tk.fp8_linear_fused_quant_gemm
+    real = tk.fp8_linear_decode_unchecked
 
     def recording(x2, *args, **kwargs):
         seen.append((x2.dtype, kwargs.get("round_to")))
         return real(x2, *args, **kwargs)
 
-    monkeypatch.setattr(tk, "fp8_linear_fused_quant_gemm", recording)
+    monkeypatch.setattr(tk, "fp8_linear_decode_unchecked", recording)
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
         y_uncast = on(x)
         count_uncast = int(on.nonfinite_count)
