@@ -899,7 +899,7 @@ def _fp8_linear_fused_quant_kernel(
     M, N, K,
     stride_xm, stride_bn, stride_bk, stride_cm, stride_cn, stride_sbn, stride_sbk,
     M_BUCKET,  # autotune key only
-    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr, ROUND: tl.constexpr,
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr, ROUND: tl.constexpr, MEMBERS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] tile of c = Q1x128(x) Q128x128(W)^T. Each program quantizes its rows'
@@ -908,7 +908,9 @@ def _fp8_linear_fused_quant_kernel(
 
     COUNT: the programs of the first N tile (they hold every K group of their rows) add the number of their
     rows with a non-finite group (every valid row when ``weight_bad_ptr`` is set) to ``count_ptr``: each row
-    once, as quantize_1x128's counting kernel does."""
+    once, as quantize_1x128's counting kernel does. MEMBERS > 1: b holds the codes of that many sibling linears
+    that read the same x (q/k/v, gate/up; siblings.py), ``weight_bad_ptr`` the number of them whose weight has a
+    NaN block (int32 []), and the count is what the siblings' own calls would add together."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M  # masked rows load zeros: finite, never stored, never counted
@@ -935,8 +937,9 @@ def _fp8_linear_fused_quant_kernel(
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (cols[None, :] < N))
     if COUNT:
-        weight_bad = tl.load(weight_bad_ptr).to(tl.int32)
-        n_bad = tl.where(weight_bad != 0, tl.sum(row_mask.to(tl.int32), axis=0), tl.sum(row_bad, axis=0))
+        bad_members = tl.load(weight_bad_ptr).to(tl.int32)  # one linear: its flag, 0 or 1
+        n_bad = (bad_members * tl.sum(row_mask.to(tl.int32), axis=0)
+                 + (MEMBERS - bad_members) * tl.sum(row_bad, axis=0))
         tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=(n_bad > 0) & (pid_n == 0))
 
 
@@ -1012,7 +1015,7 @@ def fp8_linear_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype
 
 def _launch_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, y: Tensor, nonfinite_count: Tensor | None,
                              weight_bad: Tensor | None, pow2: bool, round_to: torch.dtype | None,
-                             soft_fp8: bool) -> None:
+                             soft_fp8: bool, members: int = 1) -> None:
     """The launch of fp8_linear_fused_quant_gemm for checked operands with M, N, K >= 1, into y [M, N]."""
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -1023,20 +1026,21 @@ def _launch_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, y: Tensor, nonf
     bucket = _bucket(m)
     _fp8_linear_fused_quant_tuned.launch(
         lambda meta: (_ceil_div(m, meta["BLOCK_M"]), _ceil_div(n, meta["BLOCK_N"])),
-        (bucket, n, k, x2.dtype, y.dtype, count, round_to), soft_fp8,
+        (bucket, n, k, x2.dtype, y.dtype, count, round_to, members), soft_fp8,
         x2, qw, y, sw, nonfinite_count, weight_bad, m, n, k,
         x2.stride(0), qw.stride(0), qw.stride(1), y.stride(0), y.stride(1), sw.stride(0), sw.stride(1), bucket,
-        POW2=pow2, SOFT_FP8=soft_fp8, COUNT=count, ROUND=_ROUND_CODES[round_to], BLOCK_K=BLOCK)
+        POW2=pow2, SOFT_FP8=soft_fp8, COUNT=count, ROUND=_ROUND_CODES[round_to], MEMBERS=members, BLOCK_K=BLOCK)
 
 
 def fp8_linear_decode_unchecked(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype: torch.dtype,
                                 nonfinite_count: Tensor, weight_bad: Tensor, pow2: bool = False,
-                                round_to: torch.dtype | None = None) -> Tensor:
+                                round_to: torch.dtype | None = None, members: int = 1) -> Tensor:
     """fp8_linear_fused_quant_gemm for FP8BlockLinear's eager decode, without the argument checks: they cost ~4 us
     of host time per call (decode calls every linear once per token; benchmarks/probes/host_path_fused_decode.py).
     The caller guarantees what the checks would: x2 [M, K] bf16/fp16/fp32 with M >= 1, on the device of the layer's
     own qw [N, K] e4m3fn (K >= 1, N >= 1) and sw [ceil(N/128), ceil(K/128)] fp32, counter int64 [] and flag bool [];
-    round_to only with an fp32 x2; out_dtype bf16/fp16/fp32."""
+    round_to only with an fp32 x2; out_dtype bf16/fp16/fp32. ``members`` > 1: qw/sw are the stacked codes of that
+    many sibling linears (siblings.py) and ``weight_bad`` the int32 [] number of them with a NaN block."""
     y = torch.empty(x2.shape[0], qw.shape[0], dtype=out_dtype, device=x2.device)
-    _launch_fused_quant_gemm(x2, qw, sw, y, nonfinite_count, weight_bad, pow2, round_to, _check_device(x2))
+    _launch_fused_quant_gemm(x2, qw, sw, y, nonfinite_count, weight_bad, pow2, round_to, _check_device(x2), members)
     return y

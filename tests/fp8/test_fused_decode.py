@@ -263,7 +263,7 @@ def test_fused_kernel_compiles_for_sm90_without_a_gpu():
              "weight_bad_ptr": "*i1", **{name: "i32" for name in fn.arg_names[6:17]}}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items() if t != "i32"}
     for config in tk._FUSED_CONFIGS:
-        constexprs = {"POW2": True, "SOFT_FP8": False, "COUNT": True, "ROUND": 0, "BLOCK_K": BLOCK,
+        constexprs = {"POW2": True, "SOFT_FP8": False, "COUNT": True, "ROUND": 0, "MEMBERS": 1, "BLOCK_K": BLOCK,
                       **config.kwargs}
         signature = {**types, **{n: "constexpr" for n in constexprs}}
         src = ASTSource(fn=fn, signature={n: signature[n] for n in fn.arg_names}, constexprs=constexprs, attrs=attrs)
@@ -273,8 +273,15 @@ def test_fused_kernel_compiles_for_sm90_without_a_gpu():
         assert "atom.global" in ptx and "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx and "mma.sync" not in ptx
     # fp32 x rounded to bf16 in registers (ROUND 1): the hardware round-to-nearest-even conversion.
     types32 = {**types, "x_ptr": "*fp32"}
-    constexprs = {"POW2": True, "SOFT_FP8": False, "COUNT": True, "ROUND": 1, "BLOCK_K": BLOCK,
+    constexprs = {"POW2": True, "SOFT_FP8": False, "COUNT": True, "ROUND": 1, "MEMBERS": 1, "BLOCK_K": BLOCK,
                   **tk._FUSED_DEFAULT.kwargs}
+    # siblings' stacked codes (q/k/v: MEMBERS 3) count with an int32 number of bad weights
+    group_constexprs = {**constexprs, "ROUND": 0, "MEMBERS": 3}
+    group_signature = {**types, "weight_bad_ptr": "*i32", **{n: "constexpr" for n in group_constexprs}}
+    group_src = ASTSource(fn=fn, signature={n: group_signature[n] for n in fn.arg_names}, constexprs=group_constexprs,
+                          attrs=attrs)
+    assert "atom.global" in triton.compile(group_src, target=GPUTarget("cuda", 90, 32),
+                                           options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
     signature = {**types32, **{n: "constexpr" for n in constexprs}}
     src = ASTSource(fn=fn, signature={n: signature[n] for n in fn.arg_names}, constexprs=constexprs, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
