@@ -32,7 +32,7 @@ UNCOMPARED_FIELDS = frozenset(RUN_FIELDS) | {
     "mismatch_dump_threshold",  # where outlier tokens are written out, not what is trained
     # One kernel launch or two per FP8 decode linear: the same FP8 codes and scales (at most the fp32 accumulation
     # order of the GEMM differs), so runs before and after its automatic default compare as one config.
-    "fp8_decode_fused_max_m",
+    "fp8_decode_fused_max_m", "fp8_decode_group_siblings",
 }
 
 

@@ -73,7 +73,7 @@ def require_recipe_available(recipe: str | Fp8Recipe, *, field: str = "Fp8Config
 
 def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", gemm: str = "auto",
                            block_size: int = BLOCK, fused_quantizer: bool = False,
-                           decode_fused_max_m: int | None = None) -> list[str]:
+                           decode_fused_max_m: int | None = None, decode_group_siblings: bool = False) -> list[str]:
     """``Fp8Config`` option names set to a value that only the blockwise recipe honours, for ``recipe``.
 
     torchao's rowwise/tensorwise recipes always quantize the backward in FP8, have no block size, no fused
@@ -83,7 +83,8 @@ def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", ge
     if not get_fp8_recipe(recipe).uses_torchao:
         return []
     conflicts = {"backward": backward != "fp8", "gemm": gemm == "triton", "block_size": block_size != BLOCK,
-                 "fused_quantizer": fused_quantizer, "decode_fused_max_m": decode_fused_max_m not in (None, 0)}
+                 "fused_quantizer": fused_quantizer, "decode_fused_max_m": decode_fused_max_m not in (None, 0),
+                 "decode_group_siblings": decode_group_siblings}
     return [name for name, conflict in conflicts.items() if conflict]
 
 
@@ -138,6 +139,11 @@ class Fp8Config:
         in each N tile).
         An int N > 0: eager and compiled calls of up to N rows on CUDA (compiled calls record the triton op
         ``calclip::fp8_linear_decode``), and eager CPU calls under TRITON_INTERPRET=1 (the tests).
+    decode_group_siblings: in eager fused decode calls, run the sibling linears that read one input (a decoder
+        layer's q_proj/k_proj/v_proj, gate_proj/up_proj) as ONE launch over their stacked codes: 4 launches per
+        Llama-style layer instead of 7 (``calclip.fp8.siblings``). Same codes, scales and output bits; the
+        non-finite count's total is the same, all of it on the first sibling. Off by default until measured on
+        a GPU. Needs the fused decode (``decode_fused_max_m`` not 0) and the blockwise recipe.
     """
 
     block_size: int = BLOCK
@@ -152,6 +158,7 @@ class Fp8Config:
     fused_quantizer: bool = False
     recipe: str = Fp8Recipe.BLOCKWISE.value
     decode_fused_max_m: int | None = None
+    decode_group_siblings: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -180,7 +187,7 @@ class Fp8Config:
             except (re.error, TypeError) as err:
                 raise ValueError(f"Fp8Config.keep_patterns: invalid regex {pattern!r}: {err}") from None
         object.__setattr__(self, "keep_patterns", patterns)  # lists from YAML become a hashable tuple
-        for name in ("cache_weights", "fused_quantizer"):
+        for name in ("cache_weights", "fused_quantizer", "decode_group_siblings"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Fp8Config.{name} must be a bool, got {getattr(self, name)!r}")
         max_m = self.decode_fused_max_m
@@ -193,6 +200,9 @@ class Fp8Config:
         if max_m and self.gemm == "emulated":
             raise ValueError(f"Fp8Config.decode_fused_max_m={max_m} runs calclip's Triton kernel, but gemm='emulated' "
                              "asks for the torch emulation; set decode_fused_max_m=0 or another gemm")
+        if self.decode_group_siblings and max_m == 0:
+            raise ValueError("Fp8Config.decode_group_siblings groups fused decode calls, which "
+                             "decode_fused_max_m=0 turns off; set decode_fused_max_m to None (automatic) or N > 0")
         try:
             recipe = get_fp8_recipe(self.recipe)
         except ValueError:
@@ -200,7 +210,8 @@ class Fp8Config:
         object.__setattr__(self, "recipe", recipe)  # the Enum member (a str: compares equal to its name)
         conflicts = blockwise_only_options(recipe, backward=self.backward, gemm=self.gemm,
                                            block_size=self.block_size, fused_quantizer=self.fused_quantizer,
-                                           decode_fused_max_m=self.decode_fused_max_m)
+                                           decode_fused_max_m=self.decode_fused_max_m,
+                                           decode_group_siblings=self.decode_group_siblings)
         if conflicts:
             settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in conflicts)
             raise ValueError(f"Fp8Config.recipe={recipe.value!r} (torchao) cannot honour {settings}: these are "

@@ -34,6 +34,7 @@ from torch import nn
 from calclip.fp8.config import Fp8Config
 from calclip.fp8.linear import FP8BlockLinear, fp8_layers, refresh_before_compiled_call
 from calclip.fp8.recipes import fp8_linear_from, is_fp8_linear
+from calclip.fp8.siblings import group_siblings
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)")
 
@@ -119,6 +120,8 @@ def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
         converted.add(fqn)
     model._calclip_fp8_modules = tuple(sorted(converted))
     model._calclip_fp8_config = config
+    if config.decode_group_siblings:
+        group_siblings(model)
     _track_fp8_layers(model)
     return model
 

@@ -322,6 +322,9 @@ class FP8BlockLinear(nn.Linear):
         # converted, the root's pre-hook does it for all layers (one graph break per model, not per layer).
         self._fp8_refreshed_by_root = False
         self._fp8_own_refresh_hook = self.register_forward_pre_hook(_refresh_layer_before_compiled_call)
+        # Sibling group (siblings.py, Fp8Config.decode_group_siblings): one fused decode launch for q/k/v, gate/up.
+        self._fp8_group = None
+        self._fp8_group_index = 0
 
     def _set_refreshed_by_root(self, by_root: bool) -> None:
         """Whether the converted root's pre-hook refreshes this layer's codes before compiled calls. If it does, the
@@ -373,7 +376,16 @@ class FP8BlockLinear(nn.Linear):
         # Outside inference mode, so codes built under torch.inference_mode can still be saved by autograd.
         with torch.inference_mode(False), torch.no_grad():
             qw = self._fp8_qw
-            if qw is None or qw.shape != w.shape or qw.device != w.device:
+            group = self._fp8_group
+            if (qw is None or qw.shape != w.shape or qw.device != w.device) and group is not None \
+                    and w.shape == (self.out_features, self.in_features):
+                # a grouped sibling's codes are views into the group's stacked buffers (one launch for all)
+                qw, sw = group.buffers(self._fp8_group_index, w.device)
+                bad = torch.zeros((), dtype=torch.bool, device=w.device)
+                quant.requantize_128x128_(w, qw, sw, bad, block=cfg.block_size, pow2=cfg.power_of_two_scales)
+                self._fp8_qw, self._fp8_sw, self._fp8_bad = qw, sw, bad
+                _mark_static(qw, sw, bad)
+            elif qw is None or qw.shape != w.shape or qw.device != w.device:
                 qw, sw = quant.quantize_128x128(w, block=cfg.block_size, pow2=cfg.power_of_two_scales)
                 self._fp8_qw, self._fp8_sw, self._fp8_bad = qw, sw, torch.isnan(sw).any()
                 _mark_static(self._fp8_qw, self._fp8_sw, self._fp8_bad)
@@ -434,7 +446,7 @@ class FP8BlockLinear(nn.Linear):
         autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         compiling = torch.compiler.is_compiling()
-        y = None if compiling else self._eager_fused_decode(x2, cfg, autocast)
+        y = None if compiling else self._eager_fused_decode(x2, cfg, autocast, x)
         if y is None:
             if autocast is not None:
                 x2 = x2.to(autocast)
@@ -455,7 +467,8 @@ class FP8BlockLinear(nn.Linear):
         return _FP8BlockLinearFn.apply(x2, self.weight, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                        self.nonfinite_count, self, cfg, x2.dtype, torch.is_grad_enabled())
 
-    def _eager_fused_decode(self, x2: Tensor, cfg: Fp8Config, autocast: torch.dtype | None) -> Tensor | None:
+    def _eager_fused_decode(self, x2: Tensor, cfg: Fp8Config, autocast: torch.dtype | None,
+                            x: Tensor | None = None) -> Tensor | None:
         """The eager fused decode (one launch: x quantized in the GEMM's prologue, non-finite rows counted), or None
         when it does not apply. x2 is taken before the autocast cast: an fp32 x2 under bf16/fp16 autocast is rounded
         in the kernel's registers (bit for bit ``x2.to(autocast)`` first, one launch fewer; fp32 master weights
@@ -473,6 +486,12 @@ class FP8BlockLinear(nn.Linear):
         # an empty layer) takes the usual path, which raises where nn.Linear would.
         if fused is None or x2.shape[1] != self.in_features or self.in_features == 0 or self.out_features == 0:
             return None
+        group = self._fp8_group
+        if group is not None and x is not None and cfg.decode_group_siblings:  # x: the caller's tensor, the key
+            y = group.decode(self, x, x2, fused, out_dtype=round_to or x2.dtype, round_to=round_to,
+                             pow2=cfg.power_of_two_scales)
+            if y is not None:
+                return y
         self._refresh_weight_codes()
         if x2.get_device() != self._fp8_qw.get_device():
             return None

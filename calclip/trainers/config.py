@@ -169,6 +169,11 @@ class CalibratedGRPOConfig(GRPOConfig):
                                 "measured it faster (not inside compile_generation's CUDA graphs, where it measured "
                                 "slower); 0: off; N: up to N rows, eager and compiled, on CUDA."}
     )
+    fp8_decode_group_siblings: bool = field(
+        default=False, metadata={"help": "In fused decode calls, run a decoder layer's q/k/v projections as one "
+                                 "launch and gate/up as one (Fp8Config.decode_group_siblings, fp8_recipe "
+                                 "'blockwise'; same FP8 codes and outputs). Off until measured on a GPU."}
+    )
     compile_generation: bool = field(
         default=False,
         metadata={"help": "Let transformers compile the HF generate decode step with CUDA graphs (its CompileConfig, "
@@ -267,7 +272,8 @@ class CalibratedGRPOConfig(GRPOConfig):
         if not recipe.uses_torchao:
             return
         conflicts = blockwise_only_options(recipe, backward=self.fp8_backward, gemm=self.fp8_gemm,
-                                           decode_fused_max_m=self.fp8_decode_fused_max_m)
+                                           decode_fused_max_m=self.fp8_decode_fused_max_m,
+                                           decode_group_siblings=self.fp8_decode_group_siblings)
         if conflicts:
             settings = ", ".join(f"fp8_{name}={getattr(self, 'fp8_' + name)!r}" for name in conflicts)
             raise ValueError(f"fp8_recipe={recipe.value!r} (torchao) cannot honour {settings}: these are options of "
@@ -378,6 +384,11 @@ class CalibratedGRPOConfig(GRPOConfig):
             if name == "fp8_decode_fused_max_m" and self.fp8_decode_fused_max_m is None:
                 continue  # automatic
             _int_at_least(name, getattr(self, name), 1 if name == "repeat_ngram_size" else 0)
+        if not isinstance(self.fp8_decode_group_siblings, bool):
+            raise ValueError(f"fp8_decode_group_siblings must be a bool, got {self.fp8_decode_group_siblings!r}")
+        if self.fp8 and self.fp8_decode_group_siblings and self.fp8_decode_fused_max_m == 0:
+            raise ValueError("fp8_decode_group_siblings groups fused decode calls, which fp8_decode_fused_max_m 0 "
+                             "turns off")
         if self.fp8 and self.fp8_decode_fused_max_m and self.fp8_gemm == "emulated":
             raise ValueError("fp8_decode_fused_max_m runs calclip's Triton kernel, but fp8_gemm='emulated' asks for "
                              "the torch emulation; set fp8_decode_fused_max_m 0 or another fp8_gemm")
