@@ -232,7 +232,10 @@ def decode_section(opts) -> None:
         base = build_llama(layers, hidden, inter, vocab, device, heads=heads, kv_heads=kv_heads,
                            dtype=torch.float32 if fp32_masters else torch.bfloat16).eval()
         models = {"BF16": base, "FP8": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=0)).eval(),
-                  "fused": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=FUSED_MAX_M)).eval()}
+                  "fused": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=FUSED_MAX_M)).eval(),
+                  # q/k/v and gate/up as one launch each (eager only: compiled calls run each linear)
+                  "grouped": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=FUSED_MAX_M,
+                                                                          decode_group_siblings=True)).eval()}
         for batch in opts.decode_batches:
             gen = torch.Generator(device="cpu").manual_seed(batch)
             prompt = torch.randint(3, vocab, (batch, opts.prompt), generator=gen).to(device)
@@ -264,24 +267,34 @@ def decode_section(opts) -> None:
                         return generate_once
                     return build
 
-                arms = {arm: setup_arm(arm, arm_of(arm, model)) for arm, model in models.items()}
+                arms = {arm: setup_arm(arm, arm_of(arm, model)) for arm, model in models.items()
+                        if not (extra and arm == "grouped")}  # graphed: the grouped model runs as fused does
                 interleave(list(arms.values()), opts.repeats)
-                agree = (f"{float((last['FP8'] == last['fused']).float().mean()) * 100:.1f}%"
-                         if "FP8" in last and "fused" in last else "-")
-                rows.append([name, str(batch), setting] + [cell(arms[a], "tok_s", 0) for a in arms]
-                            + [cell(arms[a], "ms_step", 2) for a in arms]
-                            + [paired_ratio(arms["fused"], arms["FP8"], "tok_s"),
-                               paired_ratio(arms["fused"], arms["BF16"], "tok_s"), agree])
+
+                def agree(a: str, b: str) -> str:
+                    return (f"{float((last[a] == last[b]).float().mean()) * 100:.1f}%" if a in last and b in last
+                            else "-")
+
+                def ratio(a: str, b: str) -> str:
+                    return paired_ratio(arms[a], arms[b], "tok_s") if a in arms and b in arms else "-"
+
+                rows.append([name, str(batch), setting]
+                            + [cell(arms[a], "tok_s", 0) if a in arms else "-" for a in models]
+                            + [cell(arms[a], "ms_step", 2) if a in arms else "-" for a in models]
+                            + [ratio("fused", "FP8"), ratio("fused", "BF16"), ratio("grouped", "fused"),
+                               ratio("grouped", "BF16"), agree("FP8", "fused"), agree("fused", "grouped")])
                 del arms, last
         del models, base
         free_memory()
     print(f"\n### decode: HF generate, {opts.masters} masters{' + bf16 autocast' if fp32_masters else ''}, "
           f"prompt {opts.prompt}, {opts.new_tokens} new tokens, greedy "
           f"(median [min-max] of {opts.repeats} rounds)")
-    table(["model", "batch", "setting", "BF16 tok/s", "FP8 tok/s", "fused tok/s", "BF16 ms/step", "FP8 ms/step",
-           "fused ms/step", "fused/FP8 tok/s", "fused/BF16 tok/s", "FP8 = fused tokens"], rows)
+    table(["model", "batch", "setting", "BF16 tok/s", "FP8 tok/s", "fused tok/s", "grouped tok/s", "BF16 ms/step",
+           "FP8 ms/step", "fused ms/step", "grouped ms/step", "fused/FP8 tok/s", "fused/BF16 tok/s",
+           "grouped/fused tok/s", "grouped/BF16 tok/s", "FP8 = fused tokens", "fused = grouped tokens"], rows)
     print("tok/s over the decode steps after the first token; fused = FP8 with decode_fused_max_m="
-          f"{FUSED_MAX_M}; graphed = cache_implementation='static' (transformers compiles the decode step, mode "
+          f"{FUSED_MAX_M}; grouped = fused with decode_group_siblings (q/k/v and gate/up one launch each; eager "
+          "only); graphed = cache_implementation='static' (transformers compiles the decode step, mode "
           "reduce-overhead, on CUDA only). 'FP8 = fused tokens': share of generated tokens equal in the last "
           "round (greedy; the arms differ by fp32 rounding order at most; --tiny: the interpreter's fp32->bf16 cast "
           "truncates, so near-ties flip).", flush=True)

@@ -731,6 +731,9 @@ def smollm_section(opts, sizes: Sizes) -> None:
         label = f"+fused{opts.smollm_fused}" if opts.smollm_fused else "+unfused"
         runs.update({f"{name}{label}": (config, ["--fp8_decode_fused_max_m", str(opts.smollm_fused)])
                      for name, config in SMOLLM_CONFIGS.items() if name.startswith("fp8")})
+    if opts.smollm_grouped:  # the FP8 run with q/k/v and gate/up as one fused decode launch each
+        runs.update({f"{name}+grouped": (config, ["--fp8_decode_group_siblings", "true"])
+                     for name, config in SMOLLM_CONFIGS.items() if name.startswith("fp8")})
     times: dict[str, list[float]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as out:
         for rnd in range(opts.run_rounds):
@@ -835,6 +838,9 @@ def parse_args(argv=None):
     parser.add_argument("--smollm-fused", type=int, default=None, metavar="M",
                         help="also time the FP8 smollm run with --fp8_decode_fused_max_m M (0: the two-launch decode; "
                              "the default run's is automatic: fused in eager CUDA decode)")
+    parser.add_argument("--smollm-grouped", action="store_true",
+                        help="also time the FP8 smollm run with --fp8_decode_group_siblings true (q/k/v and gate/up "
+                             "one fused decode launch each)")
     parser.add_argument("--smollm-args", default="", help="more `calclip train` flags for both smollm runs, e.g. "
                         "'--torch_compile true'")
     opts = parser.parse_args(argv)
