@@ -308,3 +308,41 @@ def test_weight_refresh_writes_codes_and_dgrad_codes_in_place():
         layer(x)  # refreshes the codes y_stale saved
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y_stale.float().sum().backward()
+
+
+def test_sibling_groups_equal_each_linear_alone_on_the_gpu():
+    """decode_group_siblings on CUDA: q/k/v (ragged widths, SmolLM2's 576/192) in one fused launch give the bits and
+    non-finite counts of each linear's own fused call, with fp32 masters under bf16 autocast (the in-register
+    rounding), and again after an optimizer step refreshed the stacked codes in place."""
+    import copy
+
+    from torch import nn
+
+    from calclip.fp8 import Fp8Config, pop_nonfinite_count, quantize_model
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(576, 576), nn.Linear(576, 192), nn.Linear(576, 192)
+
+        def forward(self, x):
+            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    torch.manual_seed(0)
+    base = nn.Sequential(Attention()).cuda()
+    plain = quantize_model(copy.deepcopy(base), Fp8Config(decode_fused_max_m=64))
+    grouped = quantize_model(copy.deepcopy(base), Fp8Config(decode_fused_max_m=64, decode_group_siblings=True))
+    assert grouped[0].q_proj._fp8_group is not None
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (plain, grouped)]
+    for _ in range(2):
+        x = torch.randn(48, 576, device="cuda")
+        x[7, 100] = float("nan")
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            y_plain, y_grouped = plain(x), grouped(x)
+        assert torch.equal(y_plain.view(torch.int16), y_grouped.view(torch.int16))
+        assert int(pop_nonfinite_count(plain)) == int(pop_nonfinite_count(grouped)) == 3
+        for model, opt in zip((plain, grouped), opts):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model(torch.randn(8, 576, device="cuda")).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
