@@ -86,6 +86,11 @@ class SiblingGroup:
                 self._pending = None  # every sibling took its output: let x and the stacked output go
             return y
         for sibling in self.members:
+            # A sharded weight (ZeRO-3 gathers each module's own parameters in its own forward) is not a whole weight
+            # here: then each sibling runs alone.
+            if tuple(sibling.weight.shape) != (sibling.out_features, sibling.in_features):
+                return None
+        for sibling in self.members:
             sibling._refresh_weight_codes()
         if not self._stacked() or self.qw.device != x2.device:
             return None
@@ -104,8 +109,8 @@ class SiblingGroup:
 
 def group_siblings(model: nn.Module) -> int:
     """Group the sibling FP8BlockLinears of ``model`` (children named as in SIBLING_NAMES of one parent, with one
-    in_features, one Fp8Config with ``decode_group_siblings``, one weight dtype and device, none run yet nor grouped
-    already); returns how many groups were formed."""
+    in_features, one Fp8Config with ``decode_group_siblings`` and ``cache_weights``, one weight dtype and device, none
+    run yet nor grouped already); returns how many groups were formed."""
     from calclip.fp8.linear import FP8BlockLinear
 
     formed = 0
@@ -115,7 +120,10 @@ def group_siblings(model: nn.Module) -> int:
             if not all(type(m) is FP8BlockLinear for m in members):
                 continue
             config = members[0].fp8_config
-            if not config.decode_group_siblings or any(m.fp8_config != config for m in members):
+            # cache_weights=False: sharded parameters (FSDP, ZeRO-3), whose weights are whole only inside their
+            # own module's call; a group refreshes its siblings' codes in the first sibling's call.
+            if not (config.decode_group_siblings and config.cache_weights) or any(m.fp8_config != config
+                                                                                  for m in members):
                 continue
             if len({(m.in_features, m.weight.dtype, m.weight.device) for m in members}) != 1:
                 continue

@@ -161,6 +161,22 @@ def test_a_sibling_called_with_another_input_gets_that_inputs_output(monkeypatch
     assert q.shape == (3, 300)
 
 
+def test_a_sibling_whose_weight_is_not_whole_runs_alone(monkeypatch):
+    """ZeRO-3 gathers a module's parameters in its own call: while q runs, k's weight may be a partition. The group
+    then does not refresh k's codes from it; each sibling runs alone."""
+    plain, grouped = _pair(seed=5)
+    launches = _Launches(monkeypatch)
+    attention = grouped[0]
+    whole = attention.k_proj.weight
+    x = torch.randn(3, 200)
+    with torch.no_grad():
+        attention.k_proj.weight = nn.Parameter(torch.empty(0))  # a partitioned parameter's local shape
+        q = attention.q_proj(x)
+        attention.k_proj.weight = whole
+        assert torch.equal(_bits(q), _bits(plain[0].q_proj(x)))
+    assert launches.calls == [(300, 1), (300, 1)]
+
+
 def test_shadow_compiled_and_large_calls_run_each_sibling(monkeypatch):
     plain, grouped = _pair(max_m=4, seed=4)
     launches = _Launches(monkeypatch)
@@ -179,6 +195,9 @@ def test_grouping_needs_the_fused_decode_and_one_config():
     model[0].v_proj = nn.Linear(100, 70)  # another input width: not siblings
     quantize_model(model, Fp8Config(decode_group_siblings=True))
     assert all(m._fp8_group is None for m in linear.fp8_layers(model))
+    sharded = nn.Sequential(_Attention())  # cache_weights=False: the trainer's setting for sharded parameters
+    quantize_model(sharded, Fp8Config(decode_group_siblings=True, cache_weights=False))
+    assert all(m._fp8_group is None for m in linear.fp8_layers(sharded))
     llama_like = nn.Sequential(_Attention())
     quantize_model(llama_like, Fp8Config(decode_group_siblings=True, keep_patterns=("v_proj",)))
     assert all(m._fp8_group is None for m in linear.fp8_layers(llama_like))  # v stays BF16: no complete set
