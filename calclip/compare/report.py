@@ -197,16 +197,12 @@ def per_seed_tables(record: dict, runs: list[Run], windows: list[Window], partia
     numbers the arm's mean ± std is computed from."""
     lines = []
     for window in windows:
-        lines += [f"### {window.title()}", "", "| arm | seed | " + " | ".join(f"`{m}`" for m in PER_SEED_METRICS) + " |",
-                  "|---|---|" + "---|" * len(PER_SEED_METRICS)]
+        header = "| arm | seed | " + " | ".join(f"`{m}`" for m in PER_SEED_METRICS) + " |"
+        lines += [f"### {window.title()}", "", header, "|---|---|" + "---|" * len(PER_SEED_METRICS)]
         for arm in record["arms"]:
-            for run in runs:
-                if run.arm != arm or not counts(run, window, partial):
-                    continue
-                cells = []
-                for metric in PER_SEED_METRICS:
-                    mean = window_mean(run.rows, metric, window)
-                    cells.append("-" if mean is None else f"{mean:.4g}")
+            for run in (run for run in runs if run.arm == arm and counts(run, window, partial)):
+                means = (window_mean(run.rows, metric, window) for metric in PER_SEED_METRICS)
+                cells = ["-" if mean is None else f"{mean:.4g}" for mean in means]
                 lines.append(f"| {arm} | {run.seed} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -218,8 +214,7 @@ def runs_table(runs: list[Run], root: Path) -> str:
         status = read_status(folder.run_directory(root, run.arm, run.seed)) or {}
         wall = status.get("wall_s")
         wall_text = "-" if wall is None else f"{wall:.0f} s"
-        steps = run.rows[-1]["step"] if run.rows else 0
-        lines.append(f"| {run.arm} | {run.seed} | {run.status} | {steps} | {wall_text} |")
+        lines.append(f"| {run.arm} | {run.seed} | {run.status} | {run.last_step} | {wall_text} |")
     failed = [run for run in runs if run.status == FAILED]
     for run in failed:
         tail = (read_status(folder.run_directory(root, run.arm, run.seed)) or {}).get("error_tail") or []

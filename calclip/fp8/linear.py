@@ -377,15 +377,15 @@ class FP8BlockLinear(nn.Linear):
         with torch.inference_mode(False), torch.no_grad():
             qw = self._fp8_qw
             group = self._fp8_group
-            if (qw is None or qw.shape != w.shape or qw.device != w.device) and group is not None \
-                    and w.shape == (self.out_features, self.in_features):
+            new_buffers = qw is None or qw.shape != w.shape or qw.device != w.device
+            if new_buffers and group is not None and w.shape == (self.out_features, self.in_features):
                 # a grouped sibling's codes are views into the group's stacked buffers (one launch for all)
                 qw, sw = group.buffers(self._fp8_group_index, w.device)
                 bad = torch.zeros((), dtype=torch.bool, device=w.device)
                 quant.requantize_128x128_(w, qw, sw, bad, block=cfg.block_size, pow2=cfg.power_of_two_scales)
                 self._fp8_qw, self._fp8_sw, self._fp8_bad = qw, sw, bad
                 _mark_static(qw, sw, bad)
-            elif qw is None or qw.shape != w.shape or qw.device != w.device:
+            elif new_buffers:
                 qw, sw = quant.quantize_128x128(w, block=cfg.block_size, pow2=cfg.power_of_two_scales)
                 self._fp8_qw, self._fp8_sw, self._fp8_bad = qw, sw, torch.isnan(sw).any()
                 _mark_static(self._fp8_qw, self._fp8_sw, self._fp8_bad)
@@ -486,16 +486,16 @@ class FP8BlockLinear(nn.Linear):
         # an empty layer) takes the usual path, which raises where nn.Linear would.
         if fused is None or x2.shape[1] != self.in_features or self.in_features == 0 or self.out_features == 0:
             return None
+        out_dtype = round_to or x2.dtype
         group = self._fp8_group
         if group is not None and x is not None and cfg.decode_group_siblings:  # x: the caller's tensor, the key
-            y = group.decode(self, x, x2, fused, out_dtype=round_to or x2.dtype, round_to=round_to,
-                             pow2=cfg.power_of_two_scales)
+            y = group.decode(self, x, x2, fused, out_dtype=out_dtype, round_to=round_to, pow2=cfg.power_of_two_scales)
             if y is not None:
                 return y
         self._refresh_weight_codes()
         if x2.get_device() != self._fp8_qw.get_device():
             return None
-        return fused(x2, self._fp8_qw, self._fp8_sw, out_dtype=round_to or x2.dtype,
+        return fused(x2, self._fp8_qw, self._fp8_sw, out_dtype=out_dtype,
                      nonfinite_count=self.nonfinite_count, weight_bad=self._fp8_bad, pow2=cfg.power_of_two_scales,
                      round_to=round_to)
 

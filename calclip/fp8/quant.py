@@ -40,13 +40,16 @@ def triton_kernels() -> ModuleType | None:
     return _triton_module  # type: ignore[return-value]
 
 
-def _impl(x: Tensor, name: str, block: int):
+def _triton_impl(x: Tensor, name: str, block: int):
+    """calclip.fp8.triton_kernels' ``name`` for a CUDA ``x`` at the kernels' block size, or None."""
     if x.is_cuda and block == BLOCK:
         module = triton_kernels()
-        fn = getattr(module, name, None) if module is not None else None
-        if fn is not None:
-            return fn
-    return getattr(reference, name)
+        return getattr(module, name, None) if module is not None else None
+    return None
+
+
+def _impl(x: Tensor, name: str, block: int):
+    return _triton_impl(x, name, block) or getattr(reference, name)
 
 
 def _call(x: Tensor, name: str, block: int, pow2: bool, gemm_layout: bool) -> tuple[Tensor, ...]:
@@ -129,8 +132,7 @@ def requantize_128x128_(w: Tensor, q: Tensor, s: Tensor, bad: Tensor, *,
     when ``transposed`` = (qt, st) is given, qt = q.t(), st = s.t() (contiguous). On CUDA one Triton launch writes
     them all (FP8BlockLinear's weight refresh; copies would be six more launches); elsewhere the quantizer's
     outputs are copied in. Either way the buffers keep their storage and their autograd versions move."""
-    module = triton_kernels() if w.is_cuda and block == BLOCK else None
-    fn = getattr(module, "requantize_128x128_", None) if module is not None else None
+    fn = _triton_impl(w, "requantize_128x128_", block)
     if fn is not None:
         qt, st = transposed if transposed is not None else (None, None)
         fn(w, q, s, bad, qt=qt, st=st, block=block, pow2=pow2)

@@ -14,10 +14,11 @@ On CUDA the launchers autotune the tile shapes over a few configs (keyed on the 
 outer one, so a new sequence length does not retune); set ``CALCLIP_TRITON_AUTOTUNE=0`` to use the default
 config only. The timings are kept on disk in Triton's cache (``triton.autotune(cache_results=True)``, keyed by the
 Triton version, the GPU target, the kernel source, the key and the configs), so a second process on the machine
-reuses them instead of re-timing every config; ``CALCLIP_TRITON_AUTOTUNE_CACHE=0`` turns that off. On CPU tensors the kernels run under ``TRITON_INTERPRET=1`` (tests only): the interpreter's own
-fp32 -> fp8 cast truncates instead of rounding and cannot produce NaN, so in that mode the kernels encode the
-e4m3fn bits in software (``_e4m3fn_bits``) and store them through a uint8 view. The GPU tests check that this
-software encoder equals the hardware ``cvt.rn.satfinite.e4m3x2.f32`` on every fp32 input they try.
+reuses them instead of re-timing every config; ``CALCLIP_TRITON_AUTOTUNE_CACHE=0`` turns that off. On CPU tensors
+the kernels run under ``TRITON_INTERPRET=1`` (tests only): the interpreter's own fp32 -> fp8 cast truncates
+instead of rounding and cannot produce NaN, so in that mode the kernels encode the e4m3fn bits in software
+(``_e4m3fn_bits``) and store them through a uint8 view. The GPU tests check that this software encoder equals
+the hardware ``cvt.rn.satfinite.e4m3x2.f32`` on every fp32 input they try.
 
 This module imports triton at the top; ``calclip.fp8.quant`` / ``gemm`` import it lazily, only on CUDA.
 """
@@ -949,7 +950,8 @@ def _fp8_linear_fused_quant_kernel(
 # config the autotuner picks, and equal to the unfused path's. Masked rows cost no memory traffic, but every program
 # quantizes its BLOCK_M x 128 x tile per K step (an IEEE division per element): on the H200 the first configs (4
 # warps) took 1.5-31x the GPU time of quantize + GEMM (docs/benchmarks.md), so 8-warp configs share that work among
-# more warps; the kernel stays slower than the two launches on the GPU and pays only where the host's time decides. BLOCK_N 32 gives narrow layers (SmolLM2's k/v, N = 192) more programs.
+# more warps; the kernel stays slower than the two launches on the GPU and pays only where the host's time decides.
+# BLOCK_N 32 gives narrow layers (SmolLM2's k/v, N = 192) more programs.
 _FUSED_DEFAULT = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=3)
 _FUSED_CONFIGS = [
     _FUSED_DEFAULT,
