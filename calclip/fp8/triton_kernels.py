@@ -602,22 +602,22 @@ def _quantize_128x128_kernel(
 
 @triton.jit
 def _requantize_128x128_kernel(
-    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, bad_ptr,  # q [N, K], s [NBN, NBK], qt [K, N], st [NBK, NBN]: contiguous
-    N, K, NBN, NBK, stride_wn, stride_wk,        # bad: one byte, zeroed by the caller, set to 1 by a NaN/Inf block
-    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, TRANSPOSED: tl.constexpr,
+    w_ptr, q_ptr, s_ptr, bad_ptr,  # w [N, K] any strides; q [N, K], s [NBN, NBK] contiguous; bad: one byte, zeroed
+    N, K, NBK, stride_wn, stride_wk,  # by the caller, set to 1 by a NaN/Inf block
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     GROUP: tl.constexpr, GROUPS: tl.constexpr,
 ):
-    """_quantize_128x128_kernel into existing buffers, also writing W^T's codes and scales (TRANSPOSED) and the
-    "weight has a non-finite block" flag: a weight refresh in one launch."""
+    """_quantize_128x128_kernel into existing buffers, also setting the "weight has a non-finite block" flag.
+
+    W^T's codes are a second launch of this kernel on w.t() (a 128x128 block's codes and scale do not depend on
+    the order of its elements). Writing them from this launch's registers, through a pointer contiguous along the
+    tile's first axis, gave wrong codes on the H200 whenever N was a multiple of 16 (Triton 3.6, 2026-12-01; the
+    interpreter got them right), so the transposing store is left to the layout the other stores already use."""
     rows, groups, cols, mask, codes, scale, nonfinite = _weight_tile(w_ptr, N, K, stride_wn, stride_wk, POW2, GROUP,
                                                                      GROUPS)
-    pid_n = tl.program_id(0)
     _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
     real = groups < NBK
-    tl.store(s_ptr + pid_n * NBK + groups, scale, mask=real)
-    if TRANSPOSED:
-        _store_codes(qt_ptr + cols.to(tl.int64) * N + rows[:, None, None], codes, mask, SOFT_FP8)
-        tl.store(st_ptr + groups * NBN + pid_n, scale, mask=real)
+    tl.store(s_ptr + tl.program_id(0) * NBK + groups, scale, mask=real)
     tl.store(bad_ptr + groups * 0, tl.full([GROUPS], 1, tl.uint8), mask=nonfinite & real)
 
 
@@ -659,10 +659,11 @@ _requantize_128x128_tuned = _Tuned(_requantize_128x128_kernel, _QUANT_128X128_CO
 
 def requantize_128x128_(w: Tensor, q: Tensor, s: Tensor, bad: Tensor, *, qt: Tensor | None = None,
                         st: Tensor | None = None, block: int = BLOCK, pow2: bool = False) -> None:
-    """Re-quantize a weight into existing buffers, in place, in one launch (plus the flag's zeroing): the codes and
-    scales ``quantize_128x128(w)`` returns, ``bad`` (bool []) = whether a scale is NaN, and, when given, W^T's codes
-    ``qt`` [K, N] and scales ``st`` [NBK, NBN] (``q.t()``/``s.t()``, contiguous). Every buffer's autograd version
-    is bumped, as ``copy_`` would: a backward that saved the old codes raises instead of using the new ones.
+    """Re-quantize a weight into existing buffers, in place: one launch writes the codes and scales
+    ``quantize_128x128(w)`` returns and ``bad`` (bool []) = whether a scale is NaN (after the flag's zeroing); when
+    given, a second launch on ``w.t()`` writes W^T's codes ``qt`` [K, N] and scales ``st`` [NBK, NBN] (``q.t()`` /
+    ``s.t()``, contiguous). Every buffer's autograd version is bumped, as ``copy_`` would: a backward that saved the
+    old codes raises instead of using the new ones.
 
     w: [N, K] bf16/fp16/fp32, any strides; q [N, K] e4m3fn, s [ceil(N/128), ceil(K/128)] fp32, contiguous.
     """
@@ -685,11 +686,14 @@ def requantize_128x128_(w: Tensor, q: Tensor, s: Tensor, bad: Tensor, *, qt: Ten
                              f"{t.dtype} {list(t.shape)} (strides {t.stride()})")
     bad.zero_()
     if w.numel():
-        _requantize_128x128_tuned.launch(
-            lambda meta: (nbn, _ceil_div(nbk, meta["GROUPS"])), (n, k, w.dtype, transposed), soft_fp8,
-            w, _codes_out(q, soft_fp8), s, _codes_out(qt if transposed else q, soft_fp8), st if transposed else s,
-            bad.view(torch.uint8), n, k, nbn, nbk, w.stride(0), w.stride(1),
-            POW2=pow2, SOFT_FP8=soft_fp8, TRANSPOSED=transposed, GROUP=block)
+        flag = bad.view(torch.uint8)
+        for src, codes, scales, rows, cols in ((w, q, s, n, k), (w.t(), qt, st, k, n))[:2 if transposed else 1]:
+            nb_rows, nb_cols = _ceil_div(rows, block), _ceil_div(cols, block)
+            _requantize_128x128_tuned.launch(
+                lambda meta, nb_rows=nb_rows, nb_cols=nb_cols: (nb_rows, _ceil_div(nb_cols, meta["GROUPS"])),
+                (rows, cols, w.dtype), soft_fp8,
+                src, _codes_out(codes, soft_fp8), scales, flag, rows, cols, nb_cols, src.stride(0), src.stride(1),
+                POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     for t in (q, s, qt, st) if transposed else (q, s):
         if not t.is_inference():  # inference tensors keep no version (nor can autograd have saved them)
             torch.autograd.graph.increment_version(t)

@@ -278,7 +278,7 @@ def test_fast_launch_still_calls_registered_launch_hooks():
 
 def test_weight_refresh_writes_codes_and_dgrad_codes_in_place():
     """After an optimizer step the layer's refresh writes the new weight's codes, scales, non-finite flag and W^T
-    codes (triton_kernels.requantize_128x128_, one launch) into the same buffers: equal to the reference's, W^T
+    codes (triton_kernels.requantize_128x128_, two launches) into the same buffers: equal to the reference's, W^T
     current without the next backward's copies, and a backward of a forward that saw the old codes raises."""
     from calclip.fp8 import FP8BlockLinear
 
