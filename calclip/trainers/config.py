@@ -213,6 +213,14 @@ class CalibratedGRPOConfig(GRPOConfig):
         default=4,
         metadata={"help": "n of the garbled-output signal completions/repeat_ngram_frac (share of repeated n-grams)."},
     )
+    max_nonfinite_grad_skips: int = field(
+        default=3,
+        metadata={"help": "An optimizer step whose gradient norm is NaN/inf is skipped (weights and optimizer state "
+                  "unchanged; logged as grad/nonfinite_skipped, the share of optimizer steps skipped) and after this "
+                  "many in a row training stops with an error naming them. 0: off, every step is applied as in TRL "
+                  "(one NaN step makes the weights NaN). Costs one gradient norm and one host sync per step. Not "
+                  "applied under DeepSpeed, whose engine steps its own optimizer."},
+    )
     mismatch_dump_threshold: float | None = field(
         default=5.0,
         metadata={"help": "Rollout vs trainer log-prob gap (nats) above which a completion token is appended to "
@@ -380,7 +388,7 @@ class CalibratedGRPOConfig(GRPOConfig):
             )
 
         for name in ("fp8_keep_first_n_layers", "fp8_keep_last_n_layers", "fp8_decode_fused_max_m",
-                     "repeat_ngram_size"):
+                     "repeat_ngram_size", "max_nonfinite_grad_skips"):
             if name == "fp8_decode_fused_max_m" and self.fp8_decode_fused_max_m is None:
                 continue  # automatic
             _int_at_least(name, getattr(self, name), 1 if name == "repeat_ngram_size" else 0)

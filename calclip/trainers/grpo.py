@@ -32,6 +32,8 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: calibrator and spike-detector state in every
   checkpoint (``calclip_state.pt``, written with the optimizer state, so before the hub push and checkpoint
   rotation), restored on ``resume_from_checkpoint`` (read with ``weights_only=True``: calclip.trainers.checkpoint).
+- ``create_optimizer``: after ``super()``, an optimizer step pre-hook skips steps whose gradients are NaN/inf and stops
+  the run after ``max_nonfinite_grad_skips`` in a row (``calclip.trainers.grad_guard``).
 - ``train``: ``resume_from_checkpoint=True`` resolves to the latest complete checkpoint (incomplete ones, left by a
   kill during a save, are skipped with a warning), then ``super().train()``.
 
@@ -54,7 +56,8 @@ tokens whose BF16 shadow ratio is below 1 - epsilon, i.e. what BF16 training wou
 ``clip/pos_high_frac``, ``clip/dual_frac``, ``mismatch/token_mult_prob_error`` and ``mismatch/kl_k3`` (old vs rollout
 log-probs), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``, ``entropy/neg_adv``,
 ``entropy/spike``, ``fp8/nonfinite_tokens`` (tokens whose FP8 linear output was non-finite),
-``loss/nonfinite_tokens``, ``reward/nonfinite_count``, ``completions/repeat_ngram_frac``; and TRL's ``clip_ratio/*``, ``kl``,
+``loss/nonfinite_tokens``, ``reward/nonfinite_count``, ``grad/nonfinite_skipped`` (share of optimizer steps skipped
+for non-finite gradients), ``completions/repeat_ngram_frac``; and TRL's ``clip_ratio/*``, ``kl``,
 ``policy_loss``, ``aux_loss``. TRL's metrics keep TRL's names and reductions (token-weighted global means,
 ``clip_ratio/low_min``/``high_max`` over every rank's sequences); calclip's token-level metrics are token-weighted
 global means too (one all-reduce of (sum, count) pairs), counts are summed, per-micro-batch scalars averaged.
@@ -94,6 +97,7 @@ from calclip.trainers.checkpoint import (
 )
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
+from calclip.trainers.grad_guard import NonfiniteGradGuard
 from calclip.trainers.mismatch_outliers import MismatchOutlierLog, logp_gaps, outlier_path
 from calclip.trainers.rewards import exclude_nonfinite_rewards
 from calclip.trainers.ratio_histograms import attach_ratio_histograms
@@ -242,6 +246,27 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         self._old_logps_step: int | None = None  # global_step at which the buffered generation batch was produced
         # W&B histograms of the calibration ratios; None (no cost) unless W&B reports this run.
         self._ratio_histograms = attach_ratio_histograms(self)
+
+    # ------------------------------------------------------------------------------------------ optimizer
+
+    def create_optimizer(self, *args, **kwargs):
+        """transformers' optimizer, with the non-finite-gradient guard (``max_nonfinite_grad_skips``) as a step
+        pre-hook: a NaN/inf gradient step is skipped instead of making the weights NaN (calclip.trainers.grad_guard)."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self.args.max_nonfinite_grad_skips and optimizer is not None and not hasattr(optimizer, "_calclip_guard"):
+            hint = (" FP8 is on: fp8/nonfinite_tokens counts the tokens whose FP8 linear output was non-finite; "
+                    "compare with fp8=False to see whether the FP8 path causes it.") if self.args.fp8 else ""
+            guard = NonfiniteGradGuard(self.args.max_nonfinite_grad_skips, step_of=lambda: self.state.global_step + 1,
+                                       on_step=self._log_grad_guard, hint=hint)
+            optimizer.register_step_pre_hook(guard)
+            optimizer._calclip_guard = guard  # once per optimizer, however often it is handed back
+        return optimizer
+
+    def _log_grad_guard(self, skipped: bool) -> None:
+        self._metrics["train"]["grad/nonfinite_skipped"].append(float(skipped))
+        if skipped:
+            warnings.warn(f"optimizer step {self.state.global_step + 1}: the gradients are non-finite; the step is "
+                          f"skipped (weights and optimizer state unchanged)", RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------------------------------ data
 

@@ -1,0 +1,185 @@
+"""The non-finite-gradient guard: a NaN/inf gradient step leaves weights and optimizer state as they were, a finite
+step after it trains normally, and a streak of max_consecutive such steps stops the run with the steps named."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from calclip.trainers.grad_guard import NonfiniteGradGuard, NonfiniteGradientsError
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _model_and_optimizer(guard=None, fused=None):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1, fused=fused)
+    if guard is not None:
+        opt.register_step_pre_hook(guard)
+    return model, opt
+
+
+def _backward(model, poison=None):
+    model.zero_grad(set_to_none=True)
+    model(torch.ones(2, 6)).square().sum().backward()
+    if poison is not None:
+        model[1].weight.grad[0, 1] = poison
+
+
+def _snapshot(model, opt):
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for p in model.parameters() for k, v in opt.state.get(p, {}).items()}
+    return params, state
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and a[1].keys() == b[1].keys() and all(
+        torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+@pytest.mark.parametrize("poison", [NAN, INF, -INF])
+def test_a_nonfinite_step_changes_nothing_and_a_finite_one_trains(poison):
+    steps = []
+    guard = NonfiniteGradGuard(3, on_step=steps.append)
+    model, opt = _model_and_optimizer(guard)
+    _backward(model)
+    opt.step()  # one real step, so there is optimizer state to keep
+    before = _snapshot(model, opt)
+    _backward(model, poison)
+    opt.step()
+    assert _same(before, _snapshot(model, opt))
+    assert all(p.grad is None for p in model.parameters())
+    _backward(model)
+    opt.step()
+    after = _snapshot(model, opt)
+    assert not _same(before, after) and all(torch.isfinite(p).all() for p in model.parameters())
+    assert steps == [False, True, False] and guard.skipped_total == 1 and guard.skipped_in_a_row == []
+
+
+def test_without_the_guard_one_nan_step_makes_the_weights_nan():
+    """What the guard prevents (the behaviour of TRL/transformers' optimizer step)."""
+    model, opt = _model_and_optimizer()
+    _backward(model, NAN)
+    opt.step()
+    assert torch.isnan(model[1].weight).any()
+
+
+def test_a_streak_raises_naming_the_steps_and_keeps_the_weights():
+    step = iter(range(10, 20))
+    guard = NonfiniteGradGuard(2, step_of=lambda: next(step), hint=" (hint)")
+    model, opt = _model_and_optimizer(guard)
+    before = _snapshot(model, opt)
+    _backward(model, NAN)
+    opt.step()
+    _backward(model, INF)
+    with pytest.raises(NonfiniteGradientsError, match=r"2 optimizer steps in a row.*10 \(grad norm nan\), 11 \(grad "
+                                                      r"norm inf\).*max_nonfinite_grad_skips=2\)\. \(hint\)"):
+        opt.step()
+    assert _same(before, _snapshot(model, opt))
+
+
+def test_finite_steps_in_between_reset_the_streak():
+    guard = NonfiniteGradGuard(2)
+    model, opt = _model_and_optimizer(guard)
+    for poison in (NAN, None, NAN, None, INF):
+        _backward(model, poison)
+        opt.step()
+    assert guard.skipped_total == 3 and len(guard.skipped_in_a_row) == 1
+
+
+def test_no_gradients_is_not_a_skip():
+    calls = []
+    guard = NonfiniteGradGuard(1, on_step=calls.append)
+    model, opt = _model_and_optimizer(guard)
+    opt.step()
+    assert calls == [False]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
+def test_max_consecutive_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="max_consecutive must be an int >= 1"):
+        NonfiniteGradGuard(bad)
+
+
+# -------------------------------------------------------------------------------------------- in the trainer
+
+
+def _trainer(tmp_path, **overrides):
+    from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset, \
+        tiny_training_args
+    from calclip.trainers.config import CalibratedGRPOConfig
+    from calclip.trainers.grpo import CalibratedGRPOTrainer
+
+    tokenizer = build_tiny_tokenizer()
+    args = tiny_training_args(CalibratedGRPOConfig, tmp_path, **overrides)
+    return CalibratedGRPOTrainer(model=build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256),
+                                 reward_funcs=digit_share_reward, args=args, train_dataset=tiny_prompt_dataset(8),
+                                 processing_class=tokenizer)
+
+
+def _poison_step(trainer, steps):
+    """A gradient hook making q_proj's weight gradient NaN during the optimizer steps in ``steps`` (1-based)."""
+    weight = trainer.model.model.layers[0].self_attn.q_proj.weight
+    weight.register_hook(lambda g: g * NAN if trainer.state.global_step + 1 in steps else g)
+    return weight
+
+
+def test_trainer_skips_a_nan_step_and_logs_it(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _trainer(tmp_path, fp8=True, max_steps=3, logging_steps=1)
+        _poison_step(trainer, {2})
+        trainer.train()
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    skipped = [e["grad/nonfinite_skipped"] for e in trainer.state.log_history if "grad/nonfinite_skipped" in e]
+    assert skipped == [0.0, 1.0, 0.0]
+    assert any("optimizer step 2: the gradients are non-finite" in str(w.message) for w in caught)
+    assert trainer.state.global_step == 3
+
+
+def test_trainer_stops_after_the_streak_with_the_weights_of_before(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _trainer(tmp_path, fp8=True, max_steps=4, logging_steps=1, max_nonfinite_grad_skips=2)
+        _poison_step(trainer, {2, 3, 4})
+        trainer.create_optimizer()
+        real_step = trainer.optimizer.step
+        weights_after_step_1 = {}
+
+        def step_and_record(*args, **kwargs):
+            out = real_step(*args, **kwargs)
+            if trainer.state.global_step == 0:  # optimizer step 1 just ran
+                weights_after_step_1.update({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+            return out
+
+        trainer.optimizer.step = step_and_record
+        with pytest.raises(NonfiniteGradientsError, match=r"optimizer steps in a row.*2 \(grad norm nan\), 3 \(grad "
+                                                          r"norm nan\).*FP8 is on"):
+            trainer.train()
+    assert weights_after_step_1 and all(torch.equal(p.detach(), weights_after_step_1[n])
+                                        for n, p in trainer.model.named_parameters())
+
+
+def test_trainer_guard_off_applies_the_nan_step(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _trainer(tmp_path, fp8=False, max_steps=2, logging_steps=1, max_nonfinite_grad_skips=0)
+        weight = _poison_step(trainer, {2})
+        try:
+            trainer.train()
+        except RuntimeError:
+            pass  # generation may or may not reach NaN logits before the end; the weight is what is checked
+    assert torch.isnan(weight).any()
+    assert not any("grad/nonfinite_skipped" in e for e in trainer.state.log_history)
+
+
+def test_config_field_is_checked():
+    from calclip.trainers.config import CalibratedGRPOConfig
+
+    cpu = dict(report_to="none", use_cpu=True, bf16=False, num_generations=2, per_device_train_batch_size=2)
+    for bad in (-1, 1.5, "3"):
+        with pytest.raises(ValueError, match="max_nonfinite_grad_skips"):
+            CalibratedGRPOConfig("out", max_nonfinite_grad_skips=bad, **cpu)
+    assert CalibratedGRPOConfig("out", **cpu).max_nonfinite_grad_skips == 3
