@@ -283,6 +283,8 @@ def decode_section(opts) -> None:
                             + [cell(arms[a], "ms_step", 2) if a in arms else "-" for a in models]
                             + [ratio("fused", "FP8"), ratio("fused", "BF16"), ratio("grouped", "fused"),
                                ratio("grouped", "BF16"), agree("FP8", "fused"), agree("fused", "grouped")])
+                # Each row as soon as it is measured: a device call cut by its time limit keeps the rows done.
+                print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
                 del arms, last
         del models, base
         free_memory()
