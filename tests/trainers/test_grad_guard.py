@@ -183,3 +183,49 @@ def test_config_field_is_checked():
         with pytest.raises(ValueError, match="max_nonfinite_grad_skips"):
             CalibratedGRPOConfig("out", max_nonfinite_grad_skips=bad, **cpu)
     assert CalibratedGRPOConfig("out", **cpu).max_nonfinite_grad_skips == 3
+
+
+# -------------------------------------------------------------------------------------------- sharded (FSDP2)
+
+
+def _fsdp2_worker(rank: int, port: int, out_dir: str) -> None:
+    """Two gloo ranks, a model under fully_shard: a NaN in rank 0's local gradient shard only. Both ranks must skip
+    the step (the norm is reduced over the mesh), else their shards would diverge."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        guard = NonfiniteGradGuard(5)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        opt.register_step_pre_hook(guard)
+        skipped = []
+        for poison in (False, True, False):
+            model.zero_grad(set_to_none=True)
+            model(torch.ones(2, 8) * (rank + 1)).square().sum().backward()
+            if poison and rank == 0:
+                model[0].weight.grad.to_local().view(-1)[0] = NAN
+            before = [p.to_local().clone() for p in model.parameters()]
+            opt.step()
+            skipped.append(all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before)))
+        torch.save({"skipped": skipped, "total": guard.skipped_total}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_ranks_skip_the_same_step(tmp_path):
+    from calclip.testing import spawn_workers
+
+    spawn_workers(_fsdp2_worker, tmp_path, 2, 120, "FSDP2 grad-guard workers")
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result == {"skipped": [False, True, False], "total": 1}, (rank, result)
