@@ -134,6 +134,7 @@ def _track_fp8_layers(model: nn.Module) -> None:
     if handle is not None:
         handle.remove()
     model.__dict__.pop("_calclip_fp8_layers", None)
+    model.__dict__.pop("_calclip_codes_key", None)  # refresh_fp8_weights' "all fresh" key of the old layers
     for layer in layers:
         layer._set_refreshed_by_root(layer is not model)
     if layers:

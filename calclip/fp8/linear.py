@@ -559,9 +559,36 @@ def fp8_layers(model: nn.Module) -> list[FP8BlockLinear]:
 
 def refresh_fp8_weights(model: nn.Module, *, for_backward: bool | None = None) -> None:
     """Re-quantize, in place, the weight codes of every FP8BlockLinear in ``model`` whose weight changed (and
-    their dgrad W^T codes when ``for_backward``, by default when grad mode is on)."""
-    for layer in getattr(model, "_calclip_fp8_layers", None) or fp8_layers(model):
+    their dgrad W^T codes when ``for_backward``, by default when grad mode is on).
+
+    The root's pre-hook calls this before every compiled call (a CUDA-graphed decode step included). When no
+    weight changed since the last call that refreshed them all, it returns after one pass over the weights' keys:
+    ~30 us instead of ~80 us for 56 layers on the development CPU (every layer's own check)."""
+    layers = getattr(model, "_calclip_fp8_layers", None) or fp8_layers(model)
+    if for_backward is None:
+        for_backward = torch.is_grad_enabled()
+    key = _all_codes_key(layers, for_backward)
+    if key is not None and model.__dict__.get("_calclip_codes_key") == key:
+        return
+    for layer in layers:
         layer.refresh(for_backward=for_backward)
+    if key is not None:
+        model.__dict__["_calclip_codes_key"] = key
+
+
+def _all_codes_key(layers: list[FP8BlockLinear], for_backward: bool) -> tuple | None:
+    """Every layer's weight key (as ``_weight_key``) with the layer and its config, or None when a layer does not
+    cache its codes (``cache_weights=False`` re-quantizes on every refresh)."""
+    key = [_weight_epoch, for_backward]
+    for layer in layers:
+        cfg = layer.fp8_config
+        if not cfg.cache_weights:
+            return None
+        w = layer._parameters.get("weight")  # nn.Module.__getattr__ costs ~0.8 us a lookup here
+        if w is None:
+            w = layer.weight
+        key.append((id(layer), id(cfg), w.data_ptr(), w._version, w.dtype, w.device))
+    return tuple(key)
 
 
 @torch.compiler.disable

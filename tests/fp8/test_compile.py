@@ -174,3 +174,57 @@ def test_layers_inside_a_converted_model_carry_no_hook_of_their_own():
     assert len(layers[0]._forward_pre_hooks) == 1
     x = torch.randn(4, 256)
     assert torch.equal(model(x), twin(x))
+
+
+def test_refresh_of_a_model_with_nothing_changed_skips_the_layers(monkeypatch):
+    """refresh_fp8_weights returns after one pass over the weights' keys when no weight changed since it last
+    refreshed them all, and refreshes (codes equal to a fresh quantization) after anything that changes a weight:
+    an optimizer step, an in-place write, an explicit invalidation, a re-conversion; with grad on it builds the
+    dgrad codes the no-grad refresh did not."""
+    from calclip.fp8 import invalidate_fp8_weight_caches
+    from calclip.fp8.reference import quantize_128x128
+
+    model = quantize_model(_model(), Fp8Config(keep_patterns=()))
+    layers = model._calclip_fp8_layers
+    calls = []
+    real = FP8BlockLinear.refresh
+    monkeypatch.setattr(FP8BlockLinear, "refresh", lambda self, **kw: (calls.append(self), real(self, **kw))[1])
+
+    def refreshes(**kw):
+        calls.clear()
+        refresh_fp8_weights(model, **kw)
+        return len(calls)
+
+    def codes_current():
+        return all(torch.equal(layer._fp8_qw.view(torch.uint8), quantize_128x128(layer.weight.detach())[0]
+                               .view(torch.uint8)) for layer in layers)
+
+    with torch.no_grad():
+        assert refreshes() == 3 and refreshes() == 0 and codes_current()
+        layers[1].weight.add_(1.0)  # an in-place write bumps the version
+        assert refreshes() == 3 and codes_current() and refreshes() == 0
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        assert refreshes() == 3 and codes_current()
+    assert all(layer._fp8_qwt is None or layer._fp8_dgrad_key != layer._fp8_key for layer in layers)
+    assert refreshes(for_backward=True) == 3 and all(layer._fp8_dgrad_key == layer._fp8_key for layer in layers)
+    assert refreshes(for_backward=True) == 0
+    with torch.no_grad():
+        layers[0].weight.data.mul_(2.0)  # a .data write bumps no version: the documented explicit invalidation
+        invalidate_fp8_weight_caches()
+        assert refreshes() == 3 and codes_current()
+    quantize_model(model, Fp8Config(keep_patterns=()))  # re-conversion: the same layers, their key is reset
+    assert "_calclip_codes_key" not in model.__dict__
+
+
+def test_refresh_without_the_weight_cache_always_refreshes(monkeypatch):
+    model = quantize_model(_model(), Fp8Config(keep_patterns=(), cache_weights=False))
+    calls = []
+    real = FP8BlockLinear.refresh
+    monkeypatch.setattr(FP8BlockLinear, "refresh", lambda self, **kw: (calls.append(self), real(self, **kw))[1])
+    with torch.no_grad():
+        refresh_fp8_weights(model)
+        refresh_fp8_weights(model)
+    assert len(calls) == 6
