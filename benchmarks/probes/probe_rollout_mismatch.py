@@ -12,8 +12,9 @@ The evidence runs log ``mismatch/token_mult_prob_error`` (rollout vs trainer log
    the finished sequences (what the trainer computes) gives the same tokens' log-probs. Printed: max and mean
    |log-prob difference|, token_mult_prob_error (mean of exp|diff|, as calclip logs it) and the share of tokens
    whose log-probs are equal.
-2. Two full forwards of different lengths and batch sizes (a prefix and the whole sequence; one row and four), to
-   show that the layers' own results do not depend on M.
+2. Full forwards of different lengths and batch sizes (a prefix and the whole sequence; one row and four), over
+   every prefix position: whether the result depends on what else is in the forward (the FP8 layers' scales are
+   per token; the attention and the GEMMs may still sum in another order).
 3. For the FP8 arm: the relative difference between each layer's input in the first decode step and in the full
    forward, at the same token, layer by layer: where the two paths part and how the difference grows.
 """
@@ -60,10 +61,12 @@ def rollout_vs_full(model: nn.Module, prompt: torch.Tensor, new_tokens: int, aut
 
 
 def full_forwards_agree(model: nn.Module, seq: torch.Tensor, prefix: int) -> tuple[float, float]:
+    """Max |log-prob difference| over every position of the prefix: prefix alone vs the whole sequence, and one row
+    alone vs the same row in the batch (the attention then runs over other lengths / batch sizes)."""
     with torch.no_grad():
-        short = torch.log_softmax(model(seq[:, :prefix]).logits[:, -1].float(), -1)
-        whole = torch.log_softmax(model(seq).logits[:, prefix - 1].float(), -1)
-        one = torch.log_softmax(model(seq[:1, :prefix]).logits[:, -1].float(), -1)
+        short = torch.log_softmax(model(seq[:, :prefix]).logits.float(), -1)
+        whole = torch.log_softmax(model(seq).logits[:, :prefix].float(), -1)
+        one = torch.log_softmax(model(seq[:1, :prefix]).logits.float(), -1)
     return float((short - whole).abs().max()), float((short[:1] - one).abs().max())
 
 
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
         r = rollout_vs_full(model, prompt, opts.new_tokens, autocast)
         sequences = r["sequences"] if sequences is None else sequences
         print(f"| {name} | {r['max']:.3g} | {r['mean']:.3g} | {r['tmpe']:.4f} | {r['equal'] * 100:.1f}% |")
-    print("\nfull forwards (no cache), max abs dlogp: prefix vs whole sequence / 1 row vs 4 rows")
+    print("\nfull forwards (no cache), max abs dlogp over the prefix: prefix vs whole sequence / 1 row vs 4 rows")
     for name, model in (("fp32", base), ("FP8", fp8)):
         a, b = full_forwards_agree(model, sequences, opts.prompt)
         print(f"  {name}: {a:.3g} / {b:.3g}")
