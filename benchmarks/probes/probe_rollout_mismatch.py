@@ -6,6 +6,7 @@ The evidence runs log ``mismatch/token_mult_prob_error`` (rollout vs trainer log
 
     python benchmarks/probes/probe_rollout_mismatch.py                # CPU, SmolLM2-135M-Instruct, ~1 min
     python benchmarks/probes/probe_rollout_mismatch.py --model tiny   # a random 4-layer model (no GGUF)
+    python benchmarks/probes/probe_rollout_mismatch.py --device cuda  # the same on a GPU (its attention kernels)
 
 1. Per arm (fp32; bf16 autocast; FP8 on fp32 masters; FP8 under bf16 autocast): HF ``generate`` (KV cache, one
    token per decode step) samples completions and keeps the raw logits of each step; a single full forward of
@@ -32,20 +33,22 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 
-def _load(name: str) -> nn.Module:
+def _load(name: str, device: torch.device) -> nn.Module:
     if name == "tiny":
         from calclip.testing import build_tiny_model, build_tiny_tokenizer
 
-        return build_tiny_model(build_tiny_tokenizer(), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                num_attention_heads=4, num_key_value_heads=2, seed=0).float().eval()
-    from calclip.models import load_default_model
+        model = build_tiny_model(build_tiny_tokenizer(), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, seed=0).float()
+    else:
+        from calclip.models import load_default_model
 
-    loaded = load_default_model(dtype=torch.float32)
-    return (loaded[0] if isinstance(loaded, tuple) else loaded).eval()
+        loaded = load_default_model(dtype=torch.float32)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+    return model.to(device).eval()
 
 
 def rollout_vs_full(model: nn.Module, prompt: torch.Tensor, new_tokens: int, autocast: bool) -> dict[str, float]:
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    ctx = torch.autocast(prompt.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.no_grad(), ctx:
         gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
@@ -107,16 +110,19 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--device", default="cpu")
     opts = parser.parse_args(argv)
     from calclip.fp8 import Fp8Config, quantize_model
 
     torch.manual_seed(0)
-    base = _load(opts.model)
+    device = torch.device(opts.device)
+    base = _load(opts.model, device)
     vocab = base.config.vocab_size
-    prompt = torch.randint(3, min(vocab, 20000), (opts.batch, opts.prompt), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(3, min(vocab, 20000), (opts.batch, opts.prompt),
+                           generator=torch.Generator().manual_seed(1)).to(device)
     fp8 = quantize_model(copy.deepcopy(base), Fp8Config())
     print(f"probe_rollout_mismatch: {opts.model}, batch {opts.batch}, prompt {opts.prompt}, {opts.new_tokens} sampled "
-          f"tokens, torch {torch.__version__}, CPU\n")
+          f"tokens, torch {torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}\n")
     print("| arm | max abs dlogp | mean abs dlogp | token_mult_prob_error | equal log-probs |\n|---|---|---|---|---|")
     sequences = None
     for name, model, autocast in (("fp32", base, False), ("bf16 autocast", base, True),
