@@ -176,6 +176,14 @@ def test_layers_inside_a_converted_model_carry_no_hook_of_their_own():
     assert torch.equal(model(x), twin(x))
 
 
+def _count_layer_refreshes(monkeypatch) -> list:
+    """The layers whose FP8BlockLinear.refresh ran, in call order (the method still runs)."""
+    calls = []
+    real = FP8BlockLinear.refresh
+    monkeypatch.setattr(FP8BlockLinear, "refresh", lambda self, **kw: (calls.append(self), real(self, **kw))[1])
+    return calls
+
+
 def test_refresh_of_a_model_with_nothing_changed_skips_the_layers(monkeypatch):
     """refresh_fp8_weights returns after one pass over the weights' keys when no weight changed since it last
     refreshed them all, and refreshes (codes equal to a fresh quantization) after anything that changes a weight:
@@ -186,9 +194,7 @@ def test_refresh_of_a_model_with_nothing_changed_skips_the_layers(monkeypatch):
 
     model = quantize_model(_model(), Fp8Config(keep_patterns=()))
     layers = model._calclip_fp8_layers
-    calls = []
-    real = FP8BlockLinear.refresh
-    monkeypatch.setattr(FP8BlockLinear, "refresh", lambda self, **kw: (calls.append(self), real(self, **kw))[1])
+    calls = _count_layer_refreshes(monkeypatch)
 
     def refreshes(**kw):
         calls.clear()
@@ -221,9 +227,7 @@ def test_refresh_of_a_model_with_nothing_changed_skips_the_layers(monkeypatch):
 
 def test_refresh_without_the_weight_cache_always_refreshes(monkeypatch):
     model = quantize_model(_model(), Fp8Config(keep_patterns=(), cache_weights=False))
-    calls = []
-    real = FP8BlockLinear.refresh
-    monkeypatch.setattr(FP8BlockLinear, "refresh", lambda self, **kw: (calls.append(self), real(self, **kw))[1])
+    calls = _count_layer_refreshes(monkeypatch)
     with torch.no_grad():
         refresh_fp8_weights(model)
         refresh_fp8_weights(model)
