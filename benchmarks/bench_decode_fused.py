@@ -22,7 +22,10 @@ Sections (``--only``):
   the share of generated tokens where the two FP8 arms agree (greedy; they differ only by fp32 rounding order).
   Settings (``--settings``): ``eager`` (dynamic cache) and ``graphed`` (``cache_implementation="static"``:
   transformers compiles the decode step with CUDA graphs; the fused arm's linears are then the triton op
-  ``calclip::fp8_linear_decode``). ``--models`` picks the models (``8L``, ``smollm``).
+  ``calclip::fp8_linear_decode``). ``--models`` picks the models (``8L``, ``smollm``). More arms (``--arms``):
+  ``grouped`` (fused with ``decode_group_siblings``, eager only) and ``frozen`` (FP8's two launches with ``generate``
+  inside ``frozen_fp8_weights``, as calclip's trainer calls it: no refresh graph break in front of the compiled
+  decode step; graphed only).
 
 Method: arms interleaved (A B C A B C ...) over ``--repeats`` rounds after a warm-up; medians with [min-max];
 ratio columns are medians of per-round ratios, time of the denominator arm over the fused arm (> 1: fused is
@@ -206,13 +209,14 @@ def _same_output(fp8_layer: nn.Module, fused_layer: nn.Module, x: torch.Tensor) 
 
 
 SETTINGS = {"eager": {}, "graphed": {"cache_implementation": "static"}}
+ARMS = ("BF16", "FP8", "fused", "grouped", "frozen")
 
 
 def decode_section(opts) -> None:
     import transformers
     from transformers import LogitsProcessorList
 
-    from calclip.fp8 import Fp8Config, quantize_model
+    from calclip.fp8 import Fp8Config, frozen_fp8_weights, quantize_model
 
     transformers.logging.set_verbosity_error()
     device = torch.device(opts.device)
@@ -235,7 +239,11 @@ def decode_section(opts) -> None:
                   "fused": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=FUSED_MAX_M)).eval(),
                   # q/k/v and gate/up as one launch each (eager only: compiled calls run each linear)
                   "grouped": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=FUSED_MAX_M,
-                                                                          decode_group_siblings=True)).eval()}
+                                                                          decode_group_siblings=True)).eval(),
+                  # FP8's two launches with generate inside frozen_fp8_weights, as calclip's trainer runs it: the
+                  # compiled decode step without the refresh graph break (graphed only: eager is FP8's path)
+                  "frozen": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=0)).eval()}
+        models = {arm: model for arm, model in models.items() if arm in opts.arms}
         for batch in opts.decode_batches:
             gen = torch.Generator(device="cpu").manual_seed(batch)
             prompt = torch.randint(3, vocab, (batch, opts.prompt), generator=gen).to(device)
@@ -250,7 +258,8 @@ def decode_section(opts) -> None:
                 def arm_of(arm: str, model: nn.Module):
                     def generate_once() -> dict[str, float]:
                         clock = step_clock()
-                        with torch.no_grad(), autocast():
+                        frozen = frozen_fp8_weights(model) if arm == "frozen" else contextlib.nullcontext()
+                        with torch.no_grad(), autocast(), frozen:
                             out = model.generate(input_ids=prompt, attention_mask=mask,
                                                  max_new_tokens=opts.new_tokens, min_new_tokens=opts.new_tokens,
                                                  do_sample=False, pad_token_id=0,
@@ -267,8 +276,9 @@ def decode_section(opts) -> None:
                         return generate_once
                     return build
 
+                # graphed: the grouped model runs as fused does; eager: the frozen one as FP8 does
                 arms = {arm: setup_arm(arm, arm_of(arm, model)) for arm, model in models.items()
-                        if not (extra and arm == "grouped")}  # graphed: the grouped model runs as fused does
+                        if not (extra and arm == "grouped") and not (not extra and arm == "frozen")}
                 interleave(list(arms.values()), opts.repeats)
 
                 def agree(a: str, b: str) -> str:
@@ -279,10 +289,11 @@ def decode_section(opts) -> None:
                     return paired_ratio(arms[a], arms[b], "tok_s") if a in arms and b in arms else "-"
 
                 rows.append([name, str(batch), setting]
-                            + [cell(arms[a], "tok_s", 0) if a in arms else "-" for a in models]
-                            + [cell(arms[a], "ms_step", 2) if a in arms else "-" for a in models]
+                            + [cell(arms[a], "tok_s", 0) if a in arms else "-" for a in ARMS]
+                            + [cell(arms[a], "ms_step", 2) if a in arms else "-" for a in ARMS]
                             + [ratio("fused", "FP8"), ratio("fused", "BF16"), ratio("grouped", "fused"),
-                               ratio("grouped", "BF16"), agree("FP8", "fused"), agree("fused", "grouped")])
+                               ratio("grouped", "BF16"), ratio("frozen", "FP8"), ratio("frozen", "BF16"),
+                               agree("FP8", "fused"), agree("fused", "grouped"), agree("FP8", "frozen")])
                 # Each row as soon as it is measured: a device call cut by its time limit keeps the rows done.
                 print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
                 del arms, last
@@ -291,12 +302,13 @@ def decode_section(opts) -> None:
     print(f"\n### decode: HF generate, {opts.masters} masters{' + bf16 autocast' if fp32_masters else ''}, "
           f"prompt {opts.prompt}, {opts.new_tokens} new tokens, greedy "
           f"(median [min-max] of {opts.repeats} rounds)")
-    table(["model", "batch", "setting", "BF16 tok/s", "FP8 tok/s", "fused tok/s", "grouped tok/s", "BF16 ms/step",
-           "FP8 ms/step", "fused ms/step", "grouped ms/step", "fused/FP8 tok/s", "fused/BF16 tok/s",
-           "grouped/fused tok/s", "grouped/BF16 tok/s", "FP8 = fused tokens", "fused = grouped tokens"], rows)
+    table(["model", "batch", "setting", *[f"{a} tok/s" for a in ARMS], *[f"{a} ms/step" for a in ARMS],
+           "fused/FP8 tok/s", "fused/BF16 tok/s", "grouped/fused tok/s", "grouped/BF16 tok/s", "frozen/FP8 tok/s",
+           "frozen/BF16 tok/s", "FP8 = fused tokens", "fused = grouped tokens", "FP8 = frozen tokens"], rows)
     print("tok/s over the decode steps after the first token; fused = FP8 with decode_fused_max_m="
           f"{FUSED_MAX_M}; grouped = fused with decode_group_siblings (q/k/v and gate/up one launch each; eager "
-          "only); graphed = cache_implementation='static' (transformers compiles the decode step, mode "
+          "only); frozen = FP8 with generate inside frozen_fp8_weights (graphed only); graphed = "
+          "cache_implementation='static' (transformers compiles the decode step, mode "
           "reduce-overhead, on CUDA only). 'FP8 = fused tokens': share of generated tokens equal in the last "
           "round (greedy; the arms differ by fp32 rounding order at most; --tiny: the interpreter's fp32->bf16 cast "
           "truncates, so near-ties flip).", flush=True)
@@ -320,6 +332,7 @@ def parse_args(argv=None):
     parser.add_argument("--masters", choices=("bf16", "fp32"), default="bf16",
                         help="decode: model weights in bf16, or fp32 run under bf16 autocast (calclip's configs)")
     parser.add_argument("--batches", default=None, help="decode batch sizes, e.g. 64,256 (default; 2,4 --tiny)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"decode arms, of {ARMS}")
     opts = parser.parse_args(argv)
     opts.sections = [s.strip() for s in opts.only.split(",") if s.strip()]
     bad = [s for s in opts.sections if s not in SECTIONS]
@@ -335,7 +348,7 @@ def parse_args(argv=None):
     opts.device = "cpu" if opts.tiny else "cuda"
     opts.layer_shapes = TINY_LAYER_SHAPES if opts.tiny else LAYER_SHAPES
     opts.layer_ms = TINY_LAYER_MS if opts.tiny else LAYER_MS
-    for name, allowed in (("models", MODELS), ("settings", SETTINGS)):
+    for name, allowed in (("models", MODELS), ("settings", SETTINGS), ("arms", ARMS)):
         chosen = [v.strip() for v in getattr(opts, name).split(",") if v.strip()]
         if not chosen or any(v not in allowed for v in chosen):
             parser.error(f"--{name}: choose from {tuple(allowed)}, got {getattr(opts, name)!r}")

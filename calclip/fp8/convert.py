@@ -137,6 +137,7 @@ def _track_fp8_layers(model: nn.Module) -> None:
     model.__dict__.pop("_calclip_codes_key", None)  # refresh_fp8_weights' "all fresh" key of the old layers
     for layer in layers:
         layer._set_refreshed_by_root(layer is not model)
+    model._calclip_frozen = False  # frozen_fp8_weights: compiled calls skip the refresh (read by the pre-hook)
     if layers:
         model._calclip_fp8_layers = layers
         model._calclip_fp8_hook = model.register_forward_pre_hook(refresh_before_compiled_call)

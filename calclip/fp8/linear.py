@@ -59,6 +59,7 @@ forward call (including gradient-checkpointing recomputation); ``pop_nonfinite_c
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -609,9 +610,40 @@ def _refresh_layer_before_compiled_call(layer: "FP8BlockLinear", args) -> None:
 def refresh_before_compiled_call(model: nn.Module, args) -> None:
     """Forward pre-hook that quantize_model registers on the converted root module: under torch.compile it
     refreshes every layer's codes eagerly (one graph break, before the model's graph); eager calls skip it,
-    since each layer checks its own weight."""
-    if torch.compiler.is_compiling():
+    since each layer checks its own weight. Inside ``frozen_fp8_weights(model)`` compiled calls skip it too
+    (no graph break): the codes were refreshed on entry."""
+    if torch.compiler.is_compiling() and not model._calclip_frozen:
         _refresh_outside_graph(model)
+
+
+@contextlib.contextmanager
+def frozen_fp8_weights(model: nn.Module):
+    """A block in which the weights of ``model``'s FP8 layers do not change: a generation call.
+
+    On entry every layer's codes are brought up to date once; inside, compiled calls of ``model`` skip the root
+    pre-hook's refresh, so the compiled graph has no graph break in front of it (``generate`` with a static cache
+    otherwise leaves its CUDA-graphed decode step once per token to run that check eagerly). Eager calls keep their
+    own per-layer check. On a normal exit the weights are checked once: if one changed inside (an optimizer step,
+    ``load_state_dict``), it raises, since compiled calls inside may have used the codes of entry.
+
+    Does nothing for a model without FP8 layers, inside another ``frozen_fp8_weights`` of the same model, and when
+    a layer does not cache its codes (``cache_weights=False``, sharded parameters: those re-quantize on every call).
+    The trainer wraps each transformers ``generate`` call in it."""
+    layers = model.__dict__.get("_calclip_fp8_layers")
+    key = _all_codes_key(layers, False) if layers and not model._calclip_frozen else None
+    if key is None:
+        yield model
+        return
+    refresh_fp8_weights(model, for_backward=False)
+    key = _all_codes_key(layers, False)
+    model._calclip_frozen = True
+    try:
+        yield model
+    finally:
+        model._calclip_frozen = False
+    if _all_codes_key(layers, False) != key:
+        raise RuntimeError("a weight of an FP8 layer changed inside frozen_fp8_weights(model): compiled calls inside "
+                           "may have run on the codes of entry; change weights outside the block")
 
 
 def pop_nonfinite_count(model: nn.Module, types: tuple[type[nn.Module], ...] = (FP8BlockLinear,)) -> Tensor:

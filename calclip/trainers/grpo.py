@@ -18,6 +18,7 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   min-p and repetition penalty) and keep the sampled tokens' log-probs. Nothing is recomputed, so these are the
   rollout engine's log-probs in the same sense as vLLM's ``processed_logprobs``, and TRL carries them on as
   ``sampling_per_token_logps``. Cost: the scores of one generation (B x T x V floats) are held until it ends.
+  The call runs inside ``frozen_fp8_weights`` (FP8 codes refreshed once; no refresh graph break in compiled decode).
 - ``_generate_and_score_completions``: after ``super()``, when a shadow calibration may fall in the optimizer steps
   this generation batch feeds, the BF16 shadow old log-probs are computed with the same (not yet updated) weights
   TRL just used for ``old_per_token_logps``; also logs the garbled-output signal.
@@ -75,7 +76,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
 from calclip.calibration import ClipCalibrator, torch_distributed_all_gather
-from calclip.fp8 import Fp8Config, bf16_shadow, pop_nonfinite_count, quantize_model
+from calclip.fp8 import Fp8Config, bf16_shadow, frozen_fp8_weights, pop_nonfinite_count, quantize_model
 from calclip.losses import (
     aggregate,
     clipped_surrogate,
@@ -445,7 +446,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         # accelerate's FSDP: there a rank whose sequences all ended would stop calling forward while the others wait
         # in FSDP's all-gather of the next decode step.
         recorder = _SampledLogprobRecorder(synced_gpus=self.is_fsdp_enabled and self.accelerator.num_processes > 1)
-        with recorder.attached(self.accelerator.unwrap_model(self.model)):
+        policy = self.accelerator.unwrap_model(self.model)
+        # No weight changes during generate: the FP8 codes are refreshed once, and a compiled decode step
+        # (compile_generation) runs without the refresh check's graph break in front of it.
+        with recorder.attached(policy), frozen_fp8_weights(policy):
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )

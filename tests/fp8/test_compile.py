@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from calclip.fp8 import FP8BlockLinear, Fp8Config, pop_nonfinite_count, quantize_model, refresh_fp8_weights
+from calclip.fp8 import (FP8BlockLinear, Fp8Config, frozen_fp8_weights, pop_nonfinite_count, quantize_model,
+                         refresh_fp8_weights)
 
 
 def _model(seed=0):
@@ -232,3 +233,61 @@ def test_refresh_without_the_weight_cache_always_refreshes(monkeypatch):
         refresh_fp8_weights(model)
         refresh_fp8_weights(model)
     assert len(calls) == 6
+
+
+def _graph_breaks(model, *args) -> list[str]:
+    """The graph-break reasons of one fresh torch.compile of ``model`` (its __call__, hooks included) on ``args``."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(model, backend="aot_eager")(*args)
+    return list(counters["graph_break"])
+
+
+def test_frozen_weights_compile_without_the_refresh_graph_break():
+    """Inside frozen_fp8_weights the root pre-hook's refresh (a graph break in front of every compiled call) is
+    skipped; the codes were refreshed on entry, so the compiled call equals eager; outside, the break is back."""
+    eager, model = _pair()
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        breaks = _graph_breaks(model, x)
+        assert len(breaks) == 1 and "_refresh_outside_graph" in breaks[0]  # the refresh, run eagerly first
+        with frozen_fp8_weights(model) as same:
+            assert same is model and model._calclip_frozen
+            assert _graph_breaks(model, x) == []
+            y = torch.compile(model, backend="aot_eager")(x)
+        assert not model._calclip_frozen
+        assert torch.equal(y, eager(x))
+        assert len(_graph_breaks(model, x)) == 1
+
+
+def test_frozen_weights_refresh_on_entry_and_refuse_a_weight_changed_inside():
+    eager, model = _pair()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        compiled(x)  # codes made (and the graph compiled) for the first weights
+        for m in (eager, model):
+            m[0].weight.mul_(0.5)  # changed outside: entry refreshes the codes the frozen graph reads
+        with frozen_fp8_weights(model):
+            assert torch.equal(compiled(x), eager(x))
+        with pytest.raises(RuntimeError, match="changed inside frozen_fp8_weights"):
+            with frozen_fp8_weights(model):
+                model[2].weight.add_(1.0)
+        assert not model._calclip_frozen  # left even when it raised
+
+
+def test_frozen_weights_is_a_no_op_where_it_cannot_freeze():
+    plain = _model()
+    with frozen_fp8_weights(plain) as same:  # no FP8 layers
+        assert same is plain and "_calclip_frozen" not in plain.__dict__
+    uncached = quantize_model(_model(), Fp8Config(keep_patterns=(), cache_weights=False))
+    with frozen_fp8_weights(uncached):  # re-quantizes on every call anyway
+        assert not uncached._calclip_frozen
+    _, model = _pair()
+    with frozen_fp8_weights(model):
+        with frozen_fp8_weights(model):  # nested: the outer block decides
+            pass
+        assert model._calclip_frozen
+    assert not model._calclip_frozen
