@@ -7,6 +7,7 @@ HF ``generate`` under torch.profiler and sums CUDA kernel time by kernel name, p
     python benchmarks/probes/profile_decode.py                      # H200: 8L, batch 64, eager and graphed
     python benchmarks/probes/profile_decode.py --settings eager --batch 256 --top 25
     python benchmarks/probes/profile_decode.py --tiny               # CPU check that it runs (no kernels)
+    python benchmarks/probes/profile_decode.py --settings graphed --arms "BF16,FP8 two launches" --host-top 25
 
 Arms: BF16; FP8 with two launches per linear (``decode_fused_max_m=0``, what graphed decode runs); FP8 fused (one
 launch, the eager default). Settings: ``eager`` (dynamic cache) and ``graphed`` (``cache_implementation="static"``:
@@ -33,15 +34,19 @@ from bench_speed import build_llama, free_memory, sharing_copy  # noqa: E402
 SETTINGS = {"eager": {}, "graphed": {"cache_implementation": "static"}}
 
 
-def _kernel_times(prof) -> tuple[dict[str, float], int]:
-    """(kernel name -> summed device us, number of kernel events) from a finished profiler."""
+def _kernel_times(prof) -> tuple[dict[str, float], int, dict[str, float]]:
+    """(kernel name -> summed device us, number of kernel events, host op name -> summed self CPU us) from a
+    finished profiler."""
     times: dict[str, float] = collections.defaultdict(float)
+    host: dict[str, float] = collections.defaultdict(float)
     count = 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             times[event.name] += event.device_time
             count += 1
-    return times, count
+        else:
+            host[event.name] += event.self_cpu_time_total
+    return times, count, host
 
 
 def profile_arm(model, prompt, new_tokens: int, extra: dict, device: torch.device):
@@ -68,11 +73,12 @@ def profile_arm(model, prompt, new_tokens: int, extra: dict, device: torch.devic
                 torch.cuda.synchronize()
             wall = time.perf_counter() - start
         spans[tokens] = (wall, *_kernel_times(prof))
-    (wall_1, k_1, n_1), (wall_n, k_n, n_n) = spans[1], spans[new_tokens]
+    (wall_1, k_1, n_1, h_1), (wall_n, k_n, n_n, h_n) = spans[1], spans[new_tokens]
     steps = new_tokens - 1
     per_step = {name: (k_n.get(name, 0.0) - k_1.get(name, 0.0)) / steps for name in k_n}
+    host_per_step = {name: (h_n.get(name, 0.0) - h_1.get(name, 0.0)) / steps for name in h_n}
     return {"wall_ms": (wall_n - wall_1) / steps * 1e3, "kernel_ms": sum(per_step.values()) / 1e3,
-            "kernels_per_step": (n_n - n_1) / steps, "per_kernel_us": per_step}
+            "kernels_per_step": (n_n - n_1) / steps, "per_kernel_us": per_step, "per_host_op_us": host_per_step}
 
 
 def main(argv=None) -> int:
@@ -84,6 +90,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=17, help="the decode steps profiled are this minus 1")
     parser.add_argument("--settings", default="eager,graphed")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--host-top", type=int, default=0, help="also list this many host ops by self CPU time")
+    parser.add_argument("--arms", default="BF16,FP8 two launches,FP8 fused", help="comma-separated arm names")
     parser.add_argument("--tiny", action="store_true", help="CPU check: a 1-layer h192 model, eager only")
     opts = parser.parse_args(argv)
     from calclip.fp8 import Fp8Config, quantize_model
@@ -98,6 +106,7 @@ def main(argv=None) -> int:
     arms = {"BF16": base,
             "FP8 two launches": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=0)).eval(),
             "FP8 fused": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=256)).eval()}
+    arms = {name: model for name, model in arms.items() if name in opts.arms.split(",")}
     prompt = torch.randint(3, 500, (opts.batch, 32), generator=torch.Generator().manual_seed(0)).to(device)
     print(f"profile_decode: {opts.layers}L h{opts.hidden} i{opts.intermediate}, batch {opts.batch}, "
           f"{opts.new_tokens - 1} decode steps profiled, torch {torch.__version__}, "
@@ -118,6 +127,14 @@ def main(argv=None) -> int:
             top = sorted(result["per_kernel_us"].items(), key=lambda kv: -kv[1])[:opts.top]
             for kernel, us in top:
                 print(f"| {us:.1f} | `{kernel[:110]}` |")
+            if opts.host_top:
+                # where the host's time per step goes (self CPU time of profiled ops and Python-level record
+                # functions: dynamo's guards and CUDA-graph replays show up here as named ranges)
+                host = sorted(result["per_host_op_us"].items(), key=lambda kv: -kv[1])[:opts.host_top]
+                print(f"\nhost, self CPU us/step (profiled ops; {sum(result['per_host_op_us'].values()):.0f} in all)")
+                print("| us/step | host op |\n|---|---|")
+                for op, us in host:
+                    print(f"| {us:.1f} | `{op[:110]}` |")
             sys.stdout.flush()
         free_memory()
     return 0
