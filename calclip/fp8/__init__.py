@@ -14,7 +14,7 @@ from calclip.fp8.shadow import bf16_shadow, in_bf16_shadow
 __all__ = [
     "BLOCK", "FP8_E4M3_MAX", "Fp8Config", "Fp8Recipe", "FP8BlockLinear", "fp8_recipe_names", "get_fp8_recipe",
     "is_fp8_linear", "bf16_shadow", "decoder_layer_index",
-    "dequantize_1x128", "dequantize_128x1", "dequantize_128x128", "dequantize_model", "fp8_block_gemm", "frozen_fp8_weights",
-    "in_bf16_shadow", "invalidate_fp8_weight_caches", "pop_nonfinite_count", "quantize_1x128", "quantize_128x1",
-    "quantize_128x128", "quantize_model", "refresh_fp8_weights",
+    "dequantize_1x128", "dequantize_128x1", "dequantize_128x128", "dequantize_model", "fp8_block_gemm",
+    "frozen_fp8_weights", "in_bf16_shadow", "invalidate_fp8_weight_caches", "pop_nonfinite_count", "quantize_1x128",
+    "quantize_128x1", "quantize_128x128", "quantize_model", "refresh_fp8_weights",
 ]
