@@ -68,7 +68,10 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="aot_eager")
     parser.add_argument("--checks", type=int, default=3000)
+    parser.add_argument("--recursive-dict-tags", action="store_true",
+                        help="torch._dynamo.config.use_recursive_dict_tags_for_guards = True (off by default in torch)")
     opts = parser.parse_args(argv)
+    torch._dynamo.config.use_recursive_dict_tags_for_guards = opts.recursive_dict_tags
     from calclip.fp8 import Fp8Config, quantize_model
 
     device = torch.device(opts.device)
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
                for name, model in (("BF16", base), ("FP8", fp8))}
     linears = sum(1 for m in fp8.modules() if type(m).__name__ == "FP8BlockLinear")
     print(f"probe_compile_guards: {opts.layers}L h{opts.hidden}, {linears} FP8 linears, device {device}, backend "
-          f"{opts.backend}, torch {torch.__version__}\n")
+          f"{opts.backend}, torch {torch.__version__}, recursive dict tags {opts.recursive_dict_tags}\n")
     print("| arm | us per guard check | guards | TENSOR_MATCH | NO_TENSOR_ALIASING | DIMENSION_DYNAMIC_MARKING_GUARD |")
     print("|---|---|---|---|---|---|")
     for name, (kinds, us) in results.items():
