@@ -314,3 +314,29 @@ def test_fp8_decode_group_siblings_groups_the_policys_q_k_v_and_gate_up(tokenize
               if m._fp8_group is not None}
     layers = model.config.num_hidden_layers
     assert sorted(len(g.members) for g in groups.values()) == [2] * layers + [3] * layers
+
+
+def test_torch_compile_trains_the_fp8_policy_as_eager_does(tokenizer, tmp_path):
+    """TRL's ``torch_compile`` switch on an FP8 policy (backend aot_eager on CPU: calclip's custom ops and their
+    fake implementations, as Inductor sees them on the GPU): the model really runs compiled, and every loss and
+    calibrated bound equals the eager run's, bit for bit."""
+    from torch._dynamo.utils import counters
+
+    def run(name, **compile_args):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = make_trainer(tokenizer, tmp_path / name, clip_mode="calibrated", fp8=True, seed=0,
+                                   **compile_args)
+            trainer.train()
+        return trainer, [(e["loss"], e["calib/low"], e["calib/high"]) for e in trainer.state.log_history if "loss" in e]
+
+    _, eager = run("eager")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, logs = run("compiled", torch_compile=True, torch_compile_backend="aot_eager")
+    torch._dynamo.reset()
+    assert type(compiled.model_wrapped).__name__ == "OptimizedModule"
+    assert counters["stats"]["unique_graphs"] >= 1  # the policy's forward ran as a compiled graph
+    assert len(logs) == compiled.args.max_steps == 2
+    assert logs == eager
