@@ -634,8 +634,7 @@ def frozen_fp8_weights(model: nn.Module):
     if key is None:
         yield model
         return
-    refresh_fp8_weights(model, for_backward=False)
-    key = _all_codes_key(layers, False)
+    refresh_fp8_weights(model, for_backward=False)  # re-quantizes codes, not weights: ``key`` still holds
     model._calclip_frozen = True
     try:
         yield model
