@@ -218,9 +218,9 @@ class CalibratedGRPOConfig(GRPOConfig):
         metadata={"help": "An optimizer step whose gradient norm is NaN/inf is skipped (weights and optimizer state "
                   "unchanged; logged as grad/nonfinite_skipped, the share of optimizer steps skipped) and after this "
                   "many in a row training stops with an error naming them. 0: off, every step is applied as in TRL "
-                  "(one NaN step makes the weights NaN). Costs one gradient norm and one host sync per step. "
-                  "Tested on one process and with FSDP2 gradients (two ranks); not under DeepSpeed, whose engine "
-                  "wraps the optimizer."},
+                  "(one NaN step makes the weights NaN). Costs one host sync per step (it reuses transformers' "
+                  "gradient norm). Tested on one process and with FSDP2 gradients (two ranks); not under "
+                  "DeepSpeed, whose engine wraps the optimizer."},
     )
     mismatch_dump_threshold: float | None = field(
         default=5.0,

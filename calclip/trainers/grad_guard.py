@@ -6,12 +6,16 @@ garbage. TRL and transformers apply the step. ``NonfiniteGradGuard`` is an optim
 gradient norm is NaN/inf it drops every gradient (``p.grad = None``), so the step leaves the weights and the
 optimizer state as they were, and after ``max_consecutive`` such steps in a row it raises, naming the steps.
 
-Cost: one norm over the gradients and one host sync per optimizer step. Every rank reaches the same decision: DDP
-gradients are identical after their all-reduce, and a sharded (DTensor) norm is reduced over the mesh first.
+Cost: one host sync per optimizer step, and one norm over the gradients unless ``known_norm`` gives the one the
+caller already computed for this step (the trainer passes transformers' pre-clip norm: finite, it decides alone, since
+clipping by a finite norm keeps the gradients finite; non-finite, the guard recomputes it for its message). Every rank
+reaches the same decision: DDP gradients are identical after their all-reduce, and a sharded (DTensor) norm is reduced
+over the mesh first.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -25,23 +29,29 @@ class NonfiniteGradGuard:
     """``optimizer.register_step_pre_hook(NonfiniteGradGuard(3))``.
 
     ``step_of``: the optimizer step's number for messages (the trainer's global step + 1); ``on_step(skipped)``:
-    called once per optimizer step with whether it was skipped (the trainer logs it).
+    called once per optimizer step with whether it was skipped (the trainer logs it); ``known_norm()``: the total
+    gradient norm already computed for this step's gradients (a tensor or float), or None.
     """
 
     def __init__(self, max_consecutive: int, *, step_of: Callable[[], int] | None = None,
-                 on_step: Callable[[bool], None] | None = None, hint: str = "") -> None:
+                 on_step: Callable[[bool], None] | None = None, hint: str = "",
+                 known_norm: Callable[[], torch.Tensor | float | None] | None = None) -> None:
         if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) or max_consecutive < 1:
             raise ValueError(f"max_consecutive must be an int >= 1, got {max_consecutive!r}")
         self.max_consecutive = max_consecutive
         self.step_of = step_of
         self.on_step = on_step
         self.hint = hint
+        self.known_norm = known_norm
         self.skipped_in_a_row: list[tuple[int | None, float]] = []  # (step, total norm) of the current streak
         self.skipped_total = 0
 
     def __call__(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = _total_norm(grads)
+        known = self.known_norm() if self.known_norm is not None else None
+        norm = None
+        if known is None or not math.isfinite(float(_replicated(known))):
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            norm = _total_norm(grads)
         if norm is None or torch.isfinite(norm).item():
             self.skipped_in_a_row = []
             if self.on_step is not None:
@@ -67,6 +77,10 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
     """The 2-norm over all gradients (NaN/inf when any element is), or None without gradients."""
     if not grads:
         return None
-    norm = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
-    full = getattr(norm, "full_tensor", None)  # DTensor (FSDP2 shards): the mesh-wide norm, the same on every rank
+    return _replicated(torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False))
+
+
+def _replicated(norm):
+    """``norm`` as the same value on every rank: a DTensor's (FSDP2 shards) mesh-wide full tensor, else itself."""
+    full = getattr(norm, "full_tensor", None)
     return full() if callable(full) else norm

@@ -34,7 +34,8 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   checkpoint (``calclip_state.pt``, written with the optimizer state, so before the hub push and checkpoint
   rotation), restored on ``resume_from_checkpoint`` (read with ``weights_only=True``: calclip.trainers.checkpoint).
 - ``create_optimizer``: after ``super()``, an optimizer step pre-hook skips steps whose gradients are NaN/inf and stops
-  the run after ``max_nonfinite_grad_skips`` in a row (``calclip.trainers.grad_guard``).
+  the run after ``max_nonfinite_grad_skips`` in a row (``calclip.trainers.grad_guard``); ``_get_grad_norm`` (after
+  ``super()``) hands it transformers' norm of the step, so finite steps cost the guard no second norm.
 - ``train``: ``resume_from_checkpoint=True`` resolves to the latest complete checkpoint (incomplete ones, left by a
   kill during a save, are skipped with a warning), then ``super().train()``.
 
@@ -258,10 +259,23 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             hint = (" FP8 is on: fp8/nonfinite_tokens counts the tokens whose FP8 linear output was non-finite; "
                     "compare with fp8=False to see whether the FP8 path causes it.") if self.args.fp8 else ""
             guard = NonfiniteGradGuard(self.args.max_nonfinite_grad_skips, step_of=lambda: self.state.global_step + 1,
-                                       on_step=self._log_grad_guard, hint=hint)
+                                       on_step=self._log_grad_guard, hint=hint, known_norm=self._step_grad_norm)
             optimizer.register_step_pre_hook(guard)
             optimizer._calclip_guard = guard  # once per optimizer, however often it is handed back
         return optimizer
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """transformers' norm of this step's gradients (pre-clip), kept for the guard, which then needs no norm of
+        its own: transformers computes it right before ``optimizer.step()`` whether or not it clips. (A transformers
+        without this method never calls it; the guard then computes the norm itself.)"""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._grad_norm_of_step = (self.state.global_step, grad_norm)
+        return grad_norm
+
+    def _step_grad_norm(self):
+        """The norm ``_get_grad_norm`` kept for the optimizer step now running, or None (another step's, or none)."""
+        step, grad_norm = self.__dict__.pop("_grad_norm_of_step", (None, None))
+        return grad_norm if step == self.state.global_step else None
 
     def _log_grad_guard(self, skipped: bool) -> None:
         self._metrics["train"]["grad/nonfinite_skipped"].append(float(skipped))

@@ -229,3 +229,43 @@ def test_sharded_ranks_skip_the_same_step(tmp_path):
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result == {"skipped": [False, True, False], "total": 1}, (rank, result)
+
+
+def test_trainer_guard_reuses_transformers_norm_on_finite_steps(tmp_path, monkeypatch):
+    """transformers computes the gradient norm right before each optimizer step; the trainer's guard decides finite
+    steps from it, and computes a norm of its own only for the non-finite one (whose message reports it)."""
+    from calclip.trainers import grad_guard
+
+    calls = []
+    real = grad_guard._total_norm
+    monkeypatch.setattr(grad_guard, "_total_norm", lambda grads: calls.append(1) or real(grads))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _trainer(tmp_path, fp8=False, max_steps=3, logging_steps=1)
+        _poison_step(trainer, {2})
+        trainer.train()
+    skipped = [e["grad/nonfinite_skipped"] for e in trainer.state.log_history if "grad/nonfinite_skipped" in e]
+    assert skipped == [0.0, 1.0, 0.0]
+    assert len(calls) == 1  # step 2 only
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_a_known_finite_norm_decides_without_a_second_one(monkeypatch):
+    """A known finite norm applies the step without computing one; a known non-finite one is recomputed (for the
+    message) and the step is skipped."""
+    from calclip.trainers import grad_guard
+
+    calls = []
+    real = grad_guard._total_norm
+    monkeypatch.setattr(grad_guard, "_total_norm", lambda grads: calls.append(1) or real(grads))
+    known = [torch.tensor(1.0), NAN]
+    guard = NonfiniteGradGuard(3, known_norm=lambda: known.pop(0))
+    model, opt = _model_and_optimizer(guard)
+    _backward(model)
+    before = _snapshot(model, opt)
+    opt.step()
+    assert not _same(before, _snapshot(model, opt)) and calls == []
+    _backward(model, poison=NAN)
+    before = _snapshot(model, opt)
+    opt.step()
+    assert _same(before, _snapshot(model, opt)) and calls == [1] and guard.skipped_total == 1
