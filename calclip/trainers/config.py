@@ -181,6 +181,13 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "Needs a static cache: sets cache_implementation='static' when none is given. On CUDA the master "
                   "weights must be in the autocast dtype (model_dtype bfloat16 with bf16)."},
     )
+    keep_generation_cache: bool = field(
+        default=True,
+        metadata={"help": "With compile_generation: pass one static KV cache, reset in place, to every rollout instead "
+                  "of letting transformers build a new one per call, whose moved addresses make the CUDA graphs "
+                  "re-record every decode step (calclip.trainers.generation_cache). The cache stays allocated "
+                  "between rollouts."},
+    )
 
     # ---- data ----
     check_dataset: bool = field(
@@ -305,8 +312,9 @@ class CalibratedGRPOConfig(GRPOConfig):
         if self.fp8:
             self._validate_fp8_recipe()
         _one_of("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
-        if not isinstance(self.compile_generation, bool):
-            raise ValueError(f"compile_generation must be true or false, got {self.compile_generation!r}")
+        for name in ("compile_generation", "keep_generation_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.mismatch_dump_threshold is not None and (
             not _is_number(self.mismatch_dump_threshold) or not self.mismatch_dump_threshold > 0
         ):

@@ -18,7 +18,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   min-p and repetition penalty) and keep the sampled tokens' log-probs. Nothing is recomputed, so these are the
   rollout engine's log-probs in the same sense as vLLM's ``processed_logprobs``, and TRL carries them on as
   ``sampling_per_token_logps``. Cost: the scores of one generation (B x T x V floats) are held until it ends.
-  The call runs inside ``frozen_fp8_weights`` (FP8 codes refreshed once; no refresh graph break in compiled decode).
+  The call runs inside ``frozen_fp8_weights`` (FP8 codes refreshed once; no refresh graph break in compiled decode),
+  and with ``compile_generation`` gets one static KV cache kept across rollouts (``keep_generation_cache``,
+  ``calclip.trainers.generation_cache``: a new cache per call re-records the CUDA graphs of every decode step).
 - ``_generate_and_score_completions``: after ``super()``, when a shadow calibration may fall in the optimizer steps
   this generation batch feeds, the BF16 shadow old log-probs are computed with the same (not yet updated) weights
   TRL just used for ``old_per_token_logps``; also logs the garbled-output signal.
@@ -99,6 +101,7 @@ from calclip.trainers.checkpoint import (
 )
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
+from calclip.trainers.generation_cache import KeptStaticCache
 from calclip.trainers.grad_guard import NonfiniteGradGuard
 from calclip.trainers.mismatch_outliers import MismatchOutlierLog, logp_gaps, outlier_path
 from calclip.trainers.rewards import exclude_nonfinite_rewards
@@ -222,6 +225,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             self._check_datasets()
         if args.fp8:
             self._quantize_policy()
+        self._generation_cache: KeptStaticCache | None = None
         if args.compile_generation:
             self._allow_compiled_generation()
         if fp8_vllm:
@@ -391,6 +395,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         if config.cache_implementation is None:
             config.cache_implementation = "static"
             self.generation_kwargs["cache_implementation"] = "static"
+        if self.args.keep_generation_cache:
+            self._generation_cache = KeptStaticCache()  # addresses the CUDA graphs replay with (generation_cache.py)
 
     def _start_fp8_vllm(self) -> None:
         """Refuse FP8 layers vLLM's block-FP8 linear cannot serve, then start the deferred colocated engine.
@@ -463,7 +469,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         policy = self.accelerator.unwrap_model(self.model)
         # No weight changes during generate: the FP8 codes are refreshed once, and a compiled decode step
         # (compile_generation) runs without the refresh check's graph break in front of it.
-        with recorder.attached(policy), frozen_fp8_weights(policy):
+        kept = self._generation_cache.attached(policy) if self._generation_cache else contextlib.nullcontext()
+        with kept, recorder.attached(policy), frozen_fp8_weights(policy):
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -860,7 +867,11 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                     f"resume_from_checkpoint=True: no complete checkpoint-N folder in output_dir "
                     f"{self.args.output_dir!r}"
                 )
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if self._generation_cache is not None:
+                self._generation_cache.release()  # the KV cache kept across rollouts is not needed after training
 
     def calclip_state_dict(self) -> dict:
         return {"calibrator": self.calibrator.state_dict(), "spike_detector": self.spike_detector.state_dict()}
