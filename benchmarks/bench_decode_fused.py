@@ -22,7 +22,9 @@ Sections (``--only``):
   the share of generated tokens where the two FP8 arms agree (greedy; they differ only by fp32 rounding order).
   Settings (``--settings``): ``eager`` (dynamic cache) and ``graphed`` (``cache_implementation="static"``:
   transformers compiles the decode step with CUDA graphs; the fused arm's linears are then the triton op
-  ``calclip::fp8_linear_decode``). ``--models`` picks the models (``8L``, ``smollm``). More arms (``--arms``):
+  ``calclip::fp8_linear_decode``), and ``graphed_reuse`` (graphed with one StaticCache passed to every call: a
+  fresh cache per call moves its addresses, and the CUDA-graph trees re-record every decode step; see
+  ``calclip.trainers.generation_cache``). ``--models`` picks the models (``8L``, ``smollm``). More arms (``--arms``):
   ``grouped`` (fused with ``decode_group_siblings``, eager only) and ``frozen`` (FP8's two launches with ``generate``
   inside ``frozen_fp8_weights``, as calclip's trainer calls it: no refresh graph break in front of the compiled
   decode step; graphed only).
@@ -208,7 +210,11 @@ def _same_output(fp8_layer: nn.Module, fused_layer: nn.Module, x: torch.Tensor) 
 # decode (HF generate)
 
 
-SETTINGS = {"eager": {}, "graphed": {"cache_implementation": "static"}}
+# graphed_reuse: graphed with one StaticCache passed to every generate call (calclip.trainers.generation_cache, what
+# the trainer's compile_generation does), so the CUDA graphs recorded in the warm-up replay instead of re-recording
+# every decode step of every call
+SETTINGS = {"eager": {}, "graphed": {"cache_implementation": "static"},
+            "graphed_reuse": {"cache_implementation": "static"}}
 ARMS = ("BF16", "FP8", "fused", "grouped", "frozen")
 
 
@@ -217,6 +223,7 @@ def decode_section(opts) -> None:
     from transformers import LogitsProcessorList
 
     from calclip.fp8 import Fp8Config, frozen_fp8_weights, quantize_model
+    from calclip.trainers.generation_cache import KeptStaticCache
 
     transformers.logging.set_verbosity_error()
     device = torch.device(opts.device)
@@ -256,10 +263,13 @@ def decode_section(opts) -> None:
                 last: dict[str, torch.Tensor] = {}
 
                 def arm_of(arm: str, model: nn.Module):
+                    reuse = KeptStaticCache() if setting == "graphed_reuse" else None
+
                     def generate_once() -> dict[str, float]:
                         clock = step_clock()
                         frozen = frozen_fp8_weights(model) if arm == "frozen" else contextlib.nullcontext()
-                        with torch.no_grad(), autocast(), frozen:
+                        kept = reuse.attached(model) if reuse else contextlib.nullcontext()
+                        with torch.no_grad(), autocast(), frozen, kept:
                             out = model.generate(input_ids=prompt, attention_mask=mask,
                                                  max_new_tokens=opts.new_tokens, min_new_tokens=opts.new_tokens,
                                                  do_sample=False, pad_token_id=0,
@@ -309,7 +319,8 @@ def decode_section(opts) -> None:
           f"{FUSED_MAX_M}; grouped = fused with decode_group_siblings (q/k/v and gate/up one launch each; eager "
           "only); frozen = FP8 with generate inside frozen_fp8_weights (graphed only); graphed = "
           "cache_implementation='static' (transformers compiles the decode step, mode "
-          "reduce-overhead, on CUDA only). 'FP8 = fused tokens': share of generated tokens equal in the last "
+          "reduce-overhead, on CUDA only; a new cache per call); graphed_reuse = graphed with one StaticCache kept "
+          "across calls. 'FP8 = fused tokens': share of generated tokens equal in the last "
           "round (greedy; the arms differ by fp32 rounding order at most; --tiny: the interpreter's fp32->bf16 cast "
           "truncates, so near-ties flip).", flush=True)
 

@@ -664,6 +664,8 @@ def trainer_runs(bts) -> dict[str, dict]:
         base = bts.RUNS[f"{precision}_static"]
         runs[f"{precision}_compile"] = {**base, "torch_compile": True}
         runs[f"{precision}_graphed_gen"] = {**base, "compile_generation": True}
+        # transformers' own new static cache per rollout (its moved addresses re-record the CUDA graphs)
+        runs[f"{precision}_graphed_gen_fresh"] = {**base, "compile_generation": True, "keep_generation_cache": False}
         runs[f"{precision}_compile_all"] = {**base, "torch_compile": True, "compile_generation": True}
     return runs
 
@@ -831,7 +833,7 @@ def parse_args(argv=None):
     parser.add_argument("--trainer-runs", default="bf16_static,fp8_static",
                         help="runs compared (first = baseline): bench_trainer_step's bf16_static, fp8_static, "
                         "fp8_calibrated, and bf16_/fp8_ + compile (torch_compile=True), graphed_gen (compile_generation=True), "
-                        "compile_all (both)")
+                        "graphed_gen_fresh (the same with keep_generation_cache=False), compile_all (both)")
     parser.add_argument("--smollm-dtype", default="float32", help="--model_dtype of the smollm runs")
     parser.add_argument("--smollm-graphed", action="store_true",
                         help="also time both smollm runs with --compile_generation true (CUDA-graphed decode)")

@@ -8,6 +8,8 @@ HF ``generate`` under torch.profiler and sums CUDA kernel time by kernel name, p
     python benchmarks/probes/profile_decode.py --settings eager --batch 256 --top 25
     python benchmarks/probes/profile_decode.py --tiny               # CPU check that it runs (no kernels)
     python benchmarks/probes/profile_decode.py --settings graphed --arms "BF16,FP8 two launches" --host-top 25
+    python benchmarks/probes/profile_decode.py --settings graphed --arms "BF16,FP8 two launches" --py-top 30
+    python benchmarks/probes/profile_decode.py --settings graphed --reuse-cache --counters   # no re-recording
 
 Arms: BF16; FP8 with two launches per linear (``decode_fused_max_m=0``, what graphed decode runs); FP8 fused (one
 launch, the eager default). Settings: ``eager`` (dynamic cache) and ``graphed`` (``cache_implementation="static"``:
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -46,16 +50,51 @@ def _kernel_times(prof) -> tuple[dict[str, float], int, dict[str, float]]:
             count += 1
         else:
             host[event.name] += event.self_cpu_time_total
+            host["calls\0" + event.name] += 1
     return times, count, host
 
 
-def profile_arm(model, prompt, new_tokens: int, extra: dict, device: torch.device):
+def _python_times(generate, tokens: int) -> dict[str, float]:
+    """function -> own (tottime) us spent in one ``generate(tokens)`` under cProfile: the Python-level host work
+    (HF's loop, dynamo's frame evaluation, the CUDA-graph trees' replay), which torch.profiler does not name."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    generate(tokens)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    return {f"{Path(file).name}:{line}({func})": tottime * 1e6 for (file, line, func), (_, _, tottime, _, _)
+            in stats.items()}
+
+
+class _StopAfter:
+    """Stops generate after ``tokens`` new tokens while max_new_tokens stays the same, so a short reference call
+    builds a static cache of the same length as the long one (no new graphs for it)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+def profile_arm(model, prompt, new_tokens: int, extra: dict, device: torch.device, python: bool = False,
+                reuse: bool = False):
+    import contextlib
+
+    from transformers import StoppingCriteriaList
+
+    from calclip.trainers.generation_cache import KeptStaticCache
+
     mask = torch.ones_like(prompt)
+    kept = KeptStaticCache() if reuse and extra else None
 
     def generate(tokens: int):
-        with torch.no_grad():
-            return model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                                  do_sample=False, pad_token_id=0, **extra)
+        stop = StoppingCriteriaList([_StopAfter(prompt.shape[1] + tokens)])
+        with torch.no_grad(), (kept.attached(model) if kept else contextlib.nullcontext()):
+            return model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, stopping_criteria=stop,
+                                  **extra)
 
     generate(new_tokens)  # warm-up: codes, autotuning, compilation and CUDA graphs
     generate(new_tokens)
@@ -77,8 +116,13 @@ def profile_arm(model, prompt, new_tokens: int, extra: dict, device: torch.devic
     steps = new_tokens - 1
     per_step = {name: (k_n.get(name, 0.0) - k_1.get(name, 0.0)) / steps for name in k_n}
     host_per_step = {name: (h_n.get(name, 0.0) - h_1.get(name, 0.0)) / steps for name in h_n}
+    python_per_step = {}
+    if python:
+        p_1, p_n = _python_times(generate, 1), _python_times(generate, new_tokens)
+        python_per_step = {name: (p_n[name] - p_1.get(name, 0.0)) / steps for name in p_n}
     return {"wall_ms": (wall_n - wall_1) / steps * 1e3, "kernel_ms": sum(per_step.values()) / 1e3,
-            "kernels_per_step": (n_n - n_1) / steps, "per_kernel_us": per_step, "per_host_op_us": host_per_step}
+            "kernels_per_step": (n_n - n_1) / steps, "per_kernel_us": per_step, "per_host_op_us": host_per_step,
+            "per_python_us": python_per_step}
 
 
 def main(argv=None) -> int:
@@ -91,6 +135,13 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", default="eager,graphed")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--host-top", type=int, default=0, help="also list this many host ops by self CPU time")
+    parser.add_argument("--py-top", type=int, default=0,
+                        help="also list this many Python functions by own time per step (cProfile, one more generate)")
+    parser.add_argument("--reuse-cache", action="store_true",
+                        help="graphed: pass one StaticCache to every generate (else transformers builds one per call, "
+                             "and the CUDA graphs re-record every step)")
+    parser.add_argument("--counters", action="store_true",
+                        help="print dynamo/Inductor counters per arm (graph breaks, CUDA-graph skips and partitions)")
     parser.add_argument("--arms", default="BF16,FP8 two launches,FP8 fused", help="comma-separated arm names")
     parser.add_argument("--tiny", action="store_true", help="CPU check: a 1-layer h192 model, eager only")
     opts = parser.parse_args(argv)
@@ -117,7 +168,8 @@ def main(argv=None) -> int:
             if extra and device.type == "cuda":
                 torch._dynamo.reset()
             try:
-                result = profile_arm(model, prompt, opts.new_tokens, extra, device)
+                result = profile_arm(model, prompt, opts.new_tokens, extra, device, python=opts.py_top > 0,
+                                     reuse=opts.reuse_cache)
             except Exception as error:  # one arm failing (e.g. a compile error) still prints the others
                 print(f"\n### {setting}, {name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
                 continue
@@ -130,11 +182,28 @@ def main(argv=None) -> int:
             if opts.host_top:
                 # where the host's time per step goes (self CPU time of profiled ops and Python-level record
                 # functions: dynamo's guards and CUDA-graph replays show up here as named ranges)
-                host = sorted(result["per_host_op_us"].items(), key=lambda kv: -kv[1])[:opts.host_top]
-                print(f"\nhost, self CPU us/step (profiled ops; {sum(result['per_host_op_us'].values()):.0f} in all)")
-                print("| us/step | host op |\n|---|---|")
+                per_op = result["per_host_op_us"]
+                times = {op: us for op, us in per_op.items() if not op.startswith("calls\0")}
+                host = sorted(times.items(), key=lambda kv: -kv[1])[:opts.host_top]
+                print(f"\nhost, self CPU us/step (profiled ops; {sum(times.values()):.0f} in all)")
+                print("| us/step | calls/step | host op |\n|---|---|---|")
                 for op, us in host:
-                    print(f"| {us:.1f} | `{op[:110]}` |")
+                    print(f"| {us:.1f} | {per_op.get('calls' + chr(0) + op, 0.0):.1f} | `{op[:110]}` |")
+            if opts.py_top:
+                # cProfile's own inflation included: compare arms, not absolute numbers
+                rows = sorted(result["per_python_us"].items(), key=lambda kv: -kv[1])[:opts.py_top]
+                print(f"\nPython, own us/step under cProfile ({sum(result['per_python_us'].values()):.0f} in all)")
+                print("| us/step | function |\n|---|---|")
+                for func, us in rows:
+                    print(f"| {us:.1f} | `{func[:110]}` |")
+            if opts.counters:
+                # what dynamo/Inductor did for this arm: graph breaks, CUDA-graph skips and partitions, recordings
+                from torch._dynamo.utils import counters
+                for group in ("graph_break", "inductor", "stats"):
+                    found = {k: v for k, v in counters[group].items()
+                             if group != "inductor" or "cudagraph" in k or "partition" in k}
+                    print(f"counters[{group!r}]: {dict(sorted(found.items()))}")
+                counters.clear()
             sys.stdout.flush()
         free_memory()
     return 0
