@@ -27,6 +27,14 @@ import copy
 import inspect
 
 
+def _cache_keyword(model) -> str:
+    """The generate keyword for a cache object: ``cache`` where the model's forward takes one by that name (recent
+    transformers, where ``past_key_values`` still works with a deprecation warning), else ``past_key_values``. Read
+    off the forward of the model under a PEFT wrapper, whose own methods take ``**kwargs``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 _SETTINGS = ("cache_implementation", "max_new_tokens", "max_length", "num_beams", "num_return_sequences")
 
 
@@ -64,7 +72,7 @@ class KeptStaticCache:
     def attached(self, model):
         original = model.generate
         had_instance_attribute = "generate" in vars(model)
-        cache_kwarg = "cache" if "cache" in inspect.signature(original).parameters else "past_key_values"
+        cache_kwarg = _cache_keyword(model)
 
         def generate(*args, **kwargs):
             input_ids = kwargs.get("input_ids", args[0] if args else None)

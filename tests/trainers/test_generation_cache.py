@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig, StaticCache
 
 from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer
-from calclip.trainers.generation_cache import KeptStaticCache
+from calclip.trainers.generation_cache import KeptStaticCache, _cache_keyword
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,8 @@ def test_same_tokens_as_transformers_own_static_cache_and_stable_addresses(model
     assert torch.equal(own, run(model, ids, mask, max_new_tokens=7, do_sample=False))  # dynamic agrees too
     kept = KeptStaticCache()
     addresses = []
-    with kept.attached(model):
+    with kept.attached(model), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for _ in range(3):  # generation_config, as TRL passes it
             assert torch.equal(run(model, ids, mask, generation_config=config), own)
             addresses.append(kept_tensors(kept, 3))
@@ -66,6 +67,7 @@ def test_same_tokens_as_transformers_own_static_cache_and_stable_addresses(model
         assert torch.equal(run(model, ids, mask, max_new_tokens=3, do_sample=False, cache_implementation="static"),
                            own[:, : ids.shape[1] + 3])
     assert kept.built == 1 and kept.reused == 4 and kept.caches[3][1] == 64  # 13 positions rounded up to 64
+    assert not [w for w in caught if "past_key_values" in str(w.message)]  # the keyword this transformers wants
     assert addresses[0] == addresses[1] == addresses[2] == kept_tensors(kept, 3)
     assert config.cache_implementation == "static"  # the caller's config is not changed
     assert "generate" not in vars(model)  # back to the class method
@@ -113,7 +115,7 @@ def test_calls_it_does_not_fit_are_left_alone(model):
     with kept.attached(model):
         run(model, ids, mask, max_new_tokens=4, do_sample=False)  # dynamic cache
         run(model, ids, mask, max_new_tokens=4, do_sample=False, num_beams=2, cache_implementation="static")
-        run(model, ids, mask, max_new_tokens=4, do_sample=False, past_key_values=own_cache)
+        run(model, ids, mask, max_new_tokens=4, do_sample=False, **{_cache_keyword(model): own_cache})
     assert kept.built == kept.reused == 0 and kept.caches == {}
     assert own_cache.get_seq_length() > 0  # the caller's cache was used, not replaced
 
