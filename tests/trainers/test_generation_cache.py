@@ -145,3 +145,46 @@ def test_trainer_keeps_one_cache_across_rollouts(tokenizer, tmp_path):
         assert logged(trainer, key) == logged(fresh, key), key
     assert all(math.isfinite(v) for v in logged(trainer, "loss"))
     assert tiny_trainer(tmp_path / "off", tokenizer=tokenizer, fp8=True)._generation_cache is None  # compile_generation only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_kept_cache_replays_the_cuda_graphs_a_new_cache_re_records(tokenizer):
+    """On CUDA transformers compiles the static-cache decode step with CUDA graphs. A new cache per call at new
+    addresses makes the graph trees re-record every decode step (they log ``Re-recording ... static input data
+    pointer changed``); the kept cache replays: no re-recording after the first call."""
+    import logging
+
+    torch.manual_seed(0)
+    model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256).to("cuda", torch.bfloat16).eval()
+    ids, mask = (t.cuda() for t in prompts(4))
+    records: list[str] = []
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            if "Re-recording" in record.getMessage():
+                records.append(record.getMessage())
+
+    torch._logging.set_logs(cudagraphs=True)
+    logger = logging.getLogger("torch._inductor.cudagraph_trees.__cudagraphs")
+    handler = Count()
+    logger.addHandler(handler)
+    static = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    try:
+        torch._dynamo.reset()
+        kept = KeptStaticCache()
+        with kept.attached(model):
+            first = run(model, ids, mask, **static)
+            for _ in range(3):
+                hold = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # the allocator's state moves
+                assert torch.equal(run(model, ids, mask, **static), first)
+                del hold
+        assert kept.reused == 3 and records == []
+        holds = []
+        for _ in range(2):  # transformers' own new cache per call, with the old one's memory taken in between
+            run(model, ids, mask, **static)  # (a 12-position cache, not 64: tokens may differ in near-ties)
+            holds.append(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+        assert records, "a new static cache per call at new addresses was expected to re-record"
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
