@@ -27,6 +27,23 @@ import copy
 import inspect
 
 
+@contextlib.contextmanager
+def generate_wrapped(model, wrap):
+    """``model.generate = wrap(model.generate)`` for the block, as an instance attribute, then back to what it was (the
+    class method, or an instance attribute some caller had put there): how calclip adds to one TRL generation call
+    without touching TRL's own call or its arguments."""
+    original = model.generate
+    had_instance_attribute = "generate" in vars(model)
+    model.generate = wrap(original)
+    try:
+        yield
+    finally:
+        if had_instance_attribute:
+            model.generate = original
+        else:
+            del model.generate  # back to the class method
+
+
 def _cache_keyword(model) -> str:
     """The generate keyword for a cache object: ``cache`` where the model's forward takes one by that name (recent
     transformers, where ``past_key_values`` still works with a deprecation warning), else ``past_key_values``. Read
@@ -68,12 +85,12 @@ class KeptStaticCache:
             self.caches.pop(next(iter(self.caches)))
         return cache
 
-    @contextlib.contextmanager
     def attached(self, model):
-        original = model.generate
-        had_instance_attribute = "generate" in vars(model)
+        """A context in which ``model.generate`` takes the kept caches (module docstring)."""
         cache_kwarg = _cache_keyword(model)
+        return generate_wrapped(model, lambda original: self._wrap(model, original, cache_kwarg))
 
+    def _wrap(self, model, original, cache_kwarg: str):
         def generate(*args, **kwargs):
             input_ids = kwargs.get("input_ids", args[0] if args else None)
             config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
@@ -99,11 +116,4 @@ class KeptStaticCache:
             kwargs[cache_kwarg] = self._cache_for(model, batch, needed)
             return original(*args, **kwargs)
 
-        model.generate = generate
-        try:
-            yield self
-        finally:
-            if had_instance_attribute:
-                model.generate = original
-            else:
-                del model.generate  # back to the class method
+        return generate

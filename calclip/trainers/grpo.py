@@ -101,7 +101,7 @@ from calclip.trainers.checkpoint import (
 )
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
-from calclip.trainers.generation_cache import KeptStaticCache
+from calclip.trainers.generation_cache import KeptStaticCache, generate_wrapped
 from calclip.trainers.grad_guard import NonfiniteGradGuard
 from calclip.trainers.mismatch_outliers import MismatchOutlierLog, logp_gaps, outlier_path
 from calclip.trainers.rewards import exclude_nonfinite_rewards
@@ -141,11 +141,10 @@ class _SampledLogprobRecorder:
         self.logprobs: torch.Tensor | None = None  # [B, T_generated]
         self.synced_gpus = synced_gpus
 
-    @contextlib.contextmanager
     def attached(self, model):
-        original = model.generate
-        had_instance_attribute = "generate" in vars(model)
+        return generate_wrapped(model, self._wrap)
 
+    def _wrap(self, original):
         def generate(*args, **kwargs):
             if kwargs.get("generation_config") is not None:
                 config = copy.deepcopy(kwargs["generation_config"])
@@ -167,14 +166,7 @@ class _SampledLogprobRecorder:
             )
             return out.sequences
 
-        model.generate = generate
-        try:
-            yield self
-        finally:
-            if had_instance_attribute:
-                model.generate = original
-            else:
-                del model.generate  # back to the class method
+        return generate
 
 
 def compiled_generation_problem(device_type: str, master_dtype: torch.dtype, bf16: bool, fp16: bool) -> str | None:
