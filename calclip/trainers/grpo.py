@@ -461,7 +461,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         policy = self.accelerator.unwrap_model(self.model)
         # No weight changes during generate: the FP8 codes are refreshed once, and a compiled decode step
         # (compile_generation) runs without the refresh check's graph break in front of it.
-        kept = self._generation_cache.attached(policy) if self._generation_cache else contextlib.nullcontext()
+        cache = self._generation_cache
+        kept = cache.attached(policy) if cache is not None else contextlib.nullcontext()
         with kept, recorder.attached(policy), frozen_fp8_weights(policy):
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
