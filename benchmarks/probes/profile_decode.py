@@ -66,23 +66,11 @@ def _python_times(generate, tokens: int) -> dict[str, float]:
             in stats.items()}
 
 
-class _StopAfter:
-    """Stops generate after ``tokens`` new tokens while max_new_tokens stays the same, so a short reference call
-    builds a static cache of the same length as the long one (no new graphs for it)."""
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
-                          device=input_ids.device)
-
-
 def profile_arm(model, prompt, new_tokens: int, extra: dict, device: torch.device, python: bool = False,
                 reuse: bool = False):
     import contextlib
 
-    from transformers import StoppingCriteriaList
+    from transformers import MaxLengthCriteria, StoppingCriteriaList
 
     from calclip.trainers.generation_cache import KeptStaticCache
 
@@ -90,7 +78,9 @@ def profile_arm(model, prompt, new_tokens: int, extra: dict, device: torch.devic
     kept = KeptStaticCache() if reuse and extra else None
 
     def generate(tokens: int):
-        stop = StoppingCriteriaList([_StopAfter(prompt.shape[1] + tokens)])
+        # stops after ``tokens`` new tokens while max_new_tokens stays the same, so the short reference call builds
+        # a static cache of the long one's length (no new graphs for it)
+        stop = StoppingCriteriaList([MaxLengthCriteria(prompt.shape[1] + tokens)])
         with torch.no_grad(), (kept.attached(model) if kept else contextlib.nullcontext()):
             return model.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=new_tokens,
                                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, stopping_criteria=stop,
