@@ -105,12 +105,10 @@ class KeptStaticCache:
             if needed is None:
                 return original(*args, **kwargs)
             batch = input_ids.shape[0] * (settings["num_return_sequences"] or 1)
-            # transformers refuses a cache object together with an implementation to build one
+            # transformers refuses a cache object together with an implementation to build one; the caller's config
+            # (or the model's) is copied, not changed
             kwargs.pop("cache_implementation", None)
-            if kwargs.get("generation_config") is not None:
-                kwargs["generation_config"] = copy.copy(kwargs["generation_config"])
-                kwargs["generation_config"].cache_implementation = None
-            elif config is not None and config.cache_implementation is not None:
+            if config is not None and config.cache_implementation is not None:
                 kwargs["generation_config"] = copy.copy(config)
                 kwargs["generation_config"].cache_implementation = None
             kwargs[cache_kwarg] = self._cache_for(model, batch, needed)
