@@ -161,6 +161,11 @@ def tiny_trainer(output_dir, *, tokenizer=None, num_prompts: int = 8, callbacks=
     )
 
 
+def logged(trainer, key: str) -> list:
+    """Every value ``trainer`` logged under ``key``, in order (its ``state.log_history``)."""
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
 def spawn_workers(worker, out_dir, nprocs: int, timeout_s: float, what: str) -> None:
     """Run ``worker(rank, port, out_dir)`` in ``nprocs`` processes (torch.multiprocessing.spawn, a fresh
     ``free_port()`` for their process group) and wait for them; kill them and fail the test naming ``what`` once

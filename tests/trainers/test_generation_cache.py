@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, StaticCache
 
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer
+from calclip.testing import build_tiny_model, build_tiny_tokenizer, logged, tiny_trainer
 from calclip.trainers.generation_cache import KeptStaticCache, _cache_keyword
 
 
@@ -38,10 +38,6 @@ def run(model, ids, mask, **kwargs):
         kwargs["pad_token_id"] = 0
     with torch.no_grad():
         return model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-
-
-def logged(trainer, key):
-    return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
 def kept_tensors(kept, batch):

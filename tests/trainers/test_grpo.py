@@ -16,6 +16,7 @@ from calclip.testing import (
     build_tiny_model,
     build_tiny_tokenizer,
     digit_share_reward,
+    logged,
     tiny_prompt_dataset,
     tiny_training_args,
 )
@@ -37,10 +38,6 @@ def make_trainer(tokenizer, tmp_path, hidden_size=128, **overrides):
         train_dataset=tiny_prompt_dataset(8),
         processing_class=tokenizer,
     )
-
-
-def logged(trainer, key):
-    return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
 RUNS = {

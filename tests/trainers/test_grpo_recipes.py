@@ -13,7 +13,7 @@ from trl import TrlParser
 pytest.importorskip("torchao.float8")
 
 from calclip.fp8.torchao_recipes import TorchaoFloat8Linear  # noqa: E402
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer  # noqa: E402
+from calclip.testing import build_tiny_model, build_tiny_tokenizer, logged, tiny_trainer  # noqa: E402
 from calclip.trainers.config import CalibratedGRPOConfig  # noqa: E402
 
 CPU = dict(output_dir="unused", report_to="none", use_cpu=True, bf16=False, num_generations=2,
@@ -66,10 +66,6 @@ class _WeightsAtTrainBegin(TrainerCallback):
         self.params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _logged(trainer, key):
-    return [entry[key] for entry in trainer.state.log_history if key in entry]
-
-
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_short_calibrated_run(tmp_path, recipe):
     tokenizer = build_tiny_tokenizer()
@@ -87,10 +83,10 @@ def test_short_calibrated_run(tmp_path, recipe):
         for key, value in entry.items():
             if isinstance(value, float):
                 assert math.isfinite(value), (key, value)
-    assert _logged(trainer, "fp8/nonfinite_tokens") == [0.0, 0.0]
+    assert logged(trainer, "fp8/nonfinite_tokens") == [0.0, 0.0]
     # the shadow calibration ran on the moved mini-batch: FP8 noise visible, bounds moved off the initial ones
-    assert _logged(trainer, "mismatch/fp8_bf16_token_mult_prob_error")[0] > 1.0
-    assert len(_logged(trainer, "clip/neg_low_frac_bf16")) == 1
+    assert logged(trainer, "mismatch/fp8_bf16_token_mult_prob_error")[0] > 1.0
+    assert len(logged(trainer, "clip/neg_low_frac_bf16")) == 1
     assert trainer.calibrator.calibrated and trainer.calibrator.bounds != tuple(trainer.args.calibration_init_bounds)
 
 
