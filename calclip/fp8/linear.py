@@ -218,12 +218,23 @@ def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor 
                 weight_bad: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool, gemm: str,
                 out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (y [M, N], qxt [M, K] (128x1 codes, column-major) or [0], sxt [M/128, K] or [0], non-finite rows []).
-    weight and the dgrad codes qwt/swt are inputs only for autograd (the weight's grad slot, saved for dx)."""
+    weight and the dgrad codes qwt/swt are inputs only for autograd (the weight's grad slot, saved for dx). The
+    count is returned, not added to the layer's counter: torch.library registers autograd for functional ops only
+    (calls without grad take ``_infer_op``, which adds in place)."""
     counter = torch.zeros((), dtype=torch.int64, device=x2.device)
     y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, save_for_wgrad, pow2, fused, gemm, out_dtype)
     if qxt is None:
         qxt, sxt = x2.new_empty((0,), dtype=torch.float8_e4m3fn), x2.new_empty((0,), dtype=torch.float32)
     return y, qxt, sxt, counter
+
+
+@torch.library.triton_op("calclip::fp8_linear_infer", mutates_args=("counter",))
+def _infer_op(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor, pow2: bool, gemm: str,
+              out_dtype: torch.dtype) -> Tensor:
+    """The no-grad forward -> y [M, N]; the layer's counter (int64 []) += non-finite rows in place, by the
+    quantizer's own atomic add on CUDA: a compiled decode step runs no zeroed count and no add_ per linear (the
+    two extra kernels per layer call that the functional op costs)."""
+    return _forward(x2, qw, sw, weight_bad, counter, False, pow2, False, gemm, out_dtype)[0]
 
 
 @torch.library.triton_op("calclip::fp8_linear_backward", mutates_args=())
@@ -237,14 +248,12 @@ def _backward_op(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor
         (dw if dw is not None else dy2.new_empty((0,), dtype=w_dtype))
 
 
-@torch.library.triton_op("calclip::fp8_linear_decode", mutates_args=())
-def _decode_op(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, pow2: bool,
-               out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The fused no-grad forward (Fp8Config.decode_fused_max_m) -> (y [M, N], non-finite rows [] int64)."""
-    counter = torch.zeros((), dtype=torch.int64, device=x2.device)
-    y = _fused_decode_kernel(x2)(x2, qw, sw, out_dtype=out_dtype, nonfinite_count=counter, weight_bad=weight_bad,
-                                 pow2=pow2)
-    return y, counter
+@torch.library.triton_op("calclip::fp8_linear_decode", mutates_args=("counter",))
+def _decode_op(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor, pow2: bool,
+               out_dtype: torch.dtype) -> Tensor:
+    """The fused no-grad forward (Fp8Config.decode_fused_max_m) -> y [M, N]; counter += non-finite rows."""
+    return _fused_decode_kernel(x2)(x2, qw, sw, out_dtype=out_dtype, nonfinite_count=counter, weight_bad=weight_bad,
+                                    pow2=pow2)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -513,18 +522,19 @@ class FP8BlockLinear(nn.Linear):
         grad = torch.is_grad_enabled()
         # CUDA only: under the interpreter (CPU) wrap_triton cannot record a kernel, so such calls stay unfused.
         if x2.is_cuda and _fused_decode_applies(x2, cfg, compiled=True) and _fused_decode_kernel(x2) is not None:
-            y, bad_rows = torch.ops.calclip.fp8_linear_decode(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
-                                                              cfg.power_of_two_scales, x2.dtype)
-            self.nonfinite_count.add_(bad_rows)
-            return y
-        save = grad and self.weight.requires_grad
-        qwt, swt = (self._fp8_qwt, self._fp8_swt) if grad else (None, None)
-        if grad and qwt is None:
+            return torch.ops.calclip.fp8_linear_decode(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
+                                                       self.nonfinite_count, cfg.power_of_two_scales, x2.dtype)
+        if not grad:
+            return torch.ops.calclip.fp8_linear_infer(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
+                                                      self.nonfinite_count, cfg.power_of_two_scales, cfg.gemm,
+                                                      x2.dtype)
+        qwt, swt = self._fp8_qwt, self._fp8_swt
+        if qwt is None:
             raise RuntimeError("FP8BlockLinear is compiled for training before its dgrad codes exist: compile the "
                                "model that quantize_model converted, or call refresh_fp8_weights(model) first")
         y, _, _, bad_rows = torch.ops.calclip.fp8_linear_forward(
-            x2, self.weight, self._fp8_qw, self._fp8_sw, qwt, swt, self._fp8_bad, save, cfg.power_of_two_scales,
-            cfg.fused_quantizer, cfg.gemm, x2.dtype)
+            x2, self.weight, self._fp8_qw, self._fp8_sw, qwt, swt, self._fp8_bad, self.weight.requires_grad,
+            cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, x2.dtype)
         self.nonfinite_count.add_(bad_rows)
         return y
 

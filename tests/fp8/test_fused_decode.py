@@ -571,43 +571,47 @@ def test_compiled_cpu_calls_stay_unfused(monkeypatch):
     assert calls.calls == 0 and torch.equal(y_compiled, y_off)
 
 
-# AOTAutograd's decomposition of calclip::fp8_linear_decode (what Inductor compiles) traced on fake CUDA tensors:
-# runs without a GPU, in a fresh process because the kernels must be compiled-mode Triton functions, not the
-# interpreter's. Prints the names of the Triton kernels the traced graph launches.
-_TRACE_DECODE_OP = """
+# AOTAutograd's decomposition of a calclip op (what Inductor compiles) traced on fake CUDA tensors: runs without a
+# GPU, in a fresh process because the kernels must be compiled-mode Triton functions, not the interpreter's. Prints
+# the names of the Triton kernels the traced graph launches and of every other op in it.
+_TRACE_OP = """
 import sys
 import torch
 from torch._functorch.aot_autograd import aot_function
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
 from torch._subclasses.fake_tensor import FakeTensorMode
-import calclip.fp8.linear  # registers the op
+import calclip.fp8.linear  # registers the ops
 
-kernels = []
+kernels, others = [], []
 def record(gm, inputs):
     for node in gm.graph.nodes:
         if node.target is triton_kernel_wrapper_functional:
             kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
             kernels.append(getattr(kernel, "fn", kernel).__name__)
+        elif node.op == "call_function":
+            others.append(str(node.target))
     return gm
 
-def decode(x, qw, sw, bad):
-    return torch.ops.calclip.fp8_linear_decode(x, qw, sw, bad, True, torch.bfloat16)
+def call(x, qw, sw, bad, counter):
+    return CALL
 
 with FakeTensorMode():
     args = (torch.empty(64, 576, dtype=torch.bfloat16, device="cuda"),
             torch.empty(192, 576, dtype=torch.float8_e4m3fn, device="cuda"),
-            torch.empty(2, 5, device="cuda"), torch.empty((), dtype=torch.bool, device="cuda"))
+            torch.empty(2, 5, device="cuda"), torch.empty((), dtype=torch.bool, device="cuda"),
+            torch.zeros((), dtype=torch.int64, device="cuda"))
     try:
         with torch.no_grad():
-            aot_function(decode, fw_compiler=record)(*args)
+            aot_function(call, fw_compiler=record)(*args)
     except RuntimeError as err:  # running the traced graph needs CUDA; the trace is what is checked
         print("run:", str(err).splitlines()[0], file=sys.stderr)
 print("KERNELS", ",".join(kernels))
+print("OTHERS", ",".join(others))
 """
 
 
-def test_compiled_decode_op_records_one_fused_kernel():
-    """The op that compiled no-grad calls take on CUDA decomposes into exactly the fused kernel, one launch."""
+def _traced_op(call: str) -> tuple[list[str], list[str]]:
+    """(Triton kernels, other ops) of ``call`` (an expression of x, qw, sw, bad, counter) traced as above."""
     pytest.importorskip("triton.backends.nvidia", reason="triton built without the NVIDIA backend")
     import subprocess
     import sys
@@ -616,11 +620,35 @@ def test_compiled_decode_op_records_one_fused_kernel():
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get(
         "PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _TRACE_DECODE_OP], env=env, capture_output=True, text=True,
-                          timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("KERNELS")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    assert lines[-1] == "KERNELS _fp8_linear_fused_quant_kernel", done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-c", _TRACE_OP.replace("CALL", call)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    found = {}
+    for line in done.stdout.splitlines():
+        head, _, rest = line.partition(" ")
+        found[head] = [name for name in rest.split(",") if name]
+    assert done.returncode == 0 and "KERNELS" in found, done.stderr[-3000:]
+    return found["KERNELS"], found["OTHERS"]
+
+
+def _counting_ops(ops: list[str]) -> list[str]:
+    return [op for op in ops if "add" in op or "zeros" in op or "full" in op or "isnan" in op]
+
+
+def test_compiled_decode_op_records_one_fused_kernel():
+    """The op that compiled no-grad calls take on CUDA decomposes into exactly the fused kernel, one launch, which
+    adds to the layer's counter itself: no zeroed count, no add (what the op returned and the layer added before)."""
+    kernels, others = _traced_op("torch.ops.calclip.fp8_linear_decode(x, qw, sw, bad, counter, True, torch.bfloat16)")
+    assert kernels == ["_fp8_linear_fused_quant_kernel"]
+    assert not _counting_ops(others), others
+
+
+def test_compiled_no_grad_forward_counts_inside_the_quantizer():
+    """The unfused no-grad op (compiled decode above decode_fused_max_m, and every compiled no-grad call by
+    default) is the counting 1x128 quantizer and the GEMM: the count needs no kernel of its own."""
+    kernels, others = _traced_op(
+        "torch.ops.calclip.fp8_linear_infer(x, qw, sw, bad, counter, False, 'triton', torch.bfloat16)")
+    assert kernels == ["_quantize_1x128_kernel", "_fp8_block_gemm_kernel"]
+    assert not _counting_ops(others), others
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiled calls fuse on CUDA only")
