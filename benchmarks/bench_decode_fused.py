@@ -8,8 +8,9 @@ Sections (``--only``):
 
 - ``layer``: one no-grad forward of a linear at decode sizes, M in {1, 16, 64, 256} rows, for SmolLM2-135M's
   (K, N) = (576, 576), (576, 1536), (1536, 576), (576, 192) and the 8-layer h2048 model's (2048, 2048),
-  (2048, 8192), (8192, 2048). Arms: BF16 ``F.linear``; calclip FP8 as the layer runs today (``FP8BlockLinear``,
-  1x128 quantizer launch + GEMM launch); FP8 fused (the same layer with ``decode_fused_max_m=256``: one launch).
+  (2048, 8192), (8192, 2048). Arms: BF16 ``F.linear``; calclip FP8 unfused (``FP8BlockLinear`` with
+  ``decode_fused_max_m=0``: 1x128 quantizer launch + the split-K GEMM, two launches, three when it splits K); FP8
+  fused (the same layer with ``decode_fused_max_m=256``: one launch); cuBLAS (unfused with ``gemm="scaled_mm"``).
   Each arm rotates over enough distinct weights (up to 512) that they do not sit in the H200's 50 MB L2, as the
   weights of a real decode step do not. Per call: ``eager`` wall time of a pass over all weights (synchronized
   once at the end) and its host time; ``graphed``: the same pass captured once in a CUDA graph and replayed
@@ -27,7 +28,8 @@ Sections (``--only``):
   ``calclip.trainers.generation_cache``). ``--models`` picks the models (``8L``, ``smollm``). More arms (``--arms``):
   ``grouped`` (fused with ``decode_group_siblings``, eager only) and ``frozen`` (FP8's two launches with ``generate``
   inside ``frozen_fp8_weights``, as calclip's trainer calls it: no refresh graph break in front of the compiled
-  decode step; graphed only).
+  decode step; graphed only), ``frozen_cublas`` (frozen with ``gemm="scaled_mm"``: cuBLAS' blockwise GEMM at every M
+  instead of the split-K Triton GEMM that decode rows get by default; graphed only).
 
 Method: arms interleaved (A B C A B C ...) over ``--repeats`` rounds after a warm-up; medians with [min-max];
 ratio columns are medians of per-round ratios, time of the denominator arm over the fused arm (> 1: fused is
@@ -153,6 +155,7 @@ def layer_section(opts) -> None:
 
     device = torch.device(opts.device)
     off, on = Fp8Config(decode_fused_max_m=0), Fp8Config(decode_fused_max_m=FUSED_MAX_M)
+    cublas = Fp8Config(decode_fused_max_m=0, gemm="scaled_mm")  # cuBLAS' blockwise GEMM at every M
     rows = []
     for k, n in opts.layer_shapes:
         sets = _sets(k, n, opts.tiny)
@@ -160,6 +163,7 @@ def layer_section(opts) -> None:
         bases = [nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16) for _ in range(sets)]
         fp8 = [FP8BlockLinear.from_linear(b, off) for b in bases]
         fused = [FP8BlockLinear.from_linear(b, on) for b in bases]
+        fp8_cublas = [FP8BlockLinear.from_linear(b, cublas) for b in bases]
         for m in opts.layer_ms:
             print(f"-- layer M={m} K={k} N={n} ({sets} weights per arm)", flush=True)
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
@@ -169,6 +173,8 @@ def layer_section(opts) -> None:
                                   kernels),
                 "FP8": layer_arm("FP8", [lambda lin=lin: lin(x) for lin in fp8], device, opts.replays, kernels),
                 "fused": layer_arm("fused", [lambda lin=lin: lin(x) for lin in fused], device, opts.replays, kernels),
+                "cuBLAS": layer_arm("cuBLAS", [lambda lin=lin: lin(x) for lin in fp8_cublas], device, opts.replays,
+                                    kernels),
             }
             interleave(list(arms.values()), opts.repeats)
             check = _same_output(fp8[0], fused[0], x)
@@ -179,17 +185,22 @@ def layer_section(opts) -> None:
                         + [paired_ratio(arms["FP8"], arms["fused"], "eager_us"),
                            paired_ratio(arms["FP8"], arms["fused"], "graph_us"),
                            paired_ratio(arms["BF16"], arms["fused"], "graph_us"),
+                           paired_ratio(arms["cuBLAS"], arms["FP8"], "graph_us"),
+                           paired_ratio(arms["BF16"], arms["FP8"], "graph_us"),
                            "/".join(cell(arms[a], "host_us", 1) for a in arms), check])
             del arms
             free_memory()
-        del bases, fp8, fused
+        del bases, fp8, fused, fp8_cublas
         free_memory()
     print(f"\n### layer: one no-grad forward per call, us (median [min-max] of {opts.repeats} rounds)")
-    table(["M", "K", "N", "kernels BF16/FP8/fused", "BF16 eager", "FP8 eager", "fused eager", "BF16 graphed",
-           "FP8 graphed", "fused graphed", "FP8/fused eager", "FP8/fused graphed", "BF16/fused graphed",
-           "host us BF16/FP8/fused", "fused vs FP8 output"], rows)
-    print("eager: wall time per call of a pass over all weights (one sync at the end); graphed: the pass replayed "
-          "from a CUDA graph (device time, no host gaps); ratios > 1: the fused arm is faster. 'fused vs FP8 "
+    table(["M", "K", "N", "kernels BF16/FP8/fused/cuBLAS", "BF16 eager", "FP8 eager", "fused eager", "cuBLAS eager",
+           "BF16 graphed", "FP8 graphed", "fused graphed", "cuBLAS graphed", "FP8/fused eager", "FP8/fused graphed",
+           "BF16/fused graphed", "cuBLAS/FP8 graphed", "BF16/FP8 graphed", "host us BF16/FP8/fused/cuBLAS",
+           "fused vs FP8 output"], rows)
+    print("FP8: the layer's default unfused path (quantizer + GEMM; at these M the split-K Triton GEMM, "
+          "calclip.fp8.gemm.SPLITK_MAX_M); cuBLAS: the same with gemm='scaled_mm' (torch._scaled_mm at every M). "
+          "eager: wall time per call of a pass over all weights (one sync at the end); graphed: the pass replayed "
+          "from a CUDA graph (device time, no host gaps); ratios > 1: the second-named arm is faster. 'fused vs FP8 "
           "output': max |difference| / max |FP8 output| on the first weight: fp32 rounding order only (0 where the "
           "unfused GEMM is calclip's Triton GEMM; --tiny: the interpreter's fp32->bf16 cast truncates, ~1 bf16 "
           "ulp against the emulated GEMM's rounding).", flush=True)
@@ -215,7 +226,7 @@ def _same_output(fp8_layer: nn.Module, fused_layer: nn.Module, x: torch.Tensor) 
 # every decode step of every call
 SETTINGS = {"eager": {}, "graphed": {"cache_implementation": "static"},
             "graphed_reuse": {"cache_implementation": "static"}}
-ARMS = ("BF16", "FP8", "fused", "grouped", "frozen")
+ARMS = ("BF16", "FP8", "fused", "grouped", "frozen", "frozen_cublas")
 
 
 def decode_section(opts) -> None:
@@ -249,7 +260,10 @@ def decode_section(opts) -> None:
                                                                           decode_group_siblings=True)).eval(),
                   # FP8's two launches with generate inside frozen_fp8_weights, as calclip's trainer runs it: the
                   # compiled decode step without the refresh graph break (graphed only: eager is FP8's path)
-                  "frozen": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=0)).eval()}
+                  "frozen": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=0)).eval(),
+                  # frozen with cuBLAS' blockwise GEMM at every M (gemm="scaled_mm"): the path before the split-K GEMM
+                  "frozen_cublas": quantize_model(sharing_copy(base), Fp8Config(decode_fused_max_m=0,
+                                                                                gemm="scaled_mm")).eval()}
         models = {arm: model for arm, model in models.items() if arm in opts.arms}
         for batch in opts.decode_batches:
             gen = torch.Generator(device="cpu").manual_seed(batch)
@@ -267,7 +281,8 @@ def decode_section(opts) -> None:
 
                     def generate_once() -> dict[str, float]:
                         clock = step_clock()
-                        frozen = frozen_fp8_weights(model) if arm == "frozen" else contextlib.nullcontext()
+                        frozen = (frozen_fp8_weights(model) if arm.startswith("frozen")
+                                  else contextlib.nullcontext())
                         kept = reuse.attached(model) if reuse else contextlib.nullcontext()
                         with torch.no_grad(), autocast(), frozen, kept:
                             out = model.generate(input_ids=prompt, attention_mask=mask,
@@ -288,7 +303,7 @@ def decode_section(opts) -> None:
 
                 # graphed: the grouped model runs as fused does; eager: the frozen one as FP8 does
                 arms = {arm: setup_arm(arm, arm_of(arm, model)) for arm, model in models.items()
-                        if not (extra and arm == "grouped") and not (not extra and arm == "frozen")}
+                        if not (extra and arm == "grouped") and not (not extra and arm.startswith("frozen"))}
                 interleave(list(arms.values()), opts.repeats)
 
                 def agree(a: str, b: str) -> str:
@@ -303,6 +318,7 @@ def decode_section(opts) -> None:
                             + [cell(arms[a], "ms_step", 2) if a in arms else "-" for a in ARMS]
                             + [ratio("fused", "FP8"), ratio("fused", "BF16"), ratio("grouped", "fused"),
                                ratio("grouped", "BF16"), ratio("frozen", "FP8"), ratio("frozen", "BF16"),
+                               ratio("frozen", "frozen_cublas"), ratio("frozen_cublas", "BF16"),
                                agree("FP8", "fused"), agree("fused", "grouped"), agree("FP8", "frozen")])
                 # Each row as soon as it is measured: a device call cut by its time limit keeps the rows done.
                 print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
@@ -314,10 +330,12 @@ def decode_section(opts) -> None:
           f"(median [min-max] of {opts.repeats} rounds)")
     table(["model", "batch", "setting", *[f"{a} tok/s" for a in ARMS], *[f"{a} ms/step" for a in ARMS],
            "fused/FP8 tok/s", "fused/BF16 tok/s", "grouped/fused tok/s", "grouped/BF16 tok/s", "frozen/FP8 tok/s",
-           "frozen/BF16 tok/s", "FP8 = fused tokens", "fused = grouped tokens", "FP8 = frozen tokens"], rows)
+           "frozen/BF16 tok/s", "frozen/frozen_cublas tok/s", "frozen_cublas/BF16 tok/s", "FP8 = fused tokens",
+           "fused = grouped tokens", "FP8 = frozen tokens"], rows)
     print("tok/s over the decode steps after the first token; fused = FP8 with decode_fused_max_m="
           f"{FUSED_MAX_M}; grouped = fused with decode_group_siblings (q/k/v and gate/up one launch each; eager "
-          "only); frozen = FP8 with generate inside frozen_fp8_weights (graphed only); graphed = "
+          "only); frozen = FP8 with generate inside frozen_fp8_weights (graphed only; its GEMMs at decode rows are "
+          "the split-K Triton GEMM), frozen_cublas = frozen with gemm='scaled_mm' (cuBLAS at every M); graphed = "
           "cache_implementation='static' (transformers compiles the decode step, mode "
           "reduce-overhead, on CUDA only; a new cache per call); graphed_reuse = graphed with one StaticCache kept "
           "across calls. 'FP8 = fused tokens': share of generated tokens equal in the last "
@@ -344,6 +362,9 @@ def parse_args(argv=None):
                         help="decode: model weights in bf16, or fp32 run under bf16 autocast (calclip's configs)")
     parser.add_argument("--batches", default=None, help="decode batch sizes, e.g. 64,256 (default; 2,4 --tiny)")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"decode arms, of {ARMS}")
+    parser.add_argument("--layer-shapes", default=None,
+                        help="layer (K, N) pairs as KxN, comma-separated, e.g. 2048x2048,8192x2048 (default: all)")
+    parser.add_argument("--layer-ms", default=None, help="layer rows M, e.g. 64,256 (default 1,16,64,256)")
     opts = parser.parse_args(argv)
     opts.sections = [s.strip() for s in opts.only.split(",") if s.strip()]
     bad = [s for s in opts.sections if s not in SECTIONS]
@@ -357,8 +378,18 @@ def parse_args(argv=None):
     if opts.new_tokens < 2:
         parser.error("--new-tokens must be >= 2 (decode time is taken between the first and the last token)")
     opts.device = "cpu" if opts.tiny else "cuda"
+    shapes_text, ms_text = opts.layer_shapes, opts.layer_ms
     opts.layer_shapes = TINY_LAYER_SHAPES if opts.tiny else LAYER_SHAPES
     opts.layer_ms = TINY_LAYER_MS if opts.tiny else LAYER_MS
+    try:
+        if shapes_text:
+            opts.layer_shapes = tuple(tuple(int(v) for v in pair.lower().split("x")) for pair in shapes_text.split(","))
+        if ms_text:
+            opts.layer_ms = tuple(int(v) for v in ms_text.split(","))
+    except ValueError:
+        parser.error(f"--layer-shapes / --layer-ms: KxN pairs and ints, got {shapes_text!r} / {ms_text!r}")
+    if any(len(p) != 2 or min(p) < 1 for p in opts.layer_shapes) or min(opts.layer_ms) < 1:
+        parser.error(f"--layer-shapes / --layer-ms: positive KxN pairs and ints, got {shapes_text!r} / {ms_text!r}")
     for name, allowed in (("models", MODELS), ("settings", SETTINGS), ("arms", ARMS)):
         chosen = [v.strip() for v in getattr(opts, name).split(",") if v.strip()]
         if not chosen or any(v not in allowed for v in chosen):

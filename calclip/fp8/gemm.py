@@ -21,9 +21,15 @@ Backends:
                  SCALED_MM_LAYOUTS and shapes accepted by ``scaled_mm_supports``, else falls back as below
     "triton"     calclip.fp8.triton_kernels.fp8_block_gemm_triton (CUDA), else "emulated"
     "auto"       "scaled_mm" when allowed, else "triton" on CUDA, else "emulated"
+"auto" and "triton" run a forward-layout GEMM (1x128, 128x128) of at most SPLITK_MAX_M rows (decode) on
+calclip.fp8.triton_kernels.fp8_splitk_gemm_triton: the same K step split across more programs. At decode's few rows
+cuBLAS' blockwise kernel (128 x 128 tiles) runs as few programs as the output has tiles and is slower than BF16's
+GEMM on the H200 (docs/benchmarks.md). An explicit "scaled_mm" keeps cuBLAS at every M.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -34,6 +40,9 @@ from calclip.fp8.reference import dequantize_1x128, dequantize_128x128
 
 GRANULARITIES = ("1x128", "128x128")
 BACKENDS = ("auto", "scaled_mm", "triton", "emulated")
+# Rows up to which "auto"/"triton" take the split-K GEMM for (1x128, 128x128) operands; CALCLIP_SPLITK_MAX_M
+# overrides (0: never), read once at import.
+SPLITK_MAX_M = int(os.environ.get("CALCLIP_SPLITK_MAX_M", "256"))
 
 # (a_blocks, b_blocks) pairs that torch._scaled_mm computes CORRECTLY on the H200 (docs/scaled_mm_layouts.md):
 # forward and dgrad (1x128, 128x128) when the contraction dim / 128 is a multiple of 4 (else torch accepts the
@@ -176,19 +185,36 @@ def _is_sm90(device: torch.device) -> bool:
 def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dtype, a_blocks: str,
                     b_blocks: str, block: int = BLOCK) -> str:
     """The backend that will actually run: a requested one falls back (scaled_mm -> triton -> emulated)
-    when its device, layout pair or shape is not supported."""
+    when its device, layout pair or shape is not supported; "auto" and "triton" give "splitk" (the split-K Triton
+    GEMM) for a forward-layout GEMM of at most SPLITK_MAX_M rows (a symbolic M never)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "emulated" or not qa.is_cuda or block != BLOCK:
         return "emulated"
     m, k = qa.shape
     n = qb.shape[0]
+    if backend in ("auto", "triton") and splitk_applies(a_blocks, b_blocks, m, out_dtype):
+        return "splitk"
     if backend in ("auto", "scaled_mm") and _is_sm90(qa.device) and scaled_mm_supports(
             a_blocks, b_blocks, m, n, k, out_dtype):
         return "scaled_mm"
     if _triton_gemm(out_dtype) is not None:
         return "triton"
     return "emulated"
+
+
+def splitk_applies(a_blocks: str, b_blocks: str, m, out_dtype: torch.dtype) -> bool:
+    """Whether "auto"/"triton" take the split-K GEMM: (1x128, 128x128) operands, 1 to SPLITK_MAX_M rows (a plain
+    int: a symbolic M is not guarded on), an output dtype the Triton GEMMs write, the kernels importable."""
+    if (a_blocks, b_blocks) != ("1x128", "128x128") or type(m) is not int or not 0 < m <= SPLITK_MAX_M:
+        return False
+    return _splitk_gemm(out_dtype) is not None
+
+
+def _splitk_gemm(out_dtype: torch.dtype):
+    module = triton_kernels()
+    fn = getattr(module, "fp8_splitk_gemm_triton", None) if module is not None else None
+    return fn if out_dtype in _TRITON_OUT_DTYPES else None
 
 
 def fp8_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_dtype: torch.dtype,
@@ -208,6 +234,8 @@ def fp8_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_dtype:
                              block=block)
     if chosen == "scaled_mm":
         return scaled_mm_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks)
+    if chosen == "splitk":
+        return _splitk_gemm(out_dtype)(qa, sa, qb, sb, out_dtype=out_dtype)
     if chosen == "triton":
         return _triton_gemm(out_dtype)(qa, sa, qb, sb, out_dtype=out_dtype)
     return emulated_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks,

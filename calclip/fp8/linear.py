@@ -118,6 +118,8 @@ def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype
         # (gemm.scaled_mm_block_gemm, whose re-layouts are no-ops for these operands).
         mm = scaled_mm_blockwise if traced else torch._scaled_mm
         return mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
+    if chosen == "splitk":
+        return quant.triton_kernels().fp8_splitk_gemm_triton(qa, sa, qb, sb, out_dtype=out_dtype)
     return fp8_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, backend=chosen, a_blocks=a_blocks,
                           b_blocks=b_blocks)
 

@@ -596,7 +596,7 @@ def call(x, qw, sw, bad, counter):
     return CALL
 
 with FakeTensorMode():
-    args = (torch.empty(64, 576, dtype=torch.bfloat16, device="cuda"),
+    args = (torch.empty(ROWS, 576, dtype=torch.bfloat16, device="cuda"),
             torch.empty(192, 576, dtype=torch.float8_e4m3fn, device="cuda"),
             torch.empty(2, 5, device="cuda"), torch.empty((), dtype=torch.bool, device="cuda"),
             torch.zeros((), dtype=torch.int64, device="cuda"))
@@ -610,8 +610,9 @@ print("OTHERS", ",".join(others))
 """
 
 
-def _traced_op(call: str) -> tuple[list[str], list[str]]:
-    """(Triton kernels, other ops) of ``call`` (an expression of x, qw, sw, bad, counter) traced as above."""
+def _traced_op(call: str, rows: int = 64) -> tuple[list[str], list[str]]:
+    """(Triton kernels, other ops) of ``call`` (an expression of x [rows, 576], qw [192, 576], sw, bad, counter)
+    traced as above."""
     pytest.importorskip("triton.backends.nvidia", reason="triton built without the NVIDIA backend")
     import subprocess
     import sys
@@ -620,7 +621,7 @@ def _traced_op(call: str) -> tuple[list[str], list[str]]:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get(
         "PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _TRACE_OP.replace("CALL", call)], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _TRACE_OP.replace("CALL", call).replace("ROWS", str(rows))], env=env, capture_output=True,
                           text=True, timeout=300)
     found = {}
     for line in done.stdout.splitlines():
@@ -642,12 +643,16 @@ def test_compiled_decode_op_records_one_fused_kernel():
     assert not _counting_ops(others), others
 
 
-def test_compiled_no_grad_forward_counts_inside_the_quantizer():
+@pytest.mark.parametrize("rows, gemm, gemm_kernels", [
+    (64, "auto", ["_fp8_splitk_gemm_kernel", "_splitk_reduce_kernel"]),  # decode rows: the split-K GEMM
+    (300, "triton", ["_fp8_block_gemm_kernel"]),  # more than SPLITK_MAX_M rows
+])
+def test_compiled_no_grad_forward_counts_inside_the_quantizer(rows, gemm, gemm_kernels):
     """The unfused no-grad op (compiled decode above decode_fused_max_m, and every compiled no-grad call by
     default) is the counting 1x128 quantizer and the GEMM: the count needs no kernel of its own."""
     kernels, others = _traced_op(
-        "torch.ops.calclip.fp8_linear_infer(x, qw, sw, bad, counter, False, 'triton', torch.bfloat16)")
-    assert kernels == ["_quantize_1x128_kernel", "_fp8_block_gemm_kernel"]
+        f"torch.ops.calclip.fp8_linear_infer(x, qw, sw, bad, counter, False, {gemm!r}, torch.bfloat16)", rows)
+    assert kernels == ["_quantize_1x128_kernel", *gemm_kernels]
     assert not _counting_ops(others), others
 
 

@@ -357,6 +357,79 @@ def test_gemm_rejects_bad_operands():
     assert y.shape == (0, 256)
 
 
+SPLITK_SHAPES = [(1, 128, 128, None), (5, 200, 640, None), (64, 256, 1024, 4), (3, 130, 300, 2), (70, 64, 512, 3),
+                 (16, 96, 1280, 16)]
+
+
+@pytest.mark.parametrize("m,n,k,split", SPLITK_SHAPES)
+def test_splitk_gemm_matches_the_unfused_gemm_and_float64(m, n, k, split):
+    """The split-K GEMM (decode rows) is the unfused GEMM's math: the same K step, the partial sums of the K ranges
+    added in a fixed order; any split, ragged K and N, splits that do not divide the K blocks, bf16 and fp32 out."""
+    x, w, _ = _gemm_operands(m, n, k, seed=m * n + k)
+    qx, sx = ref.quantize_1x128(x)
+    qw, sw = ref.quantize_128x128(w)
+    y_ref = ref.dequantize_1x128(qx, sx).double() @ ref.dequantize_128x128(qw, sw).double().t()
+    operands = [t.to(DEVICE) for t in (qx, sx, qw, sw)]
+    y = tk.fp8_splitk_gemm_triton(*operands, out_dtype=torch.float32, split=split)
+    assert y.shape == (m, n) and y.dtype == torch.float32 and y.is_contiguous()
+    assert _rel_err(y, y_ref) < GEMM_FP32_RTOL
+    unfused = tk.fp8_block_gemm_triton(*operands, out_dtype=torch.float32)
+    if split == 1 or tk.splitk_splits(m, n, k, tk._sm_count(y.device)) == 1 and split is None:
+        assert torch.equal(y, unfused)  # one K range: the unfused GEMM's very accumulation
+    else:
+        assert ((y - unfused).abs() <= 1e-5 * unfused.abs() + 1e-6).all()  # fp32 summation order only
+    y16 = tk.fp8_splitk_gemm_triton(*operands, out_dtype=torch.bfloat16, split=split)
+    assert y16.dtype == torch.bfloat16 and _rel_err(y16, y_ref) < GEMM_BF16_RTOL
+    again = tk.fp8_splitk_gemm_triton(*operands, out_dtype=torch.float32, split=split)
+    assert torch.equal(y, again)  # deterministic: no atomics
+
+
+def test_splitk_gemm_strided_operands_and_nan_scales():
+    x, w, _ = _gemm_operands(9, 140, 300, seed=5)
+    x[4, 200] = NAN  # row 4, K block 1
+    w[135, 10] = INF  # weight block row 1 (columns 128..139 of y), K block 0
+    qx, sx = ref.quantize_1x128(x)
+    qw, sw = ref.quantize_128x128(w)
+    qx, sx = qx.to(DEVICE), sx.t().contiguous().t().to(DEVICE)  # column-major scales (the layer's gemm layout)
+    qw_t = qw.t().contiguous().to(DEVICE)  # W stored [K, N]: qw_t.t() is a strided [N, K] view
+    y = tk.fp8_splitk_gemm_triton(qx, sx, qw_t.t(), sw.to(DEVICE), out_dtype=torch.float32, split=3).cpu()
+    bad = torch.zeros_like(y, dtype=torch.bool)
+    bad[4, :] = True
+    bad[:, 128:] = True
+    assert y[bad].isnan().all() and torch.isfinite(y[~bad]).all()
+    clean = tk.fp8_block_gemm_triton(qx, sx, qw.to(DEVICE), sw.to(DEVICE), out_dtype=torch.float32).cpu()
+    assert ((y[~bad] - clean[~bad]).abs() <= 1e-5 * clean[~bad].abs() + 1e-6).all()
+
+
+def test_splitk_splits_fill_the_device_and_keep_two_k_blocks_per_range():
+    # decode on a 132-SM H200: N=2048 has 32 tiles of 64 x 64 at M=64 -> 4 ranges (128 programs); N=8192: 128 tiles
+    assert tk.splitk_splits(64, 2048, 2048, 132) == 4
+    assert tk.splitk_splits(64, 2048, 8192, 132) == 4
+    assert tk.splitk_splits(64, 8192, 2048, 132) == 1
+    assert tk.splitk_splits(1, 576, 1536, 132) == 4  # 9 tiles, 12 K blocks: 3 per range (8 ranges would give 1-2)
+    assert tk.splitk_splits(1, 576, 384, 132) == 1  # 3 K blocks: two ranges would leave one block in one of them
+    assert tk.splitk_splits(1, 64, 128 * 1000, 132) == tk.SPLITK_MAX_SPLIT
+    assert tk.splitk_splits(256, 2048, 2048, 132) == 1
+
+
+def test_splitk_gemm_rejects_bad_operands():
+    qa = torch.zeros(4, 256, dtype=FP8_DTYPE, device=DEVICE)
+    sa = torch.ones(4, 2, device=DEVICE)
+    qb = torch.zeros(256, 256, dtype=FP8_DTYPE, device=DEVICE)
+    sb = torch.ones(2, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="sb"):
+        tk.fp8_splitk_gemm_triton(qa, sa, qb, torch.ones(256, 2, device=DEVICE), out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="sa"):
+        tk.fp8_splitk_gemm_triton(qa, torch.ones(1, 2, device=DEVICE), qb, sb, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="split"):
+        tk.fp8_splitk_gemm_triton(qa, sa, qb, sb, out_dtype=torch.float32, split=0)
+    with pytest.raises(TypeError):
+        tk.fp8_splitk_gemm_triton(qa.float(), sa, qb, sb, out_dtype=torch.float32)
+    assert tk.fp8_splitk_gemm_triton(qa[:0], sa[:0], qb, sb, out_dtype=torch.bfloat16).shape == (0, 256)
+    assert not tk.fp8_splitk_gemm_triton(qa[:, :0], sa[:, :0], qb[:, :0], sb[:, :0],
+                                         out_dtype=torch.float32).any()
+
+
 def test_autotune_timings_persist_unless_turned_off(monkeypatch):
     """Every calclip autotuner keeps its timings in Triton's disk cache (a second process on the machine skips the
     timing runs); CALCLIP_TRITON_AUTOTUNE_CACHE=0 turns that off. (Triton itself ignores cache_results under the
@@ -436,6 +509,16 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         ptx = compile_ptx(tk._fp8_block_gemm_kernel, gemm_types, {"A_SCALE_ROWS": 1, "B_SCALE_ROWS": b_rows,
                           "INTERPRET": False, "BLOCK_K": BLOCK}, tk._GEMM_DEFAULT)
         assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx  # Hopper FP8 tensor cores
+    splitk_types = {n: ("*fp8e4nv" if n in ("a_ptr", "b_ptr") else "*bf16" if n == "c_ptr" else "*fp32"
+                        if n.endswith("_ptr") else i32) for n in tk._fp8_splitk_gemm_kernel.arg_names[:21]}
+    for split in (1, 4):  # every config: BLOCK_M 64 keeps the FP8 wgmma the unfused GEMM runs
+        for config in tk._SPLITK_CONFIGS:
+            ptx = compile_ptx(tk._fp8_splitk_gemm_kernel, splitk_types, {"SPLIT": split, "INTERPRET": False,
+                              "BLOCK_K": BLOCK}, config)
+            assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx, (split, config)
+    ptx = compile_ptx(tk._splitk_reduce_kernel, {"p_ptr": "*fp32", "c_ptr": "*bf16", "MN": i32}, {"SPLIT": 4},
+                      tk._REDUCE_CONFIG)
+    assert "atom" not in ptx  # a fixed-order sum: deterministic
 
 
 def test_launch_hook_passes_only_hooks_with_something_to_call():
