@@ -188,6 +188,7 @@ def layer_section(opts) -> None:
                            paired_ratio(arms["cuBLAS"], arms["FP8"], "graph_us"),
                            paired_ratio(arms["BF16"], arms["FP8"], "graph_us"),
                            "/".join(cell(arms[a], "host_us", 1) for a in arms), check])
+            print("row: | " + " | ".join(rows[-1]) + " |", flush=True)  # kept if a time limit cuts the call
             del arms
             free_memory()
         del bases, fp8, fused, fp8_cublas
