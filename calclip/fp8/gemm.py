@@ -21,10 +21,12 @@ Backends:
                  SCALED_MM_LAYOUTS and shapes accepted by ``scaled_mm_supports``, else falls back as below
     "triton"     calclip.fp8.triton_kernels.fp8_block_gemm_triton (CUDA), else "emulated"
     "auto"       "scaled_mm" when allowed, else "triton" on CUDA, else "emulated"
-"auto" and "triton" run a forward-layout GEMM (1x128, 128x128) of at most SPLITK_MAX_M rows (decode) on
-calclip.fp8.triton_kernels.fp8_splitk_gemm_triton: the same K step split across more programs. At decode's few rows
-cuBLAS' blockwise kernel (128 x 128 tiles) runs as few programs as the output has tiles and is slower than BF16's
-GEMM on the H200 (docs/benchmarks.md). An explicit "scaled_mm" keeps cuBLAS at every M.
+"auto" and "triton" run a forward-layout GEMM (1x128, 128x128) of at most SPLITK_MAX_M rows whose output has too
+few tiles to fill the GPU (``splitk_applies``: decode's q/k/v/o and down projections) on
+calclip.fp8.triton_kernels.fp8_splitk_gemm_triton: the same K step, K split across more programs. There cuBLAS'
+blockwise kernel (128 x 128 tiles) runs one program per output tile (16 at M=64, N=2048 on a 132-SM H200); where the
+split-K kernel does not split, it measured slower than cuBLAS (docs/benchmarks.md, ninth session). An explicit
+"scaled_mm" keeps cuBLAS at every shape it supports.
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dt
         return "emulated"
     m, k = qa.shape
     n = qb.shape[0]
-    if backend in ("auto", "triton") and splitk_applies(a_blocks, b_blocks, m, out_dtype):
+    if backend in ("auto", "triton") and splitk_applies(a_blocks, b_blocks, m, n, k, out_dtype, qa.device):
         return "splitk"
     if backend in ("auto", "scaled_mm") and _is_sm90(qa.device) and scaled_mm_supports(
             a_blocks, b_blocks, m, n, k, out_dtype):
@@ -203,12 +205,17 @@ def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dt
     return "emulated"
 
 
-def splitk_applies(a_blocks: str, b_blocks: str, m, out_dtype: torch.dtype) -> bool:
-    """Whether "auto"/"triton" take the split-K GEMM: (1x128, 128x128) operands, 1 to SPLITK_MAX_M rows (a plain
-    int: a symbolic M is not guarded on), an output dtype the Triton GEMMs write, the kernels importable."""
-    if (a_blocks, b_blocks) != ("1x128", "128x128") or type(m) is not int or not 0 < m <= SPLITK_MAX_M:
+def splitk_applies(a_blocks: str, b_blocks: str, m, n, k, out_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether "auto"/"triton" take the split-K GEMM: (1x128, 128x128) operands, 1 to SPLITK_MAX_M rows, sizes that
+    are plain ints (symbolic ones are not guarded on), an output dtype the Triton GEMMs write, the kernels importable,
+    and a shape the kernel splits on this device (``triton_kernels.splitk_splits`` > 1: too few output tiles for the
+    multiprocessors). On the H200 it was faster than cuBLAS exactly where it split, slower where it did not."""
+    if (a_blocks, b_blocks) != ("1x128", "128x128") or not all(type(d) is int for d in (m, n, k)):
         return False
-    return _splitk_gemm(out_dtype) is not None
+    if not 0 < m <= SPLITK_MAX_M or _splitk_gemm(out_dtype) is None:
+        return False
+    module = triton_kernels()
+    return module.splitk_splits(m, n, k, module.sm_count(device)) > 1
 
 
 def _splitk_gemm(out_dtype: torch.dtype):

@@ -913,7 +913,7 @@ SPLITK_MAX_SPLIT = 16
 _sm_counts: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached); 8 for CPU tensors under the interpreter (tests), and the
     H200's 132 for a trace on fake CUDA tensors where no CUDA runtime exists (nothing can run there anyway)."""
     if device.type != "cuda":
@@ -968,7 +968,7 @@ def fp8_splitk_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, ou
         if s.dtype != torch.float32 or tuple(s.shape) != want:
             raise ValueError(f"{name} must be float32 {want}, got {s.dtype} {tuple(s.shape)}")
     if split is None:
-        split = splitk_splits(m, n, k, _sm_count(qa.device))
+        split = splitk_splits(m, n, k, sm_count(qa.device))
     if type(split) is not int or not 1 <= split <= SPLITK_MAX_SPLIT:
         raise ValueError(f"split must be an int in [1, {SPLITK_MAX_SPLIT}], got {split!r}")
     y = torch.empty(m, n, dtype=out_dtype, device=qa.device)

@@ -679,6 +679,6 @@ def test_gpu_compiled_decode_takes_the_fused_op_and_matches_eager():
             y_training_shape = compiled(_x(65, 576, torch.bfloat16, seed=11))  # M > 64: the unfused op
     finally:
         torch._dynamo.reset()
-    assert any("fp8_linear_decode" in op for op in ops) and any("fp8_linear_forward" in op for op in ops)
+    assert any("fp8_linear_decode" in op for op in ops) and any("fp8_linear_infer" in op for op in ops)
     assert after == before + 1 and y_training_shape.shape == (65, 192)
     _assert_matches_unfused(y_compiled, y_eager, x, on._fp8_qw, on._fp8_sw, roundings=4)

@@ -181,6 +181,30 @@ def test_emulated_gemm_all_layouts_vs_float64(m, n, k):
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
 
 
+def test_splitk_gemm_applies_where_the_output_has_too_few_tiles():
+    """"auto"/"triton" route a forward-layout GEMM to the split-K kernel only where it splits K (few output tiles
+    for the device's multiprocessors: the H200 measured it faster than cuBLAS there and slower elsewhere), for plain
+    int sizes of at most SPLITK_MAX_M rows."""
+    pytest.importorskip("triton")
+    from calclip.fp8 import triton_kernels as tk
+
+    cuda = torch.device("cuda")
+    sms = tk.sm_count(cuda)  # 132 (an H200's) on a machine without CUDA
+    applies = lambda m, n, k, blocks=("1x128", "128x128"): gemm.splitk_applies(*blocks, m, n, k,  # noqa: E731
+                                                                                torch.bfloat16, cuda)
+    assert applies(64, 2048, 2048) == (tk.splitk_splits(64, 2048, 2048, sms) > 1)
+    if sms >= 128:  # an H100/H200-sized GPU, or none: decode's q/k/v/o and down projections split, gate/up do not
+        assert applies(64, 2048, 2048) and applies(64, 2048, 8192) and not applies(64, 8192, 2048)
+        assert not applies(256, 2048, 2048)  # 128 tiles of 64 x 64 fill the device without a split
+    assert not applies(gemm.SPLITK_MAX_M + 1, 64, 1 << 16)
+    assert not applies(64, 2048, 2048, ("1x128", "1x128"))  # wgrad layout: cuBLAS
+    assert not applies(0, 2048, 2048)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    symbolic = ShapeEnv().create_unbacked_symint()
+    assert not applies(64, symbolic, 2048)  # no guard on a symbolic size
+
+
 def test_gemm_rejects_bad_operands():
     qa, sa = quantize_1x128(torch.randn(8, 256))
     qb, sb = quantize_128x128(torch.randn(16, 256))

@@ -374,7 +374,7 @@ def test_splitk_gemm_matches_the_unfused_gemm_and_float64(m, n, k, split):
     assert y.shape == (m, n) and y.dtype == torch.float32 and y.is_contiguous()
     assert _rel_err(y, y_ref) < GEMM_FP32_RTOL
     unfused = tk.fp8_block_gemm_triton(*operands, out_dtype=torch.float32)
-    if split == 1 or tk.splitk_splits(m, n, k, tk._sm_count(y.device)) == 1 and split is None:
+    if split == 1 or tk.splitk_splits(m, n, k, tk.sm_count(y.device)) == 1 and split is None:
         assert torch.equal(y, unfused)  # one K range: the unfused GEMM's very accumulation
     else:
         assert ((y - unfused).abs() <= 1e-5 * unfused.abs() + 1e-6).all()  # fp32 summation order only

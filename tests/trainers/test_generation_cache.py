@@ -176,9 +176,9 @@ def test_kept_cache_replays_the_cuda_graphs_a_new_cache_re_records(tokenizer):
                 del hold
         assert kept.reused == 3 and records == []
         holds = []
-        for _ in range(2):  # transformers' own new cache per call, with the old one's memory taken in between
-            run(model, ids, mask, **static)  # (a 12-position cache, not 64: tokens may differ in near-ties)
-            holds.append(torch.empty(64 << 20, dtype=torch.uint8, device="cuda"))
+        for _ in range(3):  # transformers' own new cache per call (a 12-position cache, not 64), each kept alive by
+            # the returned output, so the next call's cache cannot take the freed blocks of the one before
+            holds.append(run(model, ids, mask, return_dict_in_generate=True, **static))  # (the output holds it)
         assert records, "a new static cache per call at new addresses was expected to re-record"
     finally:
         logger.removeHandler(handler)
