@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from calclip.fp8.config import BLOCK
-from calclip.fp8.quant import is_traced, triton_kernels
+from calclip.fp8.quant import is_traced, size_hint, triton_kernels
 from calclip.fp8.reference import dequantize_1x128, dequantize_128x128
 
 GRANULARITIES = ("1x128", "128x128")
@@ -188,7 +188,7 @@ def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dt
                     b_blocks: str, block: int = BLOCK) -> str:
     """The backend that will actually run: a requested one falls back (scaled_mm -> triton -> emulated)
     when its device, layout pair or shape is not supported; "auto" and "triton" give "splitk" (the split-K Triton
-    GEMM) for a forward-layout GEMM of at most SPLITK_MAX_M rows (a symbolic M never)."""
+    GEMM) for a forward-layout GEMM of at most SPLITK_MAX_M rows with too few output tiles (``splitk_applies``)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "emulated" or not qa.is_cuda or block != BLOCK:
@@ -206,16 +206,18 @@ def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dt
 
 
 def splitk_applies(a_blocks: str, b_blocks: str, m, n, k, out_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether "auto"/"triton" take the split-K GEMM: (1x128, 128x128) operands, 1 to SPLITK_MAX_M rows, sizes that
-    are plain ints (symbolic ones are not guarded on), an output dtype the Triton GEMMs write, the kernels importable,
+    """Whether "auto"/"triton" take the split-K GEMM: (1x128, 128x128) operands, 1 to SPLITK_MAX_M rows (symbolic
+    sizes by their hints, ``size_hint``, no guard), an output dtype the Triton GEMMs write, the kernels importable,
     and a shape the kernel splits on this device (``triton_kernels.splitk_splits`` > 1: too few output tiles for the
     multiprocessors). On the H200 it was faster than cuBLAS exactly where it split, slower where it did not."""
-    if (a_blocks, b_blocks) != ("1x128", "128x128") or not all(type(d) is int for d in (m, n, k)):
+    if (a_blocks, b_blocks) != ("1x128", "128x128"):
         return False
-    if not 0 < m <= SPLITK_MAX_M or _splitk_gemm(out_dtype) is None:
+    m, n, k = (size_hint(d) for d in (m, n, k))
+    if None in (m, n, k) or not 0 < m <= SPLITK_MAX_M or _splitk_gemm(out_dtype) is None:
         return False
     module = triton_kernels()
     return module.splitk_splits(m, n, k, module.sm_count(device)) > 1
+
 
 
 def _splitk_gemm(out_dtype: torch.dtype):

@@ -28,6 +28,16 @@ def is_traced(t: Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
+def size_hint(d) -> int | None:
+    """A size as a plain int: itself, or a symbolic size's example value (its hint; None for one without). Kernel
+    choices are made on it without a guard, as Inductor chooses kernels: every candidate is correct at every size,
+    only the speed differs; an eager call of the hinted size chooses the same kernel (same result bit for bit)."""
+    if type(d) is int:
+        return d
+    hint = getattr(getattr(d, "node", None), "hint", None)
+    return int(hint) if hint is not None else None
+
+
 def triton_kernels() -> ModuleType | None:
     """The ``calclip.fp8.triton_kernels`` module, or None when it (or triton) cannot be imported."""
     global _triton_module

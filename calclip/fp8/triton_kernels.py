@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from calclip.fp8.config import BLOCK, FP8_DTYPE, FP8_E4M3_MAX
-from calclip.fp8.quant import is_traced
+from calclip.fp8.quant import is_traced, size_hint
 from calclip.fp8.reference import AMAX_FLOOR
 
 __all__ = [
@@ -967,8 +967,8 @@ def fp8_splitk_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, ou
     for name, s, want in (("sa", sa, (m, kb)), ("sb", sb, (_ceil_div(n, BLOCK), kb))):
         if s.dtype != torch.float32 or tuple(s.shape) != want:
             raise ValueError(f"{name} must be float32 {want}, got {s.dtype} {tuple(s.shape)}")
-    if split is None:
-        split = splitk_splits(m, n, k, sm_count(qa.device))
+    if split is None:  # symbolic sizes (torch.compile, dynamic shapes) by their hints: any split is correct
+        split = splitk_splits(*(size_hint(d) or 1 for d in (m, n, k)), sm_count(qa.device))
     if type(split) is not int or not 1 <= split <= SPLITK_MAX_SPLIT:
         raise ValueError(f"split must be an int in [1, {SPLITK_MAX_SPLIT}], got {split!r}")
     y = torch.empty(m, n, dtype=out_dtype, device=qa.device)
@@ -976,8 +976,9 @@ def fp8_splitk_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, ou
         return y
     if k == 0:
         return y.zero_()
-    per = _ceil_div(kb, split)
-    split = _ceil_div(kb, per)  # no empty K range
+    per = _ceil_div(kb, split)  # K blocks per range; the ranges cover every block at any (symbolic) K
+    if type(per) is int:
+        split = _ceil_div(kb, per)  # no empty K range
     partial = torch.empty(split, m, n, dtype=torch.float32, device=qa.device) if split > 1 else y
     bucket = _bucket(m)
     _splitk_kernel(split).launch(

@@ -201,8 +201,13 @@ def test_splitk_gemm_applies_where_the_output_has_too_few_tiles():
     assert not applies(0, 2048, 2048)
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    symbolic = ShapeEnv().create_unbacked_symint()
-    assert not applies(64, symbolic, 2048)  # no guard on a symbolic size
+    env = ShapeEnv()
+    assert not applies(64, env.create_unbacked_symint(), 2048)  # a symbolic size without a hint
+    from torch._dynamo.source import ConstantSource
+
+    backed = env.create_symintnode(env.create_symbol(2048, ConstantSource("n")), hint=2048)
+    assert applies(64, backed, 2048) == applies(64, 2048, 2048)  # one with a hint: chosen as eager chooses it
+    assert not env.guards  # and without a guard
 
 
 def test_gemm_rejects_bad_operands():
