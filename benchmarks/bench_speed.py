@@ -805,7 +805,8 @@ COUNT_HELP = {
     "model_steps": "optimizer steps per timed round (model)",
     "run_rounds": "interleaved short runs per arm (trainer, smollm)",
     "trainer_steps": "timed optimizer steps per run (trainer)",
-    "trainer_warmup": "untimed first steps per run (trainer)",
+    "trainer_warmup": "untimed first steps per run (trainer); torch_compile runs need two generation cycles (4): the "
+                      "second rollout's new length recompiles TRL's log-prob forward with dynamic sizes",
     "smollm_steps": "timed optimizer steps per run (smollm)",
     "smollm_warmup": "untimed first steps per run (smollm)",
 }

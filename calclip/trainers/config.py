@@ -146,7 +146,10 @@ class CalibratedGRPOConfig(GRPOConfig):
         default="fp8", metadata={"help": "'fp8': dgrad/wgrad GEMMs in FP8. 'bf16': straight-through BF16 backward."}
     )
     fp8_gemm: str = field(
-        default="auto", metadata={"help": "FP8 GEMM backend: 'auto', 'scaled_mm', 'triton' or 'emulated' (CPU)."}
+        default="auto", metadata={"help": "FP8 GEMM backend: 'auto' (cuBLAS blockwise; calclip's split-K Triton GEMM "
+                                  "for forward GEMMs of few rows whose output has too few tiles for the GPU, e.g. "
+                                  "decode), 'scaled_mm' (cuBLAS wherever it supports the shape), 'triton' or "
+                                  "'emulated' (CPU)."}
     )
     fp8_keep_first_n_layers: int = field(default=0, metadata={"help": "First decoder layers kept in BF16."})
     fp8_keep_last_n_layers: int = field(default=0, metadata={"help": "Last decoder layers kept in BF16."})
