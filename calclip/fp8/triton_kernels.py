@@ -795,6 +795,21 @@ def _scale_rows(rows: int, s: Tensor, kb: int, name: str) -> int:
     raise ValueError(f"{name} has {s.shape[0]} rows; expected {rows} (1x128) or {_ceil_div(rows, BLOCK)} (128x128)")
 
 
+def _checked_gemm_operands(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor,
+                           out_dtype: torch.dtype) -> tuple[bool, int, int, int, int]:
+    """(soft_fp8, M, N, K, K blocks) of a GEMM's codes qa [M, K], qb [N, K] (scales: checked by the caller)."""
+    soft_fp8 = _check_device(qa, sa, qb, sb)
+    if qa.dtype != FP8_DTYPE or qb.dtype != FP8_DTYPE:
+        raise TypeError(f"qa and qb must be {FP8_DTYPE}, got {qa.dtype} and {qb.dtype}")
+    if qa.dim() != 2 or qb.dim() != 2 or qa.shape[1] != qb.shape[1]:
+        raise ValueError(f"need qa [M, K] and qb [N, K], got {tuple(qa.shape)} and {tuple(qb.shape)}")
+    if out_dtype not in _GEMM_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_GEMM_OUT_DTYPES}, got {out_dtype}")
+    (m, k), n = qa.shape, qb.shape[0]
+    kb = _ceil_div(k, BLOCK)
+    return soft_fp8, m, n, k, kb
+
+
 def fp8_block_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_dtype: torch.dtype) -> Tensor:
     """y = dequant(qa, sa) @ dequant(qb, sb)^T with per-128-K-chunk scaling and fp32 accumulation.
 
@@ -807,15 +822,7 @@ def fp8_block_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out
     no copies. Fastest when both operands are K-contiguous (Hopper's FP8 MMA reads K-major operands; other
     layouts cost a transpose in shared memory).
     """
-    soft_fp8 = _check_device(qa, sa, qb, sb)
-    if qa.dtype != FP8_DTYPE or qb.dtype != FP8_DTYPE:
-        raise TypeError(f"qa and qb must be {FP8_DTYPE}, got {qa.dtype} and {qb.dtype}")
-    if qa.dim() != 2 or qb.dim() != 2 or qa.shape[1] != qb.shape[1]:
-        raise ValueError(f"need qa [M, K] and qb [N, K], got {tuple(qa.shape)} and {tuple(qb.shape)}")
-    if out_dtype not in _GEMM_OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {_GEMM_OUT_DTYPES}, got {out_dtype}")
-    (m, k), n = qa.shape, qb.shape[0]
-    kb = _ceil_div(k, BLOCK)
+    soft_fp8, m, n, k, kb = _checked_gemm_operands(qa, sa, qb, sb, out_dtype)
     a_rows, b_rows = _scale_rows(m, sa, kb, "sa"), _scale_rows(n, sb, kb, "sb")
     y = torch.empty(m, n, dtype=out_dtype, device=qa.device)
     if m == 0 or n == 0:
@@ -955,15 +962,7 @@ def fp8_splitk_gemm_triton(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, ou
     qb: [N, K] float8_e4m3fn, sb: float32 [ceil(N/128), ceil(K/128)] (128x128), any strides
     -> y [M, N] out_dtype (bf16/fp16/fp32), contiguous. Extra memory: split x M x N fp32 while it runs (split > 1).
     """
-    soft_fp8 = _check_device(qa, sa, qb, sb)
-    if qa.dtype != FP8_DTYPE or qb.dtype != FP8_DTYPE:
-        raise TypeError(f"qa and qb must be {FP8_DTYPE}, got {qa.dtype} and {qb.dtype}")
-    if qa.dim() != 2 or qb.dim() != 2 or qa.shape[1] != qb.shape[1]:
-        raise ValueError(f"need qa [M, K] and qb [N, K], got {tuple(qa.shape)} and {tuple(qb.shape)}")
-    if out_dtype not in _GEMM_OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {_GEMM_OUT_DTYPES}, got {out_dtype}")
-    (m, k), n = qa.shape, qb.shape[0]
-    kb = _ceil_div(k, BLOCK)
+    soft_fp8, m, n, k, kb = _checked_gemm_operands(qa, sa, qb, sb, out_dtype)
     for name, s, want in (("sa", sa, (m, kb)), ("sb", sb, (_ceil_div(n, BLOCK), kb))):
         if s.dtype != torch.float32 or tuple(s.shape) != want:
             raise ValueError(f"{name} must be float32 {want}, got {s.dtype} {tuple(s.shape)}")

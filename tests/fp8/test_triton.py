@@ -340,11 +340,14 @@ def test_gemm_nan_scale_poisons_only_its_rows_and_columns():
     assert y[bad].isnan().all() and torch.isfinite(y[~bad]).all()
 
 
+def _small_gemm_operands():
+    """Zero codes qa [4, 256] (1x128 scales), qb [256, 256] (128x128 scales), unit scales."""
+    return (torch.zeros(4, 256, dtype=FP8_DTYPE, device=DEVICE), torch.ones(4, 2, device=DEVICE),
+            torch.zeros(256, 256, dtype=FP8_DTYPE, device=DEVICE), torch.ones(2, 2, device=DEVICE))
+
+
 def test_gemm_rejects_bad_operands():
-    qa = torch.zeros(4, 256, dtype=FP8_DTYPE, device=DEVICE)
-    sa = torch.ones(4, 2, device=DEVICE)
-    qb = torch.zeros(256, 256, dtype=FP8_DTYPE, device=DEVICE)
-    sb = torch.ones(2, 2, device=DEVICE)
+    qa, sa, qb, sb = _small_gemm_operands()
     with pytest.raises(ValueError, match="sb"):
         tk.fp8_block_gemm_triton(qa, sa, qb, torch.ones(3, 2, device=DEVICE), out_dtype=torch.float32)
     with pytest.raises(ValueError, match="qa"):
@@ -413,10 +416,7 @@ def test_splitk_splits_fill_the_device_and_keep_two_k_blocks_per_range():
 
 
 def test_splitk_gemm_rejects_bad_operands():
-    qa = torch.zeros(4, 256, dtype=FP8_DTYPE, device=DEVICE)
-    sa = torch.ones(4, 2, device=DEVICE)
-    qb = torch.zeros(256, 256, dtype=FP8_DTYPE, device=DEVICE)
-    sb = torch.ones(2, 2, device=DEVICE)
+    qa, sa, qb, sb = _small_gemm_operands()
     with pytest.raises(ValueError, match="sb"):
         tk.fp8_splitk_gemm_triton(qa, sa, qb, torch.ones(256, 2, device=DEVICE), out_dtype=torch.float32)
     with pytest.raises(ValueError, match="sa"):
