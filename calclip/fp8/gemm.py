@@ -219,7 +219,6 @@ def splitk_applies(a_blocks: str, b_blocks: str, m, n, k, out_dtype: torch.dtype
     return module.splitk_splits(m, n, k, module.sm_count(device)) > 1
 
 
-
 def _splitk_gemm(out_dtype: torch.dtype):
     module = triton_kernels()
     fn = getattr(module, "fp8_splitk_gemm_triton", None) if module is not None else None
