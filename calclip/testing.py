@@ -7,6 +7,8 @@ tokens and a chat template, so TRL's conversational prompt path runs exactly as 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import string
 import time
@@ -173,13 +175,30 @@ def spawn_workers(worker, out_dir, nprocs: int, timeout_s: float, what: str) -> 
     import pytest
     import torch.multiprocessing as mp
 
-    context = mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=nprocs, join=False)
+    with _loopback_gloo():
+        context = mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=nprocs, join=False)
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
             pytest.fail(f"{what} did not finish within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def _loopback_gloo():
+    """GLOO_SOCKET_IFNAME=lo for processes started inside (unless set, or there is no "lo"): without it gloo picks
+    its interface by resolving the machine's hostname (its DNS and /etc/hosts); the test process groups need only
+    the loopback."""
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    if "GLOO_SOCKET_IFNAME" in os.environ or "lo" not in names:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        yield
+    finally:
+        del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def free_port() -> int:
