@@ -7,11 +7,11 @@ tokens and a chat template, so TRL's conversational prompt path runs exactly as 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import string
 import time
+from unittest import mock
 
 import torch
 
@@ -175,7 +175,7 @@ def spawn_workers(worker, out_dir, nprocs: int, timeout_s: float, what: str) -> 
     import pytest
     import torch.multiprocessing as mp
 
-    with _loopback_gloo():
+    with mock.patch.dict(os.environ, _loopback_gloo_env()):  # the spawned workers inherit it
         context = mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=nprocs, join=False)
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
@@ -185,20 +185,12 @@ def spawn_workers(worker, out_dir, nprocs: int, timeout_s: float, what: str) -> 
             pytest.fail(f"{what} did not finish within {timeout_s} s")
 
 
-@contextlib.contextmanager
-def _loopback_gloo():
-    """GLOO_SOCKET_IFNAME=lo for processes started inside (unless set, or there is no "lo"): without it gloo picks
-    its interface by resolving the machine's hostname (its DNS and /etc/hosts); the test process groups need only
-    the loopback."""
+def _loopback_gloo_env() -> dict[str, str]:
+    """{"GLOO_SOCKET_IFNAME": "lo"} unless it is set or there is no "lo" interface: without it gloo picks its
+    interface by resolving the machine's hostname (its DNS and /etc/hosts); the test process groups need only the
+    loopback."""
     names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
-    if "GLOO_SOCKET_IFNAME" in os.environ or "lo" not in names:
-        yield
-        return
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    try:
-        yield
-    finally:
-        del os.environ["GLOO_SOCKET_IFNAME"]
+    return {} if "GLOO_SOCKET_IFNAME" in os.environ or "lo" not in names else {"GLOO_SOCKET_IFNAME": "lo"}
 
 
 def free_port() -> int:
