@@ -15,6 +15,9 @@ class ClipMode(str, Enum):
     CLIP_HIGHER = "clip_higher"  # DAPO's decoupled bounds [1 - eps_low, 1 + eps_high], eps_high > eps_low
     DUAL_CLIP = "dual_clip"  # static bounds plus the dual clip c * A for A < 0
     CALIBRATED = "calibrated"  # Calibrated Clipping: [low, high] fitted from FP8 vs BF16 ratios
+    # Reference arm, not a method: per token, clip exactly where the BF16 shadow ratio leaves [1-eps, 1+eps_high]
+    # (a shadow forward on every moved mini-batch); the best any calibration of the FP8 ratios can do.
+    ORACLE = "oracle"
 
 
 def clip_mode_names() -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from calclip.calibration import DEFAULT_MIN_TOKENS
 from calclip.calibration import SCHEDULES as CALIBRATION_SCHEDULES
 from calclip.calibration import UPPER_MODES as CALIBRATION_UPPER_MODES
 from calclip.fp8.config import BACKWARD_MODES as FP8_BACKWARD_MODES
@@ -30,6 +31,8 @@ FP8_RECIPES = fp8_recipe_names()
 OLD_LOGPS_SOURCES = ("trainer", "rollout")
 # Aggregations the calibrated loss reproduces exactly (TRL 1.16 normalizations).
 SUPPORTED_LOSS_TYPES = AGGREGATIONS
+_DEFAULT_RAIL_NOTE = (" (unset, calibration_low_max is 1 - epsilon and calibration_high_min is 1 + epsilon_high: the "
+                      "calibrated trust region is never tighter than the static one)")
 # DAPO paper (arXiv 2503.14476): clip-higher with eps_low 0.2, eps_high 0.28.
 CLIP_HIGHER_DEFAULT_EPSILON_HIGH = 0.28
 
@@ -65,7 +68,9 @@ class CalibratedGRPOConfig(GRPOConfig):
             "help": "How the PPO ratio is clipped. 'static': [1-epsilon, 1+epsilon_high] (TRL's). 'clip_higher': the "
             "same with epsilon_high defaulting to 0.28 (DAPO). 'dual_clip': static bounds plus the dual-clip floor "
             "dual_clip_c*A for A<0 tokens. 'calibrated': bounds fitted to BF16 shadow ratio quantiles "
-            "(Calibrated Clipping)."
+            "(Calibrated Clipping). 'oracle': a reference arm, not a method: per token, clip exactly the tokens "
+            "whose BF16 shadow ratio leaves [1-epsilon, 1+epsilon_high] (a BF16 shadow forward on every off-policy "
+            "mini-batch); the best any calibration can do."
         },
     )
     dual_clip_c: float = field(
@@ -102,9 +107,24 @@ class CalibratedGRPOConfig(GRPOConfig):
         default_factory=lambda: [0.6, 1.8],
         metadata={"help": "Ratio bounds [low, high] in force before the first calibration."},
     )
+    calibration_min_tokens: int = field(
+        default=DEFAULT_MIN_TOKENS,
+        metadata={"help": "Fewest A<0 tokens (and A>0 tokens, unless calibration_upper is 'fixed') over all ranks that "
+                  "a calibration may rest on. Every moved mini-batch of a generation round is pooled, and further "
+                  "rounds until the pool holds this many; below it the bounds in force stay (calib/fit 0)."},
+    )
     calibration_low_min: float = field(default=0.2, metadata={"help": "Lower rail of the calibrated low bound."})
-    calibration_low_max: float = field(default=1.0, metadata={"help": "Upper rail of the calibrated low bound."})
-    calibration_high_min: float = field(default=1.0, metadata={"help": "Lower rail of the calibrated high bound."})
+    calibration_low_max: float | None = field(
+        default=None,
+        metadata={"help": "Upper rail of the calibrated low bound. None (default): 1 - epsilon, so the calibrated "
+                  "trust region is never tighter than the static one below (FP8 noise widens the ratios; a fit above "
+                  "1 - epsilon is noise). Up to 1.0 opens the rail."},
+    )
+    calibration_high_min: float | None = field(
+        default=None,
+        metadata={"help": "Lower rail of the calibrated high bound. None (default): 1 + epsilon_high (never tighter "
+                  "than static above). Down to 1.0 opens the rail."},
+    )
     calibration_high_max: float = field(default=5.0, metadata={"help": "Upper rail of the calibrated high bound."})
 
     # ---- rollout correction ----
@@ -254,9 +274,9 @@ class CalibratedGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"epsilon_high ({self.epsilon_high}) must be > epsilon ({self.epsilon}) with clip_mode='clip_higher'"
             )
-        if self.clip_mode == "calibrated" and not self.calibration_is_meaningful:
+        if self.clip_mode in ("calibrated", "oracle") and not self.calibration_is_meaningful:
             warnings.warn(
-                "clip_mode='calibrated' but every mini-batch is on-policy: gradient_accumulation_steps "
+                f"clip_mode={self.clip_mode!r} but every mini-batch is on-policy: gradient_accumulation_steps "
                 f"({self.gradient_accumulation_steps}) is a multiple of steps_per_generation * num_iterations "
                 f"({self.steps_per_generation} * {self.num_iterations}), so no optimizer step falls inside a "
                 "generation round, TRL computes no old log-probs and the ratio is exactly 1; calibration never "
@@ -285,6 +305,18 @@ class CalibratedGRPOConfig(GRPOConfig):
     def clip_epsilon_high(self) -> float:
         """The upper epsilon in force: ``epsilon_high``, or ``epsilon`` when unset (TRL's rule)."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def calibration_low_rails(self) -> tuple[float, float]:
+        """(calibration_low_min, calibration_low_max) with the default upper rail 1 - epsilon filled in."""
+        low_max = 1.0 - self.epsilon if self.calibration_low_max is None else self.calibration_low_max
+        return self.calibration_low_min, low_max
+
+    @property
+    def calibration_high_rails(self) -> tuple[float, float]:
+        """(calibration_high_min, calibration_high_max) with the default lower rail 1 + epsilon_high filled in."""
+        high_min = 1.0 + self.clip_epsilon_high if self.calibration_high_min is None else self.calibration_high_min
+        return high_min, self.calibration_high_max
 
     def _validate_fp8_recipe(self) -> None:
         recipe = get_fp8_recipe(self.fp8_recipe)
@@ -329,18 +361,25 @@ class CalibratedGRPOConfig(GRPOConfig):
         _int_at_least("calibration_interval", self.calibration_interval, 1)
         if not _is_number(self.calibration_ema) or not 0.0 <= self.calibration_ema < 1.0:
             raise ValueError(f"calibration_ema must be in [0, 1), got {self.calibration_ema!r}")
+        _int_at_least("calibration_min_tokens", self.calibration_min_tokens, 1)
+        if not 0.0 < self.epsilon < 1.0:
+            raise ValueError(f"epsilon must lie in (0, 1) (the lower ratio bound is 1 - epsilon), got {self.epsilon!r}")
+        if self.epsilon_high is not None and not self.epsilon_high > 0.0:
+            raise ValueError(f"epsilon_high must be > 0 or None, got {self.epsilon_high!r}")
         for name in ("calibration_low_min", "calibration_low_max", "calibration_high_min", "calibration_high_max"):
-            if not _is_number(getattr(self, name)):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
-        if not 0.0 <= self.calibration_low_min <= self.calibration_low_max <= 1.0:
+            value = getattr(self, name)
+            if not (_is_number(value) or (value is None and name in ("calibration_low_max", "calibration_high_min"))):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        (low_min, low_max), (high_min, high_max) = self.calibration_low_rails, self.calibration_high_rails
+        if not 0.0 <= low_min <= low_max <= 1.0:
             raise ValueError(
                 "calibration_low_min/calibration_low_max must satisfy 0 <= low_min <= low_max <= 1, got "
-                f"({self.calibration_low_min}, {self.calibration_low_max})"
+                f"({low_min}, {low_max}){_DEFAULT_RAIL_NOTE}"
             )
-        if not 1.0 <= self.calibration_high_min <= self.calibration_high_max:
+        if not 1.0 <= high_min <= high_max:
             raise ValueError(
                 "calibration_high_min/calibration_high_max must satisfy 1 <= high_min <= high_max, got "
-                f"({self.calibration_high_min}, {self.calibration_high_max})"
+                f"({high_min}, {high_max}){_DEFAULT_RAIL_NOTE}"
             )
         bounds = self.calibration_init_bounds
         if (
@@ -351,20 +390,12 @@ class CalibratedGRPOConfig(GRPOConfig):
         ):
             raise ValueError(f"calibration_init_bounds must be [low, high] with low < 1 < high, got {bounds!r}")
         self.calibration_init_bounds = [float(b) for b in bounds]
-        if not (
-            self.calibration_low_min <= bounds[0] <= self.calibration_low_max
-            and self.calibration_high_min <= bounds[1] <= self.calibration_high_max
-        ):
+        if not (low_min <= bounds[0] <= low_max and high_min <= bounds[1] <= high_max):
             raise ValueError(
                 f"calibration_init_bounds {bounds} must lie within the rails [calibration_low_min, "
-                f"calibration_low_max] = [{self.calibration_low_min}, {self.calibration_low_max}] and "
-                f"[calibration_high_min, calibration_high_max] = [{self.calibration_high_min}, "
-                f"{self.calibration_high_max}]"
+                f"calibration_low_max] = [{low_min}, {low_max}] and [calibration_high_min, calibration_high_max] = "
+                f"[{high_min}, {high_max}]{_DEFAULT_RAIL_NOTE}"
             )
-        if not 0.0 < self.epsilon < 1.0:
-            raise ValueError(f"epsilon must lie in (0, 1) (the lower ratio bound is 1 - epsilon), got {self.epsilon!r}")
-        if self.epsilon_high is not None and not self.epsilon_high > 0.0:
-            raise ValueError(f"epsilon_high must be > 0 or None, got {self.epsilon_high!r}")
 
         if not _is_number(self.tis_cap) or self.tis_cap <= 0.0:
             raise ValueError(f"tis_cap must be a number > 0, got {self.tis_cap!r}")
@@ -382,9 +413,9 @@ class CalibratedGRPOConfig(GRPOConfig):
                 "vllm_importance_sampling_correction must be False when old_logps_source='rollout': the ratio is "
                 "already pi/pi_rollout, and TRL's correction would weight the loss by pi_old/pi_rollout a second time"
             )
-        if self.clip_mode == "calibrated" and self.importance_sampling_level != "token":
+        if self.clip_mode in ("calibrated", "oracle") and self.importance_sampling_level != "token":
             raise ValueError(
-                "clip_mode='calibrated' needs importance_sampling_level='token': the bounds are calibrated on token "
+                f"clip_mode={self.clip_mode!r} needs importance_sampling_level='token': the bounds are set on token "
                 f"ratios and would be applied to sequence ratios, got {self.importance_sampling_level!r}"
             )
         needs_rollout_logps = self.tis_mode != "none" or self.old_logps_source == "rollout"

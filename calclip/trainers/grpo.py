@@ -72,13 +72,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import time
 import warnings
 
 import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
-from calclip.calibration import ClipCalibrator, torch_distributed_all_gather
+from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, oracle_bounds, torch_distributed_all_gather
+from calclip.calibration.state import FIT_SETTINGS
 from calclip.fp8 import Fp8Config, bf16_shadow, frozen_fp8_weights, pop_nonfinite_count, quantize_model
 from calclip.losses import (
     aggregate,
@@ -222,28 +224,34 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             self._allow_compiled_generation()
         if fp8_vllm:
             self._start_fp8_vllm()
-        self.calibrator = ClipCalibrator(
-            eps_low=args.epsilon,
-            eps_high=args.clip_epsilon_high,
-            upper=args.calibration_upper,
-            schedule=args.calibration_schedule,
-            interval=args.calibration_interval,
-            ema=args.calibration_ema,
-            init_low=args.calibration_init_bounds[0],
-            init_high=args.calibration_init_bounds[1],
-            low_rails=(args.calibration_low_min, args.calibration_low_max),
-            high_rails=(args.calibration_high_min, args.calibration_high_max),
-            # Statistics over the tokens of every rank, so every rank applies the same bounds (DESIGN.md step 7).
-            all_gather=torch_distributed_all_gather() if self.accelerator.num_processes > 1 else None,
-        )
+        self.calibrator = self._build_calibrator()
         self.spike_detector = EntropySpikeDetector(
             window=args.entropy_spike_window, warmup=args.entropy_spike_warmup, z_threshold=args.entropy_spike_z
         )
         self._step_entropies: list[tuple[float, float]] = []  # (entropy, A<0 entropy) of this step's micro-batches
+        self._shadow_seconds = 0.0  # BF16 shadow forwards since the last optimizer step (time/bf16_shadow)
         self._outlier_log: MismatchOutlierLog | None = None  # created at the first outlier check
         self._old_logps_step: int | None = None  # global_step at which the buffered generation batch was produced
         # W&B histograms of the calibration ratios; None (no cost) unless W&B reports this run.
         self._ratio_histograms = attach_ratio_histograms(self)
+
+    def _build_calibrator(self) -> ClipCalibrator:
+        """A fresh calibrator with this run's settings."""
+        return ClipCalibrator(
+            eps_low=self.args.epsilon,
+            eps_high=self.args.clip_epsilon_high,
+            upper=self.args.calibration_upper,
+            schedule=self.args.calibration_schedule,
+            interval=self.args.calibration_interval,
+            ema=self.args.calibration_ema,
+            init_low=self.args.calibration_init_bounds[0],
+            init_high=self.args.calibration_init_bounds[1],
+            low_rails=self.args.calibration_low_rails,
+            high_rails=self.args.calibration_high_rails,
+            min_tokens=self.args.calibration_min_tokens,
+            # Statistics over the tokens of every rank, so every rank applies the same bounds (DESIGN.md step 7).
+            all_gather=torch_distributed_all_gather() if self.accelerator.num_processes > 1 else None,
+        )
 
     # ------------------------------------------------------------------------------------------ optimizer
 
@@ -434,12 +442,14 @@ class CalibratedGRPOTrainer(GRPOTrainer):
 
     def _shadow_active(self) -> bool:
         """Shadow calibrations run in calibrated mode, and for FP8-vs-BF16 monitoring in the other modes."""
-        return self.args.fp8 or self.clip_mode is ClipMode.CALIBRATED
+        return self.args.fp8 or self.clip_mode in (ClipMode.CALIBRATED, ClipMode.ORACLE)
 
     def _shadow_due_this_round(self) -> bool:
         """Whether a shadow calibration may fall in the optimizer steps fed by the generation happening now."""
         if not (self._shadow_active() and self.args.calibration_is_meaningful):
             return False
+        if self.clip_mode is ClipMode.ORACLE:
+            return True  # the oracle's bounds are the shadow's clip decisions on every moved mini-batch
         # The round's micro-batches are self._step ... self._step + generate_every - 1; count the optimizer steps they
         # span (one more than generate_every / GA when a round straddles a step boundary).
         accumulation = self.args.gradient_accumulation_steps
@@ -501,9 +511,15 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     def _shadow_logps(self, batch) -> torch.Tensor:
-        """BF16 shadow log-probs of the batch's completion tokens under the current weights (no grad)."""
+        """BF16 shadow log-probs of the batch's completion tokens under the current weights (no grad).
+
+        Its wall time (device work included: synchronized before and after) adds to the step's ``time/bf16_shadow``,
+        the cost of the shadow statistics, to read against ``step_time``."""
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
+        sync()
+        start = time.perf_counter()
         with torch.no_grad(), self._bf16_shadow():
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model,
@@ -513,6 +529,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 batch_size=self.args.per_device_train_batch_size,
                 **{key: batch.get(key) for key in _FORWARD_KEYS},
             )
+        sync()
+        self._shadow_seconds += time.perf_counter() - start
         return logps
 
     def _log_repeated_ngrams(self, batch, mode: str) -> None:
@@ -546,8 +564,12 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         old_logps = self._old_logps(inputs, logps)
         stats: dict[str, torch.Tensor] = {}  # per-micro-batch scalars
         token_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # (sum, count) of token-level metrics
-        calibration_stats = self._calibrate(inputs, logps, old_logps, advantages, mask) if mode == "train" else {}
-        low, high = self.clip_bounds
+        calibration_stats, ratio_fp8, ratio_bf16 = ({}, None, None)
+        if mode == "train":
+            calibration_stats, ratio_fp8, ratio_bf16 = self._calibrate(inputs, logps, old_logps, advantages, mask)
+        low, high = self._clip_bounds_for(advantages, ratio_fp8, ratio_bf16)
+        if ratio_fp8 is not None:
+            self._log_drop_scores(ratio_fp8, ratio_bf16, advantages, mask, low)
         is_weights = self._rollout_correction(inputs, old_logps, mask, stats)
 
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
@@ -597,7 +619,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             stats["aux_loss"] = aux_loss.detach()
 
         self._log_loss_metrics(mode, stats, token_sums, surrogate_stats, calibration_stats, inputs, logps, old_logps,
-                               entropies, advantages, mask)  # fmt: skip
+                               entropies, advantages, mask, (low, high))  # fmt: skip
         return loss
 
     def _old_logps(self, inputs, logps) -> torch.Tensor:
@@ -650,29 +672,94 @@ class CalibratedGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------ calibration
 
-    def _calibrate(self, inputs, logps, old_logps, advantages, mask) -> dict[str, float]:
-        """Run a shadow calibration or an every_step refit when due on this (moved) mini-batch; return its stats."""
-        if not (self._shadow_active() and self._policy_moved(inputs)):
-            return {}
+    def _calibrate(self, inputs, logps, old_logps, advantages, mask):
+        """On a moved mini-batch: its ratios; pool its tokens for the calibration when one is due (or for the
+        every_step refit), and compute the BF16 shadow ratios where the calibration or the oracle needs them.
+
+        Returns (stats, ratio_fp8, ratio_bf16): the shadow step's stats, and the ratios (None on a mini-batch that
+        is on-policy, and ratio_bf16 None without a shadow forward). The bounds in force are not changed here: a
+        calibration commits when the next generation round starts (``_commit_calibration``), so every mini-batch is
+        trained and scored with bounds fitted on other tokens.
+        """
+        if not self._policy_moved(inputs):
+            return {}, None, None
         ratio_fp8 = torch.exp(token_log_ratio(logps.detach(), old_logps))
-        step = self.state.global_step
-        if self.calibrator.needs_calibration(step):
+        if not self._shadow_active():
+            return {}, ratio_fp8, None  # a BF16 run with static bounds: its own drops are still scored
+        due = self.calibrator.needs_calibration(self.state.global_step)
+        if due or self.clip_mode is ClipMode.ORACLE:
             ratio_bf16, bf16_logps = self._shadow_ratio(inputs, logps, ratio_fp8)
-            if ratio_bf16 is not None:
-                stats = self.calibrator.calibrate(ratio_bf16, ratio_fp8, advantages, mask)
-                if self._ratio_histograms is not None:
-                    self._ratio_histograms.record(split_ratios(ratio_fp8, ratio_bf16, advantages, mask))
-                stats.update(self._static_drop_shares(ratio_bf16, ratio_fp8, advantages, mask))
-                if bf16_logps is not None:
-                    count = ((mask != 0) & torch.isfinite(logps) & torch.isfinite(bf16_logps)).sum()
-                    local_mean = token_mult_prob_error(logps, bf16_logps, mask)
-                    name = "mismatch/fp8_bf16_token_mult_prob_error"
-                    stats.update(self._global_token_means({name: (local_mean * count, count)}))
-                return stats
+            if ratio_bf16 is None:  # no shadow old log-probs for this round: stays due, the next round has them
+                return {}, ratio_fp8, None
+            if due:
+                self.calibrator.observe(ratio_bf16, ratio_fp8, advantages, mask)
+            if self._ratio_histograms is not None:
+                self._ratio_histograms.record(split_ratios(ratio_fp8, ratio_bf16, advantages, mask))
+            stats = self._static_drop_shares(ratio_bf16, ratio_fp8, advantages, mask)
+            if bf16_logps is not None:
+                count = ((mask != 0) & torch.isfinite(logps) & torch.isfinite(bf16_logps)).sum()
+                local_mean = token_mult_prob_error(logps, bf16_logps, mask)
+                name = "mismatch/fp8_bf16_token_mult_prob_error"
+                stats.update(self._global_token_means({name: (local_mean * count, count)}))
+            return stats, ratio_fp8, ratio_bf16
         if self.args.calibration_schedule == "every_step" and self.clip_mode is ClipMode.CALIBRATED:
             if self.calibrator.calibrated:
-                return self.calibrator.refit(ratio_fp8, advantages, mask)
-        return {}
+                self.calibrator.observe(None, ratio_fp8, advantages, mask)
+        return {}, ratio_fp8, None
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        loss = super().training_step(model, inputs, num_items_in_batch)  # TRL counts the micro-batch (self._step)
+        if self._step % self._generate_every == 0:
+            self._commit_calibration()
+        return loss
+
+    def _commit_calibration(self) -> None:
+        """Fit the bounds on the tokens pooled since the last commit, after the last micro-batch of a generation
+        round (DESIGN.md step 8), so they apply from the next round on and every mini-batch is trained with bounds
+        fitted on other tokens; below calibration_min_tokens the bounds in force stay (calib/fit 0). Every rank
+        commits together; the pool is global, so they agree."""
+        for name, value in self.calibrator.commit(self.state.global_step).items():
+            if name not in ("calib/low", "calib/high"):  # the bounds in force are logged with every loss
+                self._metrics["train"][name].append(float(value))
+
+    def _clip_bounds_for(self, advantages, ratio_fp8, ratio_bf16):
+        """The (low, high) the loss uses: the bounds in force, or per token the oracle's (when a shadow ran)."""
+        if self.clip_mode is ClipMode.ORACLE and ratio_bf16 is not None:
+            return oracle_bounds(ratio_fp8, ratio_bf16, advantages, base_low=1.0 - self.args.epsilon,
+                                 base_high=1.0 + self.args.clip_epsilon_high)  # fmt: skip
+        return self.clip_bounds
+
+    def _log_drop_scores(self, ratio_fp8, ratio_bf16, advantages, mask, low) -> None:
+        """Out-of-sample scores of the lower bound in force (DESIGN.md step 10) on a moved mini-batch: counts
+        summed over ranks, and the shares.
+
+        oos/neg_tokens, oos/fp8_drops: A<0 tokens, and those below the bound in force (their penalty dropped);
+        oos/neg_drop_frac is their quotient. On shadow mini-batches also oos/shadow_neg_tokens,
+        oos/shadow_fp8_drops, oos/shadow_bf16_drops (BF16 shadow ratio below 1 - epsilon), oos/shadow_both_drop, and
+        oos/drop_recall (share of BF16's drops that FP8 drops too) and oos/drop_precision (share of FP8's drops that
+        BF16 drops too) where defined. A window's share is the quotient of the summed counts.
+        """
+        counts = drop_counts(ratio_fp8, advantages, mask, low, ratio_bf16=ratio_bf16, base_low=1.0 - self.args.epsilon)
+        if ratio_bf16 is None:
+            counts = counts[:2]
+        counts = self.accelerator.reduce(counts, reduction="sum")
+        metrics = self._metrics["train"]
+        if ratio_bf16 is None:
+            neg, fp8 = counts.tolist()
+            metrics["oos/neg_tokens"].append(neg)
+            metrics["oos/fp8_drops"].append(fp8)
+            metrics["oos/neg_drop_frac"].append(fp8 / neg if neg else 0.0)
+            return
+        shares = drop_shares(counts)
+        neg, fp8, bf16, both = counts.tolist()
+        metrics["oos/neg_tokens"].append(neg)
+        metrics["oos/fp8_drops"].append(fp8)
+        metrics["oos/neg_drop_frac"].append(shares["neg_drop_frac"])
+        for name, value in (("neg_tokens", neg), ("fp8_drops", fp8), ("bf16_drops", bf16), ("both_drop", both)):
+            metrics[f"oos/shadow_{name}"].append(value)
+        for name in ("drop_recall", "drop_precision"):
+            if name in shares:
+                metrics[f"oos/{name}"].append(shares[name])
 
     def _shadow_ratio(self, inputs, logps, ratio_fp8):
         """BF16 shadow ratios of the mini-batch (and the BF16 current log-probs), or (None, None) without data."""
@@ -701,8 +788,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ metrics
 
     def _log_loss_metrics(self, mode, stats, token_sums, surrogate_stats, calibration_stats, inputs, logps, old_logps,
-                          entropies, advantages, mask) -> None:  # fmt: skip
-        low, high = self.clip_bounds
+                          entropies, advantages, mask, bounds) -> None:  # fmt: skip
+        low, high = bounds  # the loss's bounds (per token for the oracle)
         adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
         in_mask = mask != 0
         # Token-level metrics are (sum, count) pairs reduced over ranks: token-weighted global means, like TRL's
@@ -771,13 +858,17 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         for name, value in calibration_stats.items():
             if name not in _PER_STEP_STATS:  # the bounds in force and the FP8 clip shares are logged every step
                 self._metrics[mode][name].append(float(value))
-        self._metrics[mode]["calib/low"].append(low)
-        self._metrics[mode]["calib/high"].append(high)
+        in_force = self.clip_bounds  # scalars (the oracle's static base bounds)
+        self._metrics[mode]["calib/low"].append(in_force[0])
+        self._metrics[mode]["calib/high"].append(in_force[1])
 
         if mode == "train":
             self._step_entropies.append((values["entropy"], values["entropy/neg_adv"]))
             if self.accelerator.sync_gradients:
                 self._end_of_step_monitoring()
+                if self._shadow_active():
+                    self._metrics[mode]["time/bf16_shadow"].append(self._shadow_seconds)
+                self._shadow_seconds = 0.0
 
     def _mismatch_outliers(self, mode, inputs, old_logps, rollout, mask, stats) -> None:
         """mismatch/max_abs_logp_diff, and in training the tokens above mismatch_dump_threshold written out
@@ -866,12 +957,35 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             if self._generation_cache is not None:
                 self._generation_cache.release()  # the KV cache kept across rollouts is not needed after training
 
+    def _calibration_settings(self) -> dict:
+        """The trainer settings besides the calibrator's own under which its bounds were fitted."""
+        return {"fp8": self.args.fp8, "fp8_recipe": self.args.fp8_recipe, "clip_mode": self.clip_mode.value}
+
     def calclip_state_dict(self) -> dict:
-        return {"calibrator": self.calibrator.state_dict(), "spike_detector": self.spike_detector.state_dict()}
+        return {"calibrator": self.calibrator.state_dict(), "spike_detector": self.spike_detector.state_dict(),
+                "settings": self._calibration_settings()}  # fmt: skip
 
     def load_calclip_state_dict(self, state: dict) -> None:
-        self.calibrator.load_state_dict(state["calibrator"])
+        """Restore the calibrator and spike detector. A saved calibration made under other clip settings (epsilons,
+        calibration_upper, rails, calibration_min_tokens; or fp8, fp8_recipe, clip_mode) is not applied: the
+        calibrator starts fresh with a calibration due at once, and a warning names the changed settings."""
+        if not isinstance(state, dict):
+            raise ValueError(f"the state must be a dict, got {type(state).__name__}")
+        changed = self.calibrator.load_state_dict(state["calibrator"])
+        saved = state.get("settings", {})
+        if not isinstance(saved, dict):
+            raise ValueError(f"'settings' must be a dict, got {type(saved).__name__}")
+        current = self._calibration_settings()
+        trainer_changed = [name for name in current if saved.get(name) != current[name]]
+        if trainer_changed:
+            self.calibrator.reset()
         self.spike_detector.load_state_dict(state["spike_detector"])
+        if changed or trainer_changed:
+            fitted = [name for name in changed if name in FIT_SETTINGS] + trainer_changed
+            action = ("the saved bounds are discarded and a calibration is due at once" if fitted else
+                      "the saved bounds are kept under the new cadence")
+            warnings.warn(f"resuming with changed calibration settings {changed + trainer_changed}: {action}",
+                          UserWarning, stacklevel=2)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         # Written with the optimizer state it resumes with (the mirror of _load_optimizer_and_scheduler), inside

@@ -2,8 +2,8 @@
 configs/accelerate/*.yaml (tests/trainers/test_launch_modes.py). ``python _launch_worker.py OUT_DIR`` writes
 ``OUT_DIR/rank{R}.pt`` with what the test checks:
 
-- ``calls``: every calibrator update (``calibrate`` / ``refit``) with this rank's own inputs, the optimizer step and
-  micro-batch it ran on, and the bounds and stats it returned, so the test can replay all of them on the union of
+- ``calls``: every calibrator call (``observe``, with this rank's own inputs, and ``commit``, with the stats and bounds
+  it returned), the optimizer step and micro-batch it ran on, so the test can replay all of them on the union of
   both ranks' tokens;
 - ``bounds_in_force``: calib/low and calib/high of every training micro-batch (TRL's metric lists, read before each
   log averages and clears them), and ``logged``: the values TRL logged per step;
@@ -36,10 +36,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 # Four optimizer steps, two generation rounds (steps_per_generation 4 over gradient accumulation 2): the second
-# step of each round sees a moved policy. every_step with interval 2: shadow calibrations at steps 1 and 3,
-# FP8 refits on the other moved micro-batch of each.
+# step of each round (two micro-batches) sees a moved policy. every_step with interval 4: round 1 pools both moved
+# micro-batches with their BF16 shadow and calibrates at its end; round 2 (step 3, same window) pools their FP8
+# ratios and refits at its end.
 RUN = dict(
-    clip_mode="calibrated", fp8=True, max_steps=4, calibration_schedule="every_step", calibration_interval=2,
+    clip_mode="calibrated", fp8=True, max_steps=4, calibration_schedule="every_step", calibration_interval=4,
     per_device_train_batch_size=4, logging_steps=1,
 )  # fmt: skip
 WEIGHT_WRITE_STEP = 2  # after this optimizer step, every FP8 weight is scaled in place (no optimizer step)
@@ -143,7 +144,7 @@ def main(out_dir: Path) -> None:
     record: dict = {
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
-        "calibrator_config": calibrator.state_dict()["config"],
+        "calibrator_config": calibrator.settings,
         "init_bounds": calibrator.bounds,
         "calls": [],
         "bounds_in_force": {"calib/low": [], "calib/high": []},
@@ -158,20 +159,24 @@ def main(out_dir: Path) -> None:
             micro_batch[0] += 1
         return compute_loss(*args, **kwargs)
 
-    def recorded(kind, method):
-        def call(*tensors):
-            stats = method(*tensors)
-            record["calls"].append({
-                "kind": kind, "step": trainer.state.global_step, "micro_batch": micro_batch[0],
-                "inputs": [t.detach().cpu().clone() for t in tensors], "bounds": calibrator.bounds, "stats": dict(stats),
-            })  # fmt: skip
-            return stats
+    observe, commit = calibrator.observe, calibrator.commit
 
-        return call
+    def recorded_observe(*tensors):
+        record["calls"].append({
+            "kind": "observe", "step": trainer.state.global_step, "micro_batch": micro_batch[0],
+            "inputs": [None if t is None else t.detach().cpu().clone() for t in tensors],
+        })  # fmt: skip
+        return observe(*tensors)
+
+    def recorded_commit(step=None):
+        stats = commit(step)
+        record["calls"].append({"kind": "commit", "step": step, "micro_batch": micro_batch[0],
+                                "bounds": calibrator.bounds, "stats": dict(stats)})  # fmt: skip
+        return stats
 
     trainer.compute_loss = counting_compute_loss
-    calibrator.calibrate = recorded("calibrate", calibrator.calibrate)
-    calibrator.refit = recorded("refit", calibrator.refit)
+    calibrator.observe = recorded_observe
+    calibrator.commit = recorded_commit
 
     log = trainer.log
 

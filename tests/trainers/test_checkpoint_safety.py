@@ -64,24 +64,30 @@ def test_crafted_pickle_in_state_file_does_not_run_on_resume(trainer, tmp_path):
 
 def test_real_state_round_trips_with_weights_only(trainer, tmp_path):
     # A calibrated, non-initial state with every kind of value the two objects hold (None, floats, ints, tuples).
-    calibrator = ClipCalibrator(schedule="every_step", upper="quantile")
+    # The trainer's own calibrator settings (a state saved under other settings is not applied: test below), with
+    # a pool in flight.
+    calibrator = ClipCalibrator(**{**trainer.calibrator.settings, "schedule": "every_step", "upper": "quantile"})
+    trainer.calibrator = ClipCalibrator(**calibrator.settings)
     calibrator.needs_calibration(3)
     generator = torch.Generator().manual_seed(0)
     ratios = torch.exp(0.2 * torch.randn(4, 16, generator=generator))
     calibrator.calibrate(ratios, ratios * 1.01, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4, 16))
+    calibrator.observe(ratios, ratios * 0.99, torch.tensor([0.5, -1.0, 0.5, -0.5]), torch.ones(4, 16))
     detector = EntropySpikeDetector(window=4, warmup=2)
     for step, value in enumerate([1.0, 1.1, 0.9]):
         detector.update(value, value / 2, step=step)
     import numpy as np
 
     detector.update(np.float64(1.05), torch.tensor(0.5).item(), step=3)  # a numpy float: stored as a plain float
-    state = {"calibrator": calibrator.state_dict(), "spike_detector": detector.state_dict()}
+    state = {"calibrator": calibrator.state_dict(), "spike_detector": detector.state_dict(),
+             "settings": trainer._calibration_settings()}
     folder = _checkpoint_with(tmp_path, state)
     loaded = torch.load(os.path.join(folder, CALCLIP_STATE_NAME), weights_only=True)
     assert loaded == state and loaded["calibrator"]["alpha"] is not None
+    assert loaded["calibrator"]["pool"]["batches"] == 1
 
     trainer._load_optimizer_and_scheduler(folder)
-    assert trainer.calibrator.state_dict() == {**calibrator.state_dict(), "config": trainer.calibrator.state_dict()["config"]}
+    assert trainer.calibrator.state_dict() == calibrator.state_dict()
     assert trainer.spike_detector.state_dict()["entropy"] == [1.0, 1.1, 0.9, 1.05]
 
 
@@ -112,3 +118,53 @@ def test_load_calclip_state_is_weights_only_for_any_caller(tmp_path):
     with pytest.raises(CalclipStateError, match="state.pt"):
         load_calclip_state(str(tmp_path / "state.pt"))
     assert not marker.exists()
+
+
+def _fitted_trainer_state(trainer):
+    trainer.calibrator = trainer._build_calibrator()
+    ratios = torch.exp(0.2 * torch.randn(4, 16, generator=torch.Generator().manual_seed(1)))
+    trainer.calibrator.calibrate(ratios, ratios * 0.9, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4, 16),
+                                 step=2)  # fmt: skip
+    assert trainer.calibrator.calibrated
+    return trainer.calclip_state_dict()
+
+
+@pytest.mark.parametrize(("field", "value"), [("low", float("nan")), ("alpha", 5.0), ("step", -3),
+                                              ("pending_recalibration", "yes")])
+def test_a_state_that_loads_but_is_invalid_is_refused_naming_file_and_field(trainer, tmp_path, field, value):
+    """A file torch.load(weights_only=True) accepts can still hold NaN bounds (which would switch clipping off for
+    the rest of the run), an alpha of 5 or a string flag: refused before anything is applied."""
+    state = _fitted_trainer_state(trainer)
+    state["calibrator"][field] = value
+    folder = _checkpoint_with(tmp_path, state)
+    before = trainer.calibrator.state_dict()
+    with pytest.raises(CalclipStateError) as caught:
+        trainer._load_optimizer_and_scheduler(folder)
+    message = str(caught.value)
+    assert os.path.join(folder, CALCLIP_STATE_NAME) in message and f"'{field}'" in message
+    assert trainer.calibrator.state_dict() == before
+
+
+@pytest.mark.parametrize(("section", "name", "value"), [
+    ("calibrator", "eps_low", 0.3), ("calibrator", "upper", "quantile"), ("calibrator", "min_tokens", 7),
+    ("trainer", "fp8", False), ("trainer", "clip_mode", "static"), ("trainer", "fp8_recipe", "tensorwise"),
+])  # fmt: skip
+def test_a_state_saved_under_other_clip_settings_starts_a_fresh_calibration(trainer, tmp_path, section, name, value):
+    state = _fitted_trainer_state(trainer)
+    settings = state["calibrator"]["settings"] if section == "calibrator" else state["settings"]
+    settings[name] = value
+    folder = _checkpoint_with(tmp_path, state)
+    with pytest.warns(UserWarning, match=rf"changed calibration settings \[.*'{name}'.*discarded"):
+        trainer._load_optimizer_and_scheduler(folder)
+    assert not trainer.calibrator.calibrated and trainer.calibrator.bounds == tuple(trainer.args.calibration_init_bounds)
+    assert trainer.calibrator.needs_calibration(state["calibrator"]["step"])  # a calibration is due at once
+
+
+def test_a_state_saved_under_another_cadence_keeps_its_bounds(trainer, tmp_path):
+    state = _fitted_trainer_state(trainer)
+    state["calibrator"]["settings"]["interval"] += 5
+    folder = _checkpoint_with(tmp_path, state)
+    with pytest.warns(UserWarning, match=r"\['interval'\].*kept under the new cadence"):
+        trainer._load_optimizer_and_scheduler(folder)
+    assert trainer.calibrator.calibrated and trainer.calibrator.bounds == (state["calibrator"]["low"],
+                                                                           state["calibrator"]["high"])

@@ -1,6 +1,7 @@
 """Two CPU processes (torch.distributed over gloo, set up by accelerate from the usual env variables) train the same
 calibrated FP8 run on different data: both ranks must hold identical bounds, equal to a single-process calibration
-on the concatenated tokens of both ranks (DESIGN.md step 7).
+on the concatenated tokens of both ranks and of every moved mini-batch of the round, in (mini-batch, rank) order
+(DESIGN.md steps 7 and 8).
 
 The test launches this file as a script once per rank; ``python test_distributed.py OUT_DIR`` is the worker.
 """
@@ -45,22 +46,26 @@ def test_two_ranks_apply_identical_global_bounds(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     tokens = [torch.load(tmp_path / f"rank{rank}_calibration_tokens.pt") for rank in range(WORLD_SIZE)]
 
-    # each rank calibrated once, on its own (different) tokens
+    # each rank pooled both moved mini-batches of the round (step 1's two micro-batches), on its own tokens, and
+    # calibrated once on the pool
     assert all(r["world_size"] == WORLD_SIZE for r in ranks)
     assert all(r["calibrator"]["num_calibrations"] == 1 for r in ranks)
-    assert not torch.equal(tokens[0]["ratio_fp8"][:8], tokens[1]["ratio_fp8"][:8])
+    assert [len(t) for t in tokens] == [2, 2]
+    assert not torch.equal(tokens[0][0]["ratio_fp8"][:8], tokens[1][0]["ratio_fp8"][:8])
     # identical state on both ranks, moved from the initial bounds
     assert ranks[0]["calibrator"] == ranks[1]["calibrator"]
     assert ranks[0]["bounds"] == ranks[1]["bounds"] != [0.6, 1.8]
 
-    # equal to one process calibrating on all ranks' tokens
+    # equal to one process calibrating on all ranks' tokens of both mini-batches, in (mini-batch, rank) order
     from calclip.calibration import ClipCalibrator
 
-    single = ClipCalibrator(eps_low=0.2, eps_high=0.2, low_rails=(0.2, 1.0), high_rails=(1.0, 5.0))
-    single.needs_calibration(1)
-    cat = {key: torch.cat([t[key] for t in tokens]).unsqueeze(0) for key in tokens[0]}
+    single = ClipCalibrator(**ranks[0]["settings"])
+    parts = [tokens[rank][batch] for batch in range(2) for rank in range(WORLD_SIZE)]
+    cat = {key: torch.cat([part[key] for part in parts]).unsqueeze(0) for key in parts[0]}
     single.calibrate(cat["ratio_bf16"], cat["ratio_fp8"], cat["advantages"], torch.ones_like(cat["ratio_fp8"]))
-    assert list(single.bounds) == pytest.approx(ranks[0]["bounds"], rel=1e-12)
+    assert list(single.bounds) == ranks[0]["bounds"]  # bit for bit
+    expected_neg = int(sum((part["advantages"] < 0).sum() for part in parts))
+    assert ranks[0]["calib_neg_tokens"] == [float(expected_neg)]
 
 
 def _worker(out_dir: Path) -> None:
@@ -70,24 +75,23 @@ def _worker(out_dir: Path) -> None:
     trainer = tiny_trainer(out_dir / "run", num_prompts=16, disable_tqdm=True, **RUN)
     rank = trainer.accelerator.process_index
 
-    # record this rank's calibration tokens (flattened masked tokens) before the calibrator gathers them
-    calibrate = trainer.calibrator.calibrate
+    # record this rank's pooled tokens (flattened masked tokens with A != 0) before the calibrator gathers them
+    observe, observed = trainer.calibrator.observe, []
 
-    def recording_calibrate(ratio_bf16, ratio_fp8, advantages, mask):
-        keep = mask.bool()
+    def recording_observe(ratio_bf16, ratio_fp8, advantages, mask):
+        keep = mask.bool() & (advantages.unsqueeze(-1) != 0)
         adv = advantages.unsqueeze(-1).expand_as(ratio_fp8)
-        torch.save(
-            {"ratio_bf16": ratio_bf16[keep].double().cpu(), "ratio_fp8": ratio_fp8[keep].double().cpu(),
-             "advantages": adv[keep].double().cpu()},
-            out_dir / f"rank{rank}_calibration_tokens.pt",
-        )  # fmt: skip
-        return calibrate(ratio_bf16, ratio_fp8, advantages, mask)
+        observed.append({"ratio_bf16": ratio_bf16[keep].double().cpu(), "ratio_fp8": ratio_fp8[keep].double().cpu(),
+                         "advantages": adv[keep].double().cpu()})  # fmt: skip
+        return observe(ratio_bf16, ratio_fp8, advantages, mask)
 
-    trainer.calibrator.calibrate = recording_calibrate
+    trainer.calibrator.observe = recording_observe
     trainer.train()
+    torch.save(observed, out_dir / f"rank{rank}_calibration_tokens.pt")
     state = trainer.calibrator.state_dict()
-    state.pop("config")
-    result = {"world_size": trainer.accelerator.num_processes, "bounds": list(trainer.calibrator.bounds)}
+    result = {"world_size": trainer.accelerator.num_processes, "bounds": list(trainer.calibrator.bounds),
+              "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in trainer.calibrator.settings.items()},
+              "calib_neg_tokens": [e["calib/neg_tokens"] for e in trainer.state.log_history if "calib/neg_tokens" in e]}
     (out_dir / f"rank{rank}.json").write_text(json.dumps({**result, "calibrator": state}))
     # Finish every rank's in-flight gloo work before the interpreter exits: exiting under it aborted a rank
     # ("terminate called without an active exception") in a loaded CI run.

@@ -47,13 +47,15 @@ RUNS = {
     "calibrated_fp8_sequence_truncate": dict(clip_mode="calibrated", fp8=True, tis_mode="sequence_truncate"),
     "calibrated_bf16_every_step_quantile": dict(
         clip_mode="calibrated", fp8=False, calibration_schedule="every_step", calibration_upper="quantile",
-        max_steps=4, calibration_interval=3, loss_type="grpo",
+        # two rounds of two steps; interval 4: round 1 calibrates, round 2 (steps 2-3) refits on its FP8 ratios
+        max_steps=4, calibration_interval=4, loss_type="grpo",
     ),
     # hidden 192, intermediate 384: ragged 128-blocks in every FP8 GEMM
     "calibrated_fp8_ragged_blocks_fp8_backward_bf16": dict(clip_mode="calibrated", fp8=True, hidden_size=192,
                                                           fp8_backward="bf16", tis_mode="token_mask"),
     "calibrated_fp8_bypass_ema": dict(clip_mode="calibrated", fp8=True, old_logps_source="rollout",
                                       calibration_ema=0.5, loss_type="bnpo"),
+    "oracle_fp8": dict(clip_mode="oracle", fp8=True),
 }  # fmt: skip
 
 
@@ -82,11 +84,17 @@ def test_short_run(tokenizer, tmp_path, name):
     assert len(lows) == trainer.args.max_steps
     args = trainer.args
     if args.clip_mode == "calibrated":
-        assert all(args.calibration_low_min <= v <= args.calibration_low_max for v in lows)
-        assert all(args.calibration_high_min <= v <= args.calibration_high_max for v in highs)
+        (low_min, low_max), (high_min, high_max) = args.calibration_low_rails, args.calibration_high_rails
+        # the default rails: never tighter than the static bounds
+        assert low_max == 1 - args.epsilon and high_min == 1 + args.clip_epsilon_high
+        assert all(low_min <= v <= low_max for v in lows)
+        assert all(high_min <= v <= high_max for v in highs)
         assert trainer.calibrator.calibrated  # the moved mini-batches calibrated
-        if args.calibration_schedule == "interval":  # (every_step refits per mini-batch; the log is their mean)
-            assert (lows[-1], highs[-1]) == pytest.approx(trainer.calibrator.bounds)
+        # The fit commits after a round's last micro-batch: no mini-batch trains with bounds fitted on its own
+        # tokens. A one-round run trains every step with the initial bounds; the fit is in force after it.
+        assert logged(trainer, "calib/fit")[0] == 1.0
+        if args.max_steps * args.gradient_accumulation_steps == args.steps_per_generation:
+            assert (lows[-1], highs[-1]) == pytest.approx(args.calibration_init_bounds)
         assert (lows[0], highs[0]) == pytest.approx(args.calibration_init_bounds)  # step 1 is on-policy
         assert trainer.calibrator.bounds != tuple(args.calibration_init_bounds)
     else:
@@ -109,6 +117,15 @@ def test_short_run(tokenizer, tmp_path, name):
         assert weights and all(0.0 <= w <= args.tis_cap for w in weights)
     if args.old_logps_source == "trainer":
         assert all(v >= 1.0 for v in logged(trainer, "mismatch/token_mult_prob_error"))
+
+    # out-of-sample scores of the bounds in force, on the moved mini-batches (step 2 on)
+    neg, drops = logged(trainer, "oos/neg_tokens"), logged(trainer, "oos/fp8_drops")
+    assert neg and all(n > 0 for n in neg) and all(0 <= d <= n for d, n in zip(drops, neg))
+    if args.fp8 or args.clip_mode == "calibrated":
+        assert logged(trainer, "oos/shadow_neg_tokens")
+    if args.clip_mode == "oracle":  # it drops exactly what the BF16 shadow drops
+        assert logged(trainer, "oos/shadow_fp8_drops") == logged(trainer, "oos/shadow_bf16_drops")
+        assert all(v == 1.0 for v in logged(trainer, "oos/drop_recall") + logged(trainer, "oos/drop_precision"))
 
 
 def test_on_policy_config_never_calibrates(tokenizer, tmp_path):
@@ -218,7 +235,8 @@ def test_shadow_old_logps_are_computed_only_when_a_calibration_is_due(tokenizer,
     mask = batch["completion_mask"].bool()
     assert 0 < (shadow_old - fp8_old)[mask].abs().max() < 1.0  # FP8 noise, not another model
 
-    trainer.calibrator.calibrate(torch.ones(1, 2), torch.ones(1, 2), torch.tensor([1.0]), torch.ones(1, 2))
+    # one A>0 and one A<0 token: enough for a fit with the tiny runs' calibration_min_tokens of 1
+    trainer.calibrator.calibrate(torch.ones(1, 2), torch.ones(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
     trainer.state.global_step = 3  # calibrated at 0; next due at step 10, beyond this round's steps 3 and 4
     assert BF16_OLD_LOGPS_KEY not in _generation_batch(trainer, tokenizer)
     trainer.calibrator.request_recalibration()
@@ -229,7 +247,8 @@ def test_entropy_spike_warns_logs_and_requests_recalibration(tokenizer, tmp_path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = make_trainer(tokenizer, tmp_path, clip_mode="calibrated", fp8=False, entropy_spike_warmup=3)
-    trainer.calibrator.calibrate(torch.ones(1, 2), torch.ones(1, 2), torch.tensor([1.0]), torch.ones(1, 2))
+    # one A>0 and one A<0 token: enough for a fit with the tiny runs' calibration_min_tokens of 1
+    trainer.calibrator.calibrate(torch.ones(1, 2), torch.ones(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
     for value in (3.0, 3.01, 2.99, 3.0):
         trainer._step_entropies = [(value, value)]
         trainer._end_of_step_monitoring()

@@ -3,9 +3,10 @@ over gloo (tests/trainers/_launch_worker.py is one rank).
 
 Per mode, from one run:
 (a) both ranks hold and log identical calib/low and calib/high at every micro-batch and every logged step;
-(b) every calibrator update equals, bit for bit, a single-process calibrator replaying the same updates on the
-    union of both ranks' tokens (rank 0's first, the all-gather's order), with the schedule deciding the same
-    calibrate/refit sequence; the bounds in force at each micro-batch follow from those updates;
+(b) every calibrator update equals, bit for bit, a single-process calibrator replaying the same calls on the
+    union of both ranks' tokens (rank 0's first, the all-gather's order): both moved micro-batches of a round are
+    pooled, and one calibration (round 1) or refit (round 2) commits at the round's end; the bounds in force at
+    each micro-batch are those of the last commit before it;
 (c) every FP8 forward (generation, old and shadow log-probs, training) equals a fresh FP8 layer on the full weight of
     that moment, including after a weight change that is not an optimizer step; under FSDP2 the weights really are
     DTensor shards and the full weight comes from ``full_tensor()``, under ZeRO-3 they really are partitioned.
@@ -50,17 +51,16 @@ def _launch(mode: str, out_dir: Path) -> list[dict]:
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
 
 
-def _union(inputs: list[list[torch.Tensor]], kind: str) -> tuple[torch.Tensor, ...]:
-    """Both ranks' masked tokens as flat [N] tensors, rank 0 first (ratios..., advantages, mask of ones)."""
+def _union(inputs: list[list[torch.Tensor | None]]) -> tuple[torch.Tensor | None, ...]:
+    """Both ranks' observe() inputs as flat [N] tensors, rank 0 first: (BF16 ratios or None, FP8 ratios,
+    advantages, mask of ones)."""
     columns = []
-    for rank_inputs in inputs:
-        *ratios, advantages, mask = rank_inputs
+    for ratio_bf16, ratio_fp8, advantages, mask in inputs:
         keep = mask != 0
-        adv = advantages.unsqueeze(-1).expand_as(ratios[0]) if advantages.dim() == 1 else advantages
-        columns.append([r[keep] for r in ratios] + [adv[keep]])
-    flat = [torch.cat(parts) for parts in zip(*columns)]
-    assert len(flat) == (3 if kind == "calibrate" else 2)
-    return (*flat, torch.ones(flat[0].shape, dtype=torch.bool))
+        adv = advantages.unsqueeze(-1).expand_as(ratio_fp8) if advantages.dim() == 1 else advantages
+        columns.append([None if ratio_bf16 is None else ratio_bf16[keep], ratio_fp8[keep], adv[keep]])
+    flat = [None if parts[0] is None else torch.cat(parts) for parts in zip(*columns)]
+    return (*flat, torch.ones(flat[1].shape, dtype=torch.bool))
 
 
 def _check_global_bounds(ranks: list[dict]) -> None:
@@ -72,26 +72,32 @@ def _check_global_bounds(ranks: list[dict]) -> None:
     assert len([log for log in r0["logged"] if "calib/low" in log]) == RUN["max_steps"]
     assert r0["logged"] == r1["logged"]
 
-    # (b) one process replaying every update on the union of the tokens
+    # (b) one process replaying every call on the union of the tokens
     calls0, calls1 = r0["calls"], r1["calls"]
-    assert [c["kind"] for c in calls0] == ["calibrate", "refit", "calibrate", "refit"]
+    shadow = [c["inputs"][0] is not None for c in calls0 if c["kind"] == "observe"]
+    assert [c["kind"] for c in calls0] == ["observe", "observe", "commit", "observe", "observe", "commit"]
+    assert shadow == [True, True, False, False]  # round 1 with the BF16 shadow, round 2 FP8 only (refit)
     config = r0["calibrator_config"]
     replay = ClipCalibrator(**config, init_low=r0["init_bounds"][0], init_high=r0["init_bounds"][1])
     for c0, c1 in zip(calls0, calls1, strict=True):
         assert (c0["kind"], c0["step"], c0["micro_batch"]) == (c1["kind"], c1["step"], c1["micro_batch"])
-        fp8_0, fp8_1 = c0["inputs"][-3], c1["inputs"][-3]  # FP8 ratios: the ranks calibrate on different tokens
-        assert fp8_0.shape != fp8_1.shape or not torch.equal(fp8_0, fp8_1)
-        assert replay.needs_calibration(c0["step"]) == (c0["kind"] == "calibrate")
-        tokens = _union([c0["inputs"], c1["inputs"]], c0["kind"])
-        stats = replay.calibrate(*tokens) if c0["kind"] == "calibrate" else replay.refit(*tokens)
-        assert replay.bounds == c0["bounds"] == c1["bounds"]
-        assert stats == c0["stats"] == c1["stats"]
-    assert len({c["bounds"] for c in calls0} | {r0["init_bounds"]}) >= 3  # the bounds moved, more than once
+        if c0["kind"] == "observe":
+            fp8_0, fp8_1 = c0["inputs"][1], c1["inputs"][1]  # FP8 ratios: the ranks pool different tokens
+            assert fp8_0.shape != fp8_1.shape or not torch.equal(fp8_0, fp8_1)
+            assert replay.needs_calibration(c0["step"]) == (c0["inputs"][0] is not None)
+            replay.observe(*_union([c0["inputs"], c1["inputs"]]))
+        else:
+            stats = replay.commit(c0["step"])
+            assert replay.bounds == c0["bounds"] == c1["bounds"]
+            assert stats == c0["stats"] == c1["stats"]
+    commits = [c for c in calls0 if c["kind"] == "commit"]
+    assert commits[0]["stats"]["calib/fit"] == 1.0 and commits[1]["stats"]["calib/refit"] == 1.0
+    assert len({c["bounds"] for c in commits} | {r0["init_bounds"]}) >= 3  # the bounds moved, more than once
 
-    # the bounds in force at micro-batch j: the last update at or before j (the initial bounds before any)
+    # the bounds in force at micro-batch j: the last commit before j (a commit runs after its micro-batch's loss)
     expected_low, expected_high = [], []
     for j in range(MICRO_BATCHES):
-        done = [c["bounds"] for c in calls0 if c["micro_batch"] <= j]
+        done = [c["bounds"] for c in commits if c["micro_batch"] < j]
         low, high = done[-1] if done else r0["init_bounds"]
         expected_low.append(low)
         expected_high.append(high)
