@@ -19,6 +19,7 @@ EXPECTED = {
     "dapo_fp8_calibrated.yaml",
     "demo.yaml",
     "compare_smollm2.yaml",
+    "compare_smollm2_tensorwise.yaml",
 }
 
 

@@ -20,6 +20,7 @@ class Preset(str, Enum):
     FP8_TIS = "fp8_tis"  # FP8, static clip + token-level truncated importance sampling (the common fix)
     FP8_CALIBRATED = "fp8_calibrated"  # FP8 + Calibrated Clipping (the paper's method)
     FP8_CALIBRATED_TIS = "fp8_calibrated_tis"  # FP8 + Calibrated Clipping + token-level TIS
+    FP8_ORACLE = "fp8_oracle"  # FP8, clipped exactly where the BF16 shadow clips: the best any calibration can do
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ PRESETS: dict[str, Arm] = {
             "block FP8, Calibrated Clipping"),
         Arm(Preset.FP8_CALIBRATED_TIS.value, {"fp8": True, "clip_mode": "calibrated", "tis_mode": "token_truncate"},
             "block FP8, Calibrated Clipping, token-level TIS capped at tis_cap"),
+        Arm(Preset.FP8_ORACLE.value, {"fp8": True, "clip_mode": "oracle", "tis_mode": "none"},
+            "block FP8, per token the clip decisions of the BF16 shadow (a reference, not a method)"),
     )
 }
 DEFAULT_ARMS = ("bf16_static", "fp8_static", "fp8_tis", "fp8_calibrated")

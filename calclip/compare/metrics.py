@@ -25,6 +25,18 @@ METRIC_FIELDS: tuple[tuple[str, str], ...] = (
     ("clip/neg_low_frac_bf16", "share of A<0 tokens whose BF16 shadow ratio is below 1-epsilon (calibration steps)"),
     ("calib/low", "lower clip bound in force"),
     ("calib/high", "upper clip bound in force"),
+    ("calib/fit", "1 when a calibration replaced the bounds at the end of a round, 0 when the pool was below "
+                  "calibration_min_tokens (the bounds stayed)"),
+    ("calib/neg_tokens", "A<0 tokens the calibration rested on (fit rounds)"),
+    ("oos/neg_tokens", "A<0 tokens of the off-policy mini-batches of the step"),
+    ("oos/fp8_drops", "of those, below the lower bound in force: penalties dropped (bounds fitted on other tokens)"),
+    ("oos/neg_drop_frac", "oos/fp8_drops / oos/neg_tokens"),
+    ("oos/shadow_neg_tokens", "A<0 tokens of the step's BF16-shadow mini-batches"),
+    ("oos/shadow_fp8_drops", "of those, below the lower bound in force"),
+    ("oos/shadow_bf16_drops", "of those, BF16 shadow ratio below 1-epsilon (what BF16 training would drop)"),
+    ("oos/shadow_both_drop", "of those, dropped by both"),
+    ("oos/drop_recall", "share of the BF16 drops that the bound in force drops too (shadow mini-batches)"),
+    ("oos/drop_precision", "share of the bound's drops that BF16 drops too (shadow mini-batches)"),
     ("mismatch/token_mult_prob_error", "rollout vs trainer token-mult-prob-error (1.0 = identical)"),
     ("mismatch/fp8_bf16_token_mult_prob_error", "FP8 vs BF16 shadow token-mult-prob-error (calibration steps)"),
     ("mismatch/max_abs_logp_diff", "largest rollout vs trainer per-token log-prob gap (nats; mismatch_outliers.jsonl)"),
@@ -33,6 +45,7 @@ METRIC_FIELDS: tuple[tuple[str, str], ...] = (
     ("entropy/spike", "1 when the entropy-spike detector fired"),
     ("loss", "training loss"),
     ("step_time", "seconds of the optimizer step (TRL's step_time)"),
+    ("time/bf16_shadow", "seconds of BF16 shadow forwards in the step (generation-time shadow included)"),
 )
 FIELD_NAMES = tuple(key for key, _ in METRIC_FIELDS)
 METRICS_FILE = "metrics.jsonl"

@@ -31,11 +31,11 @@ TABLE_METRICS = (
     "reward", "entropy", "entropy/neg_adv", "clip/neg_low_frac_fp8", "clip/neg_low_frac_fp8_static",
     "clip/neg_low_frac_bf16", "calib/low", "calib/high", "mismatch/token_mult_prob_error",
     "mismatch/fp8_bf16_token_mult_prob_error", "mismatch/max_abs_logp_diff", "completions/mean_length",
-    "completions/repeat_ngram_frac", "entropy/spike", "step_time",
+    "completions/repeat_ngram_frac", "entropy/spike", "calib/fit", "calib/neg_tokens", "step_time", "time/bf16_shadow",
 )
 PLOT_METRICS = (
     "reward", "entropy", "entropy/neg_adv", "clip/neg_low_frac_fp8", "clip/neg_low_frac_fp8_static",
-    "clip/neg_low_frac_bf16", "calib/low", "calib/high", "mismatch/token_mult_prob_error",
+    "clip/neg_low_frac_bf16", "oos/neg_drop_frac", "calib/low", "calib/high", "mismatch/token_mult_prob_error",
     "completions/mean_length", "completions/repeat_ngram_frac", "step_time",
 )
 # The per-seed tables' columns: what tells one seed's drift or garbling from its arm's spread.
@@ -43,6 +43,26 @@ PER_SEED_METRICS = (
     "reward", "entropy", "clip/neg_low_frac_fp8", "clip/neg_low_frac_fp8_static", "clip/neg_low_frac_bf16",
     "mismatch/token_mult_prob_error", "completions/mean_length", "completions/repeat_ngram_frac", "entropy/spike",
 )
+# Out-of-sample drop shares (DESIGN.md step 10): per run, the quotient of the counts summed over the window's steps
+# (an exact share over all its tokens, where a mean of per-step shares would weight a step of 3 tokens like one of
+# 300). name -> (numerator, denominator, what it is).
+POOLED_SHARES = {
+    "oos: A<0 dropped, all off-policy": ("oos/fp8_drops", "oos/neg_tokens",
+                                         "share of off-policy A<0 tokens below the lower bound in force"),
+    "oos: A<0 dropped, shadow batches": ("oos/shadow_fp8_drops", "oos/shadow_neg_tokens",
+                                         "the same share on the mini-batches with a BF16 shadow"),
+    "oos: BF16 would drop": ("oos/shadow_bf16_drops", "oos/shadow_neg_tokens",
+                             "share of the same tokens whose BF16 shadow ratio is below 1-epsilon"),
+    "oos: recall of BF16's drops": ("oos/shadow_both_drop", "oos/shadow_bf16_drops",
+                                    "share of BF16's drops that the bound in force drops too"),
+    "oos: precision vs BF16": ("oos/shadow_both_drop", "oos/shadow_fp8_drops",
+                               "share of the bound's drops that BF16 drops too"),
+}
+# A run degenerates (docs/evidence.md, run 4's pre-registered rule) when over the last quarter of its steps its mean
+# completion length exceeds DEGENERATE_LENGTH tokens or its mean share of repeated n-grams exceeds DEGENERATE_REPEAT:
+# the long, repetitive completions of run 3's degenerated seed (63.5 tokens, against 11-17 for every BF16 seed).
+DEGENERATE_LENGTH = 32.0
+DEGENERATE_REPEAT = 0.25
 # Drawn on a log y axis: one burst (a token-mult-prob-error of 1e3, a first step that compiles kernels) would
 # otherwise flatten the rest of the curve.
 LOG_SCALE_METRICS = frozenset({"mismatch/token_mult_prob_error", "step_time"})
@@ -139,11 +159,31 @@ def window_mean(rows: list[dict], metric: str, window: Window) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
-def arm_summary(runs: list[Run], metric: str, window: Window,
+def window_share(rows: list[dict], numerator: str, denominator: str, window: Window) -> float | None:
+    """sum(numerator) / sum(denominator) over the window's steps where both were logged; None without tokens."""
+    pairs = [(row[numerator], row[denominator]) for row in rows if window.first <= row["step"] <= window.last
+             and row.get(numerator) is not None and row.get(denominator) is not None]
+    total = math.fsum(d for _, d in pairs)
+    return math.fsum(n for n, _ in pairs) / total if total > 0 else None
+
+
+def degenerated(run: Run, steps: int) -> bool:
+    """The pre-registered rule (DEGENERATE_LENGTH, DEGENERATE_REPEAT) over the last quarter of ``steps``."""
+    window = default_windows(steps)[-1]
+    length = window_mean(run.rows, "completions/mean_length", window)
+    repeat = window_mean(run.rows, "completions/repeat_ngram_frac", window)
+    return (length or 0.0) > DEGENERATE_LENGTH or (repeat or 0.0) > DEGENERATE_REPEAT
+
+
+def arm_summary(runs: list[Run], metric: str | tuple[str, str], window: Window,
                 partial: bool = False) -> tuple[float, float | None, int] | None:
-    """(mean, sample std or None, n) over the counted seeds' window means (`counts`); None when none logged it."""
-    means = [m for run in runs if counts(run, window, partial)
-             for m in [window_mean(run.rows, metric, window)] if m is not None]
+    """(mean, sample std or None, n) over the counted seeds' window means (`counts`); None when none logged it.
+    A (numerator, denominator) pair is a pooled share (`window_share`) per seed."""
+    if isinstance(metric, tuple):
+        per_run = lambda run: window_share(run.rows, *metric, window)  # noqa: E731
+    else:
+        per_run = lambda run: window_mean(run.rows, metric, window)  # noqa: E731
+    means = [m for run in runs if counts(run, window, partial) for m in [per_run(run)] if m is not None]
     if not means:
         return None
     mean = math.fsum(means) / len(means)
@@ -188,7 +228,22 @@ def markdown_tables(record: dict, runs: list[Run], windows: list[Window], partia
                 else:
                     cells.append(format_cell(arm_summary(arm_runs, metric, window, partial)))
             lines.append(f"| `{metric}` | " + " | ".join(cells) + " |")
+        for name, (numerator, denominator, _) in POOLED_SHARES.items():
+            cells = [format_cell(arm_summary(arm_runs, (numerator, denominator), window, partial))
+                     for arm_runs in by_arm.values()]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+    return "\n".join(lines)
+
+
+def degenerate_table(record: dict, runs: list[Run]) -> str:
+    """Per arm: how many finished seeds degenerated under the pre-registered rule, and which."""
+    steps = max_steps(record)
+    lines = ["| arm | degenerated seeds | which |", "|---|---|---|"]
+    for arm in record["arms"]:
+        finished = [run for run in runs if run.arm == arm and run.status == FINISHED]
+        bad = [run.seed for run in finished if degenerated(run, steps)]
+        lines.append(f"| {arm} | {len(bad)} of {len(finished)} | {', '.join(map(str, bad)) or '-'} |")
     return "\n".join(lines)
 
 
@@ -240,6 +295,10 @@ def render_report(root: Path, record: dict, runs: list[Run], windows: list[Windo
                  "`--partial`)" if partial else "finished seeds")
               + " ± their sample standard deviation (n-1; no ± with one seed). `-`: never logged in the window.", ""]
     lines.append(markdown_tables(record, runs, windows, partial))
+    lines += ["## Degenerated runs", "",
+              f"A finished run degenerated when, over the last quarter of its steps, its mean completion length exceeds "
+              f"{DEGENERATE_LENGTH:g} tokens or its mean share of repeated n-grams exceeds {DEGENERATE_REPEAT:g}.", "",
+              degenerate_table(record, runs), ""]
     lines += ["## Per seed", "", "Each counted run's window mean (the numbers behind the ± above), for the metrics "
               "where one seed can drift or garble on its own.", ""]
     lines.append(per_seed_tables(record, runs, windows, partial))
@@ -254,6 +313,8 @@ def render_report(root: Path, record: dict, runs: list[Run], windows: list[Windo
         lines.append(figure_note or "no figure")
     lines += ["", "## Metrics", ""]
     lines += [f"- `{metric}`: {DESCRIPTIONS[metric]}" for metric in TABLE_METRICS]
+    lines += [f"- {name}: {what} (`{num}` / `{den}` summed over the window)"
+              for name, (num, den, what) in POOLED_SHARES.items()]
     return "\n".join(lines) + "\n"
 
 
