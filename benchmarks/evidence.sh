@@ -18,7 +18,8 @@
 # generation cycle, saves a checkpoint and exits; the next call on the same machine resumes. Exit status: compare's
 # (0 all finished, 1 a run failed, 3 stopped by the time limit: call again).
 #
-# Environment: ARMS, SEEDS, PARALLEL (12), LIMIT (420), DIR (runs/evidence; runs/evidence-probe with PROBE=1),
+# Environment: CONFIG (configs/compare_smollm2.yaml; run 4: configs/compare_smollm2_tensorwise.yaml), ARMS, SEEDS,
+# PARALLEL (12), LIMIT (420), DIR (runs/evidence; runs/evidence-probe with PROBE=1),
 # NAME (start: the comparison folder's name under $WORK/runs, default evidence; e.g. NAME=evidence-lr3e-5 with
 # `start --learning_rate 3e-5` for the harsher regime of docs/evidence.md),
 # WORK, WARM (start: 1 runs 4 FP8 steps alone first, with start's extra flags, to fill Triton's autotune cache; 0
@@ -32,6 +33,7 @@ REPO=$PWD
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=${WANDB_MODE:-offline}
 
+CONFIG=${CONFIG:-configs/compare_smollm2.yaml}
 ARMS=${ARMS:-bf16_static,fp8_static,fp8_tis,fp8_calibrated}
 SEEDS=${SEEDS:-0,1,2}
 PARALLEL=${PARALLEL:-12}
@@ -62,11 +64,11 @@ start)
     # twelve processes would all time the same configs at once.
     warm=""
     if [ "${WARM:-1}" != 0 ]; then
-        warm="python -m calclip.cli train --config configs/compare_smollm2.yaml --fp8 true --clip_mode static \
+        warm="python -m calclip.cli train --config '$CONFIG' --fp8 true --clip_mode static \
               --tis_mode none --max_steps 4 --save_strategy no --output_dir '$WORK/warm' ${*:2} > '$WORK/warm.log' 2>&1;"
     fi
     (cd "$WORK/code" && PYTHONPATH="$WORK/code${PYTHONPATH:+:${PYTHONPATH#$REPO}}" setsid nohup bash -c \
-        "$warm python -m calclip.cli compare --config configs/compare_smollm2.yaml --arms '$ARMS' --seeds '$SEEDS' \
+        "$warm python -m calclip.cli compare --config '$CONFIG' --arms '$ARMS' --seeds '$SEEDS' \
          --parallel '$PARALLEL' --output-dir '$DIR' --save_strategy no ${*:2} > '$WORK/compare.log' 2>&1; \
          echo \$? > '$WORK/rc'" < /dev/null > /dev/null 2>&1 &)
     sleep 5
@@ -104,7 +106,7 @@ fi
 echo "### calclip evidence, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader 2>/dev/null
 start=$SECONDS
-python -m calclip.cli compare --config configs/compare_smollm2.yaml --arms "$ARMS" --seeds "$SEEDS" \
+python -m calclip.cli compare --config "$CONFIG" --arms "$ARMS" --seeds "$SEEDS" \
     --parallel "$PARALLEL" --output-dir "$DIR" --time-limit "$LIMIT" --stop-timeout 120 ${EXTRA[@]+"${EXTRA[@]}"} "$@"
 rc=$?
 echo "### calclip compare exit $rc after $((SECONDS - start)) s"
