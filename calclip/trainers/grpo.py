@@ -32,6 +32,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   accumulation steps; ``dapo`` by ``num_items_in_batch / num_processes * accumulation / steps_per_generation``),
   plus TRL's KL term, static entropy bonus and MoE aux loss. With clip_mode static, fp8 off and no TIS the loss and
   gradients equal ``GRPOTrainer``'s (tests/trainers/test_parity.py).
+- ``training_step``: after ``super()``, at the end of a generation round, the calibrator commits: one calibration on
+  the tokens pooled from every moved mini-batch of the round (and earlier rounds while below
+  ``calibration_min_tokens``), in force from the next round on (DESIGN.md step 8).
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: calibrator and spike-detector state in every
   checkpoint (``calclip_state.pt``, written with the optimizer state, so before the hub push and checkpoint
   rotation), restored on ``resume_from_checkpoint`` (read with ``weights_only=True``: calclip.trainers.checkpoint).
@@ -41,13 +44,16 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
 - ``train``: ``resume_from_checkpoint=True`` resolves to the latest complete checkpoint (incomplete ones, left by a
   kill during a save, are skipped with a warning), then ``super().train()``.
 
-Calibration happens only on mini-batches whose policy moved since the old log-probs were taken (DESIGN.md,
+Calibration pools only mini-batches whose policy moved since the old log-probs were taken (DESIGN.md,
 Schedules): a micro-batch is exactly on-policy (r = 1) while the optimizer step is still the one at which its
 generation batch was produced (``self.state.global_step`` recorded in ``_generate_and_score_completions``), unless
 the old log-probs come from a separate vLLM engine (bypass).
-On such a moved mini-batch, when the calibrator says a shadow calibration is due, one extra no-grad forward under
+On such a moved mini-batch, while the calibrator says a shadow calibration is due, one extra no-grad forward under
 ``bf16_shadow`` gives the BF16 current log-probs; with the BF16 old log-probs from generation time they form the
-BF16 ratios, and the FP8 ratios are the ones the loss uses. The new bounds apply from that mini-batch on. With FP8
+BF16 ratios, and the FP8 ratios are the ones the loss uses; the calibrator pools both. The bounds fitted on the pool
+apply from the next round on, so every mini-batch is trained and scored with bounds fitted on other tokens. With
+``clip_mode="oracle"`` the shadow runs on every moved mini-batch and the loss clips per token exactly where the BF16
+shadow ratio leaves [1-epsilon, 1+epsilon_high] (a reference arm). With FP8
 off the shadow policy is the policy itself, so the BF16 ratios are the FP8 ones and no extra forward runs. In the
 non-calibrated clip modes the same shadow forwards run on the same schedule when FP8 is on, for monitoring only.
 
@@ -57,7 +63,11 @@ and the A<0 / A>0 token counts the fit used), ``clip/neg_low_frac_fp8`` (share o
 below the lower bound in force: the penalties dropped), ``clip/neg_low_frac_bf16`` (shadow steps: share of A<0
 tokens whose BF16 shadow ratio is below 1 - epsilon, i.e. what BF16 training would drop, the calibration's target),
 ``clip/neg_low_frac_fp8_static`` (shadow steps: the same share for the FP8 ratios, what static clipping drops),
-``clip/pos_high_frac``, ``clip/dual_frac``, ``mismatch/token_mult_prob_error`` and ``mismatch/kl_k3`` (old vs rollout
+``clip/pos_high_frac``, ``clip/dual_frac``, ``calib/fit`` (round ends: 1 when the pooled calibration replaced the
+bounds, 0 below the minimum, with ``calib/pool_neg_tokens``), ``calib/bf16_low_clipped_tokens``, ``oos/*`` (moved
+mini-batches: A<0 tokens and those below the bound in force; shadow mini-batches: the same beside BF16's drops at
+1 - epsilon, ``oos/drop_recall``, ``oos/drop_precision``; calclip.calibration.drops), ``time/bf16_shadow``,
+``mismatch/token_mult_prob_error`` and ``mismatch/kl_k3`` (old vs rollout
 log-probs), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``, ``entropy/neg_adv``,
 ``entropy/spike``, ``fp8/nonfinite_tokens`` (tokens whose FP8 linear output was non-finite),
 ``loss/nonfinite_tokens``, ``reward/nonfinite_count``, ``grad/nonfinite_skipped`` (share of optimizer steps skipped
