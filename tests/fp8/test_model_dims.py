@@ -312,16 +312,18 @@ def one_layer_model(f: Family, seed: int = 0, layers: int = 1, dtype=torch.float
     config = LlamaConfig(vocab_size=256, hidden_size=f.hidden, intermediate_size=f.intermediate,
                          num_hidden_layers=layers, num_attention_heads=f.heads, num_key_value_heads=f.kv_heads,
                          head_dim=f.head_dim, max_position_embeddings=4096, use_cache=False)
+    config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaModel(config).to(dtype)
-    model.config._attn_implementation = "sdpa"
-    return model
+        return LlamaModel(config).to(dtype)
 
 
 def layer_sqnr(model_fp8, model_ref, f: Family, tokens: tuple[int, int], seed: int = 1) -> dict[str, float]:
-    """Forward + backward of both models on the same inputs_embeds and output gradient -> SQNR (dB) of the FP8 model's
-    output, input gradient and (the worst of) its linear weights' gradients against the reference model's."""
+    """Forward + backward of both models on the same inputs_embeds x and output gradient dy -> SQNR (dB) of the FP8
+    model's layer update (output - x), of its input gradient's update (dx - dy) and (the worst of) its linear weights'
+    gradients against the reference model's. The updates, not the outputs: the residual stream passes x and dy
+    through exactly, and how much of the output it makes up grows and shrinks with the dims (at Qwen2.5-7B's the
+    output SQNR was 6 dB under SmolLM2's for the same error in the branches)."""
     device = next(model_ref.parameters()).device
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(*tokens, f.hidden, generator=g).to(device)
@@ -331,21 +333,25 @@ def layer_sqnr(model_fp8, model_ref, f: Family, tokens: tuple[int, int], seed: i
         model.zero_grad(set_to_none=True)
         dtype = next(model.parameters()).dtype
         xi = x.to(dtype).clone().requires_grad_()  # a fresh leaf per model
+        dyi = dy.to(dtype)
         out = model(inputs_embeds=xi, use_cache=False).last_hidden_state
-        out.backward(dy.to(out.dtype))
-        grads = {n: p.grad for n, p in model.named_parameters() if n.endswith("proj.weight")}
-        results.append((out.detach(), xi.grad, grads))
+        out.backward(dyi)
+        grads = {n.removeprefix("_orig_mod."): p.grad for n, p in model.named_parameters() if n.endswith("proj.weight")}
+        results.append((out.detach().double() - xi.detach().double(), xi.grad.double() - dyi.double(), grads))
     (y_ref, dx_ref, g_ref), (y, dx, g) = results
+    assert g.keys() == g_ref.keys() and len(g) == 7 * len(model_ref.layers)
     return {"output": _sqnr_db(y_ref, y), "dgrad": _sqnr_db(dx_ref, dx),
             "wgrad": min(_sqnr_db(g_ref[n], g[n]) for n in g_ref)}
 
 
 # One decoder layer (transformers' initialization), inputs_embeds and output gradient standard normal, 2 x 64 tokens,
-# FP8 emulation vs the same float32 layer. Measured on CPU 2026-12-02 (output / input gradient / worst of the seven
-# weight gradients, dB): SmolLM2-135M 43.1 / 40.6 / 22.8, Qwen2.5-0.5B 35.1 / 32.3 / 21.9, Qwen2.5-1.5B
-# 28.7 / 26.5 / 21.0, Gemma-2B 25.6 / 24.0 / 19.9 (the same layers in bf16 without FP8: 44-49 dB on output and input
-# gradient). The floors sit ~3 dB under the lowest; tests/fp8/test_gpu_model_families.py holds the GPU to them too.
-LAYER_SQNR_FLOOR_DB = {"output": 22.0, "dgrad": 20.0, "wgrad": 17.0}
+# FP8 emulation vs the same float32 layer, SQNR of the layer update / input-gradient update / worst of the seven weight
+# gradients (``layer_sqnr``). Measured on CPU 2026-12-02, dB: SmolLM2-135M 24.5 / 24.5 / 22.8, Qwen2.5-0.5B
+# 24.1 / 23.9 / 21.9, Qwen2.5-1.5B 24.2 / 23.7 / 21.0, Gemma-2B 24.4 / 23.3 / 19.9, Qwen2.5-7B 23.3 / 20.7 / 18.5
+# (the same layers in bf16 without FP8: 32-43 / 34-42 / 36-41). The floors sit ~3 dB under the lowest, the 7B's: the
+# gradients lose a little with the dims, and tests/fp8/test_gpu_model_families.py holds every family to them on the
+# GPU, up to Llama-3-70B's.
+LAYER_SQNR_FLOOR_DB = {"output": 20.0, "dgrad": 17.0, "wgrad": 15.0}
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b"])
@@ -363,4 +369,4 @@ def test_one_layer_emulation_tracks_float32_at_family_dims(name):
     for key, floor in LAYER_SQNR_FLOOR_DB.items():
         assert results[key] > floor, (name, results)
     # and the FP8 error is real: a layer that skipped quantization would reach ~140 dB in float32
-    assert results["output"] < 60, results
+    assert results["output"] < 40, results
