@@ -441,20 +441,26 @@ def layer_section(opts, sizes: Sizes) -> None:
 def build_llama(layers: int, hidden: int, intermediate: int, vocab: int, device, seed: int = 0, *,
                 heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
                 dtype: torch.dtype = torch.bfloat16):
-    """Random-weight Llama in ``dtype`` (bf16 by default), sdpa attention, untied LM head (as calclip's tests), KV
-    cache off (a training step: no past_key_values to guard on or allocate); head dim 128 and no grouped-query
-    attention unless ``heads`` / ``kv_heads`` / ``head_dim`` say otherwise."""
+    """Random-weight Llama in ``dtype`` (bf16 by default), sdpa attention, untied LM head (as calclip's tests); head
+    dim 128 and no grouped-query attention unless ``heads`` / ``kv_heads`` / ``head_dim`` say otherwise. The KV cache
+    stays on in the config (the decode benchmarks generate with it); training steps call ``training_loss``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     heads = heads or max(1, hidden // 128)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
                          head_dim=head_dim or hidden // heads, max_position_embeddings=4096, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, use_cache=False)
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model
+
+
+def training_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The LM loss of a training step on ``ids`` (labels = inputs), with the KV cache off: without it the forward
+    builds a DynamicCache the compiled graph guards on (the compiled BF16 arm recompiled during timed rounds)."""
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def build_row_model(row: ModelRow, vocab: int, device, seed: int = 0) -> nn.Module:
@@ -608,7 +614,7 @@ def model_section(opts, sizes: Sizes) -> None:
                 def step():
                     ids = batches[counter["i"] % len(batches)]
                     counter["i"] += 1
-                    forward(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                    training_loss(forward, ids).backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
 

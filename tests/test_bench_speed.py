@@ -204,13 +204,26 @@ def test_row_model_has_the_architecture_dims_and_no_kv_cache():
     row = bench_speed.parse_model_rows("qwen2.5-7b:1")[0]
     model = bench_speed.build_row_model(row, vocab=512, device="meta")
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert len(model.model.layers) == 1 and model.config.use_cache is False
+    assert len(model.model.layers) == 1
     assert (attn.q_proj.in_features, attn.q_proj.out_features) == (3584, 28 * 128)
     assert (attn.k_proj.out_features, attn.v_proj.out_features, attn.o_proj.in_features) == (512, 512, 3584)
     assert (mlp.gate_proj.out_features, mlp.down_proj.in_features) == (18944, 18944)
     assert next(model.parameters()).dtype == torch.bfloat16
     qwen3 = bench_speed.build_row_model(bench_speed.parse_model_rows("qwen3-8b:1")[0], vocab=512, device="meta")
     assert qwen3.model.layers[0].self_attn.k_proj.out_features == 8 * 128  # head_dim 128 from the named row
+
+
+def test_training_loss_runs_without_a_kv_cache():
+    """The model rows' step builds no KV cache (a compiled BF16 arm guarded on past_key_values and recompiled), while
+    the model itself keeps the cache on for the decode benchmarks that build it too."""
+    model = bench_speed.build_llama(1, 64, 128, 97, "cpu", heads=2, kv_heads=1)
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    calls = []
+    model.register_forward_hook(lambda module, args, out: calls.append(out), with_kwargs=False)
+    loss = bench_speed.training_loss(model, ids)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert calls[0].past_key_values is None
+    assert model(input_ids=ids).past_key_values is not None  # the config's default: cache on, for generate
 
 
 def test_summary_ratios_point_the_documented_way():

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         model = makers[key]()
 
         def step():
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            bs.training_loss(model, ids).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
