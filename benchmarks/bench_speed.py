@@ -3,6 +3,7 @@
     python benchmarks/bench_speed.py                          # every section, H200 (see benchmarks/README.md)
     python benchmarks/bench_speed.py --only layer,model       # some sections
     python benchmarks/bench_speed.py --tiny                   # CPU, tiny shapes: checks that every path runs
+    python benchmarks/bench_speed.py --only model --models qwen2.5-7b,llama3-8b:2 --fp8-options scaled_mm_row_scales=true
 
 Sections (``--only``), each printed (and flushed) as soon as it is done:
 
@@ -11,11 +12,18 @@ Sections (``--only``), each printed (and flushed) as soon as it is done:
   of calls, synchronized at the end: what a training loop sees), GPU time (the same loop queued behind a
   ``torch.cuda._sleep`` so the device runs it without host gaps: kernel time alone) and host time (CPU time
   to issue one call, never synchronized). A step whose wall time is near its host time is host-bound.
-- ``model``: a random-weight Llama (transformers ``LlamaConfig``, sdpa attention, bf16 weights, untied LM head)
-  forward + backward + fused AdamW step on 8 x 2048 random tokens. All arms share the Parameters and one
-  optimizer (the FP8 arms are ``quantize_model`` copies of the BF16 model's module tree, not of its weights), so
-  peak memory is comparable: peak = this arm's transient peak over its step + the shared weights and optimizer
-  state + this arm's own persistent buffers (the FP8 weight cache), measured after its warm-up.
+- ``model``: a random-weight Llama (transformers ``LlamaConfig``, sdpa attention, bf16 weights, untied LM head,
+  vocab 32000, KV cache off) with a real architecture's linear dims and head / KV-head counts (``--models``: by
+  default Qwen2.5-1.5B's dims, 8 layers, 8 x 2048 tokens; Qwen2.5-7B's and Llama-3-8B's, 3 layers, 4 x 2048 tokens;
+  see NAMED_MODELS), forward + backward + fused AdamW step on random tokens. Arms (``--model-arms``): BF16 eager and
+  compiled, calclip FP8 eager and compiled, torchao blockwise eager (compiled with ``--compile-peers``), and "FP8+"
+  eager and compiled with ``--fp8-options`` (a speed lever on, beside the defaults). All arms share the Parameters
+  and one optimizer (the FP8 arms are ``quantize_model`` copies of the BF16 model's module tree, not of its weights),
+  so peak memory is comparable: peak = this arm's transient peak over its step + the shared weights and optimizer
+  state + this arm's own persistent buffers (the FP8 weight cache), measured after its warm-up. Per row: a table of
+  every arm (ms, speed vs BF16 eager, peak, first-step and warm-up seconds, the compiled arms' graphs / graph breaks
+  / graphs compiled during timed rounds from dynamo's counters); at the end one table of ratios over all rows
+  (FP8 compiled vs BF16 compiled, FP8 eager vs BF16 eager and vs torchao, peak memory ratios, first-step seconds).
 - ``decode``: HF ``generate`` on the 8-layer hidden-2048 model, greedy, prompt 32 random tokens, 128 new tokens
   (min_new_tokens = max_new_tokens: equal lengths), batch 64 and 256; settings ``eager`` (dynamic cache) and
   ``graphed`` (``cache_implementation="static"``: transformers compiles the decode step itself with
@@ -68,9 +76,46 @@ ROOT = Path(__file__).resolve().parents[1]
 # (M, K, N) of issue 8's layer rows.
 LAYER_SHAPES = ((2048, 4096, 4096), (8192, 2048, 2048), (8192, 4096, 14336))
 TINY_LAYER_SHAPES = ((128, 256, 256), (256, 128, 384))
-# (layers, hidden, intermediate) of the model rows; the first is also the decode model.
-MODEL_CONFIGS = ((8, 2048, 8192), (4, 4096, 14336))
-TINY_MODEL_CONFIGS = ((1, 256, 512), (1, 128, 256))
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    """A model row: a random-weight Llama with an architecture's linear dims and attention head counts, ``layers``
+    decoder layers, trained on ``batch`` sequences of the run's sequence length (None: the run's batch)."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    layers: int
+    head_dim: int | None = None  # None: hidden // heads
+    batch: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.layers}L h{self.hidden} i{self.intermediate} {self.heads}/{self.kv_heads}h"
+
+
+# Named architectures (--models): the dims of each model's config.json on the Hugging Face hub, as in
+# tests/fp8/test_model_dims.py's table (tests/test_bench_speed.py checks they agree), with the layer count and batch
+# of issue 28's rows: few layers, so the compiled peers of three rows finish within one 10-minute device call.
+NAMED_MODELS = {row.name: row for row in (
+    ModelRow("qwen2.5-1.5b", 1536, 8960, 12, 2, layers=8, head_dim=128, batch=8),
+    ModelRow("qwen2.5-7b", 3584, 18944, 28, 4, layers=3, head_dim=128, batch=4),
+    ModelRow("llama3-8b", 4096, 14336, 32, 8, layers=3, head_dim=128, batch=4),
+    ModelRow("qwen2.5-0.5b", 896, 4864, 14, 2, layers=8, head_dim=64, batch=8),
+    ModelRow("qwen3-8b", 4096, 12288, 32, 8, layers=3, head_dim=128, batch=4),
+    ModelRow("smollm2-135m", 576, 1536, 9, 3, layers=30, head_dim=64, batch=8),
+    # issue 8's synthetic rows (head dim 128, no grouped-query attention)
+    ModelRow("h2048", 2048, 8192, 16, 16, layers=8),
+    ModelRow("h4096", 4096, 14336, 32, 32, layers=4),
+)}
+DEFAULT_MODELS = ("qwen2.5-1.5b", "qwen2.5-7b", "llama3-8b")
+TINY_MODELS = (ModelRow("tiny-gqa", 256, 512, 4, 2, layers=1), ModelRow("tiny", 128, 256, 2, 2, layers=1))
+# (layers, hidden, intermediate) of the decode section's model
+DECODE_MODEL = (8, 2048, 8192)
+TINY_DECODE_MODEL = (1, 256, 512)
 # A compiled arm's first calls differ (empty weight cache, then a cached one; CUDA graphs record on a later call):
 # it always gets at least this many untimed calls.
 COMPILED_WARMUP = 3
@@ -81,7 +126,8 @@ SLEEP_HZ = 2.0e9  # torch.cuda._sleep spins for clock cycles; the H200's top SM 
 class Sizes:
     device: str
     layer_shapes: tuple
-    model_configs: tuple
+    model_rows: tuple[ModelRow, ...]
+    decode_model: tuple[int, int, int]
     vocab: int
     batch: int
     seq: int
@@ -92,10 +138,11 @@ class Sizes:
     completion_length: int
 
 
-GPU_SIZES = Sizes("cuda", LAYER_SHAPES, MODEL_CONFIGS, vocab=32000, batch=8, seq=2048, decode_batches=(64, 256),
-                  prompt=32, new_tokens=128, trainer_model=(8, 2048, 8192), completion_length=128)
-TINY_SIZES = Sizes("cpu", TINY_LAYER_SHAPES, TINY_MODEL_CONFIGS, vocab=512, batch=2, seq=32, decode_batches=(2, 4),
-                   prompt=8, new_tokens=6, trainer_model=(1, 128, 256), completion_length=8)
+GPU_SIZES = Sizes("cuda", LAYER_SHAPES, tuple(NAMED_MODELS[m] for m in DEFAULT_MODELS), DECODE_MODEL, vocab=32000,
+                  batch=8, seq=2048, decode_batches=(64, 256), prompt=32, new_tokens=128,
+                  trainer_model=(8, 2048, 8192), completion_length=128)
+TINY_SIZES = Sizes("cpu", TINY_LAYER_SHAPES, TINY_MODELS, TINY_DECODE_MODEL, vocab=512, batch=2, seq=32,
+                   decode_batches=(2, 4), prompt=8, new_tokens=6, trainer_model=(1, 128, 256), completion_length=8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,14 +279,18 @@ def top_graph_breaks(before: dict[str, int], n: int = 2) -> str:
     return "; ".join(f"{count}x {reason.splitlines()[0][:120]}" for reason, count in reasons)
 
 
-def watch_recompiles(arm_name: str, sample: Callable[[], dict[str, float]]) -> Callable[[], dict[str, float]]:
-    """Wrap a compiled arm's sampler: count graphs compiled during timed rounds (they should be none)."""
+def watch_recompiles(arm_name: str, sample: Callable[[], dict[str, float]],
+                     tally: dict[str, int] | None = None) -> Callable[[], dict[str, float]]:
+    """Wrap a compiled arm's sampler: count graphs compiled during timed rounds (they should be none), printed, and
+    added to ``tally["recompiled"]`` when given."""
     def run():
         before = graphs_compiled()
         result = sample()
         grew = graphs_compiled() - before
         if grew:
             print(f"   !! {arm_name}: {grew} graph(s) compiled during a timed round (recompilation)", flush=True)
+        if tally is not None:
+            tally["recompiled"] = tally.get("recompiled", 0) + grew
         return result
     return run
 
@@ -388,20 +439,74 @@ def layer_section(opts, sizes: Sizes) -> None:
 
 
 def build_llama(layers: int, hidden: int, intermediate: int, vocab: int, device, seed: int = 0, *,
-                heads: int | None = None, kv_heads: int | None = None, dtype: torch.dtype = torch.bfloat16):
-    """Random-weight Llama in ``dtype`` (bf16 by default), sdpa attention, untied LM head (as calclip's tests);
-    head dim 128 and no grouped-query attention unless ``heads`` / ``kv_heads`` say otherwise."""
+                heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
+                dtype: torch.dtype = torch.bfloat16):
+    """Random-weight Llama in ``dtype`` (bf16 by default), sdpa attention, untied LM head (as calclip's tests); head
+    dim 128 and no grouped-query attention unless ``heads`` / ``kv_heads`` / ``head_dim`` say otherwise. The KV cache
+    stays on in the config (the decode benchmarks generate with it); training steps call ``training_loss``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     heads = heads or max(1, hidden // 128)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
-                         max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
+                         head_dim=head_dim or hidden // heads, max_position_embeddings=4096, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model
+
+
+def training_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The LM loss of a training step on ``ids`` (labels = inputs), with the KV cache off: without it the forward
+    builds a DynamicCache the compiled graph guards on (the compiled BF16 arm recompiled during timed rounds)."""
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def build_row_model(row: ModelRow, vocab: int, device, seed: int = 0) -> nn.Module:
+    return build_llama(row.layers, row.hidden, row.intermediate, vocab, device, seed, heads=row.heads,
+                       kv_heads=row.kv_heads, head_dim=row.head_dim)
+
+
+def parse_model_rows(text: str) -> tuple[ModelRow, ...]:
+    """``--models``: comma-separated rows, each a name of NAMED_MODELS (optionally ``name:LAYERS`` or
+    ``name:LAYERS:BATCH``), ``HIDDEN:INTERMEDIATE:HEADS:KV_HEADS:LAYERS[:BATCH]``, or issue 8's
+    ``LAYERSxHIDDENxINTERMEDIATE`` (head dim 128, no GQA). Raises ValueError naming the bad item."""
+    rows = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, *numbers = item.split(":")
+        try:
+            if name.lower() in NAMED_MODELS:
+                if len(numbers) > 2:
+                    raise ValueError("a named row takes at most :LAYERS:BATCH")
+                row = NAMED_MODELS[name.lower()]
+                values = [int(v) for v in numbers]
+                row = dataclasses.replace(row, layers=values[0] if values else row.layers,
+                                          batch=values[1] if len(values) > 1 else row.batch)
+            elif numbers:
+                values = [int(v) for v in (name, *numbers)]
+                if len(values) not in (5, 6):
+                    raise ValueError("expected HIDDEN:INTERMEDIATE:HEADS:KV_HEADS:LAYERS[:BATCH]")
+                hidden, inter, heads, kv_heads, layers = values[:5]
+                if min(values) < 1 or heads % kv_heads or hidden % heads:
+                    raise ValueError("need positive ints, HEADS a multiple of KV_HEADS, HIDDEN of HEADS")
+                row = ModelRow("dims", hidden, inter, heads, kv_heads, layers,
+                               batch=values[5] if len(values) == 6 else None)
+            elif "x" in name:
+                layers, hidden, inter = (int(v) for v in name.split("x"))
+                row = ModelRow("dims", hidden, inter, max(1, hidden // 128), max(1, hidden // 128), layers)
+            else:
+                raise ValueError(f"unknown architecture; named ones: {', '.join(NAMED_MODELS)}")
+        except ValueError as err:
+            raise ValueError(f"--models: {item!r}: {err}") from None
+        if min(row.layers, row.batch or 1, row.hidden, row.intermediate) < 1:
+            raise ValueError(f"--models: {item!r}: sizes must be positive")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"--models: no rows in {text!r}")
+    return tuple(rows)
 
 
 def sharing_copy(model: nn.Module) -> nn.Module:
@@ -409,10 +514,10 @@ def sharing_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
 
 
-def calclip_fp8_copy(model: nn.Module) -> nn.Module:
+def calclip_fp8_copy(model: nn.Module, options: dict | None = None) -> nn.Module:
     from calclip.fp8 import Fp8Config, quantize_model
 
-    return quantize_model(sharing_copy(model), Fp8Config())
+    return quantize_model(sharing_copy(model), Fp8Config(**(options or {})))
 
 
 def torchao_copy(model: nn.Module, peer) -> nn.Module:
@@ -422,15 +527,70 @@ def torchao_copy(model: nn.Module, peer) -> nn.Module:
     return converted
 
 
+# --model-arms keys -> column names. "FP8+": calclip FP8 with --fp8-options (the same arms with other Fp8Config
+# fields, e.g. scaled_mm_row_scales=true, to measure a speed lever on against off in one run).
+MODEL_ARMS = {"bf16": "BF16", "bf16c": "BF16 compile", "fp8": "FP8 eager", "fp8c": "FP8 compile",
+              "fp8x": "FP8+ eager", "fp8xc": "FP8+ compile", "torchao": "torchao", "torchaoc": "torchao compile"}
+
+
+def model_arm_keys(opts) -> list[str]:
+    """The model section's arms: --model-arms, or BF16 eager/compiled, FP8 eager/compiled and torchao eager (plus
+    the FP8+ arms with --fp8-options, torchao compiled with --compile-peers). BF16 eager always runs first: it is
+    every ratio's baseline and makes the optimizer state the arms share."""
+    if opts.model_arms:
+        keys = [k.strip() for k in opts.model_arms.split(",") if k.strip()]
+    else:
+        keys = ["bf16", "bf16c", "fp8", "fp8c"] + (["fp8x", "fp8xc"] if opts.fp8_options else []) + ["torchao"]
+        keys += ["torchaoc"] if opts.compile_peers else []
+    unknown = [k for k in keys if k not in MODEL_ARMS]
+    if unknown:
+        raise ValueError(f"--model-arms: unknown arm(s) {unknown}; choose from {list(MODEL_ARMS)}")
+    if ("fp8x" in keys or "fp8xc" in keys) and not opts.fp8_options:
+        raise ValueError("--model-arms fp8x/fp8xc need --fp8-options (the Fp8Config fields they change)")
+    return ["bf16"] + [k for k in dict.fromkeys(keys) if k != "bf16"]
+
+
+def parse_fp8_options(text: str | None) -> dict:
+    """``--fp8-options KEY=VALUE,...`` -> Fp8Config keyword arguments (true/false, ints, None, else strings),
+    checked by building an Fp8Config."""
+    if not text:
+        return {}
+    from calclip.fp8 import Fp8Config
+
+    options = {}
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--fp8-options: expected KEY=VALUE, got {item!r}")
+        lowered = value.strip().lower()
+        if lowered in ("true", "false"):
+            parsed = lowered == "true"
+        elif lowered == "none":
+            parsed = None
+        else:
+            try:
+                parsed = int(value)
+            except ValueError:
+                parsed = value.strip()
+        options[key.strip()] = parsed
+    try:
+        Fp8Config(**options)
+    except TypeError as err:
+        raise ValueError(f"--fp8-options: {err}") from None
+    return options
+
+
 def model_section(opts, sizes: Sizes) -> None:
     device = torch.device(sizes.device)
-    peer, peer_error = torchao_blockwise()
-    if peer is None:
-        print(f"   torchao not importable ({peer_error}): its column shows '-'")
-    rows = []
-    for layers, hidden, inter in sizes.model_configs:
-        label = f"{layers}L h{hidden} i{inter}"
-        print(f"-- model {label}, {sizes.batch}x{sizes.seq} tokens", flush=True)
+    keys = opts.model_arm_keys
+    peer, peer_error = torchao_blockwise() if {"torchao", "torchaoc"} & set(keys) else (None, None)
+    if peer is None and peer_error:
+        print(f"   torchao not importable ({peer_error}): its columns show '-'")
+    names = [MODEL_ARMS[k] for k in keys]
+    results: list[tuple[ModelRow, dict[str, Arm], dict[str, dict]]] = []
+    for row in sizes.model_rows:
+        batch = row.batch or sizes.batch
+        print(f"-- model {row.label}, {batch}x{sizes.seq} tokens", flush=True)
         torch._dynamo.reset()
         free_memory()
         sync(device)
@@ -438,32 +598,45 @@ def model_section(opts, sizes: Sizes) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         outside = torch.cuda.memory_allocated() if cuda else 0
-        base = build_llama(layers, hidden, inter, sizes.vocab, device)
+        base = build_row_model(row, sizes.vocab, device)
         base.train()
-        optimizer = torch.optim.AdamW(base.parameters(), lr=1e-5, fused=True)
+        optimizer = torch.optim.AdamW(base.parameters(), lr=1e-5, fused=cuda)
         gen = torch.Generator(device="cpu").manual_seed(1)
-        batches = [torch.randint(3, sizes.vocab, (sizes.batch, sizes.seq), generator=gen).to(device) for _ in range(2)]
+        batches = [torch.randint(3, sizes.vocab, (batch, sizes.seq), generator=gen).to(device) for _ in range(2)]
         shared = {"bytes": 0}
+        info: dict[str, dict] = {}
 
-        def arm_of(forward: Callable, compiled: str | None = None, first: bool = False):
+        def arm_of(name: str, forward: Callable, compiled: bool, first: bool = False):
             def build():
                 counter = {"i": 0}
+                tally = info.setdefault(name, {})
 
                 def step():
                     ids = batches[counter["i"] % len(batches)]
                     counter["i"] += 1
-                    forward(input_ids=ids, labels=ids).loss.backward()
+                    training_loss(forward, ids).backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
 
                 sync(device)
                 before = torch.cuda.memory_allocated() if cuda else 0
-                if compiled:
-                    compiled_warmup(compiled, lambda: [step() for _ in range(max(opts.warmup, COMPILED_WARMUP))])
-                else:
-                    for _ in range(opts.warmup):
-                        step()
+                graphs, breaks = graphs_compiled(), graph_break_counts()
+                t0 = time.perf_counter()
+                step()  # the first step: compile (compiled arms), Triton autotuning and JIT, allocation
                 sync(device)
+                tally["first_s"] = time.perf_counter() - t0
+                for _ in range((max(opts.warmup, COMPILED_WARMUP) if compiled else opts.warmup) - 1):
+                    step()
+                sync(device)
+                tally["warmup_s"] = time.perf_counter() - t0
+                if compiled:
+                    tally["graphs"] = graphs_compiled() - graphs
+                    tally["breaks"] = sum(max(0, c - breaks.get(r, 0)) for r, c in graph_break_counts().items())
+                    tally["top_breaks"] = top_graph_breaks(breaks)
+                    tally["recompiled"] = 0
+                print(f"   {name}: first step {tally['first_s']:.1f} s, warm-up {tally['warmup_s']:.1f} s"
+                      + (f", {tally['graphs']} graph(s), {tally['breaks']} graph break(s)" if compiled else ""),
+                      flush=True)
                 # what this arm keeps between steps (its FP8 weight cache); the first arm's is the optimizer
                 # state, which every arm uses and shared["bytes"] counts
                 own = 0 if first else (torch.cuda.memory_allocated() if cuda else 0) - before
@@ -483,41 +656,103 @@ def model_section(opts, sizes: Sizes) -> None:
                         peak = (torch.cuda.max_memory_allocated() - start_alloc + shared["bytes"] + own) / 2**30
                     return {"ms": ms, "peak": peak}
 
-                return watch_recompiles(compiled, sample) if compiled else sample
+                return watch_recompiles(name, sample, tally) if compiled else sample
             return build
 
-        arms: dict[str, Arm] = {}
-        arms["BF16"] = setup_arm("BF16", arm_of(base, first=True))
+        makers = {
+            "bf16c": lambda: compile_module(base, opts),
+            "fp8": lambda: calclip_fp8_copy(base),
+            "fp8c": lambda: compile_module(calclip_fp8_copy(base), opts),
+            "fp8x": lambda: calclip_fp8_copy(base, opts.fp8_options),
+            "fp8xc": lambda: compile_module(calclip_fp8_copy(base, opts.fp8_options), opts),
+            "torchao": lambda: torchao_copy(base, peer),
+            "torchaoc": lambda: compile_module(torchao_copy(base, peer), opts),
+        }
+        arms: dict[str, Arm] = {"BF16": setup_arm("BF16", arm_of("BF16", base, compiled=False, first=True))}
         # weights + optimizer state, common to every arm (the BF16 arm's warm-up created the optimizer state)
         shared["bytes"] = (torch.cuda.memory_allocated() - outside) if cuda else 0
-        if opts.compile_peers:
-            arms["BF16 compile"] = setup_arm("BF16 compile", lambda: arm_of(
-                compile_module(base, opts), compiled="BF16 compile")())
-        arms["FP8 eager"] = setup_arm("FP8 eager", lambda: arm_of(calclip_fp8_copy(base))())
-        arms["FP8 compile"] = setup_arm("FP8 compile", lambda: arm_of(
-            compile_module(calclip_fp8_copy(base), opts), compiled="FP8 compile")())
-        if peer is not None:
-            arms["torchao"] = setup_arm("torchao", lambda: arm_of(torchao_copy(base, peer))())
-            if opts.compile_peers:
-                arms["torchao compile"] = setup_arm("torchao compile", lambda: arm_of(
-                    compile_module(torchao_copy(base, peer), opts),
-                    compiled="torchao compile")())
+        for key in keys[1:]:
+            name = MODEL_ARMS[key]
+            if key.startswith("torchao") and peer is None:
+                arms[name] = Arm(name, error="torchao not importable")
+                continue
+            make = makers[key]
+            arms[name] = setup_arm(name, lambda make=make, name=name, key=key: arm_of(
+                name, make(), compiled=key.endswith("c"))())
         interleave(list(arms.values()), opts.repeats)
-        names = list(arms)
-        bf16 = arms["BF16"]
-        rows.append([label] + [cell(arms[a], "ms", 1) for a in names]
-                    + [paired_ratio(bf16, arms[a], "ms") for a in names if a != "BF16"]
-                    + [" / ".join(cell(arms[a], "peak", 2) for a in names)]
-                    + [" / ".join(paired_ratio(arms[a], bf16, "peak") for a in names if a != "BF16")])
-        del arms, base, optimizer, batches
+        print_model_row(row, batch, sizes, arms, info, names)
+        results.append((row, arms, info))
+        del arms, base, optimizer, batches, makers
         free_memory()
-    print(f"\n### model: fwd+bwd+AdamW(fused) step, {sizes.batch}x{sizes.seq} tokens (ms per step, median [min-max] "
-          f"of {opts.repeats} rounds of {opts.model_steps} steps)")
-    table(["model"] + [f"{a} ms" for a in names] + [f"BF16/{a}" for a in names if a != "BF16"]
-          + [f"peak GiB ({' / '.join(names)})", f"peak / BF16 ({' / '.join(a for a in names if a != 'BF16')})"],
-          rows)
-    print("peak: weights + optimizer state + the arm's persistent buffers + its transient peak over a step.",
-          flush=True)
+    print_model_summary(results, sizes, opts)
+
+
+def print_model_row(row: ModelRow, batch: int, sizes: Sizes, arms: dict[str, Arm], info: dict[str, dict],
+                    names: list[str]) -> None:
+    """One model row's table: step ms, speed vs BF16 eager, peak memory, first-step and warm-up seconds, and the
+    compiled arms' graphs, graph breaks and graphs compiled during timed rounds (dynamo's counters)."""
+    bf16 = arms["BF16"]
+    rows = []
+    for name in names:
+        arm, tally = arms.get(name), info.get(name, {})
+        compiled = "graphs" in tally
+        rows.append([name, cell(arm, "ms", 1), "1.00x" if name == "BF16" else paired_ratio(bf16, arm, "ms"),
+                     cell(arm, "peak", 2), f"{tally['first_s']:.1f}" if "first_s" in tally else "-",
+                     f"{tally['warmup_s']:.1f}" if "warmup_s" in tally else "-",
+                     f"{tally['graphs']} / {tally['breaks']} / {tally['recompiled']}" if compiled else "-"])
+    print(f"\n### model {row.label}: fwd+bwd+AdamW(fused) step, {batch}x{sizes.seq} tokens, vocab {sizes.vocab} "
+          f"(median [min-max] of the rounds)")
+    table(["arm", "ms per step", "BF16 eager / arm", "peak GiB", "first step s", "warm-up s",
+           "graphs / breaks / recompiled in timed rounds"], rows)
+    for name in names:
+        if info.get(name, {}).get("top_breaks"):
+            print(f"   {name} graph breaks: {info[name]['top_breaks']}")
+    sys.stdout.flush()
+
+
+# (column, numerator arm, denominator arm, metric): "speed" columns are den time / num time (> 1: num faster); the
+# "peak" columns num peak / den peak (< 1: num uses less memory).
+SUMMARY_COLUMNS = (
+    ("FP8c vs BF16c", "FP8 compile", "BF16 compile", "ms"),
+    ("FP8e vs BF16e", "FP8 eager", "BF16", "ms"),
+    ("FP8e vs torchao e", "FP8 eager", "torchao", "ms"),
+    ("BF16c vs BF16e", "BF16 compile", "BF16", "ms"),
+    ("FP8+c vs FP8c", "FP8+ compile", "FP8 compile", "ms"),
+    ("FP8+e vs FP8e", "FP8+ eager", "FP8 eager", "ms"),
+    ("peak FP8c / BF16c", "FP8 compile", "BF16 compile", "peak"),
+    ("peak FP8e / BF16e", "FP8 eager", "BF16", "peak"),
+)
+
+
+def summary_rows(results, names: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The columns of SUMMARY_COLUMNS whose arms ran, and one row per model: paired per-round ratios, then the
+    first-step seconds of the compiled BF16 and FP8 arms."""
+    columns = [c for c in SUMMARY_COLUMNS if c[1] in names and c[2] in names]
+    header = ["model"] + [c[0] for c in columns] + ["first step s BF16c / FP8c"]
+    rows = []
+    for row, arms, info in results:
+        cells = [row.label]
+        for _, num, den, metric in columns:
+            cells.append(paired_ratio(arms.get(den), arms.get(num), metric) if metric == "ms"
+                         else paired_ratio(arms.get(num), arms.get(den), metric))
+        first = [info.get(n, {}).get("first_s") for n in ("BF16 compile", "FP8 compile")]
+        cells.append(" / ".join("-" if f is None else f"{f:.1f}" for f in first))
+        rows.append(cells)
+    return header, rows
+
+
+def print_model_summary(results, sizes: Sizes, opts) -> None:
+    if not results:
+        return
+    names = list(results[0][1])
+    header, rows = summary_rows(results, names)
+    options = f"; FP8+ = Fp8Config({', '.join(f'{k}={v!r}' for k, v in opts.fp8_options.items())})" \
+        if opts.fp8_options else ""
+    print(f"\n### model rows: ratios (median [min-max] of per-round ratios; {opts.repeats} rounds of "
+          f"{opts.model_steps} steps{options})")
+    table(header, rows)
+    print("'A vs B': B's step time / A's (> 1: A is faster). 'peak A / B': A's peak memory over B's (< 1: A uses "
+          "less). first step: compile + autotune + allocation on the first step of each compiled arm.", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -558,7 +793,7 @@ def decode_section(opts, sizes: Sizes) -> None:
 
     transformers.logging.set_verbosity_error()  # generation-flag warnings would drown the table
     device = torch.device(sizes.device)
-    layers, hidden, inter = sizes.model_configs[0]
+    layers, hidden, inter = sizes.decode_model
     torch._dynamo.reset()
     free_memory()
     base = build_llama(layers, hidden, inter, sizes.vocab, device).eval()
@@ -826,7 +1061,16 @@ def parse_args(argv=None):
     parser.add_argument("--layer-shapes", default=None,
                         help="layer rows as MxKxN,... (default: issue 8's three; the --tiny ones with --tiny)")
     parser.add_argument("--models", default=None,
-                        help="model rows as LAYERSxHIDDENxINTERMEDIATE,... (default: issue 8's two)")
+                        help="model rows, comma-separated: a named architecture (" + ", ".join(NAMED_MODELS)
+                        + "; NAME:LAYERS or NAME:LAYERS:BATCH to change its layers / sequences), "
+                        "HIDDEN:INTERMEDIATE:HEADS:KV_HEADS:LAYERS[:BATCH], or LAYERSxHIDDENxINTERMEDIATE "
+                        f"(default: {','.join(DEFAULT_MODELS)}; the --tiny ones with --tiny)")
+    parser.add_argument("--model-arms", default=None,
+                        help=f"model section arms, comma-separated, of {list(MODEL_ARMS)} (default: bf16,bf16c,fp8,"
+                        "fp8c,torchao; + fp8x,fp8xc with --fp8-options; + torchaoc with --compile-peers)")
+    parser.add_argument("--fp8-options", default=None, metavar="KEY=VALUE,...",
+                        help="Fp8Config fields of the FP8+ arms (model section), e.g. scaled_mm_row_scales=true: the "
+                        "same model with a speed lever on, beside the default FP8 arms")
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode of the compiled arms, e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--compile-peers", action="store_true",
@@ -859,16 +1103,22 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
     if opts.compile_backend is None:
         opts.compile_backend = "aot_eager" if opts.tiny else "inductor"
-    for name in ("layer_shapes", "models"):
-        text = getattr(opts, name)
-        if text is not None:
-            try:
-                rows = tuple(tuple(int(v) for v in row.split("x")) for row in text.split(",") if row.strip())
-            except ValueError:
-                rows = ()
-            if not rows or any(len(r) != 3 or min(r) < 1 for r in rows):
-                parser.error(f"--{name.replace('_', '-')}: expected AxBxC,... of positive ints, got {text!r}")
-            setattr(opts, name, rows)
+    if opts.layer_shapes is not None:
+        text = opts.layer_shapes
+        try:
+            rows = tuple(tuple(int(v) for v in row.split("x")) for row in text.split(",") if row.strip())
+        except ValueError:
+            rows = ()
+        if not rows or any(len(r) != 3 or min(r) < 1 for r in rows):
+            parser.error(f"--layer-shapes: expected AxBxC,... of positive ints, got {text!r}")
+        opts.layer_shapes = rows
+    try:
+        if opts.models is not None:
+            opts.models = parse_model_rows(opts.models)
+        opts.fp8_options = parse_fp8_options(opts.fp8_options)
+        opts.model_arm_keys = model_arm_keys(opts)
+    except ValueError as err:
+        parser.error(str(err))
     return opts
 
 
@@ -881,7 +1131,7 @@ def main(argv=None) -> int:
     if opts.layer_shapes:
         sizes = dataclasses.replace(sizes, layer_shapes=opts.layer_shapes)
     if opts.models:
-        sizes = dataclasses.replace(sizes, model_configs=opts.models)
+        sizes = dataclasses.replace(sizes, model_rows=opts.models)
     if sizes.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --tiny for the CPU check")
         return 2

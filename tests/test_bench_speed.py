@@ -82,11 +82,12 @@ def _cells(table_row: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_tiny_run_prints_layer_and_decode_tables_with_numbers():
+def test_tiny_run_prints_layer_model_and_decode_tables_with_numbers():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_speed.py"), "--tiny", "--only", "layer,decode",
-         "--repeats", "1", "--decode-repeats", "1", "--layer-calls", "1", "--warmup", "1"],
+        [sys.executable, str(ROOT / "benchmarks" / "bench_speed.py"), "--tiny", "--only", "layer,model,decode",
+         "--repeats", "1", "--decode-repeats", "1", "--layer-calls", "1", "--warmup", "1",
+         "--models", "256:512:4:2:1", "--model-arms", "bf16,bf16c,fp8,fp8c"],
         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT,
     )
     out = proc.stdout
@@ -100,6 +101,17 @@ def test_tiny_run_prints_layer_and_decode_tables_with_numbers():
     for row in rows:
         for name in ("BF16 ms", "FP8 eager ms", "BF16/FP8 eager"):
             assert re.fullmatch(r"\d+\.\d+x?", row[columns.index(name)]), (name, row)
+    arms = next(i for i, line in enumerate(lines) if line.startswith("| arm ") and "ms per step" in line)
+    arm_rows = {r[0]: r for r in (_cells(line) for line in lines[arms + 2: arms + 6])}
+    assert list(arm_rows) == ["BF16", "BF16 compile", "FP8 eager", "FP8 compile"]
+    for name, row in arm_rows.items():
+        assert re.fullmatch(r"\d+\.\d", row[1]) and re.fullmatch(r"\d+\.\d", row[4]), row  # ms, first step s
+    assert arm_rows["BF16 compile"][6].endswith("/ 0 / 0")  # one graph, no break, nothing compiled while timed
+    assert arm_rows["FP8 compile"][6].endswith(" / 0")  # (its one break: the root pre-hook's weight refresh)
+    summary = next(i for i, line in enumerate(lines) if line.startswith("| model ") and "FP8c vs BF16c" in line)
+    summary_columns = _cells(lines[summary])
+    assert summary_columns[:5] == ["model", "FP8c vs BF16c", "FP8e vs BF16e", "BF16c vs BF16e", "peak FP8c / BF16c"]
+    assert re.fullmatch(r"\d+\.\d\dx", _cells(lines[summary + 2])[1])
     decode = next(i for i, line in enumerate(lines) if line.startswith("| batch "))
     decode_rows = [_cells(line) for line in lines[decode + 2: decode + 6]]
     assert [(r[0], r[1]) for r in decode_rows] == [("2", "eager"), ("2", "graphed"), ("4", "eager"), ("4", "graphed")]
@@ -114,3 +126,141 @@ def test_summarize_runs_ratios_of_medians_and_means_in_either_direction():
     assert rows[2] == ["broken", "err", "err", "-", "-"]
     inverted = bench_speed.summarize_runs(times, "bf16_static", run_over_base=True)
     assert inverted[1][3:] == ["2.00x", "2.50x"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# model rows: named architectures, free form, arms, FP8 options, the summary's ratio directions
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_named_models_have_the_dims_of_the_family_table():
+    """bench_speed's named rows and tests/fp8/test_model_dims.py's family table (each from the model's config.json)
+    agree on every dim they share."""
+    sys.path.insert(0, str(ROOT / "tests" / "fp8"))
+    from test_model_dims import FAMILY
+
+    for name in ("qwen2.5-1.5b", "qwen2.5-7b", "llama3-8b", "qwen2.5-0.5b", "qwen3-8b", "smollm2-135m"):
+        row, family = bench_speed.NAMED_MODELS[name], FAMILY[name]
+        assert (row.hidden, row.intermediate, row.heads, row.kv_heads, row.head_dim) == (
+            family.hidden, family.intermediate, family.heads, family.kv_heads, family.head_dim), name
+    assert [r.name for r in bench_speed.GPU_SIZES.model_rows] == ["qwen2.5-1.5b", "qwen2.5-7b", "llama3-8b"]
+
+
+def test_parse_model_rows_named_free_form_and_legacy():
+    rows = bench_speed.parse_model_rows("qwen2.5-7b, Llama3-8B:2, qwen2.5-1.5b:4:2, 3584:18944:28:4:3:4, 8x2048x8192")
+    seven, eight, small, free, legacy = rows
+    assert (seven.hidden, seven.intermediate, seven.heads, seven.kv_heads, seven.layers, seven.batch) == (
+        3584, 18944, 28, 4, 3, 4)
+    assert eight.name == "llama3-8b" and eight.layers == 2 and eight.batch == 4  # layers overridden, batch kept
+    assert (small.layers, small.batch) == (4, 2)
+    assert (free.hidden, free.intermediate, free.heads, free.kv_heads, free.layers, free.batch, free.head_dim) == (
+        3584, 18944, 28, 4, 3, 4, None)
+    assert (legacy.layers, legacy.hidden, legacy.intermediate, legacy.heads, legacy.kv_heads, legacy.batch) == (
+        8, 2048, 8192, 16, 16, None)
+    assert small.label == "qwen2.5-1.5b 4L h1536 i8960 12/2h" and free.label == "dims 3L h3584 i18944 28/4h"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("qwen9-1b", "unknown architecture; named ones: qwen2.5-1.5b"),
+    ("3584:18944:28:5:3", "HEADS a multiple of KV_HEADS"),
+    ("3584:18944:28:4", "HIDDEN:INTERMEDIATE:HEADS:KV_HEADS:LAYERS"),
+    ("qwen2.5-7b:x", "'qwen2.5-7b:x'"),
+    ("qwen2.5-7b:0", "sizes must be positive"),
+    (" , ", "no rows"),
+])
+def test_parse_model_rows_rejects_bad_rows_naming_them(text, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        bench_speed.parse_model_rows(text)
+
+
+def test_parse_args_builds_model_rows_arms_and_fp8_options(capsys):
+    opts = bench_speed.parse_args(["--models", "qwen2.5-7b", "--fp8-options", "scaled_mm_row_scales=true"])
+    assert opts.models[0].name == "qwen2.5-7b"
+    assert opts.fp8_options == {"scaled_mm_row_scales": True}
+    assert opts.model_arm_keys == ["bf16", "bf16c", "fp8", "fp8c", "fp8x", "fp8xc", "torchao"]
+    assert bench_speed.parse_args(["--compile-peers"]).model_arm_keys == ["bf16", "bf16c", "fp8", "fp8c", "torchao",
+                                                                          "torchaoc"]
+    # BF16 eager is every ratio's baseline: always there, always first
+    assert bench_speed.parse_args(["--model-arms", "fp8c,bf16c"]).model_arm_keys == ["bf16", "fp8c", "bf16c"]
+    for argv, message in ((["--model-arms", "fp8c,int4"], "unknown arm(s) ['int4']"),
+                          (["--model-arms", "fp8xc"], "need --fp8-options"),
+                          (["--fp8-options", "scaled_mm_row_scales"], "expected KEY=VALUE"),
+                          (["--fp8-options", "warp_speed=true"], "warp_speed"),
+                          (["--fp8-options", "gemm=triton,scaled_mm_row_scales=true"], "scaled_mm_row_scales"),
+                          (["--models", "qwen9-1b"], "qwen9-1b")):
+        with pytest.raises(SystemExit):
+            bench_speed.parse_args(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+def test_parse_fp8_options_types():
+    assert bench_speed.parse_fp8_options("decode_fused_max_m=0, fused_quantizer=True,decode_fused_max_m=none") == {
+        "decode_fused_max_m": None, "fused_quantizer": True}
+    assert bench_speed.parse_fp8_options("gemm=scaled_mm") == {"gemm": "scaled_mm"}
+    assert bench_speed.parse_fp8_options(None) == {}
+
+
+def test_row_model_has_the_architecture_dims_and_no_kv_cache():
+    row = bench_speed.parse_model_rows("qwen2.5-7b:1")[0]
+    model = bench_speed.build_row_model(row, vocab=512, device="meta")
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert len(model.model.layers) == 1
+    assert (attn.q_proj.in_features, attn.q_proj.out_features) == (3584, 28 * 128)
+    assert (attn.k_proj.out_features, attn.v_proj.out_features, attn.o_proj.in_features) == (512, 512, 3584)
+    assert (mlp.gate_proj.out_features, mlp.down_proj.in_features) == (18944, 18944)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    qwen3 = bench_speed.build_row_model(bench_speed.parse_model_rows("qwen3-8b:1")[0], vocab=512, device="meta")
+    assert qwen3.model.layers[0].self_attn.k_proj.out_features == 8 * 128  # head_dim 128 from the named row
+
+
+def test_training_loss_runs_without_a_kv_cache():
+    """The model rows' step builds no KV cache (a compiled BF16 arm guarded on past_key_values and recompiled), while
+    the model itself keeps the cache on for the decode benchmarks that build it too."""
+    model = bench_speed.build_llama(1, 64, 128, 97, "cpu", heads=2, kv_heads=1)
+    ids = torch.randint(3, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    calls = []
+    model.register_forward_hook(lambda module, args, out: calls.append(out), with_kwargs=False)
+    loss = bench_speed.training_loss(model, ids)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert calls[0].past_key_values is None
+    assert model(input_ids=ids).past_key_values is not None  # the config's default: cache on, for generate
+
+
+def test_summary_ratios_point_the_documented_way():
+    """'A vs B' is B's step time over A's (> 1: A faster), paired per round; 'peak A / B' is A's peak over B's."""
+    arms = {
+        "BF16": bench_speed.Arm("BF16", samples={"ms": [100.0, 100.0], "peak": [10.0, 10.0]}),
+        "BF16 compile": bench_speed.Arm("BF16 compile", samples={"ms": [80.0, 90.0], "peak": [8.0, 8.0]}),
+        "FP8 eager": bench_speed.Arm("FP8 eager", samples={"ms": [125.0, 125.0], "peak": [11.0, 11.0]}),
+        "FP8 compile": bench_speed.Arm("FP8 compile", samples={"ms": [64.0, 60.0], "peak": [6.0, 6.0]}),
+    }
+    row = bench_speed.ModelRow("toy", 256, 512, 4, 2, 1)
+    info = {"BF16 compile": {"first_s": 12.0}, "FP8 compile": {"first_s": 30.5}}
+    header, rows = bench_speed.summary_rows([(row, arms, info)], list(arms))
+    assert header == ["model", "FP8c vs BF16c", "FP8e vs BF16e", "BF16c vs BF16e", "peak FP8c / BF16c",
+                      "peak FP8e / BF16e", "first step s BF16c / FP8c"]
+    cells = dict(zip(header, rows[0]))
+    assert cells["FP8c vs BF16c"] == "1.38 [1.25-1.50]x"  # 80/64 and 90/60
+    assert cells["FP8e vs BF16e"] == "0.80 [0.80-0.80]x"
+    assert cells["peak FP8c / BF16c"] == "0.75 [0.75-0.75]x"
+    assert cells["first step s BF16c / FP8c"] == "12.0 / 30.5"
+
+
+def test_profile_probe_sorts_kernels_into_categories():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
+    import profile_model_step as probe
+
+    assert probe.category("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN") == "GEMM FP8"
+    assert probe.category("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT") == "GEMM BF16"
+    assert probe.category("_fp8_block_gemm_kernel") == "GEMM FP8"
+    assert probe.category("_quantize_1x128_kernel") == "FP8 quantize"
+    assert probe.category("_requantize_128x128_kernel") == "FP8 quantize"
+    assert probe.category("triton_fp8_blockwise_act_quant_lhs_kernel") == "FP8 quantize"  # torchao's
+    assert probe.category("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel") == "attention"
+    assert probe.category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdam>") == \
+        "optimizer"
+    assert probe.category("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "fused elementwise (Inductor)"
+    assert probe.category("Memset (Device)") == "copy / fill"
+    assert probe.category("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>") == "other"
+    split = probe.split_by_category({"_quantize_1x128_kernel": (3000.0, 6), "nvjet_sm90_tst_x": (9000.0, 3)}, 3)
+    assert split["FP8 quantize"] == 1.0 and split["GEMM BF16"] == 3.0 and split["other"] == 0.0

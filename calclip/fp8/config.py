@@ -73,7 +73,8 @@ def require_recipe_available(recipe: str | Fp8Recipe, *, field: str = "Fp8Config
 
 def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", gemm: str = "auto",
                            block_size: int = BLOCK, fused_quantizer: bool = False,
-                           decode_fused_max_m: int | None = None, decode_group_siblings: bool = False) -> list[str]:
+                           decode_fused_max_m: int | None = None, decode_group_siblings: bool = False,
+                           scaled_mm_row_scales: bool = False) -> list[str]:
     """``Fp8Config`` option names set to a value that only the blockwise recipe honours, for ``recipe``.
 
     torchao's rowwise/tensorwise recipes always quantize the backward in FP8, have no block size, no fused
@@ -84,7 +85,7 @@ def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", ge
         return []
     conflicts = {"backward": backward != "fp8", "gemm": gemm == "triton", "block_size": block_size != BLOCK,
                  "fused_quantizer": fused_quantizer, "decode_fused_max_m": decode_fused_max_m not in (None, 0),
-                 "decode_group_siblings": decode_group_siblings}
+                 "decode_group_siblings": decode_group_siblings, "scaled_mm_row_scales": scaled_mm_row_scales}
     return [name for name, conflict in conflicts.items() if conflict]
 
 
@@ -144,6 +145,13 @@ class Fp8Config:
         Llama-style layer instead of 7 (``calclip.fp8.siblings``). Same codes, scales and output bits; the
         non-finite count's total is the same, all of it on the first sibling. Off by default until measured on
         a GPU. Needs the fused decode (``decode_fused_max_m`` not 0) and the blockwise recipe.
+    scaled_mm_row_scales: with gemm "auto" or "scaled_mm" on the H200, run the forward and dgrad GEMMs whose
+        contraction dim is a multiple of 128 but not of 512 (Qwen2.5-1.5B's down projection, K = 8960; its gate/up
+        and k/v dgrad; Qwen2.5-0.5B's every linear) on torch._scaled_mm with the weight's 128x128 scales repeated per
+        row, instead of calclip's Triton GEMM: cuBLAS returns wrong results for a 128x128 scale whose K/128 is not a
+        multiple of 4, not for one scale per row (``calclip.fp8.gemm``). Same codes and scales, so the same products,
+        summed in cuBLAS' order; costs one small copy of the weight's scales per call. Off by default until the
+        H200 measures it (the Triton GEMM ran at 0.7-0.9x of BF16's TFLOP/s, cuBLAS' blockwise at 1.4-1.7x).
     """
 
     block_size: int = BLOCK
@@ -159,6 +167,7 @@ class Fp8Config:
     recipe: str = Fp8Recipe.BLOCKWISE.value
     decode_fused_max_m: int | None = None
     decode_group_siblings: bool = False
+    scaled_mm_row_scales: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -187,7 +196,7 @@ class Fp8Config:
             except (re.error, TypeError) as err:
                 raise ValueError(f"Fp8Config.keep_patterns: invalid regex {pattern!r}: {err}") from None
         object.__setattr__(self, "keep_patterns", patterns)  # lists from YAML become a hashable tuple
-        for name in ("cache_weights", "fused_quantizer", "decode_group_siblings"):
+        for name in ("cache_weights", "fused_quantizer", "decode_group_siblings", "scaled_mm_row_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Fp8Config.{name} must be a bool, got {getattr(self, name)!r}")
         max_m = self.decode_fused_max_m
@@ -200,6 +209,9 @@ class Fp8Config:
         if max_m and self.gemm == "emulated":
             raise ValueError(f"Fp8Config.decode_fused_max_m={max_m} runs calclip's Triton kernel, but gemm='emulated' "
                              "asks for the torch emulation; set decode_fused_max_m=0 or another gemm")
+        if self.scaled_mm_row_scales and self.gemm not in ("auto", "scaled_mm"):
+            raise ValueError(f"Fp8Config.scaled_mm_row_scales runs GEMMs on torch._scaled_mm, which gemm={self.gemm!r} "
+                             "rules out; set gemm to 'auto' or 'scaled_mm', or scaled_mm_row_scales=False")
         if self.decode_group_siblings and max_m == 0:
             raise ValueError("Fp8Config.decode_group_siblings groups fused decode calls, which "
                              "decode_fused_max_m=0 turns off; set decode_fused_max_m to None (automatic) or N > 0")
@@ -211,7 +223,8 @@ class Fp8Config:
         conflicts = blockwise_only_options(recipe, backward=self.backward, gemm=self.gemm,
                                            block_size=self.block_size, fused_quantizer=self.fused_quantizer,
                                            decode_fused_max_m=self.decode_fused_max_m,
-                                           decode_group_siblings=self.decode_group_siblings)
+                                           decode_group_siblings=self.decode_group_siblings,
+                                           scaled_mm_row_scales=self.scaled_mm_row_scales)
         if conflicts:
             settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in conflicts)
             raise ValueError(f"Fp8Config.recipe={recipe.value!r} (torchao) cannot honour {settings}: these are "

@@ -21,6 +21,12 @@ Backends:
                  SCALED_MM_LAYOUTS and shapes accepted by ``scaled_mm_supports``, else falls back as below
     "triton"     calclip.fp8.triton_kernels.fp8_block_gemm_triton (CUDA), else "emulated"
     "auto"       "scaled_mm" when allowed, else "triton" on CUDA, else "emulated"
+With ``row_scales`` (``Fp8Config.scaled_mm_row_scales``), "auto" and "scaled_mm" also run a (1x128, 128x128) GEMM that
+``scaled_mm_supports`` rejects only for its 128x128 scale's leading dimension (contraction / 128 not a multiple of 4:
+Qwen2.5-1.5B's down projection, K = 8960, and the dgrad of its gate/up and k/v projections) on torch._scaled_mm,
+with the 128x128 operand's scales repeated per row (``row_scales_of``): the (1x128, 1x128) layout pair, which
+cuBLAS computes correctly at any contraction length (the wgrad pair; docs/scaled_mm_layouts.md). Same codes, same
+scale per element, so the same products as the Triton GEMM, summed in cuBLAS' order ("scaled_mm_rows").
 "auto" and "triton" run a forward-layout GEMM (1x128, 128x128) of at most SPLITK_MAX_M rows whose output has too
 few tiles to fill the GPU (``splitk_applies``: decode's q/k/v/o and down projections) on
 calclip.fp8.triton_kernels.fp8_splitk_gemm_triton: the same K step, K split across more programs. There cuBLAS'
@@ -137,6 +143,16 @@ def scaled_mm_supports(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out
     return True
 
 
+def row_scales_of(s: Tensor, rows: int, block: int = BLOCK) -> Tensor:
+    """128x128 scales [ceil(rows/128), KB] of a [rows, K] operand -> the same values as 1x128 scales [rows, KB], one
+    per row (each row keeps its block's scale), column-major: the strides torch._scaled_mm reads for a 1x128 b
+    operand's scale (its ``.t()``, [KB, rows], is contiguous). The dequantized operand is the same bit for bit."""
+    per_row = s.t().repeat_interleave(block, dim=1)  # [KB, 128 * ceil(rows / 128)], contiguous
+    if per_row.shape[1] != rows:  # a ragged last block: narrow + clone (fake CUDA tensors on CPU builds take these)
+        per_row = per_row.narrow(1, 0, rows).clone(memory_format=torch.contiguous_format)
+    return per_row.t()
+
+
 def _scale_layout(s: Tensor, blocks: str) -> Tensor:
     """Strides ScaledBlas.cpp demands for a row-major operand T [R, K]: 1x128 scales (R, K/128) with strides
     (1, R) ("outer-dim-major", column-major); 128x128 scales (R/128, K/128) row-major."""
@@ -185,10 +201,12 @@ def _is_sm90(device: torch.device) -> bool:
 
 
 def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dtype, a_blocks: str,
-                    b_blocks: str, block: int = BLOCK) -> str:
+                    b_blocks: str, block: int = BLOCK, row_scales: bool = False) -> str:
     """The backend that will actually run: a requested one falls back (scaled_mm -> triton -> emulated)
     when its device, layout pair or shape is not supported; "auto" and "triton" give "splitk" (the split-K Triton
-    GEMM) for a forward-layout GEMM of at most SPLITK_MAX_M rows with too few output tiles (``splitk_applies``)."""
+    GEMM) for a forward-layout GEMM of at most SPLITK_MAX_M rows with too few output tiles (``splitk_applies``);
+    with ``row_scales``, "auto" and "scaled_mm" give "scaled_mm_rows" where only the 128x128 scale's leading
+    dimension keeps cuBLAS from a (1x128, 128x128) GEMM (module docstring)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "emulated" or not qa.is_cuda or block != BLOCK:
@@ -197,9 +215,11 @@ def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dt
     n = qb.shape[0]
     if backend in ("auto", "triton") and splitk_applies(a_blocks, b_blocks, m, n, k, out_dtype, qa.device):
         return "splitk"
-    if backend in ("auto", "scaled_mm") and _is_sm90(qa.device) and scaled_mm_supports(
-            a_blocks, b_blocks, m, n, k, out_dtype):
-        return "scaled_mm"
+    if backend in ("auto", "scaled_mm") and _is_sm90(qa.device):
+        if scaled_mm_supports(a_blocks, b_blocks, m, n, k, out_dtype):
+            return "scaled_mm"
+        if row_scales and b_blocks == "128x128" and scaled_mm_supports(a_blocks, "1x128", m, n, k, out_dtype):
+            return "scaled_mm_rows"
     if _triton_gemm(out_dtype) is not None:
         return "triton"
     return "emulated"
@@ -227,21 +247,24 @@ def _splitk_gemm(out_dtype: torch.dtype):
 
 def fp8_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_dtype: torch.dtype,
                    backend: str = "auto", a_blocks: str = "1x128", b_blocks: str = "128x128",
-                   block: int = BLOCK) -> Tensor:
+                   block: int = BLOCK, row_scales: bool = False) -> Tensor:
     """y[M, N] = (qa * sa)[M, K] @ (qb * sb)[N, K]^T in out_dtype.
 
     qa: float8_e4m3fn [M, K], sa: fp32 per ``a_blocks``; qb: float8_e4m3fn [N, K], sb: fp32 per ``b_blocks``
     (see the module docstring). Any M, N, K; non-finite (NaN) scales propagate NaN into the rows/columns
-    they touch.
+    they touch. ``row_scales``: see ``resolve_backend``.
     """
     _check_operand("a", qa, sa, a_blocks, block)
     _check_operand("b", qb, sb, b_blocks, block)
     if qa.shape[1] != qb.shape[1]:
         raise ValueError(f"contraction dims differ: qa {tuple(qa.shape)}, qb {tuple(qb.shape)}")
     chosen = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks,
-                             block=block)
+                             block=block, row_scales=row_scales)
     if chosen == "scaled_mm":
         return scaled_mm_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks)
+    if chosen == "scaled_mm_rows":
+        return scaled_mm_block_gemm(qa, sa, qb, row_scales_of(sb, qb.shape[0]), out_dtype=out_dtype,
+                                    a_blocks=a_blocks, b_blocks="1x128")
     if chosen == "splitk":
         return _splitk_gemm(out_dtype)(qa, sa, qb, sb, out_dtype=out_dtype)
     if chosen == "triton":

@@ -69,7 +69,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from calclip.fp8 import quant
 from calclip.fp8.config import Fp8Config
-from calclip.fp8.gemm import fp8_block_gemm, resolve_backend, scaled_mm_blockwise
+from calclip.fp8.gemm import fp8_block_gemm, resolve_backend, row_scales_of, scaled_mm_blockwise
 
 # Advanced after every optimizer step of any optimizer in the process, and by invalidate_fp8_weight_caches():
 # part of every weight-cache key, since fused optimizers and `.data` writes change weights without bumping
@@ -95,29 +95,33 @@ register_optimizer_step_post_hook(_after_optimizer_step)
 # The math of one layer, shared by the eager autograd Function and the custom ops torch.compile sees.
 # ----------------------------------------------------------------------------------------------------------
 
-# (backend, a_blocks, b_blocks, m, n, k, out_dtype, device) -> "scaled_mm" | other backend name
+# (backend, a_blocks, b_blocks, m, n, k, out_dtype, device, row_scales) -> "scaled_mm" | other backend name
 _gemm_choice: dict[tuple, str] = {}
 
 
 def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype, backend: str,
-          a_blocks: str, b_blocks: str) -> Tensor:
+          a_blocks: str, b_blocks: str, row_scales: bool = False) -> Tensor:
     """fp8_block_gemm for operands already in the layouts the quantizers emit with gemm_layout=True; the
-    backend decision is made once per shape, and the torch._scaled_mm path re-lays out nothing."""
+    backend decision is made once per shape, and the torch._scaled_mm path re-lays out nothing (but for
+    ``row_scales``' "scaled_mm_rows", which repeats a weight's scales per row: a [K/128, N] fp32 tensor per call)."""
     (m, k), n = qa.shape, qb.shape[0]
     traced = quant.is_traced(qa)
     if traced and not all(type(d) is int for d in (m, n, k)):  # symbolic sizes: decided while tracing, not cached
-        chosen = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks)
+        chosen = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks,
+                                 row_scales=row_scales)
     else:
-        key = (backend, a_blocks, b_blocks, m, n, k, out_dtype, qa.device)
+        key = (backend, a_blocks, b_blocks, m, n, k, out_dtype, qa.device, row_scales)
         chosen = _gemm_choice.get(key)
         if chosen is None:
             chosen = _gemm_choice[key] = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks,
-                                                         b_blocks=b_blocks)
-    if chosen == "scaled_mm":
+                                                         b_blocks=b_blocks, row_scales=row_scales)
+    if chosen in ("scaled_mm", "scaled_mm_rows"):
         # a [M, K] row-major, b = qb^T [K, N] column-major; 1x128 scales column-major, 128x128 row-major
-        # (gemm.scaled_mm_block_gemm, whose re-layouts are no-ops for these operands).
+        # (gemm.scaled_mm_block_gemm, whose re-layouts are no-ops for these operands); "scaled_mm_rows": the
+        # 128x128 scales of b repeated per row, a 1x128 scale ([K/128, N] contiguous as scale_b).
+        scale_b = (row_scales_of(sb, n) if chosen == "scaled_mm_rows" else sb).t()
         mm = scaled_mm_blockwise if traced else torch._scaled_mm
-        return mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype)
+        return mm(qa, qb.t(), scale_a=sa, scale_b=scale_b, out_dtype=out_dtype)
     if chosen == "splitk":
         return quant.triton_kernels().fp8_splitk_gemm_triton(qa, sa, qb, sb, out_dtype=out_dtype)
     return fp8_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, backend=chosen, a_blocks=a_blocks,
@@ -133,9 +137,11 @@ def _quantize_both(t2: Tensor, pow2: bool, fused: bool) -> tuple[Tensor, Tensor,
 
 
 def _forward(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool,
-             pow2: bool, fused: bool, gemm: str, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+             pow2: bool, fused: bool, gemm: str, out_dtype: torch.dtype,
+             row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """x2 [M, K]; qw [N, K] e4m3fn, sw [N/128, K/128]; counter int64 [] (+= non-finite rows)
-    -> y [M, N] out_dtype, and x quantized 128x1 (qxt [M, K], sxt [M/128, K]) when save_for_wgrad, else None."""
+    -> y [M, N] out_dtype, and x quantized 128x1 (qxt [M, K], sxt [M/128, K]) when save_for_wgrad, else None.
+    row_scales: Fp8Config.scaled_mm_row_scales (gemm.resolve_backend)."""
     if save_for_wgrad and fused:
         qx, sx, qxt, sxt = _quantize_both(x2, pow2, fused)
         quant.add_nonfinite_rows(counter, sx, weight_bad)
@@ -143,13 +149,13 @@ def _forward(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Te
         qx, sx = quant.quantize_1x128(x2, pow2=pow2, gemm_layout=True, nonfinite_count=counter,
                                       weight_bad=weight_bad)
         qxt, sxt = quant.quantize_128x1(x2, pow2=pow2, gemm_layout=True) if save_for_wgrad else (None, None)
-    y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128")
+    y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales)
     return y, qxt, sxt
 
 
 def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, need_dx: bool, need_dw: bool,
               pow2: bool, fused: bool, gemm: str, x_dtype: torch.dtype,
-              w_dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+              w_dtype: torch.dtype, row_scales: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """dy2 [M, N]; W^T codes qwt [K, N], swt [K/128, N/128]; saved x 128x1 -> (dx [M, K], dW [N, K])."""
     dx = dw = None
     if need_dx and need_dw:
@@ -159,7 +165,7 @@ def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, n
     elif need_dw:
         qdyt, sdyt = quant.quantize_128x1(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M/128, N]
     if need_dx:
-        dx = _gemm(qdy, sdy, qwt, swt, x_dtype, gemm, "1x128", "128x128")
+        dx = _gemm(qdy, sdy, qwt, swt, x_dtype, gemm, "1x128", "128x128", row_scales)
     if need_dw:
         dw = _gemm(qdyt.t(), sdyt.t(), qxt.t(), sxt.t(), w_dtype, gemm, "1x128", "1x128")
     return dx, dw
@@ -176,7 +182,8 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         fp8_backward = cfg.backward == "fp8"
         y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, need_dw and fp8_backward,
-                               cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, out_dtype)
+                               cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, out_dtype,
+                               cfg.scaled_mm_row_scales)
         ctx.cfg, ctx.need = cfg, (need_dx, need_dw)
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         if fp8_backward:
@@ -194,7 +201,7 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         if cfg.backward == "fp8":
             qwt, swt, qxt, sxt = ctx.saved_tensors
             dx, dw = _backward(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, cfg.power_of_two_scales,
-                               cfg.fused_quantizer, cfg.gemm, ctx.x_dtype, ctx.w_dtype)
+                               cfg.fused_quantizer, cfg.gemm, ctx.x_dtype, ctx.w_dtype, cfg.scaled_mm_row_scales)
         else:  # straight-through: plain matmuls in the input dtype
             qw, sw, x2 = ctx.saved_tensors
             dx = dw = None
@@ -218,13 +225,14 @@ class _FP8BlockLinearFn(torch.autograd.Function):
 @torch.library.triton_op("calclip::fp8_linear_forward", mutates_args=())
 def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor | None, swt: Tensor | None,
                 weight_bad: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool, gemm: str,
-                out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                out_dtype: torch.dtype, row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (y [M, N], qxt [M, K] (128x1 codes, column-major) or [0], sxt [M/128, K] or [0], non-finite rows []).
     weight and the dgrad codes qwt/swt are inputs only for autograd (the weight's grad slot, saved for dx). The
     count is returned, not added to the layer's counter: torch.library registers autograd for functional ops only
     (calls without grad take ``_infer_op``, which adds in place)."""
     counter = torch.zeros((), dtype=torch.int64, device=x2.device)
-    y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, save_for_wgrad, pow2, fused, gemm, out_dtype)
+    y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, save_for_wgrad, pow2, fused, gemm, out_dtype,
+                           row_scales)
     if qxt is None:
         qxt, sxt = x2.new_empty((0,), dtype=torch.float8_e4m3fn), x2.new_empty((0,), dtype=torch.float32)
     return y, qxt, sxt, counter
@@ -232,20 +240,20 @@ def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor 
 
 @torch.library.triton_op("calclip::fp8_linear_infer", mutates_args=("counter",))
 def _infer_op(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor, pow2: bool, gemm: str,
-              out_dtype: torch.dtype) -> Tensor:
+              out_dtype: torch.dtype, row_scales: bool = False) -> Tensor:
     """The no-grad forward -> y [M, N]; the layer's counter (int64 []) += non-finite rows in place, by the
     quantizer's own atomic add on CUDA: a compiled decode step runs no zeroed count and no add_ per linear (the
     two extra kernels per layer call that the functional op costs)."""
-    return _forward(x2, qw, sw, weight_bad, counter, False, pow2, False, gemm, out_dtype)[0]
+    return _forward(x2, qw, sw, weight_bad, counter, False, pow2, False, gemm, out_dtype, row_scales)[0]
 
 
 @torch.library.triton_op("calclip::fp8_linear_backward", mutates_args=())
 def _backward_op(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, need_dx: bool, need_dw: bool,
                  pow2: bool, fused: bool, gemm: str, x_dtype: torch.dtype,
-                 w_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                 w_dtype: torch.dtype, row_scales: bool = False) -> tuple[Tensor, Tensor]:
     """-> (dx [M, K] or [0], dW [N, K] or [0])"""
     dx, dw = _backward(dy2.contiguous(), qwt, swt, qxt, sxt, need_dx, need_dw, pow2, fused, gemm, x_dtype,
-                       w_dtype)
+                       w_dtype, row_scales)
     return (dx if dx is not None else dy2.new_empty((0,), dtype=x_dtype)), \
         (dw if dw is not None else dy2.new_empty((0,), dtype=w_dtype))
 
@@ -259,21 +267,21 @@ def _decode_op(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x2, weight, qw, sw, qwt, swt, weight_bad, save_for_wgrad, pow2, fused, gemm, out_dtype = inputs
+    x2, weight, qw, sw, qwt, swt, weight_bad, save_for_wgrad, pow2, fused, gemm, out_dtype, row_scales = inputs
     _, qxt, sxt, _ = output
-    ctx.opts = (pow2, fused, gemm, x2.dtype, weight.dtype)
+    ctx.opts = (pow2, fused, gemm, x2.dtype, weight.dtype, row_scales)
     ctx.save_for_backward(qwt, swt, qxt, sxt)
 
 
 def _forward_op_backward(ctx, dy2, _dqxt, _dsxt, _dcount):
     qwt, swt, qxt, sxt = ctx.saved_tensors
-    pow2, fused, gemm, x_dtype, w_dtype = ctx.opts
+    pow2, fused, gemm, x_dtype, w_dtype, row_scales = ctx.opts
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if need_dx and qwt is None:
         raise RuntimeError("calclip::fp8_linear_forward ran without dgrad codes but its input needs a gradient")
     dx, dw = torch.ops.calclip.fp8_linear_backward(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, pow2, fused, gemm,
-                                                   x_dtype, w_dtype)
-    return (dx if need_dx else None), (dw if need_dw else None), *([None] * 10)
+                                                   x_dtype, w_dtype, row_scales)
+    return (dx if need_dx else None), (dw if need_dw else None), *([None] * 11)
 
 
 _forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context)
@@ -529,14 +537,14 @@ class FP8BlockLinear(nn.Linear):
         if not grad:
             return torch.ops.calclip.fp8_linear_infer(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                                       self.nonfinite_count, cfg.power_of_two_scales, cfg.gemm,
-                                                      x2.dtype)
+                                                      x2.dtype, cfg.scaled_mm_row_scales)
         qwt, swt = self._fp8_qwt, self._fp8_swt
         if qwt is None:
             raise RuntimeError("FP8BlockLinear is compiled for training before its dgrad codes exist: compile the "
                                "model that quantize_model converted, or call refresh_fp8_weights(model) first")
         y, _, _, bad_rows = torch.ops.calclip.fp8_linear_forward(
             x2, self.weight, self._fp8_qw, self._fp8_sw, qwt, swt, self._fp8_bad, self.weight.requires_grad,
-            cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, x2.dtype)
+            cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, x2.dtype, cfg.scaled_mm_row_scales)
         self.nonfinite_count.add_(bad_rows)
         return y
 

@@ -91,17 +91,12 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     when ``weight_bad`` (bool []) is set; counted inside the Triton kernel on CUDA (no extra launch, no sync),
     from the scales by torch ops otherwise."""
     fn = _impl(x, "quantize_1x128", block)
-    k = x.shape[-1] if x.dim() else 0
     if fn is not reference.quantize_1x128:
-        module = triton_kernels()
-        if nonfinite_count is None or module.counts_in_kernel(k, block):
-            return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, nonfinite_count=nonfinite_count,
-                      weight_bad=weight_bad)
-        q, s = fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout)
-    else:
-        q, s = fn(x, block=block, pow2=pow2)
-        if gemm_layout:
-            q, s = _to_gemm_layout("quantize_1x128", (q, s))
+        return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, nonfinite_count=nonfinite_count,
+                  weight_bad=weight_bad)
+    q, s = fn(x, block=block, pow2=pow2)
+    if gemm_layout:
+        q, s = _to_gemm_layout("quantize_1x128", (q, s))
     if nonfinite_count is not None:
         add_nonfinite_rows(nonfinite_count, s, weight_bad)
     return q, s

@@ -205,6 +205,8 @@ class _Tuned:
 
     def __init__(self, kernel, configs: list[triton.Config], key: list[str],
                  restore_value: list[str] | None = None) -> None:
+        if not configs:  # a config table filtered to nothing for some shape: say so here, not as an IndexError
+            raise ValueError(f"{kernel.__name__}: no autotune config to launch with")
         self.kernel = kernel
         self.default = configs[0]
         # restore_value: arguments the kernel accumulates into (a counter), restored after each timing run
@@ -289,21 +291,11 @@ def _fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict, config_kwargs: 
 
 
 @triton.jit
-def _quantize_1x128_kernel(
-    x_ptr, q_ptr, s_ptr,  # x [R, K] (last dim contiguous), q [R, K] contiguous, s [R, NB] any strides
-    R, K, NB, stride_xr, stride_sr, stride_sg,
-    R_BUCKET,  # autotune key only
-    count_ptr, weight_bad_ptr,  # COUNT only: int64 [] counter += bad rows; bool [] "the weight has a NaN block"
-    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-):
-    """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile.
-
-    COUNT (launched with GROUPS >= NB, so a program holds whole rows): also add to ``count_ptr`` the number of
-    its rows that have a non-finite group (every valid row when ``weight_bad_ptr`` is set) — the FP8BlockLinear
-    non-finite token count, from registers this kernel already holds, one atomic per program with bad rows."""
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+def _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, first_group, R, K, NB, stride_xr, stride_sr, stride_sg,
+                           POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """Quantize the groups [first_group, first_group + GROUPS) of ``rows`` [BLOCK_R] (int64), loaded once as a
+    [BLOCK_R, GROUPS, GROUP] tile -> int32 [BLOCK_R]: 1 where a row has a non-finite group among them."""
+    groups = first_group + tl.arange(0, GROUPS)
     cols = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
     mask = (rows[:, None, None] < R) & (cols < K)  # ragged last group and ragged last row tile
     x = tl.load(x_ptr + rows[:, None, None] * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -314,12 +306,46 @@ def _quantize_1x128_kernel(
     _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
     s_mask = (rows[:, None] < R) & (groups[None, :] < NB)
     tl.store(s_ptr + rows[:, None] * stride_sr + groups[None, :] * stride_sg, scale, mask=s_mask)
+    return tl.max(nonfinite.to(tl.int32), axis=1)  # padded groups and rows are finite zeros
+
+
+@triton.jit
+def _quantize_1x128_kernel(
+    x_ptr, q_ptr, s_ptr,  # x [R, K] (last dim contiguous), q [R, K] contiguous, s [R, NB] any strides
+    R, K, NB, stride_xr, stride_sr, stride_sg,
+    R_BUCKET,  # autotune key only
+    count_ptr, weight_bad_ptr,  # COUNT only: int64 [] counter += bad rows; bool [] "the weight has a NaN block"
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+):
+    """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile.
+
+    COUNT (launched with one program per BLOCK_R rows): the program walks its rows' groups GROUPS at a time, so it
+    holds whole rows however wide they are, and adds to ``count_ptr`` the number of its rows that have a non-finite
+    group (every valid row when ``weight_bad_ptr`` is set) — the FP8BlockLinear non-finite token count, from
+    registers this kernel already holds, one atomic per program with bad rows."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     if COUNT:
+        row_bad = tl.zeros((BLOCK_R,), dtype=tl.int32)
+        if SOFT_FP8:  # the interpreter passes NB as a 1-element array (see _fp8_block_gemm_kernel)
+            g0 = 0
+            while g0 < NB:
+                row_bad = tl.maximum(row_bad, _quantize_1x128_groups(
+                    x_ptr, q_ptr, s_ptr, rows, g0, R, K, NB, stride_xr, stride_sr, stride_sg,
+                    POW2, SOFT_FP8, GROUPS, GROUP))
+                g0 += GROUPS
+        else:
+            for g0 in range(0, NB, GROUPS):
+                row_bad = tl.maximum(row_bad, _quantize_1x128_groups(
+                    x_ptr, q_ptr, s_ptr, rows, g0, R, K, NB, stride_xr, stride_sr, stride_sg,
+                    POW2, SOFT_FP8, GROUPS, GROUP))
         valid = rows < R
-        row_bad = tl.max(nonfinite.to(tl.int32), axis=1)  # [BLOCK_R]; padded groups and rows are finite zeros
         weight_bad = tl.load(weight_bad_ptr).to(tl.int32)
         n_bad = tl.where(weight_bad != 0, tl.sum(valid.to(tl.int32), axis=0), tl.sum(row_bad, axis=0))
         tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=n_bad > 0)
+    else:
+        _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, tl.program_id(1) * GROUPS, R, K, NB, stride_xr, stride_sr,
+                               stride_sg, POW2, SOFT_FP8, GROUPS, GROUP)
 
 
 _QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4}, num_warps=8)
@@ -341,32 +367,53 @@ def _scales_out(rows: int, nb: int, column_major: bool, device: torch.device) ->
     return torch.empty(rows, nb, dtype=torch.float32, device=device)
 
 
-# Counting launches hold whole rows (GROUPS = next_pow2(NB)); tiles of about 2K-16K elements per program.
+# Counting launches: one program per BLOCK_R rows, which walks its rows' groups GROUPS at a time (the kernel's
+# loop), so it holds whole rows at any K. Rows of up to _COUNT_ONE_PASS_GROUPS groups (K <= 16384) take one pass:
+# GROUPS = next_pow2(NB), tiles of about 2K-16K elements (the configs the H200 ran since counting moved into the
+# kernel). Wider rows (Qwen2.5-7B's down projection, K = 18944; Llama-3-70B's, K = 28672) walk chunks: a whole
+# row of next_pow2(NB) = 256 groups in one tile spills registers on sm_90 (ptxas: 2 KB of spill stores at 16 warps,
+# 312 bytes at 32) and, at NB = 148, leaves 42% of its lanes masked; a chunk of 16-64 groups does neither (ptxas:
+# 101-216 registers, no spills, for every config of _COUNT_CHUNK_CONFIGS with and without POW2; 2 rows x 64 groups at
+# 16 warps spilled, so it is not one of them).
 _COUNT_ELEMENTS = (2048, 16384)
-_COUNT_MAX_GROUPS = 256  # K <= 32768; wider rows fall back to counting from the scales (quant.py)
-_count_tuned: dict[int, _Tuned] = {}
+_COUNT_ONE_PASS_GROUPS = _COUNT_ELEMENTS[1] // BLOCK
+_COUNT_CHUNK_DEFAULT = triton.Config({"BLOCK_R": 1, "GROUPS": 32}, num_warps=8)
+_COUNT_CHUNK_CONFIGS = [
+    _COUNT_CHUNK_DEFAULT,
+    triton.Config({"BLOCK_R": 1, "GROUPS": 32}, num_warps=4),
+    triton.Config({"BLOCK_R": 2, "GROUPS": 32}, num_warps=8),
+    triton.Config({"BLOCK_R": 4, "GROUPS": 16}, num_warps=8),
+    triton.Config({"BLOCK_R": 1, "GROUPS": 64}, num_warps=8),
+    triton.Config({"BLOCK_R": 1, "GROUPS": 64}, num_warps=16),
+    triton.Config({"BLOCK_R": 4, "GROUPS": 32}, num_warps=16),
+]
+_count_tuned: dict[int, _Tuned] = {}  # one per one-pass group count; key 0: the chunked launches
+
+
+def _counting_configs(groups: int) -> list[triton.Config]:
+    """Autotune configs of the counting launch for rows of NB <= ``groups`` groups (``groups`` = next_pow2(NB)).
+    Never empty: a one-pass table always holds a single-row config, and wider rows take the chunked table."""
+    if groups > _COUNT_ONE_PASS_GROUPS:
+        return list(_COUNT_CHUNK_CONFIGS)
+    configs = []
+    for block_r in (max(1, 4096 // (groups * BLOCK)), 1, 2, 4, 8, 16, 32):
+        elements = block_r * groups * BLOCK
+        if elements <= _COUNT_ELEMENTS[1] and (elements >= _COUNT_ELEMENTS[0] or block_r == 1):
+            for warps in (4, 8) if elements <= 4096 else (8, 16):
+                config = triton.Config({"BLOCK_R": block_r, "GROUPS": groups}, num_warps=warps)
+                if all(c.kwargs != config.kwargs or c.num_warps != warps for c in configs):
+                    configs.append(config)
+    return configs
 
 
 def _counting_kernel(groups: int) -> _Tuned:
-    """The 1x128 kernel tuned for whole-row programs of ``groups`` groups (one _Tuned per power of two)."""
-    tuned = _count_tuned.get(groups)
+    """The 1x128 kernel tuned for counting launches over rows of NB <= ``groups`` = next_pow2(NB) groups."""
+    table = groups if groups <= _COUNT_ONE_PASS_GROUPS else 0
+    tuned = _count_tuned.get(table)
     if tuned is None:
-        configs = []
-        for block_r in (max(1, 4096 // (groups * BLOCK)), 1, 2, 4, 8, 16, 32):
-            elements = block_r * groups * BLOCK
-            if elements <= _COUNT_ELEMENTS[1] and (elements >= _COUNT_ELEMENTS[0] or block_r == 1):
-                for warps in (4, 8) if elements <= 4096 else (8, 16):
-                    config = triton.Config({"BLOCK_R": block_r}, num_warps=warps)
-                    if all(c.kwargs != config.kwargs or c.num_warps != warps for c in configs):
-                        configs.append(config)
-        tuned = _count_tuned[groups] = _Tuned(_quantize_1x128_kernel, configs, key=["K", "R_BUCKET"],
-                                              restore_value=["count_ptr"])
+        tuned = _count_tuned[table] = _Tuned(_quantize_1x128_kernel, _counting_configs(groups), key=["K", "R_BUCKET"],
+                                             restore_value=["count_ptr"])
     return tuned
-
-
-def counts_in_kernel(k: int, block: int = BLOCK) -> bool:
-    """Whether ``quantize_1x128`` can count non-finite rows inside the kernel for rows of ``k`` elements."""
-    return _ceil_div(k, block) <= _COUNT_MAX_GROUPS
 
 
 def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
@@ -380,7 +427,7 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     (the strides torch._scaled_mm demands of a 1x128 operand's scale, so gemm.py's re-layout is a no-op).
     nonfinite_count: int64 [] tensor on x's device; when given, the kernel adds the number of rows (tokens)
     with a non-finite group to it — every row when ``weight_bad`` (bool [], optional) is set — without a sync
-    or another launch (needs ``counts_in_kernel(K)``). Codes and scales are the same with or without it.
+    or another launch, at any K. Codes and scales are the same with or without it.
     """
     _check_block(block)
     count = nonfinite_count is not None
@@ -393,9 +440,6 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     s2 = _scales_out(r, nb, gemm_layout, x.device)
     s = s2.view(*x.shape[:-1], nb)
-    if count:
-        if not counts_in_kernel(k, block):
-            raise ValueError(f"in-kernel counting needs K <= {_COUNT_MAX_GROUPS * BLOCK}, got K={k}")
     if x.numel() == 0:
         return q, s
     x2 = x.reshape(r, k)
@@ -406,7 +450,7 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
         _counting_kernel(groups).launch(
             lambda meta: (_ceil_div(r, meta["BLOCK_R"]), 1), (k, _bucket(r), x2.dtype, groups), soft_fp8,
             x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
-            nonfinite_count, weight_bad, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=True, GROUPS=groups, GROUP=block)
+            nonfinite_count, weight_bad, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=True, GROUP=block)
         return q, s
     _quantize_1x128_tuned.launch(
         lambda meta: (_ceil_div(r, meta["BLOCK_R"]), _ceil_div(nb, meta["GROUPS"])),

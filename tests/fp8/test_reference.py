@@ -227,6 +227,30 @@ def test_gemm_rejects_bad_operands():
     assert not gemm.scaled_mm_supports("1x128", "128x128", 256, 256, 576, torch.bfloat16)  # ragged K
 
 
+@pytest.mark.parametrize("rows,k", [(256, 8960), (200, 256), (1, 128), (1536, 896)])
+def test_row_scales_repeat_each_block_scale_per_row_in_scaled_mm_layout(rows, k):
+    """Fp8Config.scaled_mm_row_scales hands cuBLAS a weight's 128x128 scales as one scale per row: the dequantized
+    weight is the same bit for bit (so the GEMM's products are), and the scale is column-major [rows, K/128] (its
+    transpose contiguous), the layout torch._scaled_mm demands of a 1x128 b operand."""
+    torch.manual_seed(rows + k)
+    w = torch.randn(rows, k) * torch.logspace(-3, 3, rows)[:, None]
+    w[rows // 2, 5] = float("nan")  # a NaN block: NaN scale on each of its rows
+    q, s = quantize_128x128(w)
+    per_row = gemm.row_scales_of(s, rows)
+    assert per_row.shape == (rows, -(-k // 128)) and per_row.t().is_contiguous()
+    same = dequantize_1x128(q, per_row).view(torch.int32) == dequantize_128x128(q, s).view(torch.int32)
+    assert bool(same.all())  # NaN elements have the same bits too: the same NaN scale times the same code
+
+
+def test_row_scales_option_needs_a_scaled_mm_backend():
+    assert Fp8Config(scaled_mm_row_scales=True, gemm="scaled_mm").scaled_mm_row_scales
+    for gemm_name in ("triton", "emulated"):
+        with pytest.raises(ValueError, match="scaled_mm_row_scales"):
+            Fp8Config(scaled_mm_row_scales=True, gemm=gemm_name)
+    with pytest.raises(ValueError, match="Fp8Config.scaled_mm_row_scales must be a bool"):
+        Fp8Config(scaled_mm_row_scales=1)
+
+
 @pytest.mark.parametrize("field,value", [
     ("block_size", 0), ("power_of_two_scales", 1), ("backward", "fp16"), ("gemm", "cublas"),
     ("keep_first_n_layers", -1), ("keep_last_n_layers", 1.5), ("keep_last_fraction", 1.0),

@@ -11,6 +11,9 @@ GPU's cast, so interpreter results stand for GPU results.
 """
 
 import os
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,10 +146,14 @@ def _reference_bad_rows(x, weight_bad):
 
 
 @pytest.mark.parametrize("weight_bad", [False, True])
-@pytest.mark.parametrize("shape", [(1, 1), (3, 200), (2, 5, 576), (33, 1536), (70, 128 * 17)])
+# K = 16384: the widest one-pass row; 18944 (Qwen2.5-7B's down projection) and 32769 (past the old 32768 limit,
+# ragged last group) walk their groups in chunks.
+@pytest.mark.parametrize("shape", [(1, 1), (3, 200), (2, 5, 576), (33, 1536), (70, 128 * 17), (3, 16384), (5, 18944),
+                                   (2, 256 * 128 + 1)])
 def test_quantize_1x128_counts_nonfinite_rows_in_kernel(shape, weight_bad):
-    """The counting launch (whole rows per program) gives the plain kernel's codes and scales bit for bit, and
-    adds exactly the number of rows holding a NaN/Inf (all rows when the weight is bad) to the counter."""
+    """The counting launch (whole rows per program, in one pass or walked in chunks) gives the plain kernel's codes
+    and scales bit for bit, and adds exactly the number of rows holding a NaN/Inf (all rows when the weight is bad)
+    to the counter."""
     x = _wide_range(shape, torch.bfloat16, seed=sum(shape))
     flat = x.view(-1, shape[-1])
     g = torch.Generator().manual_seed(len(shape))
@@ -168,7 +175,6 @@ def test_counting_needs_a_proper_counter():
     x = torch.randn(4, 256, device=DEVICE)
     with pytest.raises(ValueError, match="nonfinite_count must be an int64"):
         tk.quantize_1x128(x, nonfinite_count=torch.zeros((), dtype=torch.int32, device=DEVICE))
-    assert tk.counts_in_kernel(256 * 128) and not tk.counts_in_kernel(256 * 128 + 1)
 
 
 def _assert_dual_matches_reference(x, pow2=False, gemm_layout=False):
@@ -479,11 +485,21 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     count_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32, "K": i32, "NB": i32,
                    "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32, "count_ptr": "*i64",
                    "weight_bad_ptr": "*i1"}
-    for groups in (8, 32, 128):  # SmolLM2's 576/1536, K=4096, K=14336: whole rows per program
+    # SmolLM2's 576/1536, K=4096, K=14336: whole rows in one pass; K=18944 (Qwen2.5-7B's down projection): chunks
+    for groups in (8, 32, 128, 256):
         tuned = tk._counting_kernel(groups)
         ptx = compile_ptx(tk._quantize_1x128_kernel, count_types, {**quant, "COUNT": True, "GROUPS": groups},
                           tuned.default)
         assert "atom.global" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if ptxas.exists():  # the chunked configs exist so that no program spills registers: keep it so
+        for config in tk._COUNT_CHUNK_CONFIGS:
+            ptx = compile_ptx(tk._quantize_1x128_kernel, count_types, {**quant, "COUNT": True}, config)
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / "k.ptx").write_text(ptx)
+                info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(tmp) / "k.ptx"), "-o",
+                                       str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True).stderr
+            assert " 0 bytes spill stores" in info, (config, info)
     compile_ptx(tk._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
                 "K": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
                 quant, tk._QUANT_128X1_DEFAULT)
