@@ -22,6 +22,7 @@ from calclip.fp8.config import blockwise_only_options, fp8_recipe_names, get_fp8
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
 from calclip.losses.registry import clip_mode_names
+from calclip.config_file import bounded_repr
 from calclip.trainers.field_checks import check_field_types, check_inherited_ranges, resume_flag
 
 # The allowed values come from the modules that implement them, so the config and the code cannot disagree.
@@ -413,7 +414,8 @@ class CalibratedGRPOConfig(GRPOConfig):
             raise ValueError("fp8_decode_fused_max_m runs calclip's Triton kernel, but fp8_gemm='emulated' asks for "
                              "the torch emulation; set fp8_decode_fused_max_m 0 or another fp8_gemm")
         if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):
-            raise ValueError(f"fp8_keep_patterns must be a list of regex strings, got {self.fp8_keep_patterns!r}")
+            raise ValueError(f"fp8_keep_patterns must be a list of regex strings, got "
+                             f"{bounded_repr(self.fp8_keep_patterns)}")
         _int_at_least("entropy_spike_window", self.entropy_spike_window, 2)
         _int_at_least("entropy_spike_warmup", self.entropy_spike_warmup, 2)
         if not _is_number(self.entropy_spike_z) or self.entropy_spike_z <= 0.0:

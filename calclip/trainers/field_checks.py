@@ -19,6 +19,8 @@ import os
 import types
 import typing
 
+from calclip.config_file import bounded_repr
+
 
 def resume_flag(value):
     """``resume_from_checkpoint`` as ``Trainer.train`` takes it: True (latest complete checkpoint), a path, or None.
@@ -32,7 +34,7 @@ def resume_flag(value):
         value = os.fspath(value)
     if not isinstance(value, str):
         raise ValueError(
-            f"resume_from_checkpoint must be true, false, or a checkpoint folder path, got {value!r} "
+            f"resume_from_checkpoint must be true, false, or a checkpoint folder path, got {bounded_repr(value)} "
             f"({type(value).__name__})"
         )
     if value.strip().lower() in ("true", "false") and not os.path.exists(value):
@@ -93,7 +95,7 @@ def check_field_types(config) -> None:
         if (value is None and optional) or _type_ok(value, kind):
             continue
         allowed = _SIMPLE_TYPES[kind] + (" or null" if optional else "")
-        raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} must be {allowed}, got {bounded_repr(value)} ({type(value).__name__})")
 
 
 # ------------------------------------------------------------------------------------------------- ranges
@@ -143,4 +145,4 @@ def check_inherited_ranges(config) -> None:
         if value is None:
             continue
         if not math.isfinite(value) or not check(value):
-            raise ValueError(f"{name} must be finite and {allowed}, got {value!r}")
+            raise ValueError(f"{name} must be finite and {allowed}, got {bounded_repr(value)}")
