@@ -239,13 +239,20 @@ def build_trainer(script_args: ScriptArguments, training_args, *, callbacks=None
 def train(argv: list[str] | None = None):
     """``calclip train``: parse, build, train, save. Returns the trainer."""
     from calclip.compare.callback import train_callbacks
+    from calclip.trainers.run_lock import claim_output_dir
 
     script_args, training_args = parse_train_args(argv)
-    callbacks = train_callbacks(script_args.metrics_file, script_args.checkpoint_on_sigterm)
-    trainer = build_trainer(script_args, training_args, callbacks=callbacks)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if script_args.save_final_model:
-        trainer.save_model(training_args.output_dir)
+    # Before the model and the data load: a folder another run holds, or one this process cannot write, fails now.
+    lock = claim_output_dir(training_args)
+    try:
+        callbacks = train_callbacks(script_args.metrics_file, script_args.checkpoint_on_sigterm)
+        trainer = build_trainer(script_args, training_args, callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        if script_args.save_final_model:
+            trainer.save_model(training_args.output_dir)
+    finally:
+        if lock is not None:
+            lock.release()  # the trainer holds its own claim for as long as it lives
     return trainer
 
 

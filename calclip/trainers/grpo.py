@@ -73,6 +73,7 @@ import contextlib
 import copy
 import os
 import warnings
+import weakref
 
 import torch
 from trl import GRPOTrainer
@@ -92,6 +93,7 @@ from calclip.losses import (
 from calclip.losses.registry import ClipMode, get_clip_mode
 from calclip.ratio_distributions import split_ratios
 from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
+from calclip.trainers.run_lock import claim_output_dir
 from calclip.trainers.checkpoint import (
     CALCLIP_STATE_NAME,
     CalclipStateError,
@@ -205,6 +207,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 f"{type(self).__name__} takes a CalibratedGRPOConfig (every GRPOConfig field works there), "
                 f"got {type(args).__name__}"
             )
+        # One run per output_dir, and a writable one, before TRL loads the model (calclip.trainers.run_lock).
+        self._output_dir_lock = claim_output_dir(args)
+        if self._output_dir_lock is not None:
+            weakref.finalize(self, self._output_dir_lock.release)
         fp8_vllm = args.use_vllm and args.fp8
         # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
         # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.
