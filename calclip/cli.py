@@ -167,7 +167,9 @@ def parse_train_args(argv: list[str] | None = None):
     if trainer not in TRAINERS:
         raise ValueError(f"trainer must be one of {TRAINERS}, got {bounded_repr(trainer)}")
     _check_config_file_fields(config, argv, _config_class(trainer))
-    parser = TrlParser((ScriptArguments, _config_class(trainer)), prog="calclip train")
+    # No prefix matching: --resume_from_check must not become --resume_from_checkpoint (calclip compare's guard of
+    # the fields it sets per run compares whole names).
+    parser = TrlParser((ScriptArguments, _config_class(trainer)), prog="calclip train", allow_abbrev=False)
     if not torch.cuda.is_available():
         parser.set_defaults(bf16=False)
     script_args, training_args = parser.parse_args_and_config(argv)

@@ -158,3 +158,11 @@ def test_a_repeated_yaml_key_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"twice.yaml: key 'max_steps' appears twice in one mapping \(lines \d+ "
                                          r"and \d+\)"):
         parse_train_args(["--config", str(bad)])
+
+
+def test_abbreviated_flags_are_refused():
+    """argparse's prefix matching is off: --resume_from_check would otherwise become --resume_from_checkpoint, past
+    calclip compare's guard of the fields it sets per run (which compares whole names)."""
+    for flag in ("--max_step", "--resume_from_check"):
+        with pytest.raises(ValueError, match=flag):
+            parse_train_args(["--config", str(CONFIG_DIR / "fp8_calibrated.yaml"), flag, "3"])
