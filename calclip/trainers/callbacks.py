@@ -41,6 +41,12 @@ class SpikeReport:
         )
 
 
+# Longest rolling window, in optimizer steps. Each step's z-score walks the whole window in Python, so 100,000
+# steps cost ~10 ms a step, far beyond any use (windows of tens to hundreds of steps; few RL runs have 100,000
+# optimizer steps at all); 1e30 used to reach the deque's maxlen and fail with OverflowError after the model loaded.
+SPIKE_WINDOW_MAX = 100_000
+
+
 class _RollingStats:
     """Mean and std of the last ``window`` values."""
 
@@ -66,10 +72,11 @@ class EntropySpikeDetector:
     """
 
     def __init__(self, *, window: int = 20, warmup: int = 5, z_threshold: float = 4.0) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ValueError(f"window must be an int >= 2, got {window!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or not 2 <= warmup:
-            raise ValueError(f"warmup must be an int >= 2, got {warmup!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or not 2 <= window <= SPIKE_WINDOW_MAX:
+            raise ValueError(f"window must be an int in [2, {SPIKE_WINDOW_MAX}], got {window!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or not 2 <= warmup <= window:
+            raise ValueError(f"warmup must be an int in [2, window={window}] (the history holds at most window "
+                             f"steps, so a longer warmup never fires), got {warmup!r}")
         if not z_threshold > 0:
             raise ValueError(f"z_threshold must be > 0, got {z_threshold!r}")
         self.window, self.warmup, self.z_threshold = window, warmup, float(z_threshold)

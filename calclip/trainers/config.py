@@ -23,6 +23,7 @@ from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
 from calclip.losses.registry import clip_mode_names
 from calclip.config_file import bounded_repr
+from calclip.trainers.callbacks import SPIKE_WINDOW_MAX
 from calclip.trainers.field_checks import check_field_types, check_inherited_ranges, resume_flag
 
 # The allowed values come from the modules that implement them, so the config and the code cannot disagree.
@@ -44,9 +45,11 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
-def _int_at_least(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+def _int_at_least(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
+            maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an int {allowed}, got {bounded_repr(value)}")
 
 
 @dataclass
@@ -416,8 +419,12 @@ class CalibratedGRPOConfig(GRPOConfig):
         if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):
             raise ValueError(f"fp8_keep_patterns must be a list of regex strings, got "
                              f"{bounded_repr(self.fp8_keep_patterns)}")
-        _int_at_least("entropy_spike_window", self.entropy_spike_window, 2)
+        _int_at_least("entropy_spike_window", self.entropy_spike_window, 2, SPIKE_WINDOW_MAX)
         _int_at_least("entropy_spike_warmup", self.entropy_spike_warmup, 2)
+        if self.entropy_spike_warmup > self.entropy_spike_window:
+            raise ValueError(f"entropy_spike_warmup ({self.entropy_spike_warmup}) must be <= entropy_spike_window "
+                             f"({self.entropy_spike_window}): the detector's history holds at most a window of steps, "
+                             "so a longer warmup never fires")
         if not _is_number(self.entropy_spike_z) or self.entropy_spike_z <= 0.0:
             raise ValueError(f"entropy_spike_z must be a number > 0, got {self.entropy_spike_z!r}")
 

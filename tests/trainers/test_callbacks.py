@@ -92,6 +92,10 @@ def test_invalid_detector_arguments():
         EntropySpikeDetector(warmup=1)
     with pytest.raises(ValueError, match="z_threshold"):
         EntropySpikeDetector(z_threshold=0)
+    with pytest.raises(ValueError, match=r"window must be an int in \[2, 100000\]"):
+        EntropySpikeDetector(window=10**30)  # used to reach deque(maxlen=...): OverflowError
+    with pytest.raises(ValueError, match=r"warmup must be an int in \[2, window=8\]"):
+        EntropySpikeDetector(window=8, warmup=9)  # a history of 8 never reaches a warmup of 9: it would never fire
 
 
 def test_repeated_ngrams_worked_by_hand():
