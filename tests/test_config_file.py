@@ -85,4 +85,5 @@ def test_bounded_repr_is_short_and_fast_on_shared_values():
     started = time.perf_counter()
     text = bounded_repr(shared)
     assert time.perf_counter() - started < 0.1 and len(text) <= 120 and text.startswith("[[[")
-    assert bounded_repr([0.5, "a"]) == "[0.5, 'a']" and "..." in bounded_repr("x" * 500) and len(bounded_repr("x" * 500)) <= 120
+    long = bounded_repr("x" * 500)
+    assert bounded_repr([0.5, "a"]) == "[0.5, 'a']" and "..." in long and len(long) <= 120

@@ -77,7 +77,7 @@ import weakref
 
 import torch
 from trl import GRPOTrainer
-from trl.trainer.utils import nanmax, nanmin
+from trl.trainer.utils import is_async_callable, nanmax, nanmin
 
 from calclip.calibration import ClipCalibrator, torch_distributed_all_gather
 from calclip.fp8 import Fp8Config, bf16_shadow, frozen_fp8_weights, pop_nonfinite_count, quantize_model
@@ -106,7 +106,7 @@ from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_
 from calclip.trainers.generation_cache import KeptStaticCache, generate_wrapped
 from calclip.trainers.grad_guard import NonfiniteGradGuard
 from calclip.trainers.mismatch_outliers import MismatchOutlierLog, logp_gaps, outlier_path
-from calclip.trainers.rewards import exclude_nonfinite_rewards
+from calclip.trainers.rewards import checked_reward_function, exclude_nonfinite_rewards
 from calclip.trainers.ratio_histograms import attach_ratio_histograms
 from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
 
@@ -217,6 +217,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         vllm_hook = use_fp8_vllm_generation(defer_engine=True, check_vllm_shapes=False)
         with vllm_hook if fp8_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
+        self._check_reward_outputs()
         self.clip_mode = get_clip_mode(args.clip_mode)
         self._prompt_token_limit = self._max_prompt_tokens()
         if args.check_dataset:
@@ -306,6 +307,15 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             )
             return positions
         return positions - self.max_completion_length
+
+    def _check_reward_outputs(self) -> None:
+        """Wrap every reward function (reward models aside) so what it returns is checked naming it
+        (calclip.trainers.rewards.checked_reward_function)."""
+        self.reward_funcs = [
+            func if isinstance(func, torch.nn.Module) or getattr(func, "calclip_checked", False)
+            else checked_reward_function(func, name, is_async=is_async_callable(func))
+            for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
+        ]
 
     def _check_datasets(self) -> None:
         """calclip.trainers.data_checks on the train and eval datasets, before anything is generated."""

@@ -46,7 +46,8 @@ def test_inherited_booleans_and_numbers_are_checked_too():
     [("learning_rate", -1e-3), ("learning_rate", math.inf), ("weight_decay", -0.1), ("max_grad_norm", -1.0),
      ("adam_beta1", 1.0), ("adam_beta2", -0.5), ("adam_epsilon", -1e-8), ("per_device_train_batch_size", 0),
      ("gradient_accumulation_steps", 0), ("steps_per_generation", 0), ("num_iterations", 0),
-     ("max_completion_length", 0), ("temperature", 0.0), ("temperature", 1e-3), ("num_generations", 1), ("epsilon_high", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+     ("max_completion_length", 0), ("temperature", 0.0), ("temperature", 1e-3), ("num_generations", 1),
+     ("epsilon_high", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
      ("min_p", 1.5), ("repetition_penalty", 0.0), ("beta", -0.04), ("num_train_epochs", -1.0)],
 )  # fmt: skip
 def test_inherited_numbers_out_of_range_are_refused_naming_the_field(name, value):

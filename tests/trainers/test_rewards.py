@@ -91,3 +91,41 @@ def test_exclude_nonfinite_rewards_counts_per_function():
     assert cleaned[3].tolist() == [0.5, 0.25]
     with pytest.raises(ValueError, match="rewards_per_func"):
         exclude_nonfinite_rewards(torch.ones(3))
+
+
+@pytest.mark.parametrize("broken, problem", [
+    ("0.5", r"returned '0.5' \(str\) for completion 1 of 8: a string, not a number"),  # TRL: too many dimensions 'str'
+    (10**400, r"returned 1000.*\(int\) for completion 1 of 8: beyond the float range"),  # TRL: OverflowError
+    (1e39, r"returned 1e\+39 \(float\) for completion 1 of 8: beyond float32's range"),  # silently inf, unscorable
+    ([0.5], r"returned \[0.5\] \(list\) for completion 1 of 8: not a number"),
+])
+def test_a_reward_function_returning_what_trl_cannot_score_is_named(tmp_path, broken, problem):
+    from calclip.trainers.rewards import RewardFunctionError
+
+    with pytest.raises(RewardFunctionError, match=rf"^reward function 'scored_by_position' {problem}"):
+        _advantages(tmp_path, broken)
+
+
+def test_async_reward_functions_are_checked_and_stay_async(tmp_path):
+    from calclip.trainers.rewards import RewardFunctionError
+
+    async def async_scores(completions, **kwargs):
+        return ["high"] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match=r"^reward function 'async_scores' returned 'high' \(str\)"):
+        _advantages(tmp_path, 0.5, second=async_scores)
+
+
+def test_check_reward_values_passes_what_trl_takes():
+    import numpy as np
+
+    from calclip.trainers.rewards import FLOAT32_MAX, RewardFunctionError, check_reward_values
+
+    good = [1, 0.5, None, True, np.float32(2.0), np.int64(3), torch.tensor(0.25), math.inf, -FLOAT32_MAX]
+    assert check_reward_values(good, "f", len(good)) is good  # returned unchanged: TRL converts it as before
+    assert check_reward_values(torch.ones(3), "f", 3) is not None
+    for values, match in [("0.5", r"returned '0.5' \(str\); it must return a list"),
+                          (0.5, r"returned 0.5 \(float\); it must return a list"),
+                          ([1.0, 2.0], "returned 2 rewards for 3 completions")]:
+        with pytest.raises(RewardFunctionError, match=rf"^reward function 'f' {match}"):
+            check_reward_values(values, "f", 3)
