@@ -93,27 +93,50 @@ def test_exclude_nonfinite_rewards_counts_per_function():
         exclude_nonfinite_rewards(torch.ones(3))
 
 
-@pytest.mark.parametrize("broken, problem", [
-    ("0.5", r"returned '0.5' \(str\) for completion 1 of 8: a string, not a number"),  # TRL: too many dimensions 'str'
-    (10**400, r"returned 1000.*\(int\) for completion 1 of 8: beyond the float range"),  # TRL: OverflowError
-    (1e39, r"returned 1e\+39 \(float\) for completion 1 of 8: beyond float32's range"),  # silently inf, unscorable
-    ([0.5], r"returned \[0.5\] \(list\) for completion 1 of 8: not a number"),
-])
-def test_a_reward_function_returning_what_trl_cannot_score_is_named(tmp_path, broken, problem):
+def test_a_reward_function_returning_what_trl_cannot_score_is_named(tmp_path):
+    """Each value TRL's float32 conversion cannot take fails naming the function, the completion and the value (TRL
+    said "too many dimensions 'str'" or OverflowError, naming no function; 1e39 silently became inf). One trainer
+    serves every case (its reward functions read the value to return from ``returned``); the second, async function
+    shows the check wraps async functions too and leaves them async (TRL awaits them)."""
     from calclip.trainers.rewards import RewardFunctionError
 
-    with pytest.raises(RewardFunctionError, match=rf"^reward function 'scored_by_position' {problem}"):
-        _advantages(tmp_path, broken)
+    returned = {"sync": 0.5, "async": 0.5}
 
-
-def test_async_reward_functions_are_checked_and_stay_async(tmp_path):
-    from calclip.trainers.rewards import RewardFunctionError
+    def scored_by_position(completions, **kwargs):
+        rewards = list(BASE)
+        rewards[1] = returned["sync"]
+        return rewards
 
     async def async_scores(completions, **kwargs):
-        return ["high"] * len(completions)
+        return [returned["async"]] * len(completions)
 
-    with pytest.raises(RewardFunctionError, match=r"^reward function 'async_scores' returned 'high' \(str\)"):
-        _advantages(tmp_path, 0.5, second=async_scores)
+    tokenizer = build_tiny_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = CalibratedGRPOTrainer(
+            model=build_tiny_model(tokenizer), reward_funcs=[scored_by_position, async_scores],
+            args=tiny_training_args(CalibratedGRPOConfig, tmp_path, clip_mode="static", fp8=False,
+                                    steps_per_generation=2),
+            train_dataset=tiny_prompt_dataset(2), processing_class=tokenizer,
+        )
+    trainer.model.train()
+    rows = [tiny_prompt_dataset(2)[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    cases = [
+        ("sync", "0.5", r"'scored_by_position' returned '0.5' \(str\) for completion 1 of 8: a string, not a number"),
+        ("sync", 10**400, r"'scored_by_position' returned 1000.*\(int\) for completion 1 of 8: beyond the float range"),
+        ("sync", 1e39, r"'scored_by_position' returned 1e\+39 \(float\) for completion 1 of 8: beyond float32's"),
+        ("sync", [0.5], r"'scored_by_position' returned \[0.5\] \(list\) for completion 1 of 8: not a number"),
+        ("async", "high", r"'async_scores' returned 'high' \(str\) for completion 0 of 8: a string"),
+    ]
+    for which, value, match in cases:
+        returned.update({"sync": 0.5, "async": 0.5, which: value})
+        with pytest.raises(RewardFunctionError, match=rf"^reward function {match}"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer._generate_and_score_completions(rows)
+    returned.update({"sync": None, "async": 1.0})  # None and plain numbers still pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert trainer._generate_and_score_completions(rows)["advantages"].shape == (8,)
 
 
 def test_check_reward_values_passes_what_trl_takes():
