@@ -5,7 +5,8 @@ other's; a read-only ``output_dir`` is found at the first save, after ``save_ste
 runs before anything expensive (``calclip train`` calls it right after parsing, ``CalibratedGRPOTrainer`` before
 TRL loads the model) and:
 
-- creates ``output_dir`` and the lock file ``LOCK_NAME`` in it: that both succeed is the writability check;
+- creates ``output_dir`` and the lock file ``LOCK_NAME`` in it: that both succeed is the writability check (a
+  folder it created is removed again on release when nothing else was written to it);
 - takes an exclusive ``flock`` on the lock file and writes its pid, host and start time into it. The kernel drops a
   flock when its process dies, however it dies (SIGKILL, OOM), so a lock file nobody holds is stale by
   construction: it is taken over with a warning naming the process that left it. A held one is an error naming
@@ -64,7 +65,7 @@ class OutputDirLock:
         self.release()
 
 
-# lock file path -> [fd, claims, pid that took it]; one flock per process and file.
+# lock file path -> [fd, claims, pid that took it, folder created by the claim]; one flock per process and file.
 _held: dict[str, list] = {}
 _mutex = threading.Lock()
 
@@ -79,6 +80,7 @@ def claim_output_dir(args) -> OutputDirLock | None:
 def claim_directory(output_dir: str | os.PathLike) -> OutputDirLock:
     """Create ``output_dir`` if needed and take its lock file (OutputDirNotWritableError / OutputDirInUseError)."""
     directory = os.path.abspath(os.fspath(output_dir))
+    created = not os.path.isdir(directory)
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:
@@ -91,8 +93,13 @@ def claim_directory(output_dir: str | os.PathLike) -> OutputDirLock:
         if entry is not None and entry[2] == os.getpid():
             entry[1] += 1
             return OutputDirLock(path)
-        fd = _lock_file(path, directory)
-        _held[path] = [fd, 1, os.getpid()]
+        try:
+            fd = _lock_file(path, directory)
+        except BaseException:
+            if created:
+                _remove_if_empty(directory)
+            raise
+        _held[path] = [fd, 1, os.getpid(), created]
     return OutputDirLock(path)
 
 
@@ -181,6 +188,16 @@ def _release(path: str) -> None:
         except OSError:
             pass
         os.close(fd)
+        if entry[3]:
+            _remove_if_empty(os.path.dirname(path))
+
+
+def _remove_if_empty(directory: str) -> None:
+    """A folder the claim created and nothing filled (a trainer built and dropped without training)."""
+    try:
+        os.rmdir(directory)
+    except OSError:  # not empty (checkpoints, logs), or already gone
+        pass
 
 
 @atexit.register

@@ -84,7 +84,16 @@ def test_one_process_shares_its_claim_and_the_last_release_frees_it(tmp_path):
     first.release()  # idempotent: one claim is released once
     assert (tmp_path / LOCK_NAME).exists()
     second.release()
-    assert not (tmp_path / LOCK_NAME).exists()
+    assert not (tmp_path / LOCK_NAME).exists() and tmp_path.is_dir()  # a folder that existed stays
+
+
+def test_a_folder_the_claim_created_goes_again_unless_something_was_written(tmp_path):
+    with claim_directory(tmp_path / "empty"):
+        assert (tmp_path / "empty" / LOCK_NAME).exists()
+    assert not (tmp_path / "empty").exists()
+    with claim_directory(tmp_path / "used"):
+        (tmp_path / "used" / "checkpoint-1").mkdir()
+    assert (tmp_path / "used" / "checkpoint-1").is_dir() and not (tmp_path / "used" / LOCK_NAME).exists()
 
 
 def test_processes_that_do_not_save_take_no_lock(tmp_path):
