@@ -123,22 +123,30 @@ def _config_class(trainer: str):
     return CalibratedDAPOConfig if trainer == "dapo" else CalibratedGRPOConfig
 
 
-def _requested_trainer(argv: list[str]) -> str:
-    """``trainer`` from the command line, else from the --config YAML, else 'grpo'. Needed before parsing
-    because it picks the config class the parser is built from."""
+def _requested_trainer(argv: list[str], config: dict) -> str:
+    """``trainer`` from the command line, else from the --config YAML's values ``config``, else 'grpo'. Needed
+    before parsing because it picks the config class the parser is built from."""
     for i, arg in enumerate(argv):
         if arg == "--trainer" and i + 1 < len(argv):
             return argv[i + 1]
         if arg.startswith("--trainer="):
             return arg.split("=", 1)[1]
-    if "--config" in argv:
-        import yaml
-
-        with open(argv[argv.index("--config") + 1]) as handle:
-            config = yaml.safe_load(handle)
-        if isinstance(config, dict) and "trainer" in config:
-            return str(config["trainer"])
+    if "trainer" in config:
+        return str(config["trainer"])
     return "grpo"
+
+
+def _config_file_values(argv: list[str]) -> dict:
+    """The ``--config`` YAML of ``argv`` read by calclip.config_file (bounded aliases, no repeated keys), {} without
+    one. TrlParser reads the file again afterwards: by then it is known to be a small, well-formed mapping."""
+    from calclip.config_file import ConfigFileError, load_config_file
+
+    if "--config" not in argv:
+        return {}
+    index = argv.index("--config")
+    if index + 1 >= len(argv):
+        raise ConfigFileError("--config needs a file path")
+    return load_config_file(argv[index + 1])
 
 
 def parse_train_args(argv: list[str] | None = None):
@@ -151,15 +159,34 @@ def parse_train_args(argv: list[str] | None = None):
     import torch
     from trl import TrlParser
 
+    from calclip.config_file import bounded_repr
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    trainer = _requested_trainer(argv)
+    config = _config_file_values(argv)
+    trainer = _requested_trainer(argv, config)
     if trainer not in TRAINERS:
-        raise ValueError(f"trainer must be one of {TRAINERS}, got {trainer!r}")
-    parser = TrlParser((ScriptArguments, _config_class(trainer)), prog="calclip train")
+        raise ValueError(f"trainer must be one of {TRAINERS}, got {bounded_repr(trainer)}")
+    _check_config_file_fields(config, argv, _config_class(trainer))
+    # No prefix matching: --resume_from_check must not become --resume_from_checkpoint (calclip compare's guard of
+    # the fields it sets per run compares whole names).
+    parser = TrlParser((ScriptArguments, _config_class(trainer)), prog="calclip train", allow_abbrev=False)
     if not torch.cuda.is_available():
         parser.set_defaults(bf16=False)
     script_args, training_args = parser.parse_args_and_config(argv)
     return script_args, training_args
+
+
+def _check_config_file_fields(config: dict, argv: list[str], config_class) -> None:
+    """Unknown keys of the --config YAML, named (TrlParser's own message would print their values in full)."""
+    from calclip.config_file import bounded_repr
+
+    known = {f.name for cls in (ScriptArguments, config_class) for f in dataclasses.fields(cls)} | {"env"}
+    unknown = [key for key in config if key not in known]
+    if unknown:
+        path = argv[argv.index("--config") + 1]
+        raise ValueError(f"config file {path}: unknown field(s) {', '.join(map(bounded_repr, unknown[:10]))}"
+                         f"{' and more' if len(unknown) > 10 else ''}: not a field of ScriptArguments or "
+                         f"{config_class.__name__}")
 
 
 def resolve_dtype(model_dtype: str):
@@ -214,13 +241,20 @@ def build_trainer(script_args: ScriptArguments, training_args, *, callbacks=None
 def train(argv: list[str] | None = None):
     """``calclip train``: parse, build, train, save. Returns the trainer."""
     from calclip.compare.callback import train_callbacks
+    from calclip.trainers.run_lock import claim_output_dir
 
     script_args, training_args = parse_train_args(argv)
-    callbacks = train_callbacks(script_args.metrics_file, script_args.checkpoint_on_sigterm)
-    trainer = build_trainer(script_args, training_args, callbacks=callbacks)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if script_args.save_final_model:
-        trainer.save_model(training_args.output_dir)
+    # Before the model and the data load: a folder another run holds, or one this process cannot write, fails now.
+    lock = claim_output_dir(training_args)
+    try:
+        callbacks = train_callbacks(script_args.metrics_file, script_args.checkpoint_on_sigterm)
+        trainer = build_trainer(script_args, training_args, callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        if script_args.save_final_model:
+            trainer.save_model(training_args.output_dir)
+    finally:
+        if lock is not None:
+            lock.release()  # the trainer holds its own claim for as long as it lives
     return trainer
 
 

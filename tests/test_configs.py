@@ -23,6 +23,14 @@ EXPECTED = {
 }
 
 
+def with_line(path: Path, line: str) -> str:
+    """The YAML at ``path`` with ``line`` (``key: value``) replacing that key's line, or appended (a repeated key
+    is an error: tests/test_config_file.py)."""
+    key = line.split(":", 1)[0]
+    lines = [text for text in path.read_text().splitlines() if not text.startswith(key + ":")]
+    return "\n".join(lines + [line]) + "\n"
+
+
 def test_every_mode_has_a_config():
     assert {p.name for p in CONFIG_DIR.glob("*.yaml")} == EXPECTED
 
@@ -110,7 +118,7 @@ def test_unknown_flag_is_named():
 )
 def test_bad_value_is_named(tmp_path, line, match):
     bad = tmp_path / "bad.yaml"
-    bad.write_text((CONFIG_DIR / "fp8_calibrated.yaml").read_text() + "\n" + line + "\n")
+    bad.write_text(with_line(CONFIG_DIR / "fp8_calibrated.yaml", line))
     with pytest.raises(ValueError, match=match):
         parse_train_args(["--config", str(bad)])
 
@@ -126,3 +134,36 @@ def test_usage_doc_lists_every_config():
     usage = (CONFIG_DIR.parent / "docs" / "usage.md").read_text()
     for name in EXPECTED:
         assert f"configs/{name}" in usage, name
+
+
+def test_config_aliases_cannot_blow_up_the_parse(tmp_path):
+    """A 500-byte YAML whose nested aliases stand for 59,049 strings in a list field is refused at load, naming the
+    file and the limit; one within the limit (6,561 strings, a wrong type) is refused by the field check with a
+    message of bounded length (it used to print the expanded value: 9 levels took minutes and gigabytes)."""
+    from test_config_file import laughs
+
+    big = tmp_path / "laughs.yaml"
+    big.write_text(laughs(4))
+    with pytest.raises(ValueError, match=r"laughs.yaml: line \d+: this value expands to \d+ values or more"):
+        parse_train_args(["--config", str(big)])
+    small = tmp_path / "small.yaml"
+    small.write_text(laughs(3))
+    with pytest.raises(ValueError, match="fp8_keep_patterns must be a list of regex strings") as info:
+        parse_train_args(["--config", str(small)])
+    assert len(str(info.value)) < 300
+
+
+def test_a_repeated_yaml_key_is_named(tmp_path):
+    bad = tmp_path / "twice.yaml"
+    bad.write_text((CONFIG_DIR / "fp8_calibrated.yaml").read_text() + "\nmax_steps: 3\nmax_steps: 5\n")
+    with pytest.raises(ValueError, match=r"twice.yaml: key 'max_steps' appears twice in one mapping \(lines \d+ "
+                                         r"and \d+\)"):
+        parse_train_args(["--config", str(bad)])
+
+
+def test_abbreviated_flags_are_refused():
+    """argparse's prefix matching is off: --resume_from_check would otherwise become --resume_from_checkpoint, past
+    calclip compare's guard of the fields it sets per run (which compares whole names)."""
+    for flag in ("--max_step", "--resume_from_check"):
+        with pytest.raises(ValueError, match=flag):
+            parse_train_args(["--config", str(CONFIG_DIR / "fp8_calibrated.yaml"), flag, "3"])

@@ -30,11 +30,16 @@ class Arm:
     description: str = ""
 
     def train_flags(self) -> list[str]:
-        """The overrides as ``calclip train`` command-line flags (TrlParser parses the strings)."""
+        """The overrides as ``calclip train`` command-line flags (TrlParser parses the strings): a single value as
+        one argument ``--field=value`` (argparse then takes it whole, '-1e-5' included); a list as ``--field`` and
+        one argument per item, none of which may look like a flag (``_checked``). No value becomes an extra flag."""
         flags: list[str] = []
         for name, value in self.overrides.items():
-            flags.append(f"--{name}")
-            flags.extend(_flag_values(value))
+            if isinstance(value, (list, tuple)):
+                flags.append(f"--{name}")
+                flags.extend(_flag_values(value))
+            else:
+                flags.append(f"--{name}={_flag_values(value)[0]}")
         return flags
 
 
@@ -61,6 +66,7 @@ DEFAULT_ARMS = ("bf16_static", "fp8_static", "fp8_tis", "fp8_calibrated")
 RUN_FIELDS = ("seed", "output_dir", "run_name", "resume_from_checkpoint", "metrics_file", "checkpoint_on_sigterm")
 
 _ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # argparse's own test for a value that starts with '-'
 
 
 def preset_names() -> tuple[str, ...]:
@@ -68,7 +74,9 @@ def preset_names() -> tuple[str, ...]:
 
 
 def parse_arm_spec(spec: str) -> Arm:
-    """``NAME:field=value,field=value`` -> Arm. A list value is space-separated (``calibration_init_bounds=0.5 2``).
+    """``NAME:field=value,field=value`` -> Arm. A list value is space-separated (``calibration_init_bounds=0.5 2``);
+    no value or list item may look like a flag (``fp8=true --resume_from_checkpoint DIR`` would otherwise pass a
+    foreign flag to every run of the arm).
 
     Values stay strings (TrlParser converts them exactly as it converts ``calclip train`` flags); whether a field
     exists and a value is valid is checked when the comparison resolves each arm's config.
@@ -122,7 +130,21 @@ def _checked(arm: Arm) -> Arm:
     reserved = sorted(set(arm.overrides) & set(RUN_FIELDS))
     if reserved:
         raise ValueError(f"arm {arm.name!r} sets {', '.join(reserved)}: calclip compare sets these per run")
+    for field, value in arm.overrides.items():
+        if not isinstance(value, (list, tuple)):
+            continue  # one argument --field=value: nothing in it can become a flag
+        flag_like = [item for item in _flag_values(value) if looks_like_a_flag(item)]
+        if flag_like:
+            raise ValueError(f"arm {arm.name!r}: {field}={' '.join(_flag_values(value))!r} holds "
+                             f"{flag_like[0]!r}, which `calclip train` would read as a flag: an arm value is one "
+                             "value (a list: values separated by spaces), never more flags")
     return arm
+
+
+def looks_like_a_flag(item: str) -> bool:
+    """Whether argparse would take ``item`` for an option rather than a value: it starts with '-' and is not a
+    plain negative number ('-1', '-.5', '-0.5' are values; '-1e-5' and '-inf' are options to argparse)."""
+    return item.startswith("-") and not _NEGATIVE_NUMBER.match(item)
 
 
 def _flag_values(value) -> list[str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from calclip.compare import folder, report
 from calclip.compare.arms import (
-    DEFAULT_ARMS, PRESETS, RUN_FIELDS, Arm, arm_fields, parse_arm_spec, resolve_arms,
+    DEFAULT_ARMS, PRESETS, RUN_FIELDS, Arm, arm_fields, looks_like_a_flag, parse_arm_spec, resolve_arms,
 )
 from calclip.compare.metrics import METRICS_FILE
 from calclip.compare.runner import FAILED, FINISHED, RunSpec, run_grid
@@ -149,6 +149,11 @@ def _compare(options, train_flags: list[str], windows) -> int:
 def _redraw(root: Path, windows, smooth: int, partial: bool) -> int:
     if not (root / folder.COMPARISON_FILE).exists():
         raise ValueError(f"--plot-only {root}: no {folder.COMPARISON_FILE} there (not a calclip compare folder)")
+    differences = folder.command_differences(root, folder.load(root))
+    if differences:
+        shown = differences[:10] + ([f"... and {len(differences) - 10} more"] if len(differences) > 10 else [])
+        raise ValueError(f"--plot-only {root}: runs whose recorded command differs from the comparison (a report "
+                         "over them would compare other configs):\n  " + "\n  ".join(shown))
     report_path, figure, note = report.write_report(root, windows=windows, smooth=smooth, partial=partial)
     _print_summary(root, report_path, figure, note, windows, partial)
     return EXIT_OK if figure is not None else EXIT_FAILED_RUNS
@@ -201,10 +206,20 @@ def _train_argv(arm: Arm, config_path: str, train_flags: list[str], seed: int, d
 
 
 def _check_train_flags(flags: list[str], arms: list[Arm]) -> None:
-    names = [flag[2:].split("=", 1)[0] for flag in flags if flag.startswith("--")]
+    # argparse (calclip train's parser) takes --field and --field-with-dashes alike: compare whole, normalized names
+    names = [flag[2:].split("=", 1)[0].replace("-", "_") for flag in flags if flag.startswith("--")]
     stray = [flag for flag in flags[:1] if not flag.startswith("--")]
     if stray:
         raise ValueError(f"unexpected argument {stray[0]!r} (train flags are --field value)")
+    single_dash = [flag for flag in flags if flag.startswith("-") and not flag.startswith("--")
+                   and looks_like_a_flag(flag)]
+    if single_dash:
+        raise ValueError(f"unexpected argument {single_dash[0]!r} (train flags are --field value)")
+    known = _train_field_names()
+    unknown = [name for name in names if name not in known and name != "config"]
+    if unknown:
+        raise ValueError(f"--{unknown[0]} is not a `calclip train` field (flags are whole field names, never "
+                         "abbreviations: calclip compare checks which fields they set)")
     reserved = [name for name in names if name in RUN_FIELDS or name == "config"]
     if reserved:
         hint = " (use --output-dir)" if "output_dir" in reserved else ""
@@ -215,6 +230,14 @@ def _check_train_flags(flags: list[str], arms: list[Arm]) -> None:
         setters = [arm.name for arm in arms if clashing[0] in arm.overrides]
         raise ValueError(f"--{clashing[0]} is an arm field (set by {', '.join(setters)}); define an arm with "
                          f"--arm NAME:{clashing[0]}=VALUE,... instead")
+
+
+def _train_field_names() -> set[str]:
+    """Every field `calclip train` takes (ScriptArguments and the DAPO config, a superset of the GRPO one)."""
+    from calclip.cli import ScriptArguments
+    from calclip.trainers.config import CalibratedDAPOConfig
+
+    return {field.name for cls in (ScriptArguments, CalibratedDAPOConfig) for field in dataclasses.fields(cls)}
 
 
 def _threads_per_run(parallel: int) -> int | None:

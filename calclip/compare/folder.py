@@ -117,6 +117,75 @@ def check_or_create(root: Path, *, config_path: str, arms: list[Arm], configs: d
     return record
 
 
+COMMAND_FILE = "command.json"  # a run's `calclip train` argv (calclip.compare.runner writes it at every launch)
+
+
+def command_differences(root: Path, record: dict) -> list[str]:
+    """One line per run whose ``command.json`` does not match the comparison (``--plot-only`` refuses them).
+
+    A run's argv must hold its arm's overrides (recorded in ``comparison.json``) with their recorded values, its
+    seed and run name; and every run must share the same remaining flags (the config file and the shared
+    ``--field value`` flags, which the record does not hold): a run copied in from another comparison, or re-run
+    by hand with other flags, differs in one of these. A run without a command.json (never launched) is skipped."""
+    lines, shared_reference = [], None
+    set_by_arms = {field for entry in record["arms"].values() for field in entry["overrides"]}
+    for arm, entry in record["arms"].items():
+        expected = _argv_flags(Arm(arm, entry["overrides"]).train_flags())
+        for seed in record["seeds"]:
+            path = run_directory(root, arm, seed) / COMMAND_FILE
+            if not path.exists():
+                continue
+            try:
+                argv = json.loads(path.read_text())["train_argv"]
+                if not isinstance(argv, list) or not all(isinstance(item, str) for item in argv):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                lines.append(f"{path}: not a command file calclip compare wrote (a JSON object with train_argv, "
+                             "a list of strings)")
+                continue
+            flags = _argv_flags(argv)
+            wanted = {**expected, "seed": [str(seed)], "run_name": [f"{arm}-seed{seed}"]}
+            for name, values in wanted.items():
+                if flags.get(name) != values:
+                    lines.append(f"{path}: --{name} {_show_values(flags.get(name))}, the comparison's {arm} "
+                                 f"seed {seed} has {_show_values(values)}")
+            shared = {name: values for name, values in flags.items()
+                      if name not in RUN_FIELDS and name not in set_by_arms}
+            if shared_reference is None:
+                shared_reference = (path, shared)
+            elif shared != shared_reference[1]:
+                other_path, other = shared_reference
+                names = sorted(name for name in set(shared) | set(other) if shared.get(name) != other.get(name))
+                lines.append(f"{path}: shared flags differ from {other_path}: " + "; ".join(
+                    f"--{name} {_show_values(shared.get(name))} vs {_show_values(other.get(name))}"
+                    for name in names[:5]))
+    return lines
+
+
+def _argv_flags(argv: list[str]) -> dict[str, list[str]]:
+    """``--a=b`` / ``--a b c`` / ``--a-b x`` -> {"a": ["b"], ..., "a_b": ["x"]} (a repeated flag: the last wins,
+    as in argparse)."""
+    flags: dict[str, list[str]] = {}
+    name = None
+    for item in argv:
+        if item.startswith("--"):
+            name, eq, value = item[2:].partition("=")
+            name = name.replace("-", "_")
+            flags[name] = [value] if eq else []
+            if eq:
+                name = None
+        elif name is not None:
+            flags[name].append(item)
+    return flags
+
+
+def _show_values(values) -> str:
+    if values is None:
+        return "unset"
+    text = " ".join(values) if values else "(no value)"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class FolderLock:
     """``DIR/.compare.lock`` holding ``pid host`` of the `calclip compare` running in the folder. A lock whose
     process is gone, or that was written on another host (a folder copied between machines), is stale and taken

@@ -62,22 +62,51 @@ def metrics_row(logs: dict, step: int, time: float) -> dict | None:
     return row
 
 
+class MetricsFileError(ValueError):
+    """A metrics file line that calclip did not write (the message names the file and the line)."""
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a metrics file, in step order, the last row of a step winning (a resumed run re-logs the
-    steps after its checkpoint). A truncated last line (a killed writer) is ignored."""
+    steps after its checkpoint). An unterminated last line that does not parse (a killed writer) is ignored; any
+    other line must be a JSON object with an integer ``step`` and numbers or nulls as values, else
+    MetricsFileError names the file, the line and what is wrong (a report must not silently skip or mix in
+    foreign rows)."""
     rows: dict[int, dict] = {}
     path = Path(path)
     if not path.exists():
         return []
-    with path.open() as handle:
-        for line in handle:
+    with path.open(errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                rows[row["step"]] = row
+                if not line.endswith("\n"):  # the writer was killed mid-line: the last line only
+                    continue
+                raise MetricsFileError(f"{path}:{number}: not a JSON line: {_shown(line.strip())}") from None
+            step = _checked_row(row, path, number)
+            rows[step] = row
     return [rows[step] for step in sorted(rows)]
+
+
+def _checked_row(row, path: Path, number: int) -> int:
+    if not isinstance(row, dict):
+        raise MetricsFileError(f"{path}:{number}: a row must be a JSON object, got {type(row).__name__}")
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise MetricsFileError(f"{path}:{number}: 'step' must be an integer >= 0, got {_shown(step)}")
+    for key, value in row.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise MetricsFileError(f"{path}:{number}: {_shown(key)} must be a number or null, got {_shown(value)} "
+                                   f"({type(value).__name__})")
+    return step
+
+
+def _shown(value, limit: int = 80) -> str:
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit]) + "..."
+    return text if len(text) <= limit + 10 else text[:limit] + "..."
 
 
 def last_step(path: str | Path) -> int:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from calclip.compare.folder import COMMAND_FILE
 from calclip.compare.metrics import METRICS_FILE, last_step, truncate_metrics
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: a run stopped on SIGTERM after saving a checkpoint (calclip.compare.callback)
@@ -278,7 +279,7 @@ def run_grid(
 def _launch(spec: RunSpec, group, gpus, active, threads, progress) -> _Active:
     spec.directory.mkdir(parents=True, exist_ok=True)
     argv, action = attempt_argv(spec)
-    (spec.directory / "command.json").write_text(json.dumps({"train_argv": spec.train_argv}, indent=1) + "\n")
+    (spec.directory / COMMAND_FILE).write_text(json.dumps({"train_argv": spec.train_argv}, indent=1) + "\n")
     # wall_s adds up the attempts that produced the run's steps: a run that starts over starts at 0.
     prior_wall = 0.0 if action == "start" else (read_status(spec.directory) or {}).get("wall_s", 0.0)
     gpu = None

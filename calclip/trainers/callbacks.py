@@ -41,6 +41,12 @@ class SpikeReport:
         )
 
 
+# Longest rolling window, in optimizer steps. Each step's z-score walks the whole window in Python, so 100,000
+# steps cost ~10 ms a step, far beyond any use (windows of tens to hundreds of steps; few RL runs have 100,000
+# optimizer steps at all); 1e30 used to reach the deque's maxlen and fail with OverflowError after the model loaded.
+SPIKE_WINDOW_MAX = 100_000
+
+
 class _RollingStats:
     """Mean and std of the last ``window`` values."""
 
@@ -66,10 +72,11 @@ class EntropySpikeDetector:
     """
 
     def __init__(self, *, window: int = 20, warmup: int = 5, z_threshold: float = 4.0) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise ValueError(f"window must be an int >= 2, got {window!r}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or not 2 <= warmup:
-            raise ValueError(f"warmup must be an int >= 2, got {warmup!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or not 2 <= window <= SPIKE_WINDOW_MAX:
+            raise ValueError(f"window must be an int in [2, {SPIKE_WINDOW_MAX}], got {window!r}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or not 2 <= warmup <= window:
+            raise ValueError(f"warmup must be an int in [2, window={window}] (the history holds at most window "
+                             f"steps, so a longer warmup never fires), got {warmup!r}")
         if not z_threshold > 0:
             raise ValueError(f"z_threshold must be > 0, got {z_threshold!r}")
         self.window, self.warmup, self.z_threshold = window, warmup, float(z_threshold)
@@ -117,14 +124,61 @@ class EntropySpikeDetector:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the history; window/warmup/threshold stay this object's own (a resumed run may change them)."""
+        """Restore the history; window/warmup/threshold stay this object's own (a resumed run may change them).
+
+        Every field is checked before anything changes, and a bad one raises ValueError naming it
+        (``spike_detector.<field>``; the trainer adds the file): a NaN in the history would make every later
+        z-score NaN, so the detector would never fire again, silently."""
+        if not isinstance(state, dict):
+            raise ValueError(f"spike_detector must be a dict, got {type(state).__name__}")
+        history = {key: _history(state, key) for key in ("entropy", "entropy_neg_adv")}
+        num_steps = _count(state, "num_steps")
+        num_spikes = _count(state, "num_spikes")
+        if num_spikes > num_steps:
+            raise ValueError(f"spike_detector.num_spikes ({num_spikes}) exceeds spike_detector.num_steps ({num_steps})")
+        for key, values in history.items():
+            if len(values) > num_steps:
+                raise ValueError(f"spike_detector.{key} holds {len(values)} values, more than the "
+                                 f"spike_detector.num_steps ({num_steps}) they came from")
+        last = state.get("last_spike_step", _MISSING)
+        if last is _MISSING:
+            raise ValueError("spike_detector.last_spike_step is missing")
+        if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
+            raise ValueError(f"spike_detector.last_spike_step must be null or an int >= 0, got {last!r}")
         self._all.values.clear()
-        self._all.values.extend(float(v) for v in state["entropy"])
+        self._all.values.extend(history["entropy"])
         self._neg.values.clear()
-        self._neg.values.extend(float(v) for v in state["entropy_neg_adv"])
-        self.num_steps = int(state["num_steps"])
-        self.num_spikes = int(state["num_spikes"])
-        self.last_spike_step = state["last_spike_step"]
+        self._neg.values.extend(history["entropy_neg_adv"])
+        self.num_steps, self.num_spikes, self.last_spike_step = num_steps, num_spikes, last
+
+
+_MISSING = object()
+
+
+def _history(state: dict, key: str) -> list[float]:
+    values = state.get(key, _MISSING)
+    if values is _MISSING:
+        raise ValueError(f"spike_detector.{key} is missing")
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"spike_detector.{key} must be a list of numbers, got {type(values).__name__}")
+    if len(values) > SPIKE_WINDOW_MAX:
+        raise ValueError(f"spike_detector.{key} holds {len(values)} values, more than any window "
+                         f"({SPIKE_WINDOW_MAX})")
+    for index, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            shown = repr(value) if isinstance(value, (int, float)) else type(value).__name__
+            raise ValueError(f"spike_detector.{key}[{index}] must be a finite number (the history holds only "
+                             f"finite entropies), got {shown}")
+    return [float(value) for value in values]
+
+
+def _count(state: dict, key: str) -> int:
+    value = state.get(key, _MISSING)
+    if value is _MISSING:
+        raise ValueError(f"spike_detector.{key} is missing")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"spike_detector.{key} must be an int >= 0, got {value!r}")
+    return value
 
 
 def repeated_ngram_counts(sequences: Iterable[Sequence[int]], n: int) -> tuple[int, int]:

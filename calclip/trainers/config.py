@@ -23,6 +23,8 @@ from calclip.fp8.config import blockwise_only_options, fp8_recipe_names, get_fp8
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
 from calclip.losses.registry import clip_mode_names
+from calclip.config_file import bounded_repr
+from calclip.trainers.callbacks import SPIKE_WINDOW_MAX
 from calclip.trainers.field_checks import check_field_types, check_inherited_ranges, resume_flag
 
 # The allowed values come from the modules that implement them, so the config and the code cannot disagree.
@@ -46,9 +48,11 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
-def _int_at_least(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+def _int_at_least(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
+            maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an int {allowed}, got {bounded_repr(value)}")
 
 
 @dataclass
@@ -364,8 +368,7 @@ class CalibratedGRPOConfig(GRPOConfig):
         _int_at_least("calibration_min_tokens", self.calibration_min_tokens, 1)
         if not 0.0 < self.epsilon < 1.0:
             raise ValueError(f"epsilon must lie in (0, 1) (the lower ratio bound is 1 - epsilon), got {self.epsilon!r}")
-        if self.epsilon_high is not None and not self.epsilon_high > 0.0:
-            raise ValueError(f"epsilon_high must be > 0 or None, got {self.epsilon_high!r}")
+        # epsilon_high (finite, > 0 or None) is checked with the inherited fields: field_checks.INHERITED_RANGES
         for name in ("calibration_low_min", "calibration_low_max", "calibration_high_min", "calibration_high_max"):
             value = getattr(self, name)
             if not (_is_number(value) or (value is None and name in ("calibration_low_max", "calibration_high_min"))):
@@ -444,9 +447,14 @@ class CalibratedGRPOConfig(GRPOConfig):
             raise ValueError("fp8_decode_fused_max_m runs calclip's Triton kernel, but fp8_gemm='emulated' asks for "
                              "the torch emulation; set fp8_decode_fused_max_m 0 or another fp8_gemm")
         if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):
-            raise ValueError(f"fp8_keep_patterns must be a list of regex strings, got {self.fp8_keep_patterns!r}")
-        _int_at_least("entropy_spike_window", self.entropy_spike_window, 2)
+            raise ValueError(f"fp8_keep_patterns must be a list of regex strings, got "
+                             f"{bounded_repr(self.fp8_keep_patterns)}")
+        _int_at_least("entropy_spike_window", self.entropy_spike_window, 2, SPIKE_WINDOW_MAX)
         _int_at_least("entropy_spike_warmup", self.entropy_spike_warmup, 2)
+        if self.entropy_spike_warmup > self.entropy_spike_window:
+            raise ValueError(f"entropy_spike_warmup ({self.entropy_spike_warmup}) must be <= entropy_spike_window "
+                             f"({self.entropy_spike_window}): the detector's history holds at most a window of steps, "
+                             "so a longer warmup never fires")
         if not _is_number(self.entropy_spike_z) or self.entropy_spike_z <= 0.0:
             raise ValueError(f"entropy_spike_z must be a number > 0, got {self.entropy_spike_z!r}")
 

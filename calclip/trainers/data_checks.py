@@ -3,6 +3,9 @@ instead of mid-run (an empty prompt crashes stock TRL inside the embedding when 
 than the model's positions runs silently at many times the memory).
 
 Checks, for every row of a map-style dataset (an ``IterableDataset`` cannot be scanned and is not checked):
+- ``prompt`` is a string or a list of chat messages, each a mapping with a string ``role`` and a ``content`` that
+  is a string, a list of content parts or None (a message without ``role`` used to fail inside the chat template's
+  jinja, a number as content in a string concatenation, neither naming the row);
 - ``prompt`` is present and not empty (a blank string, no messages, or messages without any content);
 - every column a reward function requires is present and not None: the parameters of the function that have no
   default and are not among the arguments TRL passes itself (TRL passes every dataset column but ``prompt`` as a
@@ -16,7 +19,7 @@ Checks, for every row of a map-style dataset (an ``IterableDataset`` cannot be s
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 # Arguments TRL 1.16's GRPOTrainer._calculate_rewards passes to every reward function besides the dataset columns.
 TRL_REWARD_ARGUMENTS = frozenset(
@@ -43,6 +46,29 @@ def _has_content(message) -> bool:
         return any(not isinstance(part, dict) or part.get("type") != "text" or str(part.get("text", "")).strip()
                    for part in content)  # fmt: skip
     return content is not None
+
+
+def prompt_problem(prompt) -> str | None:
+    """What is wrong with the shape of one ``prompt`` value (None when nothing): see the module docstring."""
+    from calclip.config_file import bounded_repr
+
+    if isinstance(prompt, str) or prompt is None:
+        return None  # emptiness is _is_empty_prompt's
+    if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
+        return (f"a prompt is a string or a list of chat messages, got {bounded_repr(prompt)} "
+                f"({type(prompt).__name__})")
+    for number, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            return f"message {number} must be a mapping with 'role' and 'content', got {bounded_repr(message)}"
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role.strip():
+            return (f"message {number} has no 'role' (a string such as 'user' or 'system'), got "
+                    f"{bounded_repr(role)} in {bounded_repr(dict(message))}")
+        if content is not None and not isinstance(content, str) and (
+                isinstance(content, (bytes, Mapping)) or not isinstance(content, Sequence)):
+            return (f"message {number} ({role}): 'content' must be a string or a list of content parts, got "
+                    f"{bounded_repr(content)} ({type(content).__name__})")
+    return None
 
 
 def required_reward_columns(reward_funcs: Sequence, names: Sequence[str]) -> dict[str, list[str]]:
@@ -74,6 +100,9 @@ def check_rows(dataset, reward_funcs: Sequence, reward_func_names: Sequence[str]
     if PROMPT_COLUMN not in columns:
         raise ValueError(f"{split}: no '{PROMPT_COLUMN}' column (columns: {sorted(columns)})")
     for index, prompt in enumerate(dataset[PROMPT_COLUMN]):
+        problem = prompt_problem(prompt)
+        if problem is not None:
+            raise ValueError(f"{split} row {index}, column '{PROMPT_COLUMN}': {problem}")
         if _is_empty_prompt(prompt):
             raise ValueError(
                 f"{split} row {index}, column '{PROMPT_COLUMN}': empty prompt {prompt!r}; remove or fill the row"

@@ -19,6 +19,8 @@ import os
 import types
 import typing
 
+from calclip.config_file import bounded_repr
+
 
 def resume_flag(value):
     """``resume_from_checkpoint`` as ``Trainer.train`` takes it: True (latest complete checkpoint), a path, or None.
@@ -32,7 +34,7 @@ def resume_flag(value):
         value = os.fspath(value)
     if not isinstance(value, str):
         raise ValueError(
-            f"resume_from_checkpoint must be true, false, or a checkpoint folder path, got {value!r} "
+            f"resume_from_checkpoint must be true, false, or a checkpoint folder path, got {bounded_repr(value)} "
             f"({type(value).__name__})"
         )
     if value.strip().lower() in ("true", "false") and not os.path.exists(value):
@@ -93,7 +95,7 @@ def check_field_types(config) -> None:
         if (value is None and optional) or _type_ok(value, kind):
             continue
         allowed = _SIMPLE_TYPES[kind] + (" or null" if optional else "")
-        raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} must be {allowed}, got {bounded_repr(value)} ({type(value).__name__})")
 
 
 # ------------------------------------------------------------------------------------------------- ranges
@@ -112,8 +114,19 @@ def _within(low, high, *, low_open=False, high_open=False):
     return check, f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
 
 
+# The lowest sampling temperature. TRL and transformers divide the logits by it (generation in fp32, the loss's
+# log-probs in the policy's dtype): at 1e-300 every logit overflows to inf and sampling fails with "probability
+# tensor contains inf/nan" after the model loads. At 1e-2 the narrowest dtype calclip trains in, fp16 (largest
+# finite 65504), still holds logits up to 655 (a language model's stay far below), and sampling is already greedy
+# for any logit gap of 1 nat or more (a probability ratio of e**-100 ~ 4e-44, an fp32 subnormal: never drawn in
+# practice): a lower temperature changes next to nothing but the overflow risk. Greedy rollouts give GRPO no
+# exploration anyway.
+TEMPERATURE_MIN = 1e-2
+
 # Inherited TrainingArguments / GRPOConfig fields calclip's loss, optimizer set-up and sampling rely on, with the
-# values that have a meaning (transformers and TRL accept the rest silently, or fail deep inside train()).
+# values that have a meaning (transformers and TRL accept the rest silently, or fail deep inside train(): a
+# num_generations of 0 is a ZeroDivisionError in GRPOConfig's own checks, an epsilon_high of inf reaches the clip
+# bounds and the calibrator's base bound 1 + epsilon_high).
 INHERITED_RANGES = {
     "learning_rate": _at_least(0.0),
     "weight_decay": _at_least(0.0),
@@ -127,7 +140,12 @@ INHERITED_RANGES = {
     "steps_per_generation": _at_least(1),
     "num_iterations": _at_least(1),
     "max_completion_length": _at_least(1),
-    "temperature": _at_least(0.0, strict=True),
+    "temperature": _at_least(TEMPERATURE_MIN),
+    # GRPO's advantage is the reward relative to the other completions of the same prompt: it needs two.
+    "num_generations": _at_least(2),
+    "num_generations_eval": _at_least(2),
+    "generation_batch_size": _at_least(1),
+    "epsilon_high": _at_least(0.0, strict=True),
     "top_p": _within(0.0, 1.0, low_open=True),
     "top_k": _at_least(0),
     "min_p": _within(0.0, 1.0),
@@ -137,10 +155,39 @@ INHERITED_RANGES = {
 
 
 def check_inherited_ranges(config) -> None:
-    """The values of INHERITED_RANGES' fields (None passes: those fields mean "TRL's default" when unset)."""
+    """The values of INHERITED_RANGES' fields (None passes: those fields mean "TRL's default" when unset), then
+    ``reward_weights`` and ``output_dir``."""
     for name, (check, allowed) in INHERITED_RANGES.items():
         value = getattr(config, name, None)
         if value is None:
             continue
         if not math.isfinite(value) or not check(value):
-            raise ValueError(f"{name} must be finite and {allowed}, got {value!r}")
+            raise ValueError(f"{name} must be finite and {allowed}, got {bounded_repr(value)}")
+    check_reward_weights(getattr(config, "reward_weights", None))
+    check_output_dir(getattr(config, "output_dir", None))
+
+
+def check_reward_weights(weights) -> None:
+    """None (every reward function weighs 1) or a list of finite numbers. A NaN weight used to drop its reward
+    function from the total silently (TRL sums with nansum), an infinite one makes every total inf or NaN. (That
+    there is one weight per reward function is checked by TRL, which knows the functions.)"""
+    if weights is None:
+        return
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, (list, tuple)):
+        raise ValueError(f"reward_weights must be a list of numbers (one per reward function) or null, got "
+                         f"{bounded_repr(weights)}")
+    for index, weight in enumerate(weights):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ValueError(f"reward_weights[{index}] must be a finite number, got {bounded_repr(weight)} "
+                             f"(reward_weights {bounded_repr(weights)})")
+
+
+def check_output_dir(output_dir) -> None:
+    """None (transformers' default folder) or a non-empty path: '' used to pass until the first save raised
+    FileNotFoundError: ''."""
+    if output_dir is None:
+        return
+    if isinstance(output_dir, os.PathLike):
+        output_dir = os.fspath(output_dir)
+    if not isinstance(output_dir, str) or not output_dir.strip():
+        raise ValueError(f"output_dir must be a folder path, got {bounded_repr(output_dir)}")

@@ -84,10 +84,11 @@ import copy
 import os
 import time
 import warnings
+import weakref
 
 import torch
 from trl import GRPOTrainer
-from trl.trainer.utils import nanmax, nanmin
+from trl.trainer.utils import is_async_callable, nanmax, nanmin
 
 from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, oracle_bounds, torch_distributed_all_gather
 from calclip.calibration.state import FIT_SETTINGS
@@ -104,6 +105,7 @@ from calclip.losses import (
 from calclip.losses.registry import ClipMode, get_clip_mode
 from calclip.ratio_distributions import split_ratios
 from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
+from calclip.trainers.run_lock import claim_output_dir
 from calclip.trainers.checkpoint import (
     CALCLIP_STATE_NAME,
     CalclipStateError,
@@ -116,7 +118,7 @@ from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_
 from calclip.trainers.generation_cache import KeptStaticCache, generate_wrapped
 from calclip.trainers.grad_guard import NonfiniteGradGuard
 from calclip.trainers.mismatch_outliers import MismatchOutlierLog, logp_gaps, outlier_path
-from calclip.trainers.rewards import exclude_nonfinite_rewards
+from calclip.trainers.rewards import checked_reward_function, exclude_nonfinite_rewards
 from calclip.trainers.ratio_histograms import attach_ratio_histograms
 from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
 
@@ -217,12 +219,17 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 f"{type(self).__name__} takes a CalibratedGRPOConfig (every GRPOConfig field works there), "
                 f"got {type(args).__name__}"
             )
+        # One run per output_dir, and a writable one, before TRL loads the model (calclip.trainers.run_lock).
+        self._output_dir_lock = claim_output_dir(args)
+        if self._output_dir_lock is not None:
+            weakref.finalize(self, self._output_dir_lock.release)
         fp8_vllm = args.use_vllm and args.fp8
         # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
         # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.
         vllm_hook = use_fp8_vllm_generation(defer_engine=True, check_vllm_shapes=False)
         with vllm_hook if fp8_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
+        self._check_reward_outputs()
         self.clip_mode = get_clip_mode(args.clip_mode)
         self._prompt_token_limit = self._max_prompt_tokens()
         if args.check_dataset:
@@ -318,6 +325,15 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             )
             return positions
         return positions - self.max_completion_length
+
+    def _check_reward_outputs(self) -> None:
+        """Wrap every reward function (reward models aside) so what it returns is checked naming it
+        (calclip.trainers.rewards.checked_reward_function)."""
+        self.reward_funcs = [
+            func if isinstance(func, torch.nn.Module) or getattr(func, "calclip_checked", False)
+            else checked_reward_function(func, name, is_async=is_async_callable(func))
+            for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
+        ]
 
     def _check_datasets(self) -> None:
         """calclip.trainers.data_checks on the train and eval datasets, before anything is generated."""

@@ -22,7 +22,7 @@ def test_presets_set_only_arm_fields_and_differ_as_documented():
     assert arms.PRESETS["bf16_static"].overrides == {"fp8": False, "clip_mode": "static", "tis_mode": "none"}
     assert arms.PRESETS["fp8_tis"].overrides == {"fp8": True, "clip_mode": "static", "tis_mode": "token_truncate"}
     assert arms.PRESETS["fp8_calibrated"].train_flags() == [
-        "--fp8", "true", "--clip_mode", "calibrated", "--tis_mode", "none"]
+        "--fp8=true", "--clip_mode=calibrated", "--tis_mode=none"]
     # Every preset sets the same fields, so the shared config decides everything else for all of them.
     assert len({tuple(sorted(arm.overrides)) for arm in arms.PRESETS.values()}) == 1
 
@@ -39,13 +39,25 @@ def test_user_arm_spec():
     assert arm.name == "ema05"
     assert arm.overrides == {"clip_mode": "calibrated", "calibration_ema": "0.5",
                              "calibration_init_bounds": ["0.5", "2.0"]}
-    assert arm.train_flags() == ["--clip_mode", "calibrated", "--calibration_ema", "0.5",
+    assert arm.train_flags() == ["--clip_mode=calibrated", "--calibration_ema=0.5",
                                  "--calibration_init_bounds", "0.5", "2.0"]
     for bad, fragment in [("noColon", "NAME:field=value"), ("x:", "NAME:field=value"), ("x:fp8", "not field=value"),
                           ("x:fp8=true,fp8=false", "given twice"), ("bad name:fp8=true", "arm name"),
                           ("x:seed=3", "sets seed")]:
         with pytest.raises(ValueError, match=fragment):
             arms.parse_arm_spec(bad)
+
+
+def test_an_arm_value_never_becomes_extra_flags():
+    """A value that smuggles a flag in (split on spaces into a list whose items argparse reads as flags) is refused;
+    a single value is passed as one argument, so even one starting with '-' stays a value."""
+    for spec in ("x:fp8=true --resume_from_checkpoint /elsewhere/checkpoint-9",
+                 "x:calibration_init_bounds=0.5 2 --seed 7", "x:tis_cap=2 -x"):
+        with pytest.raises(ValueError, match=r"arm 'x': .* holds '-.*', which `calclip train` would read as a flag"):
+            arms.parse_arm_spec(spec)
+    arm = arms.parse_arm_spec("neg:learning_rate=-1e-5,top_k=-1,calibration_init_bounds=-0.5 2")
+    assert arm.train_flags() == ["--learning_rate=-1e-5", "--top_k=-1", "--calibration_init_bounds", "-0.5", "2"]
+    assert arms.looks_like_a_flag("-inf") and not arms.looks_like_a_flag("-0.5") and not arms.looks_like_a_flag("x")
 
 
 def test_resolve_arms_names_the_valid_ones_on_a_typo():
@@ -345,6 +357,77 @@ def test_plot_only_partial_reports_the_metrics_files_numbers(tmp_path, capsys):
     assert reward == [f"| `reward` | 2.5 ± {statistics.stdev([1.5, 3.5]):.2g} | unfinished |"]
 
 
+def _with_commands(root: Path, argv_of) -> None:
+    """command.json of every run of a _synthetic_folder: ``argv_of(arm, seed)``."""
+    record = json.loads((root / folder.COMPARISON_FILE).read_text())
+    for arm in record["arms"]:
+        for seed in record["seeds"]:
+            directory = folder.run_directory(root, arm, seed)
+            (directory / folder.COMMAND_FILE).write_text(json.dumps({"train_argv": argv_of(arm, seed)}))
+
+
+def _argv(arm, seed, lr="1e-5"):
+    directory = f"/runs/cmp/{arm}/seed{seed}"
+    overrides = {"a": ["--fp8", "true"], "b": ["--fp8=false"]}[arm]  # old-style and new-style flags parse alike
+    return ["--config", "/configs/x.yaml", "--learning_rate", lr, *overrides, "--seed", str(seed), "--output_dir",
+            directory, "--run_name", f"{arm}-seed{seed}", "--metrics_file", f"{directory}/metrics.jsonl",
+            "--checkpoint_on_sigterm", "true"]
+
+
+def test_plot_only_refuses_runs_whose_command_differs_from_the_comparison(tmp_path, capsys):
+    root = tmp_path / "cmp"
+    _synthetic_folder(root, {(arm, seed): ("finished", [1.0, 2.0]) for arm in "ab" for seed in (0, 1)})
+    record = json.loads((root / folder.COMPARISON_FILE).read_text())
+    record["arms"]["a"]["overrides"], record["arms"]["b"]["overrides"] = {"fp8": True}, {"fp8": False}
+    (root / folder.COMPARISON_FILE).write_text(json.dumps(record))
+    _with_commands(root, _argv)
+    assert folder.command_differences(root, record) == []
+    assert command.main(["--plot-only", str(root)]) in (command.EXIT_OK, command.EXIT_FAILED_RUNS)
+    capsys.readouterr()
+    cases = [  # (run, its argv, what the refusal names)
+        (("b", 1), _argv("b", 1, lr="3e-4"), r"b/seed1/command.json: shared flags differ from .*a/seed0/command.json: "
+                                             r"--learning_rate 3e-4 vs 1e-5"),
+        (("a", 1), _argv("b", 1), r"a/seed1/command.json: --fp8 false, the comparison's a seed 1 has true"),
+        (("a", 1), _argv("a", 0), r"a/seed1/command.json: --seed 0, the comparison's a seed 1 has 1"),
+        (("b", 0), [*_argv("b", 0), "--resume_from_checkpoint", "/x"], None),  # a run field: resumes differ
+    ]
+    for (arm, seed), argv, match in cases:
+        _with_commands(root, _argv)
+        path = folder.run_directory(root, arm, seed) / folder.COMMAND_FILE
+        path.write_text(json.dumps({"train_argv": argv}))
+        code = command.main(["--plot-only", str(root)])
+        err = capsys.readouterr().err
+        if match is None:
+            assert code in (command.EXIT_OK, command.EXIT_FAILED_RUNS), err
+        else:
+            assert code == command.EXIT_USAGE and "recorded command differs from the comparison" in err
+            assert __import__("re").search(match, err), err
+    path.write_text("{not json")
+    assert command.main(["--plot-only", str(root)]) == command.EXIT_USAGE
+    assert "b/seed0/command.json: not a command file calclip compare wrote" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lines, match", [
+    (['{"step": 1, "reward": 1.0}', "garbage", '{"step": 3, "reward": 3.0}'], r"metrics.jsonl:2: not a JSON line"),
+    (['{"step": 1, "reward": 1.0}', '{"step": 2, "reward": "0.5"}'], r"metrics.jsonl:2: 'reward' must be a number "
+                                                                     r"or null, got '0.5' \(str\)"),
+    (['{"step": 1, "reward": true}'], r"metrics.jsonl:1: 'reward' must be a number or null, got True"),
+    (['{"step": "1", "reward": 1.0}'], r"metrics.jsonl:1: 'step' must be an integer >= 0, got '1'"),
+    (['[1, 2]'], r"metrics.jsonl:1: a row must be a JSON object, got list"),
+])
+def test_bad_metrics_lines_are_named_with_file_and_line(tmp_path, capsys, lines, match):
+    """A middle line that is not JSON, or a value that is not a number, is an error naming the file and line (a
+    killed writer's unterminated last line is still ignored: test_read_last_step_and_truncate)."""
+    root = tmp_path / "cmp"
+    _synthetic_folder(root, {("a", 0): ("finished", [1.0, 2.0])})
+    path = folder.run_directory(root, "a", 0) / metrics.METRICS_FILE
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(metrics.MetricsFileError, match=match):
+        metrics.read_metrics(path)
+    assert command.main(["--plot-only", str(root)]) == command.EXIT_USAGE
+    assert __import__("re").search(match, capsys.readouterr().err)
+
+
 # ---------------------------------------------------------------------------------------------------- callbacks
 
 
@@ -422,6 +505,13 @@ def test_command_refuses_bad_input_before_running(tmp_path, capsys):
         (["--arms", "fp8_static", "--output_dir", "x"], "--output_dir is set by calclip compare per run (use --output-dir)"),
         (["--arms", "fp8_static", "--seeds", "0,x"], "--seeds: 'x' is not an integer"),
         (["--arms", "fp8_static", "--parallel", "0"], "--parallel must be >= 1"),
+        # abbreviations and dashed spellings of the fields compare sets per run pass no guard
+        (["--arms", "fp8_static", "--resume_from_check", "x"], "--resume_from_check is not a `calclip train` field"),
+        (["--arms", "fp8_static", "--resume-from-checkpoint", "x"], "--resume_from_checkpoint is set by calclip "
+                                                                     "compare per run"),
+        (["--arms", "fp8_static", "--clip-mode", "static"], "--clip_mode is an arm field"),
+        (["--arms", "fp8_static", "--max_step", "3"], "--max_step is not a `calclip train` field"),
+        (["--arms", "x", "--arm", "x:fp8=true --resume_from_checkpoint y"], "would read as a flag"),
     ]
     for extra, expected in cases:
         assert command.main(["--config", config, "--output-dir", str(tmp_path / "c"), *extra]) == command.EXIT_USAGE

@@ -145,6 +145,8 @@ def main(out_dir: Path) -> None:
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "calibrator_config": calibrator.settings,
+        # one run, one output_dir lock: the rank that saves holds it, the others take none (and do not fail)
+        "holds_output_dir_lock": trainer._output_dir_lock is not None,
         "init_bounds": calibrator.bounds,
         "calls": [],
         "bounds_in_force": {"calib/low": [], "calib/high": []},

@@ -92,6 +92,10 @@ def test_invalid_detector_arguments():
         EntropySpikeDetector(warmup=1)
     with pytest.raises(ValueError, match="z_threshold"):
         EntropySpikeDetector(z_threshold=0)
+    with pytest.raises(ValueError, match=r"window must be an int in \[2, 100000\]"):
+        EntropySpikeDetector(window=10**30)  # used to reach deque(maxlen=...): OverflowError
+    with pytest.raises(ValueError, match=r"warmup must be an int in \[2, window=8\]"):
+        EntropySpikeDetector(window=8, warmup=9)  # a history of 8 never reaches a warmup of 9: it would never fire
 
 
 def test_repeated_ngrams_worked_by_hand():
@@ -124,3 +128,33 @@ def test_wandb_alert_only_with_an_active_run(monkeypatch):
 
     fake.alert = failing_alert
     assert send_wandb_alert("title", "text") is False  # never raises into the training loop
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(entropy=[1.0, math.nan]), r"spike_detector.entropy\[1\] must be a finite number .*got nan"),
+    (dict(entropy_neg_adv=[math.inf]), r"spike_detector.entropy_neg_adv\[0\] must be a finite number"),
+    (dict(entropy=["1.0"]), r"spike_detector.entropy\[0\] must be a finite number .*got str"),
+    (dict(entropy="1.0"), r"spike_detector.entropy must be a list of numbers, got str"),
+    (dict(num_steps=-1), r"spike_detector.num_steps must be an int >= 0, got -1"),
+    (dict(num_steps=True), r"spike_detector.num_steps must be an int >= 0, got True"),
+    (dict(num_spikes=99), r"spike_detector.num_spikes \(99\) exceeds spike_detector.num_steps"),
+    (dict(num_steps=1), r"spike_detector.entropy holds \d+ values, more than the spike_detector.num_steps \(1\)"),
+    (dict(last_spike_step="3"), r"spike_detector.last_spike_step must be null or an int >= 0, got '3'"),
+    (dict(entropy=[1.0] * 100_001, num_steps=100_001), r"spike_detector.entropy holds 100001 values, more than any"),
+])
+def test_a_bad_saved_state_is_refused_naming_the_field_and_changes_nothing(change, match):
+    """A NaN in the history would make every later z-score NaN (the detector silently never fires again); each
+    field is checked before any is restored."""
+    saved = EntropySpikeDetector(window=6, warmup=3, z_threshold=3.0)
+    for value in CYCLE * 2:
+        saved.update(value, value + 0.1)
+    detector = EntropySpikeDetector(window=6, warmup=3, z_threshold=3.0)
+    detector.update(5.0)
+    before = detector.state_dict()
+    with pytest.raises(ValueError, match=match):
+        detector.load_state_dict({**saved.state_dict(), **change})
+    assert detector.state_dict() == before
+    state = saved.state_dict()
+    del state["num_spikes"]
+    with pytest.raises(ValueError, match="spike_detector.num_spikes is missing"):
+        detector.load_state_dict(state)

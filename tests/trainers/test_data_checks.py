@@ -51,6 +51,26 @@ def test_empty_prompt_fails_at_construction_naming_row_and_column(prompt):
         _trainer(rows)
 
 
+@pytest.mark.parametrize("rows, match", [
+    # a message without role: the chat template's jinja failed ("'dict object' has no attribute 'role'")
+    (_rows(4, row2={"prompt": [{"content": "2+1=?"}], "answer": "3"}),
+     r"train_dataset row 2, column 'prompt': message 0 has no 'role'"),
+    (_rows(4, row3={"prompt": [{"role": "system", "content": "Add."}, {"role": " ", "content": "3+1=?"}],
+                    "answer": "4"}), r"train_dataset row 3, column 'prompt': message 1 has no 'role'"),
+    # non-string content: "can only concatenate str (not 'int') to str" inside the template
+    ([{"prompt": [{"role": "user", "content": i}], "answer": str(i + 1)} for i in range(4)],
+     r"train_dataset row 0, column 'prompt': message 0 \(user\): 'content' must be a string or a list of content "
+     r"parts, got 0 \(int\)"),
+    ([{"prompt": [{"role": "user", "content": {"text": f"{i}+1=?"}}], "answer": str(i + 1)} for i in range(4)],
+     r"train_dataset row 0, column 'prompt': message 0 \(user\): 'content' must be a string"),
+    ([{"prompt": i, "answer": str(i + 1)} for i in range(4)],
+     r"train_dataset row 0, column 'prompt': a prompt is a string or a list of chat messages, got 0 \(int\)"),
+])
+def test_malformed_chat_messages_fail_at_construction_naming_row_and_message(rows, match):
+    with pytest.raises(ValueError, match=match):
+        _trainer(rows)
+
+
 def test_eval_dataset_is_checked_too():
     with pytest.raises(ValueError, match=r"eval_dataset row 1, column 'prompt'"):
         _trainer(_rows(4), eval_rows=_rows(2, row1={"prompt": [{"role": "user", "content": ""}], "answer": "2"}))

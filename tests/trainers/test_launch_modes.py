@@ -63,6 +63,11 @@ def _union(inputs: list[list[torch.Tensor | None]]) -> tuple[torch.Tensor | None
     return (*flat, torch.ones(flat[1].shape, dtype=torch.bool))
 
 
+def _check_one_output_dir_lock(ranks: list[dict]) -> None:
+    """The rank that saves holds the run's output_dir lock; the other takes none and does not fail on it."""
+    assert [rank["holds_output_dir_lock"] for rank in ranks] == [True, False]
+
+
 def _check_global_bounds(ranks: list[dict]) -> None:
     r0, r1 = ranks
     assert r0["world_size"] == r1["world_size"] == WORLD_SIZE
@@ -127,6 +132,7 @@ def test_ddp_launch(tmp_path):
     ranks = _launch("ddp", tmp_path)
     assert {r["distributed_type"] for r in ranks} == {"DistributedType.MULTI_CPU"}
     _check_global_bounds(ranks)
+    _check_one_output_dir_lock(ranks)
     _check_fp8_forwards(ranks, sharding="none", cache_weights=True)
     _check_generation_synced(ranks, None)
 
@@ -136,6 +142,7 @@ def test_fsdp2_launch(tmp_path):
     ranks = _launch("fsdp2", tmp_path)
     assert {r["distributed_type"] for r in ranks} == {"DistributedType.FSDP"}
     _check_global_bounds(ranks)
+    _check_one_output_dir_lock(ranks)
     _check_fp8_forwards(ranks, sharding="fsdp2", cache_weights=False)
     _check_generation_synced(ranks, True)
 
@@ -146,5 +153,6 @@ def test_zero3_launch(tmp_path):
     ranks = _launch("zero3", tmp_path)
     assert {r["distributed_type"] for r in ranks} == {"DistributedType.DEEPSPEED"}
     _check_global_bounds(ranks)
+    _check_one_output_dir_lock(ranks)
     _check_fp8_forwards(ranks, sharding="zero3", cache_weights=False)
     _check_generation_synced(ranks, None)  # transformers syncs by itself under ZeRO-3

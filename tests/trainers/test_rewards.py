@@ -91,3 +91,64 @@ def test_exclude_nonfinite_rewards_counts_per_function():
     assert cleaned[3].tolist() == [0.5, 0.25]
     with pytest.raises(ValueError, match="rewards_per_func"):
         exclude_nonfinite_rewards(torch.ones(3))
+
+
+def test_a_reward_function_returning_what_trl_cannot_score_is_named(tmp_path):
+    """Each value TRL's float32 conversion cannot take fails naming the function, the completion and the value (TRL
+    said "too many dimensions 'str'" or OverflowError, naming no function; 1e39 silently became inf). One trainer
+    serves every case (its reward functions read the value to return from ``returned``); the second, async function
+    shows the check wraps async functions too and leaves them async (TRL awaits them)."""
+    from calclip.trainers.rewards import RewardFunctionError
+
+    returned = {"sync": 0.5, "async": 0.5}
+
+    def scored_by_position(completions, **kwargs):
+        rewards = list(BASE)
+        rewards[1] = returned["sync"]
+        return rewards
+
+    async def async_scores(completions, **kwargs):
+        return [returned["async"]] * len(completions)
+
+    tokenizer = build_tiny_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = CalibratedGRPOTrainer(
+            model=build_tiny_model(tokenizer), reward_funcs=[scored_by_position, async_scores],
+            args=tiny_training_args(CalibratedGRPOConfig, tmp_path, clip_mode="static", fp8=False,
+                                    steps_per_generation=2),
+            train_dataset=tiny_prompt_dataset(2), processing_class=tokenizer,
+        )
+    trainer.model.train()
+    rows = [tiny_prompt_dataset(2)[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
+    cases = [
+        ("sync", "0.5", r"'scored_by_position' returned '0.5' \(str\) for completion 1 of 8: a string, not a number"),
+        ("sync", 10**400, r"'scored_by_position' returned 1000.*\(int\) for completion 1 of 8: beyond the float range"),
+        ("sync", 1e39, r"'scored_by_position' returned 1e\+39 \(float\) for completion 1 of 8: beyond float32's"),
+        ("sync", [0.5], r"'scored_by_position' returned \[0.5\] \(list\) for completion 1 of 8: not a number"),
+        ("async", "high", r"'async_scores' returned 'high' \(str\) for completion 0 of 8: a string"),
+    ]
+    for which, value, match in cases:
+        returned.update({"sync": 0.5, "async": 0.5, which: value})
+        with pytest.raises(RewardFunctionError, match=rf"^reward function {match}"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer._generate_and_score_completions(rows)
+    returned.update({"sync": None, "async": 1.0})  # None and plain numbers still pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert trainer._generate_and_score_completions(rows)["advantages"].shape == (8,)
+
+
+def test_check_reward_values_passes_what_trl_takes():
+    import numpy as np
+
+    from calclip.trainers.rewards import FLOAT32_MAX, RewardFunctionError, check_reward_values
+
+    good = [1, 0.5, None, True, np.float32(2.0), np.int64(3), torch.tensor(0.25), math.inf, -FLOAT32_MAX]
+    assert check_reward_values(good, "f", len(good)) is good  # returned unchanged: TRL converts it as before
+    assert check_reward_values(torch.ones(3), "f", 3) is not None
+    for values, match in [("0.5", r"returned '0.5' \(str\); it must return a list"),
+                          (0.5, r"returned 0.5 \(float\); it must return a list"),
+                          ([1.0, 2.0], "returned 2 rewards for 3 completions")]:
+        with pytest.raises(RewardFunctionError, match=rf"^reward function 'f' {match}"):
+            check_reward_values(values, "f", 3)
