@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from calclip.fp8.export import (
+    LLAMA_PACKED_MODULES,
     SCALE_NAME,
     Fp8WeightSpec,
     bf16_linear_names,
@@ -127,6 +128,41 @@ def sync_fp8_weights(llm, policy: nn.Module, fp8_modules: Mapping[str, Fp8Weight
     count = reload_weights_layerwise(model, model_config, fp8_weight_sync_tensors(policy, fp8_modules=fp8_modules))
     llm.reset_prefix_cache()
     return count
+
+
+def expected_engine_fp8_tensors(policy: nn.Module, packed_modules: Mapping[str, tuple[str, ...]] = LLAMA_PACKED_MODULES,
+                                fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> dict[str, torch.Tensor]:
+    """The FP8 tensors a block-FP8 vLLM model must hold after a sync of ``policy``, under vLLM's names: each fused
+    layer's ``weight`` (codes viewed as uint8) and ``weight_scale_inv`` are its shards' stacked along dim 0 in
+    ``packed_modules`` order (q, k, v; gate, up); unfused FP8 linears keep their own."""
+    policy = unwrap_model(policy)
+    shard_to_fused = {shard: (fused, i) for fused, shards in packed_modules.items() for i, shard in enumerate(shards)}
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in fp8_weight_sync_tensors(policy, fp8_modules=fp8_modules):
+        module_name, _, leaf = name.rpartition(".")
+        if leaf not in ("weight", SCALE_NAME) or (leaf == "weight" and tensor.dtype != torch.float8_e4m3fn):
+            continue
+        parent, _, short = module_name.rpartition(".")
+        fused, index = shard_to_fused.get(short, (short, 0))
+        target = f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}"
+        groups.setdefault(target, {})[index] = tensor.view(torch.uint8) if leaf == "weight" else tensor
+    return {name: torch.cat([parts[i] for i in sorted(parts)]) for name, parts in groups.items()}
+
+
+def engine_fp8_mismatches(vllm_model: nn.Module, policy: nn.Module) -> list[str]:
+    """Names of the FP8 tensors of a live vLLM model that differ (shape or bits) from what a sync of ``policy``
+    sends (``expected_engine_fp8_tensors``); empty when the engine serves exactly the trainer's codes and scales."""
+    params = dict(vllm_model.named_parameters())
+    bad = []
+    for name, want in expected_engine_fp8_tensors(policy).items():
+        got = params.get(name)
+        if got is None:
+            bad.append(f"{name}: missing in the engine")
+            continue
+        got = got.data.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got.data
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype or not torch.equal(got, want.to(got.device)):
+            bad.append(f"{name}: engine {got.dtype} {tuple(got.shape)}, trainer {want.dtype} {tuple(want.shape)}")
+    return bad
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -443,3 +443,33 @@ def test_rollout_logps_come_from_the_fp8_engine(fake_vllm, tokenizer, tmp_path, 
         old = trainer._old_logps(batch, logps)
         ratio = torch.exp(old - batch["sampling_per_token_logps"]).clamp(max=trainer.args.tis_cap)
         assert torch.allclose(weights[mask], ratio[mask]) and "tis/weight_mean" in stats
+
+
+def test_expected_engine_tensors_stack_shards_in_vllms_fused_order_and_mismatches_are_named():
+    from calclip.trainers.vllm_sync import engine_fp8_mismatches, expected_engine_fp8_tensors
+
+    model = tiny_fp8_llama()  # hidden 256, kv 2 x 64: q 256, k 128, v 128 rows
+    expected = expected_engine_fp8_tensors(model)
+    prefix = "model.layers.0.self_attn"
+    assert set(expected) == {f"model.layers.{i}.{m}.{leaf}" for i in range(2) for leaf in ("weight", "weight_scale_inv")
+                             for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    qkv = expected[f"{prefix}.qkv_proj.weight"]
+    assert qkv.dtype == torch.uint8 and tuple(qkv.shape) == (512, 256)
+    k_codes, k_scale, _ = model.get_submodule(f"{prefix}.k_proj").quantized_weight()
+    assert torch.equal(qkv[256:384], k_codes.view(torch.uint8))  # k after q's 256 rows, before v
+    assert torch.equal(expected[f"{prefix}.qkv_proj.weight_scale_inv"][2:3], k_scale)
+
+    engine = torch.nn.Module()  # a stand-in holding vLLM's parameter names and dtypes
+    for name, t in expected.items():
+        module_name, _, leaf = name.rpartition(".")
+        holder = engine
+        for part in module_name.split("."):
+            if not hasattr(holder, part):
+                holder.add_module(part, torch.nn.Module())
+            holder = getattr(holder, part)
+        value = t.view(FP8) if leaf == "weight" else t
+        holder.register_parameter(leaf, torch.nn.Parameter(value.clone(), requires_grad=False))
+    assert engine_fp8_mismatches(engine, model) == []
+    engine.get_parameter(f"{prefix}.qkv_proj.weight_scale_inv").data[2, 0] *= 2
+    assert engine_fp8_mismatches(engine, model) == [
+        f"{prefix}.qkv_proj.weight_scale_inv: engine torch.float32 (4, 2), trainer torch.float32 (4, 2)"]
