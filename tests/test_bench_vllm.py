@@ -1,0 +1,115 @@
+"""benchmarks/bench_vllm.py: the helpers its tables rest on, on CPU (the script itself needs vLLM and a GPU).
+
+Checked: the mismatch statistics against a hand computation, the teacher-forced trainer log-probs against a
+per-sequence forward, the training steps move the FP8 policy's codes, the FP8 policy keeps exactly what vLLM cannot
+serve, and the argument checks name what is wrong.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+transformers = pytest.importorskip("transformers")
+import bench_vllm  # noqa: E402
+
+from calclip.fp8 import FP8BlockLinear  # noqa: E402
+
+
+def test_mismatch_stats_by_hand():
+    engine = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    trainer = torch.tensor([[-1.0, -2.5], [-0.4, -3.0]])
+    stats = bench_vllm.mismatch_stats(engine, trainer)
+    assert stats["tmpe"] == pytest.approx((1 + math.exp(0.5) + math.exp(0.1) + 1) / 4, rel=1e-6)
+    assert stats["max_abs"] == pytest.approx(0.5)
+    assert stats["over_1p1"] == pytest.approx(0.5)  # exp(0.5) and exp(0.1) = 1.105 exceed 1.1
+    assert stats["tokens"] == 4
+
+
+def test_over_threshold_counts_exp_diff_strictly_above_1p1():
+    engine = torch.zeros(1, 3)
+    trainer = torch.tensor([[math.log(1.1) - 1e-4, math.log(1.1) + 1e-4, 0.0]])
+    assert bench_vllm.mismatch_stats(engine, trainer)["over_1p1"] == pytest.approx(1 / 3)
+
+
+def test_helpers():
+    assert bench_vllm.median_after_first([10.0, 1.0, 3.0, 2.0]) == 2.0
+    assert bench_vllm.median_after_first([5.0]) == 5.0
+    assert bench_vllm.capture_sizes([256, 64, 128]) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert bench_vllm.fmt(None) == "-" and bench_vllm.fmt(math.nan) == "-" and bench_vllm.fmt(1.23456, 2) == "1.23"
+
+
+@pytest.mark.parametrize("argv, match", [(["--parts", "ops,bogus"], "unknown parts"),
+                                         (["--models", "gpt2"], "unknown models")])
+def test_bad_arguments_are_named(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(argv)
+    assert match in capsys.readouterr().err
+
+
+def tiny_llama(hidden=128, kv_heads=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32,
+                                   max_position_embeddings=64, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def test_trainer_logprobs_are_the_teacher_forced_logprobs_of_each_completion_token():
+    model = tiny_llama()
+    prompts = torch.randint(3, 96, (3, 5), generator=torch.Generator().manual_seed(0))
+    completions = torch.randint(3, 96, (3, 4), generator=torch.Generator().manual_seed(1))
+    got = bench_vllm.trainer_logprobs(model, prompts, completions, chunk=2)
+    assert got.shape == (3, 4) and got.dtype == torch.float32
+    for b in range(3):
+        ids = torch.cat([prompts[b], completions[b]])
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0].float()
+        for t in range(4):
+            want = torch.log_softmax(logits[4 + t], -1)[completions[b, t]]
+            assert got[b, t] == pytest.approx(float(want), abs=1e-5)
+
+
+def test_fp8_policy_shares_parameters_and_keeps_what_vllm_cannot_serve():
+    base = tiny_llama(kv_heads=4)  # q/k/v 128 rows each: every FP8 block inside one shard
+    policy, kept = bench_vllm.fp8_policy(base)
+    assert kept == []
+    fp8 = {n for n, m in policy.named_modules() if isinstance(m, FP8BlockLinear)}
+    assert len(fp8) == 2 * 7  # every decoder linear; lm_head stays BF16
+    assert policy.model.layers[0].mlp.down_proj.weight is base.model.layers[0].mlp.down_proj.weight
+
+
+def test_fp8_policy_keeps_ragged_fused_shards_and_their_siblings_in_bf16():
+    base = tiny_llama(hidden=128, kv_heads=2)  # q 128 rows, k/v 2 x 32 = 64 rows: ragged shards of qkv_proj
+    policy, kept = bench_vllm.fp8_policy(base)
+    fp8 = {n for n, m in policy.named_modules() if isinstance(m, FP8BlockLinear)}
+    for i in range(2):
+        assert f"model.layers.{i}.self_attn.k_proj" in kept
+        assert not {f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"} & fp8  # the whole fused layer
+        assert {f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"} <= fp8
+
+
+def test_train_steps_move_the_policy_and_its_fp8_codes():
+    base = tiny_llama(kv_heads=4).float()
+    policy, _ = bench_vllm.fp8_policy(base)
+    layer = policy.model.layers[0].self_attn.o_proj
+    before = layer.quantized_weight()[0].view(torch.uint8).clone()
+    prompts = torch.randint(3, 96, (4, 5), generator=torch.Generator().manual_seed(0))
+    completions = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(1))
+    losses = bench_vllm.train_steps(policy, prompts, completions, steps=3, lr=1e-2, chunk=2)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert not torch.equal(layer.quantized_weight()[0].view(torch.uint8), before)
+    assert not policy.training
+
+
+def test_attention_context_restores_the_implementation():
+    model = tiny_llama()
+    previous = model.config._attn_implementation
+    with bench_vllm.attention(model, "eager"):
+        assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == previous
