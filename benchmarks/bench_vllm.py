@@ -121,10 +121,19 @@ def capture_sizes(batches: list[int]) -> list[int]:
 
 
 def save_results(opts) -> None:
+    """Write what is measured so far: $OUT/bench_vllm.json (the parent, all parts), or, in a child process, its
+    --child-json file and $OUT/bench_vllm.<part>[.<model>].json (kept if the call is cut by its time limit)."""
+    text = json.dumps(RESULTS, indent=1, default=str)
+    child = getattr(opts, "child_json", None)
+    if child:
+        Path(child).write_text(text)
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "bench_vllm.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+        name = "bench_vllm.json"
+        if child:
+            name = ".".join(["bench_vllm", *opts.parts, *(opts.models if opts.parts == ["mismatch"] else []), "json"])
+        Path(out, name).write_text(text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -770,6 +779,9 @@ def parse_args(argv=None):
     parser.add_argument("--grpo-timeout", type=int, default=280)
     parser.add_argument("--grpo-worker", choices=("fp8", "bf16"), help=argparse.SUPPRESS)
     parser.add_argument("--grpo-json", help=argparse.SUPPRESS)
+    parser.add_argument("--child-json", help=argparse.SUPPRESS)
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every part in this process (default: one child process per part and model)")
     opts = parser.parse_args(argv)
     opts.parts = [p for p in opts.parts.split(",") if p]
     unknown = set(opts.parts) - set(PARTS)
@@ -783,22 +795,41 @@ def parse_args(argv=None):
     return opts
 
 
-def main(argv=None) -> int:
-    opts = parse_args(argv)
-    if opts.grpo_worker:
-        timings = grpo_worker(opts.grpo_worker, opts)
-        Path(opts.grpo_json).write_text(json.dumps(timings))
-        return 0
-    _common.header("bench_vllm: vLLM rollouts on calclip's FP8 codes")
-    print(f"vllm {_common.package_version('vllm')}  trl {_common.package_version('trl')}  transformers "
-          f"{_common.package_version('transformers')}  calclip {_common.git_commit()}", flush=True)
-    RESULTS["env"] = {"vllm": _common.package_version("vllm"), "torch": torch.__version__,
-                      "device": torch.cuda.get_device_name(), "commit": _common.git_commit(),
-                      "argv": sys.argv[1:]}
+def child_argv(argv: list[str], part: str, model: str | None, result_json: str) -> list[str]:
+    """``argv`` without its --parts / --models (and their values), for one part (and one model) in a child."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--parts", "--models"):
+            skip = True
+            continue
+        if arg.startswith(("--parts=", "--models=")):
+            continue
+        out.append(arg)
+    out += ["--parts", part, "--child-json", result_json]
+    if model is not None:
+        out += ["--models", model]
+    return out
+
+
+def merge(into: dict, child: dict) -> None:
+    for key, value in child.items():
+        if key == "env":
+            into.setdefault("env", value)
+        elif isinstance(value, list):
+            into.setdefault(key, []).extend(value)
+        elif isinstance(value, dict):
+            into.setdefault(key, {}).update(value)
+        else:
+            into[key] = value
+
+
+def run_in_process(opts) -> None:
     parts = {"ops": part_ops, "mismatch": part_mismatch, "decode": part_decode, "hf_decode": part_hf_decode,
              "grpo": part_grpo}
     for part in opts.parts:
-        start = time.perf_counter()
         try:
             parts[part](opts)
         except Exception as err:  # noqa: BLE001 — later parts still run
@@ -806,8 +837,44 @@ def main(argv=None) -> int:
 
             traceback.print_exc(limit=6)
             RESULTS.setdefault("errors", {})[part] = _short(err)
-        print(f"== {part}: {time.perf_counter() - start:.0f} s", flush=True)
         save_results(opts)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts = parse_args(argv)
+    if opts.grpo_worker:
+        timings = grpo_worker(opts.grpo_worker, opts)
+        Path(opts.grpo_json).write_text(json.dumps(timings))
+        return 0
+    if opts.child_json:  # one part (one model) in this process
+        RESULTS["env"] = {"vllm": _common.package_version("vllm"), "torch": torch.__version__,
+                          "device": torch.cuda.get_device_name(), "commit": _common.git_commit()}
+        run_in_process(opts)
+        save_results(opts)
+        return 0
+    _common.header("bench_vllm: vLLM rollouts on calclip's FP8 codes")
+    print(f"vllm {_common.package_version('vllm')}  trl {_common.package_version('trl')}  transformers "
+          f"{_common.package_version('transformers')}  calclip {_common.git_commit()}", flush=True)
+    RESULTS["argv"] = argv
+    if opts.in_process:
+        run_in_process(opts)
+        return 0
+    # Each part (each model of mismatch) in a child process: vLLM engines do not give all their GPU memory back
+    # in-process, and every part starts its own engines.
+    for part in opts.parts:
+        for model in (opts.models if part == "mismatch" else [None]):
+            start = time.perf_counter()
+            result_json = str(Path(tempfile.mkdtemp()) / "part.json")
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()),
+                                   *child_argv(argv, part, model, result_json)])
+            if Path(result_json).exists():
+                merge(RESULTS, json.loads(Path(result_json).read_text()))
+            if proc.returncode != 0:
+                RESULTS.setdefault("errors", {})[f"{part}{'/' + model if model else ''}"] = f"exit {proc.returncode}"
+            print(f"== {part}{' ' + model if model else ''}: {time.perf_counter() - start:.0f} s "
+                  f"(exit {proc.returncode})", flush=True)
+            save_results(opts)
     return 0
 
 

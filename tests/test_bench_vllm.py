@@ -113,3 +113,15 @@ def test_attention_context_restores_the_implementation():
     with bench_vllm.attention(model, "eager"):
         assert model.config._attn_implementation == "eager"
     assert model.config._attn_implementation == previous
+
+
+def test_child_processes_get_one_part_and_model_and_results_merge():
+    argv = ["--parts", "ops,mismatch", "--models=llama3_8b,smollm2", "--steps", "2"]
+    assert bench_vllm.child_argv(argv, "mismatch", "smollm2", "/r.json") == [
+        "--steps", "2", "--parts", "mismatch", "--child-json", "/r.json", "--models", "smollm2"]
+    assert bench_vllm.child_argv(argv, "ops", None, "/r.json") == ["--steps", "2", "--parts", "ops",
+                                                                   "--child-json", "/r.json"]
+    merged = {}
+    bench_vllm.merge(merged, {"env": {"device": "a"}, "mismatch": [{"model": "x"}]})
+    bench_vllm.merge(merged, {"env": {"device": "b"}, "mismatch": [{"model": "y"}], "grpo": {"fp8": {}}})
+    assert merged == {"env": {"device": "a"}, "mismatch": [{"model": "x"}, {"model": "y"}], "grpo": {"fp8": {}}}
