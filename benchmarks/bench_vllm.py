@@ -185,7 +185,7 @@ def config_only_dir(name: str, layers: int, directory: str) -> str:
     hidden, inter, heads, kv, vocab, _ = MODEL_SPECS[name]
     LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
-                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16").save_pretrained(directory)
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2).save_pretrained(directory)
     return directory
 
 
@@ -559,8 +559,9 @@ def part_decode(opts) -> None:
             def build(llm, batch=batch, new_tokens=new_tokens, prompts=prompts):
                 from vllm import SamplingParams
 
+                # no per-request seed: vLLM samples seeded requests with per-request generators (slower)
                 params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens,
-                                        ignore_eos=True, detokenize=False, seed=0)
+                                        ignore_eos=True, detokenize=False)
                 requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
 
                 def sample():
@@ -647,26 +648,35 @@ def part_hf_decode(opts) -> None:
 # part grpo: one process per arm (each owns a colocated engine)
 
 
-def grpo_worker(arm: str, opts) -> dict:
-    """Runs in its own process: CalibratedGRPOTrainer with vLLM colocate rollouts; returns per-step timings."""
+def cuda_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, int, int] = (4096, 14336, 32, 8)
+                ) -> dict:
+    """Runs in its own process: CalibratedGRPOTrainer with vLLM colocate rollouts; returns per-step timings.
+    dims: hidden, intermediate, heads, KV heads (Llama-3-8B's by default; tests/test_bench_vllm.py runs it on CPU
+    with a tiny model and a recorded engine)."""
     from transformers import TrainerCallback
 
     from calclip.testing import build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
     from calclip.trainers import CalibratedGRPOConfig, CalibratedGRPOTrainer
 
-    device = torch.device("cuda")
+    device = torch.device(device)
     tokenizer = build_tiny_tokenizer()
     # Llama-3-8B layer dims; the vocabulary is the test tokenizer's (TRL decodes completions with it).
-    MODEL_SPECS["grpo"] = (4096, 14336, 32, 8, len(tokenizer), opts.grpo_layers)
+    MODEL_SPECS["grpo"] = (*dims, len(tokenizer), opts.grpo_layers)
     base = random_llama("grpo", opts.grpo_layers, device, opts.logit_std)
     base.config.pad_token_id, base.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     base.config.bos_token_id = tokenizer.bos_token_id
     model_dir = save_for_vllm(base, tempfile.mkdtemp(prefix=f"bench_vllm_grpo_{arm}_"), tokenizer)
     base.config._name_or_path = model_dir  # TRL's colocated LLM(model=model.name_or_path)
     completions = opts.grpo_completions
+    on_gpu = device.type == "cuda"
     args = CalibratedGRPOConfig(
-        output_dir=tempfile.mkdtemp(), report_to="none", bf16=True, fp8=arm == "fp8", use_vllm=True,
-        vllm_mode="colocate", vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
+        output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm == "fp8",
+        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
         per_device_train_batch_size=completions, num_generations=8, gradient_accumulation_steps=1,
         steps_per_generation=1, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
         learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False,
@@ -675,25 +685,33 @@ def grpo_worker(arm: str, opts) -> dict:
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            torch.cuda.synchronize()
+            cuda_sync()
             self.start = time.perf_counter()
 
         def on_step_end(self, *a, **k):
-            torch.cuda.synchronize()
+            cuda_sync()
             timings["step_s"].append(time.perf_counter() - self.start)
 
-    trainer = CalibratedGRPOTrainer(model=base, reward_funcs=digit_share_reward, args=args,
-                                    train_dataset=tiny_prompt_dataset(completions // 8 * opts.grpo_steps),
-                                    processing_class=tokenizer, callbacks=[StepClock()])
+    # TRL builds LLM(...) with its own arguments; the attention backend is added to them in both arms (the GPU
+    # bundle was checked with Triton attention; vLLM 0.24 has no environment variable for it).
+    import trl.generation.vllm_generation as trl_vllm_generation
+
+    from calclip.trainers.vllm_sync import merged_call_kwargs
+
+    backend = {"attention_backend": opts.attention_backend} if opts.attention_backend else {}
+    with merged_call_kwargs(trl_vllm_generation, "LLM", backend):
+        trainer = CalibratedGRPOTrainer(model=base, reward_funcs=digit_share_reward, args=args,
+                                        train_dataset=tiny_prompt_dataset(completions // 8 * opts.grpo_steps),
+                                        processing_class=tokenizer, callbacks=[StepClock()])
     generation = trainer.vllm_generation
     for method, key in (("sync_weights", "sync_s"), ("generate", "generate_s")):
         original = getattr(generation, method)
 
         def timed(*a, _original=original, _key=key, **k):
-            torch.cuda.synchronize()
+            cuda_sync()
             start = time.perf_counter()
             out = _original(*a, **k)
-            torch.cuda.synchronize()
+            cuda_sync()
             timings[_key].append(time.perf_counter() - start)
             return out
 
@@ -709,7 +727,8 @@ def part_grpo(opts) -> None:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--grpo-worker", arm, "--grpo-json", str(out),
                "--grpo-layers", str(opts.grpo_layers), "--grpo-steps", str(opts.grpo_steps),
                "--grpo-tokens", str(opts.grpo_tokens), "--grpo-completions", str(opts.grpo_completions),
-               "--gpu-util", str(opts.gpu_util), "--logit-std", str(opts.logit_std)]
+               "--gpu-util", str(opts.gpu_util), "--logit-std", str(opts.logit_std),
+               "--attention-backend", opts.attention_backend]
         print(f"-- grpo {arm}: {' '.join(cmd[2:])}", flush=True)
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.grpo_timeout)

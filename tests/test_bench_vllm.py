@@ -125,3 +125,59 @@ def test_child_processes_get_one_part_and_model_and_results_merge():
     bench_vllm.merge(merged, {"env": {"device": "a"}, "mismatch": [{"model": "x"}]})
     bench_vllm.merge(merged, {"env": {"device": "b"}, "mismatch": [{"model": "y"}], "grpo": {"fp8": {}}})
     assert merged == {"env": {"device": "a"}, "mismatch": [{"model": "x"}, {"model": "y"}], "grpo": {"fp8": {}}}
+
+
+def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monkeypatch, tmp_path):
+    """The grpo part's worker on CPU, tiny dims, vLLM replaced by a recorder (TRL 1.16's own generation code runs):
+    each arm trains its steps, the FP8 arm syncs inside a layerwise reload, and every timing list is filled."""
+    import argparse
+    import types
+
+    trl_vllm_generation = pytest.importorskip("trl.generation.vllm_generation")
+    pytest.importorskip("datasets")
+    events = []
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    reload.initialize_layerwise_reload = lambda model: events.append("init")
+    reload.finalize_layerwise_reload = lambda model, cfg: events.append("finalize")
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.model_loader"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload)
+    engine_kwargs = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            engine_kwargs.append(kwargs)
+            model = types.SimpleNamespace(load_weights=lambda weights: events.extend("load" for _ in weights))
+            self.llm_engine = types.SimpleNamespace(model_config="CFG", model_executor=types.SimpleNamespace(
+                driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))))
+
+        def reset_prefix_cache(self):
+            events.append("reset")
+
+        def generate(self, prompts, sampling_params, use_tqdm):
+            assert sampling_params["min_tokens"] == 6
+            ids = [7] * 6  # a character token of the tiny tokenizer, never EOS
+            logprobs = [{7: types.SimpleNamespace(rank=1, logprob=-0.5)}] * 6
+            return [types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
+                                          outputs=[types.SimpleNamespace(token_ids=ids, logprobs=logprobs)])
+                    for p in prompts]
+
+    monkeypatch.setattr(trl_vllm_generation, "LLM", LLM, raising=False)
+    monkeypatch.setattr(trl_vllm_generation, "SamplingParams", lambda **kw: kw, raising=False)
+    monkeypatch.setattr(trl_vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(trl_vllm_generation, "ensure_master_addr_port", lambda: None)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # TRL sets them; restored afterwards
+        monkeypatch.setenv(var, "0")
+        monkeypatch.delenv(var)
+    opts = argparse.Namespace(grpo_layers=1, logit_std=4.0, grpo_completions=8, gpu_util=0.2, grpo_tokens=6,
+                              grpo_steps=2, attention_backend="TRITON_ATTN")
+    for arm in ("fp8", "bf16"):  # (the bench runs each arm in its own process)
+        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
+            monkeypatch.delenv(var, raising=False)
+        events.clear()
+        timings = bench_vllm.grpo_worker(arm, opts, device="cpu", dims=(128, 256, 4, 4))
+        assert len(timings["step_s"]) == 2 and len(timings["generate_s"]) == 2 and len(timings["sync_s"]) == 2
+        assert all(t > 0 for values in timings.values() for t in values)
+        assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
+        assert (engine_kwargs[-1].get("quantization") == "fp8") == (arm == "fp8")
+        assert ("init" in events and "finalize" in events) == (arm == "fp8")

@@ -97,7 +97,11 @@ def vllm_engine_model(llm) -> tuple[nn.Module, Any]:
     """(the in-process model, its ModelConfig) of a ``vllm.LLM`` whose engine core runs in this process
     (colocate: TRL's ``external_launcher``, or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TRL 1.16 reads the same path."""
     engine = llm.llm_engine
-    return engine.model_executor.driver_worker.model_runner.model, engine.model_config
+    runner = engine.model_executor.driver_worker.model_runner
+    # With full CUDA graphs (vLLM 0.24's default FULL_AND_PIECEWISE) runner.model is a CUDAGraphWrapper that forwards
+    # attribute access to the model; get_model() returns the nn.Module itself (same parameters either way).
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    return model, engine.model_config
 
 
 def reload_weights_layerwise(model: nn.Module, model_config, named_tensors: Iterable[tuple[str, torch.Tensor]]

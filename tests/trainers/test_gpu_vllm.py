@@ -140,8 +140,12 @@ TRAINER_SCRIPT = textwrap.dedent("""
         vllm_gpu_memory_utilization=0.2, per_device_train_batch_size=8, num_generations=4,
         gradient_accumulation_steps=2, steps_per_generation=4, max_completion_length=16, max_steps=2,
         learning_rate=1e-2, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False)
-    trainer = CalibratedGRPOTrainer(model=model, reward_funcs=digit_share_reward, args=args,
-                                    train_dataset=tiny_prompt_dataset(16), processing_class=tokenizer)
+    import trl.generation.vllm_generation as trl_vllm_generation
+    from calclip.trainers.vllm_sync import merged_call_kwargs
+    backend = {"attention_backend": os.environ["CALCLIP_VLLM_ATTENTION"]} if os.environ.get("CALCLIP_VLLM_ATTENTION") else {}
+    with merged_call_kwargs(trl_vllm_generation, "LLM", backend):  # TRL's LLM(...) plus the attention backend
+        trainer = CalibratedGRPOTrainer(model=model, reward_funcs=digit_share_reward, args=args,
+                                        train_dataset=tiny_prompt_dataset(16), processing_class=tokenizer)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = sum(not torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters())
@@ -162,7 +166,8 @@ def test_trainer_trains_with_vllm_colocate_rollouts(arm):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
     proc = subprocess.run([sys.executable, "-c", TRAINER_SCRIPT, arm], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                          timeout=600, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                            "CALCLIP_VLLM_ATTENTION": ATTENTION_BACKEND})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads(lines[-1][len("RESULT "):])
