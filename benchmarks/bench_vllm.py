@@ -103,6 +103,11 @@ def mismatch_stats(engine_logp: torch.Tensor, trainer_logp: torch.Tensor) -> dic
             "tokens": int(diff.numel())}
 
 
+def cuda_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def fmt(value, digits: int = 3) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -226,10 +231,10 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
     setup_s = time.perf_counter() - start
     sync_ms = math.nan
     if policy is not None:
-        torch.cuda.synchronize()
+        cuda_sync()
         start = time.perf_counter()
         sync_fp8_weights(llm, policy)
-        torch.cuda.synchronize()
+        cuda_sync()
         sync_ms = (time.perf_counter() - start) * 1e3
     print(f"   engine {'FP8 ' + numerics if fp8 else 'BF16'} ready in {setup_s:.0f} s"
           + (f" (first sync {sync_ms:.0f} ms)" if policy is not None else ""), flush=True)
@@ -241,7 +246,8 @@ def shutdown(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def sync_bf16(llm, base) -> None:
@@ -255,10 +261,10 @@ def sync_bf16(llm, base) -> None:
 
 
 def timed_ms(fn) -> float:
-    torch.cuda.synchronize()
+    cuda_sync()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    cuda_sync()
     return (time.perf_counter() - start) * 1e3
 
 
@@ -426,7 +432,7 @@ def part_ops(opts) -> None:
 def part_mismatch(opts) -> None:
     from calclip.trainers.vllm_sync import engine_fp8_mismatches, vllm_engine_model
 
-    device = torch.device("cuda")
+    device = torch.device(opts.device)
     rows, results = [], RESULTS.setdefault("mismatch", [])
     for name in opts.models:
         t0 = time.perf_counter()
@@ -507,7 +513,8 @@ def part_mismatch(opts) -> None:
         engines.clear()
         del base, policy
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         print(f"   {name}: {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"\n### mismatch: token-mult-prob-error, engine rollout log-probs vs the trainer's forward on the same "
           f"tokens ({opts.mismatch_prompts} prompts x {opts.prompt_len} random tokens, {opts.mismatch_tokens} "
@@ -646,11 +653,6 @@ def part_hf_decode(opts) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # part grpo: one process per arm (each owns a colocated engine)
-
-
-def cuda_sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, int, int] = (4096, 14336, 32, 8)
@@ -811,6 +813,7 @@ def parse_args(argv=None):
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; choose from {sorted({*MODEL_SPECS, 'smollm2'})}")
     opts.dummy_bf16 = False
+    opts.device = "cuda"  # tests/test_bench_vllm.py runs the mismatch part on CPU against a stand-in engine
     return opts
 
 

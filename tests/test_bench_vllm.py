@@ -181,3 +181,105 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
         assert (engine_kwargs[-1].get("quantization") == "fp8") == (arm == "fp8")
         assert ("init" in events and "finalize" in events) == (arm == "fp8")
+
+
+class StandInEngine:
+    """A vllm.LLM stand-in for the mismatch part on CPU: an HF model loaded from the engine's directory that takes
+    every synced tensor (FP8 codes + weight_scale_inv are dequantized into its BF16 weights) and samples with it;
+    its ``named_parameters`` show what a vLLM model would hold (shards stacked into qkv_proj / gate_up_proj)."""
+
+    instances = []
+
+    def __init__(self, **kwargs):
+        from calclip.fp8.reference import dequantize_128x128
+
+        self.kwargs, self.dequantize = kwargs, dequantize_128x128
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(kwargs["model"], dtype=torch.bfloat16).eval()
+        self.received = {}
+        runner = torch.nn.Module()
+        runner.load_weights = self.load_weights
+        runner.named_parameters = self.named_parameters
+        executor = type("E", (), {})()
+        executor.driver_worker = type("W", (), {"model_runner": type("R", (), {"model": runner})()})()
+        self.llm_engine = type("L", (), {"model_executor": executor, "model_config": "CFG"})()
+        StandInEngine.instances.append(self)
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.received[name] = tensor.detach().clone()
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight_scale_inv":
+                codes = self.received[f"{module}.weight"]
+                self.hf.get_parameter(f"{module}.weight").data.copy_(self.dequantize(codes, tensor))
+            elif tensor.dtype != torch.float8_e4m3fn:
+                self.hf.get_parameter(name).data.copy_(tensor)
+
+    def named_parameters(self):
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        groups = {}
+        for name, t in self.received.items():
+            module, _, leaf = name.rpartition(".")
+            parent, _, short = module.rpartition(".")
+            if leaf in ("weight", "weight_scale_inv") and (t.dtype == torch.float8_e4m3fn or leaf != "weight"):
+                target, index = fused.get(short, (short, 0))
+                groups.setdefault(f"{parent}.{target}.{leaf}", {})[index] = t
+        for name, parts in groups.items():
+            yield name, torch.nn.Parameter(torch.cat([parts[i] for i in sorted(parts)]), requires_grad=False)
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, params, use_tqdm):
+        gen = torch.Generator().manual_seed(params["seed"])
+        outs = []
+        for p in prompts:
+            ids, steps = list(p["prompt_token_ids"]), []
+            for _ in range(params["max_tokens"]):
+                with torch.no_grad():
+                    logp = torch.log_softmax(self.hf(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+                tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                steps.append({tok: type("Lp", (), {"logprob": float(logp[tok])})()})
+                ids.append(tok)
+            completion = ids[len(p["prompt_token_ids"]):]
+            outs.append(type("O", (), {"outputs": [type("C", (), {"token_ids": completion, "logprobs": steps})()]})())
+        return outs
+
+
+def test_mismatch_part_runs_both_stages_syncs_every_engine_and_reports_each_row(monkeypatch, tmp_path, capsys):
+    import types
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = StandInEngine, lambda **kw: kw
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    reload.initialize_layerwise_reload = lambda model: None
+    reload.finalize_layerwise_reload = lambda model, cfg: None
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    for name in ("vllm.model_executor", "vllm.model_executor.model_loader"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload)
+    monkeypatch.setitem(bench_vllm.MODEL_SPECS, "tiny", (128, 256, 4, 4, 96, 1))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setenv("OUT", str(tmp_path))
+    StandInEngine.instances.clear()
+    opts = bench_vllm.parse_args(["--parts", "mismatch", "--models", "issue_probe", "--mismatch-prompts", "2",
+                                  "--mismatch-tokens", "3", "--prompt-len", "4", "--steps", "2", "--lr", "1e-2"])
+    opts.models, opts.device = ["tiny"], "cpu"
+    bench_vllm.part_mismatch(opts)
+    rows = bench_vllm.RESULTS["mismatch"]
+    assert [(r["stage"], r["arm"]) for r in rows] == [
+        (stage, arm) for stage in ("initial", "after 2 steps + sync")
+        for arm in ("FP8 calclip", "FP8 vLLM-default", "BF16")]
+    fp8, default, bf16 = StandInEngine.instances
+    assert fp8.kwargs["linear_backend"] == "cutlass" and "linear_backend" not in default.kwargs
+    assert fp8.kwargs["compilation_config"]["pass_config"] == {"fuse_norm_quant": False, "fuse_act_quant": False}
+    assert "quantization" not in bf16.kwargs
+    for r in rows:
+        assert r["tmpe"] >= 1.0 and math.isfinite(r["tmpe"])
+        if r["arm"] != "BF16":
+            assert r["engine_holds_trainer_codes"] == "yes", r  # after the first sync and after the second
+    assert rows[3]["sync_ms"] > 0 and rows[5]["sync_ms"] > 0 and rows[0]["sync_ms"] is None
+    assert rows[0]["floor_tmpe"] >= 1.0 and rows[1]["floor_tmpe"] is None
+    assert rows[0]["minus_bf16_control"] == pytest.approx(rows[0]["tmpe"] - rows[2]["tmpe"])
+    assert (tmp_path / "bench_vllm.json").exists()
+    assert "### mismatch" in capsys.readouterr().out
