@@ -1,7 +1,7 @@
 """vLLM rollouts on calclip's own FP8 codes (issue 27), measured on one GPU: numerics, decode speed, GRPO step.
 
     export PYTHONPATH=/tmp/vsite VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
-    python benchmarks/bench_vllm.py                      # parts ops,mismatch,decode (about 8 min cold)
+    python benchmarks/bench_vllm.py                      # parts ops,mismatch,decode (estimated 8-10 min cold)
     python benchmarks/bench_vllm.py --parts mismatch --models smollm2 --smollm2-gguf /tmp/smollm2/X.gguf
     python benchmarks/bench_vllm.py --parts decode --decode-layers 32       # the full-depth Llama-3-8B row
     python benchmarks/bench_vllm.py --parts hf_decode                       # HF generate FP8/BF16, graphed
