@@ -272,8 +272,13 @@ def vllm_block_fp8_problems(
     - K % block_size == 0: the activation quantizer (per_token_group_quant_fp8) asserts the last dim of x is a
       multiple of the group size.
     - a projection fused by vLLM (q/k/v -> qkv_proj, gate/up -> gate_up_proj) needs N % block_size == 0 for
-      every shard (Fp8LinearMethod.create_weights / validate_fp8_block_shape), and all shards of a fused layer
-      must be FP8 or none (is_layer_skipped raises on a mixed fused layer).
+      every shard: the shards are quantized separately, so a ragged shard's last 128-row block and the next
+      shard's first one would share one scale row of the fused weight. vLLM 0.24 does not refuse this
+      (``ColumnParallelLinear._maybe_allow_fp8_block_shape_mismatch`` skips ``validate_fp8_block_shape`` for a
+      fused layer with a ragged shard); its scale loader then rounds each shard's row offset up
+      (``adjust_block_scale_shard``) and either fails in ``narrow`` or overwrites scale rows (seen on CPU with the
+      real 0.24 loaders: q/k/v = 576/192/192 sends 9 scale rows into 8, k's second row lost). All shards of a
+      fused layer must be FP8 or none (is_layer_skipped raises on a mixed fused layer).
     - with tensor parallelism, N / tp_size (column-parallel) and K / tp_size (row-parallel) must also be
       multiples of block_size; checked conservatively for both dims when tp_size > 1.
     Keep the reported modules in BF16 for training too (``Fp8Config.keep_patterns``) so that rollout and
@@ -287,7 +292,8 @@ def vllm_block_fp8_problems(
             reasons.append(f"K={k} is not a multiple of {block_size} (activation groups)")
         leaf = name.rpartition(".")[2]
         if leaf in shard_to_fused and n % block_size:
-            reasons.append(f"N={n} is not a multiple of {block_size} in fused {shard_to_fused[leaf]}")
+            reasons.append(f"N={n} is not a multiple of {block_size} in fused {shard_to_fused[leaf]} (its "
+                           f"{block_size}-row scale blocks would straddle the shard boundary in the fused weight)")
         if tp_size > 1 and ((n // tp_size) % block_size or (k // tp_size) % block_size or n % tp_size or k % tp_size):
             reasons.append(f"N={n}, K={k} do not split into {block_size}-multiples over tp_size={tp_size}")
         if reasons:

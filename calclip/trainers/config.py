@@ -215,6 +215,22 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "re-record every decode step (calclip.trainers.generation_cache). The cache stays allocated "
                   "between rollouts."},
     )
+    vllm_fp8_linear_backend: str | None = field(
+        default="cutlass",
+        metadata={"help": "With use_vllm and fp8: the colocated vLLM engine's GEMM backend for the FP8 linears "
+                  "(vLLM's linear_backend). 'cutlass' (default) serves the policy's FP32 block scales unchanged; "
+                  "null leaves vLLM's automatic choice, which on Hopper with DeepGEMM installed requantizes every "
+                  "weight to power-of-two scales, so the engine would no longer run the trainer's FP8 codes "
+                  "(docs/vllm.md, Numerics). A server is configured on its own command line."},
+    )
+    vllm_fp8_match_trainer_numerics: bool = field(
+        default=True,
+        metadata={"help": "With use_vllm and fp8: switch off the colocated engine's RMSNorm+quant and SiLU*up+quant "
+                  "fusion passes (their kernels quantize an unrounded FP32 SiLU(gate)*up and floor every group "
+                  "scale at 1/(448*512)) and let its Inductor round BF16 intermediates as eager PyTorch does, so "
+                  "its FP8 linears quantize the activations the trainer quantizes (docs/vllm.md, Numerics). False: "
+                  "vLLM's defaults."},
+    )
 
     # ---- data ----
     check_dataset: bool = field(
@@ -351,7 +367,12 @@ class CalibratedGRPOConfig(GRPOConfig):
         if self.fp8:
             self._validate_fp8_recipe()
         _one_of("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
-        for name in ("compile_generation", "keep_generation_cache"):
+        if self.vllm_fp8_linear_backend is not None and (
+            not isinstance(self.vllm_fp8_linear_backend, str) or not self.vllm_fp8_linear_backend.strip()
+        ):
+            raise ValueError("vllm_fp8_linear_backend must be a vLLM linear_backend name (e.g. 'cutlass') or null "
+                             f"(vLLM's automatic choice), got {self.vllm_fp8_linear_backend!r}")
+        for name in ("compile_generation", "keep_generation_cache", "vllm_fp8_match_trainer_numerics"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.mismatch_dump_threshold is not None and (

@@ -120,7 +120,11 @@ from calclip.trainers.grad_guard import NonfiniteGradGuard
 from calclip.trainers.mismatch_outliers import MismatchOutlierLog, logp_gaps, outlier_path
 from calclip.trainers.rewards import checked_reward_function, exclude_nonfinite_rewards
 from calclip.trainers.ratio_histograms import attach_ratio_histograms
-from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
+from calclip.trainers.vllm_sync import (
+    check_vllm_compatible,
+    fp8_engine_numerics_kwargs,
+    use_fp8_vllm_generation,
+)
 
 BF16_OLD_LOGPS_KEY = "bf16_old_per_token_logps"
 
@@ -226,7 +230,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         fp8_vllm = args.use_vllm and args.fp8
         # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
         # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.
-        vllm_hook = use_fp8_vllm_generation(defer_engine=True, check_vllm_shapes=False)
+        vllm_hook = use_fp8_vllm_generation(
+            defer_engine=True, check_vllm_shapes=False,
+            engine_kwargs=fp8_engine_numerics_kwargs(linear_backend=args.vllm_fp8_linear_backend,
+                                                     match_trainer=args.vllm_fp8_match_trainer_numerics))
         with vllm_hook if fp8_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
         self._check_reward_outputs()

@@ -22,6 +22,13 @@ FP8 engine, fail to load them). Three small seams change that, and nothing of TR
    ``trl.generation.vllm_generation`` calls, for the duration of ``_init_vllm`` only. The engine's layer split is
    read from the quantized model; a trainer that quantizes after ``GRPOTrainer.__init__`` (which constructs the
    generation object) defers the engine start to ``start_fp8_engine()`` (``fp8_defer_engine``).
+4. Engine numerics (``fp8_engine_numerics_kwargs``, merged in the same place): vLLM 0.24's defaults would not run
+   the trainer's arithmetic on the trainer's codes. ``linear_backend="cutlass"`` keeps the FP32 block scales (on
+   Hopper with DeepGEMM installed vLLM's automatic choice requantizes every weight to power-of-two UE8M0 scales,
+   ``VLLM_USE_DEEP_GEMM_E8M0`` defaulting to 1); the ``fuse_norm_quant`` / ``fuse_act_quant`` passes are switched
+   off (their kernels quantize SiLU(gate)*up from unrounded FP32 values and floor every group scale at
+   1/(448*512)), and Inductor emulates eager's BF16 rounding of intermediates (``emulate_precision_casts``), as
+   the trainer's HF forward rounds them. docs/vllm.md lists each difference with its source.
 
 Log-probs: TRL requests ``logprobs_mode="processed_logprobs"`` and returns them as ``sampling_per_token_logps``;
 they now come from the FP8 engine, so TIS / bypass corrections compare FP8 rollout and FP8 training forward.
@@ -40,11 +47,13 @@ import torch
 from torch import nn
 
 from calclip.fp8.export import (
+    LLAMA_PACKED_MODULES,
     SCALE_NAME,
     Fp8WeightSpec,
     bf16_linear_names,
     block_fp8_quantization_config,
     fp8_weight_specs,
+    fp8_weight_sync_tensors,
     linear_shapes,
     quantize_named_params,
     shared_block_size,
@@ -55,6 +64,109 @@ from calclip.fp8.export import (
 # The two hooks of vLLM's layerwise reload (vllm/model_executor/model_loader/reload/__init__.py, the releases
 # TRL 1.16 supports: vllm>=0.22,<=0.31).
 _RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
+
+
+# What the engine must run so that its FP8 linears compute what FP8BlockLinear computes (docs/vllm.md, "Numerics").
+DEFAULT_LINEAR_BACKEND = "cutlass"
+
+
+def fp8_engine_numerics_kwargs(*, linear_backend: str | None = DEFAULT_LINEAR_BACKEND,
+                               match_trainer: bool = True) -> dict[str, Any]:
+    """``vllm.LLM`` arguments (vLLM 0.24 names) that make a block-FP8 engine run the trainer's FP8 arithmetic.
+
+    linear_backend: vLLM's ``kernel_config.linear_backend`` for the FP8 linears. "cutlass" (default) serves the
+        checkpoint's FP32 block scales as they are; None leaves vLLM's automatic choice, which on Hopper with
+        DeepGEMM installed requantizes the weights to power-of-two scales (the trainer's codes are then not the
+        engine's unless the policy trains with ``power_of_two_scales``).
+    match_trainer: switch off the RMSNorm+quant and SiLU*up+quant fusion passes (whose kernels quantize values
+        the trainer never sees: an unrounded FP32 SiLU(gate)*up, scales floored at 1/(448*512)) and let Inductor
+        round BF16 intermediates as eager PyTorch (the trainer's HF forward) does. False: vLLM's defaults.
+    """
+    kwargs: dict[str, Any] = {}
+    if linear_backend is not None:
+        kwargs["linear_backend"] = linear_backend
+    if match_trainer:
+        kwargs["compilation_config"] = {
+            "pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False},
+            "inductor_compile_config": {"emulate_precision_casts": True},
+        }
+    return kwargs
+
+
+def vllm_engine_model(llm) -> tuple[nn.Module, Any]:
+    """(the in-process model, its ModelConfig) of a ``vllm.LLM`` whose engine core runs in this process
+    (colocate: TRL's ``external_launcher``, or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TRL 1.16 reads the same path."""
+    engine = llm.llm_engine
+    runner = engine.model_executor.driver_worker.model_runner
+    # With full CUDA graphs (vLLM 0.24's default FULL_AND_PIECEWISE) runner.model is a CUDAGraphWrapper that forwards
+    # attribute access to the model; get_model() returns the nn.Module itself (same parameters either way).
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    return model, engine.model_config
+
+
+def reload_weights_layerwise(model: nn.Module, model_config, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                             ) -> int:
+    """Load checkpoint-format tensors into a live vLLM ``model`` through vLLM's layerwise reload: every layer is
+    restored to its ``create_weights`` layout, loaded by its own weight loaders (q/k/v and gate/up shards into the
+    fused layers, ``weight_scale_inv`` blocks included), post-processed again, and copied into the storage the
+    engine's CUDA graphs read. Returns the number of tensors loaded."""
+    reload = __import__(_RELOAD_MODULE, fromlist=["initialize_layerwise_reload"])
+    count = 0
+    stream = layerwise_reload_stream(
+        named_tensors,
+        begin=lambda: reload.initialize_layerwise_reload(model),
+        end=lambda: reload.finalize_layerwise_reload(model, model_config),
+    )
+    for name, tensor in stream:
+        model.load_weights([(name, tensor)])
+        count += 1
+    return count
+
+
+def sync_fp8_weights(llm, policy: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> int:
+    """Push ``policy``'s FP8 codes + scales (and its other parameters) into a colocated block-FP8 ``llm`` the way
+    ``FP8VLLMGenerationMixin`` does inside TRL, then reset the prefix cache (its KV blocks were computed with the
+    old weights). For scripts and tests that drive ``vllm.LLM`` without TRL. Returns the number of tensors sent."""
+    policy = unwrap_model(policy)
+    model, model_config = vllm_engine_model(llm)
+    count = reload_weights_layerwise(model, model_config, fp8_weight_sync_tensors(policy, fp8_modules=fp8_modules))
+    llm.reset_prefix_cache()
+    return count
+
+
+def expected_engine_fp8_tensors(policy: nn.Module, packed_modules: Mapping[str, tuple[str, ...]] = LLAMA_PACKED_MODULES,
+                                fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> dict[str, torch.Tensor]:
+    """The FP8 tensors a block-FP8 vLLM model must hold after a sync of ``policy``, under vLLM's names: each fused
+    layer's ``weight`` (codes viewed as uint8) and ``weight_scale_inv`` are its shards' stacked along dim 0 in
+    ``packed_modules`` order (q, k, v; gate, up); unfused FP8 linears keep their own."""
+    policy = unwrap_model(policy)
+    shard_to_fused = {shard: (fused, i) for fused, shards in packed_modules.items() for i, shard in enumerate(shards)}
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in fp8_weight_sync_tensors(policy, fp8_modules=fp8_modules):
+        module_name, _, leaf = name.rpartition(".")
+        if leaf not in ("weight", SCALE_NAME) or (leaf == "weight" and tensor.dtype != torch.float8_e4m3fn):
+            continue
+        parent, _, short = module_name.rpartition(".")
+        fused, index = shard_to_fused.get(short, (short, 0))
+        target = f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}"
+        groups.setdefault(target, {})[index] = tensor.view(torch.uint8) if leaf == "weight" else tensor
+    return {name: torch.cat([parts[i] for i in sorted(parts)]) for name, parts in groups.items()}
+
+
+def engine_fp8_mismatches(vllm_model: nn.Module, policy: nn.Module) -> list[str]:
+    """Names of the FP8 tensors of a live vLLM model that differ (shape or bits) from what a sync of ``policy``
+    sends (``expected_engine_fp8_tensors``); empty when the engine serves exactly the trainer's codes and scales."""
+    params = dict(vllm_model.named_parameters())
+    bad = []
+    for name, want in expected_engine_fp8_tensors(policy).items():
+        got = params.get(name)
+        if got is None:
+            bad.append(f"{name}: missing in the engine")
+            continue
+        got = got.data.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got.data
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype or not torch.equal(got, want.to(got.device)):
+            bad.append(f"{name}: engine {got.dtype} {tuple(got.shape)}, trainer {want.dtype} {tuple(want.shape)}")
+    return bad
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -153,6 +265,8 @@ class FP8VLLMGenerationMixin:
     Attributes read (set them on the class or instance before ``__init__`` runs ``_init_vllm``):
       fp8_export_dir: optional checkpoint directory for the engine (see ``fp8_engine_kwargs``).
       fp8_check_vllm_shapes: raise early when vLLM cannot serve an FP8 layer (default True).
+      fp8_engine_extra: extra ``vllm.LLM`` arguments merged into the colocated engine's (default:
+        ``fp8_engine_numerics_kwargs()``); the trainer passes its ``vllm_fp8_*`` fields through it.
       fp8_defer_engine: colocate mode only: ``__init__`` does not start the engine; ``start_fp8_engine()`` does,
         once the policy has been quantized (default False). TRL constructs the generation object inside
         ``GRPOTrainer.__init__``, before a trainer can quantize its policy; the engine's layer split
@@ -162,6 +276,7 @@ class FP8VLLMGenerationMixin:
     fp8_export_dir: str | None = None
     fp8_check_vllm_shapes: bool = True
     fp8_defer_engine: bool = False
+    fp8_engine_extra: Mapping[str, Any] | None = None
     _fp8_engine_pending: bool = False
 
     def _fp8_specs(self) -> dict[str, Fp8WeightSpec]:
@@ -194,6 +309,8 @@ class FP8VLLMGenerationMixin:
 
         self._calclip_fp8_specs = None  # the model's layer split as it is now, for the engine and every sync
         extra = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=self._fp8_specs())
+        numerics = fp8_engine_numerics_kwargs() if self.fp8_engine_extra is None else self.fp8_engine_extra
+        extra = {**numerics, **extra}
         with merged_call_kwargs(trl_vllm_generation, "LLM", extra):
             return super()._init_vllm()  # TRL's: LLM(...), sleep mode, barrier
 
@@ -203,8 +320,7 @@ class FP8VLLMGenerationMixin:
         return super().sync_weights()
 
     def _vllm_model_and_config(self):
-        engine = self.llm.llm_engine
-        return engine.model_executor.driver_worker.model_runner.model, engine.model_config
+        return vllm_engine_model(self.llm)
 
     def _iter_named_params(self):
         stream = quantize_named_params(super()._iter_named_params(), self._fp8_specs(), scale_name=SCALE_NAME)
@@ -228,11 +344,13 @@ def fp8_vllm_generation_class(base: type | None = None) -> type:
 
 @contextlib.contextmanager
 def use_fp8_vllm_generation(
-    *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False
+    *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False,
+    engine_kwargs: Mapping[str, Any] | None = None,
 ):
     """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
 
     ``trl.trainer.grpo_trainer`` imports ``VLLMGeneration`` into its namespace and calls it once in __init__.
+    ``engine_kwargs``: the colocated engine's extra ``vllm.LLM`` arguments (None: ``fp8_engine_numerics_kwargs()``).
     With ``defer_engine`` (what ``CalibratedGRPOTrainer`` uses, since it quantizes after ``super().__init__()``):
 
         with use_fp8_vllm_generation(defer_engine=True):
@@ -246,6 +364,7 @@ def use_fp8_vllm_generation(
     cls.fp8_export_dir = export_dir
     cls.fp8_check_vllm_shapes = check_vllm_shapes
     cls.fp8_defer_engine = defer_engine
+    cls.fp8_engine_extra = None if engine_kwargs is None else dict(engine_kwargs)
     original = grpo_module.VLLMGeneration
     grpo_module.VLLMGeneration = cls
     try:

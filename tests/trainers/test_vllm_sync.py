@@ -323,6 +323,55 @@ def test_trainer_builds_block_fp8_engine_after_quantizing(fake_vllm, tokenizer, 
     }
     assert kw["logprobs_mode"] == "processed_logprobs"  # TRL's own argument survives: TIS/bypass need it
     assert trainer.vllm_generation.llm is not None and not trainer.vllm_generation._fp8_engine_pending
+    # the engine runs the trainer's arithmetic: FP32 block scales (no UE8M0 requant), no quant-fusion kernels
+    assert kw["linear_backend"] == "cutlass"
+    assert kw["compilation_config"] == {"pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False},
+                                        "inductor_compile_config": {"emulate_precision_casts": True}}
+
+
+def test_trainer_engine_numerics_follow_the_config(fake_vllm, tokenizer, tmp_path):
+    make_vllm_trainer(fake_vllm, tokenizer, tmp_path, vllm_fp8_linear_backend=None,
+                      vllm_fp8_match_trainer_numerics=False)
+    (kw,) = fake_vllm.engine_kwargs
+    assert "linear_backend" not in kw and "compilation_config" not in kw  # vLLM's own defaults
+    assert kw["quantization"] == "fp8"
+
+
+@pytest.mark.parametrize("value", ["", "   ", 3])
+def test_bad_linear_backend_is_named(tmp_path, value):
+    with pytest.raises(ValueError, match="vllm_fp8_linear_backend"):
+        tiny_training_args(CalibratedGRPOConfig, tmp_path, vllm_fp8_linear_backend=value)
+
+
+def test_bf16_vllm_trainer_keeps_trl_engine_untouched(fake_vllm, tokenizer, tmp_path):
+    """fp8 false: TRL's own VLLMGeneration, its own LLM(...) arguments and per-tensor BF16 sync."""
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=False, fp8_keep_last_n_layers=0)
+    (kw,) = fake_vllm.engine_kwargs
+    assert "quantization" in kw and kw["quantization"] is None
+    assert not {"hf_overrides", "load_format", "linear_backend", "compilation_config"} & set(kw)
+    trainer.vllm_generation.sync_weights()
+    loads = {name: t for kind, name, t, *rest in (e for e in fake_vllm.recorder.events if e[0] == "load")}
+    assert loads and all(t.dtype == torch.bfloat16 for t in loads.values())
+    assert not any(e[0] in ("init", "finalize") for e in fake_vllm.recorder.events)
+
+
+def test_sync_fp8_weights_reloads_layerwise_and_resets_the_prefix_cache(fake_reload):
+    from calclip.trainers.vllm_sync import sync_fp8_weights
+
+    model = tiny_fp8_llama()
+    loads = []
+    vllm_model = types.SimpleNamespace(load_weights=lambda weights: loads.extend(weights) or
+                                       fake_reload.events.append(("load",)))
+    llm = types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(model_config="MODEL_CONFIG", model_executor=types.SimpleNamespace(
+            driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=vllm_model)))),
+        reset_prefix_cache=lambda: fake_reload.events.append(("reset",)))
+    count = sync_fp8_weights(llm, model)
+    kinds = [e[0] for e in fake_reload.events]
+    assert kinds == ["init", *["load"] * count, "finalize", "reset"]
+    sent = dict(loads)
+    assert {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sent.items()
+            if n in vllm_spec(model)} == vllm_spec(model)
 
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])
@@ -394,3 +443,33 @@ def test_rollout_logps_come_from_the_fp8_engine(fake_vllm, tokenizer, tmp_path, 
         old = trainer._old_logps(batch, logps)
         ratio = torch.exp(old - batch["sampling_per_token_logps"]).clamp(max=trainer.args.tis_cap)
         assert torch.allclose(weights[mask], ratio[mask]) and "tis/weight_mean" in stats
+
+
+def test_expected_engine_tensors_stack_shards_in_vllms_fused_order_and_mismatches_are_named():
+    from calclip.trainers.vllm_sync import engine_fp8_mismatches, expected_engine_fp8_tensors
+
+    model = tiny_fp8_llama()  # hidden 256, kv 2 x 64: q 256, k 128, v 128 rows
+    expected = expected_engine_fp8_tensors(model)
+    prefix = "model.layers.0.self_attn"
+    assert set(expected) == {f"model.layers.{i}.{m}.{leaf}" for i in range(2) for leaf in ("weight", "weight_scale_inv")
+                             for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    qkv = expected[f"{prefix}.qkv_proj.weight"]
+    assert qkv.dtype == torch.uint8 and tuple(qkv.shape) == (512, 256)
+    k_codes, k_scale, _ = model.get_submodule(f"{prefix}.k_proj").quantized_weight()
+    assert torch.equal(qkv[256:384], k_codes.view(torch.uint8))  # k after q's 256 rows, before v
+    assert torch.equal(expected[f"{prefix}.qkv_proj.weight_scale_inv"][2:3], k_scale)
+
+    engine = torch.nn.Module()  # a stand-in holding vLLM's parameter names and dtypes
+    for name, t in expected.items():
+        module_name, _, leaf = name.rpartition(".")
+        holder = engine
+        for part in module_name.split("."):
+            if not hasattr(holder, part):
+                holder.add_module(part, torch.nn.Module())
+            holder = getattr(holder, part)
+        value = t.view(FP8) if leaf == "weight" else t
+        holder.register_parameter(leaf, torch.nn.Parameter(value.clone(), requires_grad=False))
+    assert engine_fp8_mismatches(engine, model) == []
+    engine.get_parameter(f"{prefix}.qkv_proj.weight_scale_inv").data[2, 0] *= 2
+    assert engine_fp8_mismatches(engine, model) == [
+        f"{prefix}.qkv_proj.weight_scale_inv: engine torch.float32 (4, 2), trainer torch.float32 (4, 2)"]

@@ -1,0 +1,904 @@
+"""vLLM rollouts on calclip's own FP8 codes (issue 27), measured on one GPU: numerics, decode speed, GRPO step.
+
+    export PYTHONPATH=/tmp/vsite VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
+    python benchmarks/bench_vllm.py                      # parts ops,mismatch,decode (estimated 8-10 min cold)
+    python benchmarks/bench_vllm.py --parts mismatch --models smollm2 --smollm2-gguf /tmp/smollm2/X.gguf
+    python benchmarks/bench_vllm.py --parts decode --decode-layers 32       # the full-depth Llama-3-8B row
+    python benchmarks/bench_vllm.py --parts hf_decode                       # HF generate FP8/BF16, graphed
+    PYTHONPATH=/tmp/vsite:/tmp/site python benchmarks/bench_vllm.py --parts grpo   # needs trl + datasets
+
+Parts (``--parts``, comma-separated; each prints a Markdown table as it finishes; with $OUT set, every number
+goes to $OUT/bench_vllm.json, rewritten after each part so a call cut by its time limit keeps what finished):
+
+ops        vLLM 0.24's own kernels against calclip's on the same inputs: the 1x128 activation quantizer (codes and
+           scales bit-equal?), SiLU(gate)*up under Inductor with and without ``emulate_precision_casts`` (BF16
+           bits equal to eager?), vLLM's fused SiLU*up+quant kernel (share of codes unlike the trainer's), and the
+           block GEMM on identical codes (vLLM CUTLASS vs calclip's GEMM vs an FP32 reference).
+mismatch   token-mult-prob-error of each engine's rollout log-probs against the trainer's forward on the same
+           tokens: vLLM FP8 with calclip's engine settings (``fp8_engine_numerics_kwargs``) vs calclip's FP8 forward
+           on the same codes, vLLM FP8 with vLLM's default settings (the same codes), vLLM BF16 vs the HF BF16
+           forward (the control); then ``--steps`` AdamW steps of the FP8 policy, a sync of every engine (FP8:
+           ``sync_fp8_weights``, vLLM's layerwise reload; BF16: TRL's per-tensor ``load_weights``), and the same
+           again. "floor": the trainer against itself with eager instead of SDPA attention on the same tokens, i.e.
+           how far BF16-level noise moves the log-probs through that model. "codes": whether the engine holds
+           exactly the trainer's FP8 codes and scales after the sync (``engine_fp8_mismatches``).
+decode     generate tokens/s (prompt ``--prompt-len`` random tokens, ignore_eos, sampled at temperature 1) of
+           vLLM FP8 (calclip settings), vLLM BF16 and, with ``--decode-vllm-default``, vLLM FP8 with vLLM's
+           defaults, on a dummy-weight Llama-3-8B-shaped model of ``--decode-layers`` layers, at each
+           ``--batches`` x ``--new-tokens``; CUDA graphs on (vLLM's default compile + graph capture); arms
+           interleaved over ``--repeats`` rounds after a warm-up; medians [min-max], ratios per round.
+hf_decode  the same tokens/s for HF ``generate`` (static cache: transformers compiles the decode step with CUDA
+           graphs) of calclip's FP8 policy (inside ``frozen_fp8_weights``, as the trainer runs it) and BF16, on
+           ``--hf-layers`` layers (compiles once per batch size: ~1 min each).
+grpo       one CalibratedGRPOTrainer step with vLLM colocate rollouts, ``fp8`` true vs false, each arm in its own
+           process: step wall time, rollout (generate) time, weight-sync time and its share of the step
+           (median of the steps after the first).
+
+Models (``--models``): ``llama3_8b`` (Llama-3-8B dims: hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
+vocab 128256; ``--layers`` layers, random weights), ``issue_probe`` (the issue's probe dims: 2 layers, hidden 1024,
+intermediate 2816, 8 heads / 4 KV, vocab 32000), ``smollm2`` (SmolLM2-135M-Instruct from ``--smollm2-gguf``, a
+GGUF file transformers dequantizes; needs the ``gguf`` package). Random models get their LM head redrawn with std
+``--logit-std`` / sqrt(hidden), i.e. logits of std ~``--logit-std`` after the final RMSNorm, so the sampled
+distributions are sharp enough that log-prob errors show (std-0.02 init gives near-uniform logits). SmolLM2's
+hidden size 576 is not a multiple of 128: its FP8 policy keeps what vLLM's block-FP8 linear cannot serve in BF16
+(``vllm_keep_patterns``: all but down_proj), for training too.
+
+Environment: vLLM 0.24.0 (the bundle of ../shared/vllm; Triton attention, no FlashInfer sampler, DeepGEMM absent so
+vLLM's automatic GEMM choice is CUTLASS there), torch 2.11, transformers; ``grpo`` also needs trl 1.16 and
+datasets (with dill, multiprocess, xxhash). Nothing reaches a hub: random models are built from configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# vLLM reads these at import and engine start; the engine runs in this process (what TRL's colocate mode does).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # flashinfer is not in the GPU bundle
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
+import _common  # noqa: E402  (puts the repository root on sys.path)
+from bench_speed import Arm, build_llama, cell, interleave, paired_ratio, setup_arm, sharing_copy  # noqa: E402
+
+PARTS = ("ops", "mismatch", "decode", "hf_decode", "grpo")
+DEFAULT_PARTS = ("ops", "mismatch", "decode")
+MODEL_SPECS = {  # hidden, intermediate, heads, kv heads, vocab, default layers
+    "llama3_8b": (4096, 14336, 32, 8, 128256, None),
+    "issue_probe": (1024, 2816, 8, 4, 32000, 2),
+}
+RESULTS: dict = {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# small pure helpers (tests/test_bench_vllm.py runs them on CPU)
+
+
+def mismatch_stats(engine_logp: torch.Tensor, trainer_logp: torch.Tensor) -> dict[str, float]:
+    """engine vs trainer log-probs of the same sampled tokens, [B, T] each: token-mult-prob-error (mean of
+    exp|d|, calclip.losses.token_mult_prob_error), max |d|, share of tokens with exp|d| > 1.1, mean |d|."""
+    from calclip.losses import token_mult_prob_error
+
+    a, b = engine_logp.float().cpu(), trainer_logp.float().cpu()
+    diff = (a - b).abs()
+    return {"tmpe": float(token_mult_prob_error(b, a, torch.ones_like(a))), "max_abs": float(diff.max()),
+            "over_1p1": float((diff.exp() > 1.1).float().mean()), "mean_abs": float(diff.mean()),
+            "tokens": int(diff.numel())}
+
+
+def cuda_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def median_after_first(values: list[float]) -> float:
+    """Median of the measurements after the first (which includes compilation / graph capture)."""
+    rest = values[1:] if len(values) > 1 else values
+    return statistics.median(rest) if rest else math.nan
+
+
+def capture_sizes(batches: list[int]) -> list[int]:
+    """CUDA-graph batch sizes for an engine that decodes exactly ``batches`` (plus small ones for stragglers)."""
+    return sorted({1, 2, 4, 8, 16, 32, *batches})
+
+
+def save_results(opts) -> None:
+    """Write what is measured so far: $OUT/bench_vllm.json (the parent, all parts), or, in a child process, its
+    --child-json file and $OUT/bench_vllm.<part>[.<model>].json (kept if the call is cut by its time limit)."""
+    text = json.dumps(RESULTS, indent=1, default=str)
+    child = getattr(opts, "child_json", None)
+    if child:
+        Path(child).write_text(text)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        name = "bench_vllm.json"
+        if child:
+            name = ".".join(["bench_vllm", *opts.parts, *(opts.models if opts.parts == ["mismatch"] else []), "json"])
+        Path(out, name).write_text(text)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models: random Llama-shaped, SmolLM2 from GGUF; the FP8 policy calclip trains
+
+
+def random_llama(name: str, layers: int | None, device, logit_std: float, seed: int = 0):
+    hidden, inter, heads, kv, vocab, default_layers = MODEL_SPECS[name]
+    model = build_llama(layers or default_layers, hidden, inter, vocab, device, seed, heads=heads, kv_heads=kv)
+    with torch.no_grad():
+        gen = torch.Generator(device=device).manual_seed(seed + 1)
+        model.lm_head.weight.normal_(0.0, logit_std / math.sqrt(hidden), generator=gen)
+    return model.eval()
+
+
+def smollm2(gguf_path: str, device):
+    from transformers import AutoModelForCausalLM
+
+    path = Path(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
+    return model.to(device).eval()
+
+
+def fp8_policy(base):
+    """calclip's FP8 policy over ``base``'s own Parameters, with every layer vLLM's block-FP8 linear cannot serve
+    kept in BF16 (in training too). Returns (policy, the modules kept for vLLM)."""
+    from calclip.fp8 import Fp8Config, quantize_model
+    from calclip.fp8.export import linear_shapes, vllm_block_fp8_problems, vllm_keep_patterns
+
+    policy = quantize_model(sharing_copy(base), Fp8Config())
+    problems = vllm_block_fp8_problems(linear_shapes(policy))
+    if not problems:
+        return policy.eval(), []
+    keep = vllm_keep_patterns(problems)
+    return quantize_model(sharing_copy(base), Fp8Config(keep_patterns=("lm_head", *keep))).eval(), sorted(problems)
+
+
+def save_for_vllm(model, directory: str, tokenizer=None) -> str:
+    model.save_pretrained(directory)  # safetensors in the model's dtype; vLLM's BF16 engine loads them
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+def config_only_dir(name: str, layers: int, directory: str) -> str:
+    """A Llama config (no weights) for engines started with load_format='dummy'."""
+    from transformers import LlamaConfig
+
+    hidden, inter, heads, kv, vocab, _ = MODEL_SPECS[name]
+    LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2).save_pretrained(directory)
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# engines
+
+
+def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, numerics: str = "calclip",
+             max_model_len: int, max_num_seqs: int, batches: list[int], gpu_util: float):
+    """A vllm.LLM in this process. FP8 (``policy`` or ``quantization_config`` given): block-FP8 engine started from
+    dummy weights as calclip's trainer starts it, then (with ``policy``) synced with ``sync_fp8_weights``;
+    ``numerics`` "calclip" merges ``fp8_engine_numerics_kwargs()``, "vllm" keeps vLLM's defaults. BF16 otherwise
+    (weights from ``model_dir``, or dummy with ``opts.dummy_bf16``)."""
+    from vllm import LLM
+
+    from calclip.trainers.vllm_sync import fp8_engine_kwargs, fp8_engine_numerics_kwargs, sync_fp8_weights
+
+    kwargs = dict(model=model_dir, dtype="bfloat16", gpu_memory_utilization=gpu_util, max_model_len=max_model_len,
+                  max_num_seqs=max_num_seqs, seed=0, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
+                  enable_prefix_caching=False, attention_backend=opts.attention_backend)
+    compilation = {"cudagraph_capture_sizes": capture_sizes(batches)}
+    fp8 = policy is not None or quantization_config is not None
+    if fp8:
+        if policy is not None:
+            kwargs.update(fp8_engine_kwargs(policy))
+        else:
+            kwargs.update(quantization="fp8", hf_overrides={"quantization_config": quantization_config},
+                          load_format="dummy")
+        if numerics == "calclip":
+            extra = fp8_engine_numerics_kwargs()
+            compilation.update(extra.pop("compilation_config", {}))
+            kwargs.update(extra)
+    elif opts.dummy_bf16:
+        kwargs["load_format"] = "dummy"
+    kwargs["compilation_config"] = compilation
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    setup_s = time.perf_counter() - start
+    sync_ms = math.nan
+    if policy is not None:
+        cuda_sync()
+        start = time.perf_counter()
+        sync_fp8_weights(llm, policy)
+        cuda_sync()
+        sync_ms = (time.perf_counter() - start) * 1e3
+    print(f"   engine {'FP8 ' + numerics if fp8 else 'BF16'} ready in {setup_s:.0f} s"
+          + (f" (first sync {sync_ms:.0f} ms)" if policy is not None else ""), flush=True)
+    return llm
+
+
+def shutdown(llm) -> None:
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync_bf16(llm, base) -> None:
+    """TRL 1.16's colocate sync with fp8 off: model.load_weights per parameter, then reset the prefix cache."""
+    from calclip.trainers.vllm_sync import vllm_engine_model
+
+    model, _ = vllm_engine_model(llm)
+    for name, param in base.named_parameters():
+        model.load_weights([(name, param.data)])
+    llm.reset_prefix_cache()
+
+
+def timed_ms(fn) -> float:
+    cuda_sync()
+    start = time.perf_counter()
+    fn()
+    cuda_sync()
+    return (time.perf_counter() - start) * 1e3
+
+
+def rollout(llm, prompts: torch.Tensor, new_tokens: int, seed: int):
+    """Sample ``new_tokens`` per prompt (temperature 1, ignore_eos) -> (completions [B, T], engine log-probs)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
+                            logprobs=0, seed=seed, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
+    ids, lps = [], []
+    for out in outs:
+        o = out.outputs[0]
+        ids.append(list(o.token_ids))
+        lps.append([step[tok].logprob for step, tok in zip(o.logprobs, o.token_ids)])
+    return torch.tensor(ids), torch.tensor(lps, dtype=torch.float32)
+
+
+def trainer_logprobs(model, prompts: torch.Tensor, completions: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+    """log p(completion token) under ``model`` (teacher-forced, one forward over prompt + completion), [B, T] fp32."""
+    device = next(model.parameters()).device
+    out = []
+    p = prompts.shape[1]
+    with torch.no_grad():
+        for start in range(0, prompts.shape[0], chunk):
+            ids = torch.cat([prompts[start:start + chunk], completions[start:start + chunk]], 1).to(device)
+            logits = model(input_ids=ids).logits[:, p - 1:-1].float()
+            out.append(torch.log_softmax(logits, -1).gather(-1, ids[:, p:, None])[..., 0].cpu())
+    return torch.cat(out)
+
+
+def train_steps(policy, prompts, completions, steps: int, lr: float, chunk: int = 8) -> list[float]:
+    """``steps`` AdamW steps minimizing the NLL of ``completions`` under ``policy`` (its FP8 forward and backward);
+    returns the losses. The policy shares its Parameters with the BF16 model, so both move."""
+    device = next(policy.parameters()).device
+    params = [q for q in policy.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    p = prompts.shape[1]
+    losses = []
+    policy.train()
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for start in range(0, prompts.shape[0], chunk):
+            ids = torch.cat([prompts[start:start + chunk], completions[start:start + chunk]], 1).to(device)
+            logits = policy(input_ids=ids).logits[:, p - 1:-1].float()
+            nll = -torch.log_softmax(logits, -1).gather(-1, ids[:, p:, None]).mean() * ids.shape[0] / prompts.shape[0]
+            nll.backward()
+            total += float(nll.detach())
+        optimizer.step()
+        losses.append(total)
+    policy.eval()
+    return losses
+
+
+@contextlib.contextmanager
+def attention(model, implementation: str):
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# part ops: vLLM's kernels vs calclip's on identical inputs
+
+
+def spread_activations(rows: int, k: int, seed: int, device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(rows, k // 128, 128, device=device, generator=gen)
+    scale = 10.0 ** torch.empty(rows, k // 128, 1, device=device).uniform_(-2, 2, generator=gen)
+    return (x * scale).view(rows, k).to(torch.bfloat16)
+
+
+def share_equal(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return float((a == b).float().mean())
+
+
+def part_ops(opts) -> None:
+    import torch.nn.functional as F
+
+    from calclip.fp8.gemm import emulated_block_gemm, fp8_block_gemm, resolve_backend
+    from calclip.fp8.quant import quantize_1x128, quantize_128x128
+
+    device = torch.device("cuda")
+    rows, results = [], []
+
+    def record(check: str, shape: str, value: str, **numbers):
+        rows.append([check, shape, value])
+        results.append({"check": check, "shape": shape, **numbers})
+
+    def attempt(label, fn):
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 — one failing check must not stop the others
+            record(label, "-", f"error: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")
+
+    def quantizer():
+        from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+        for m, k in ((64, 4096), (4096, 14336)):
+            x = spread_activations(m, k, 0, device)
+            qv, sv = per_token_group_quant_fp8(x, 128, column_major_scales=True, use_ue8m0=False)
+            qc, sc = quantize_1x128(x)
+            codes, scales = share_equal(qv, qc), share_equal(sv.contiguous(), sc)
+            record("1x128 quantizer: vLLM per_token_group_quant_fp8 = calclip (codes / scales bit-equal)",
+                   f"{m}x{k}", f"{codes:.6f} / {scales:.6f}", codes_equal=codes, scales_equal=scales)
+
+    def silu_mul():
+        gen = torch.Generator(device=device).manual_seed(1)
+        gate = (torch.randn(256, 14336, device=device, generator=gen) * 2).to(torch.bfloat16)
+        up = (torch.randn(256, 14336, device=device, generator=gen) * 2).to(torch.bfloat16)
+        eager = F.silu(gate) * up
+        for emulate in (False, True):
+            torch._dynamo.reset()
+            with torch._inductor.config.patch(emulate_precision_casts=emulate):
+                compiled = torch.compile(lambda g, u: F.silu(g) * u, dynamic=False)(gate, up)
+            same = share_equal(compiled, eager)
+            record(f"SiLU(gate)*up, Inductor emulate_precision_casts={emulate}: BF16 bits = eager", "256x14336",
+                   f"{same:.6f}", equal=same, emulate=emulate)
+        q_train, s_train = quantize_1x128(eager)
+        out = torch.empty_like(eager, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(256, 14336 // 128, device=device)
+        torch.ops._C.silu_and_mul_per_block_quant(out, torch.cat([gate, up], -1).contiguous(), scales, 128, None, False)
+        codes = share_equal(out, q_train)
+        record("vLLM fused SiLU*up+quant codes = calclip's on HF's BF16 product", "256x14336", f"{codes:.6f}",
+               codes_equal=codes)
+
+    def gemm():
+        for m, k, n in ((64, 4096, 6144), (256, 4096, 28672), (256, 14336, 4096), (2048, 4096, 4096)):
+            gen = torch.Generator(device=device).manual_seed(m + n)
+            w = (torch.randn(n, k, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+            qw, sw = quantize_128x128(w)
+            qx, sx = quantize_1x128(spread_activations(m, k, 2, device))
+            ref = emulated_block_gemm(qx, sx, qw, sw, out_dtype=torch.float32)
+            from vllm import _custom_ops as ops
+
+            y_vllm = ops.cutlass_scaled_mm(qx, qw.t(), out_dtype=torch.bfloat16,
+                                           scale_a=sx.t().contiguous().t(), scale_b=sw.t())
+            y_calclip = fp8_block_gemm(qx, sx, qw, sw, out_dtype=torch.bfloat16)
+            backend = resolve_backend("auto", qx, qw, out_dtype=torch.bfloat16, a_blocks="1x128", b_blocks="128x128")
+            rms = ref.pow(2).mean().sqrt()
+            err_v = float((y_vllm.float() - ref).pow(2).mean().sqrt() / rms)
+            err_c = float((y_calclip.float() - ref).pow(2).mean().sqrt() / rms)
+            same = share_equal(y_vllm, y_calclip)
+            record(f"block GEMM, same codes: vLLM CUTLASS = calclip {backend} (bits) | rel rms err vs fp32 ref",
+                   f"{m}x{k}x{n}", f"{same:.4f} | {err_v:.2e} vs {err_c:.2e}", bits_equal=same, vllm_rel_err=err_v,
+                   calclip_rel_err=err_c, calclip_backend=backend)
+
+    for label, fn in (("quantizer", quantizer), ("silu_mul", silu_mul), ("gemm", gemm)):
+        attempt(label, fn)
+    print("\n### ops: vLLM 0.24 kernels vs calclip on identical inputs")
+    _common.table(["check", "shape", "value"], rows)
+    RESULTS["ops"] = results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# part mismatch
+
+
+def part_mismatch(opts) -> None:
+    from calclip.trainers.vllm_sync import engine_fp8_mismatches, vllm_engine_model
+
+    device = torch.device(opts.device)
+    rows, results = [], RESULTS.setdefault("mismatch", [])
+    for name in opts.models:
+        t0 = time.perf_counter()
+        print(f"-- mismatch: {name}", flush=True)
+        if name == "smollm2":
+            if not opts.smollm2_gguf:
+                print("   skipped: --smollm2-gguf not given", flush=True)
+                continue
+            base = smollm2(opts.smollm2_gguf, device)
+        else:
+            base = random_llama(name, opts.layers, device, opts.logit_std)
+        policy, kept = fp8_policy(base)
+        if kept:
+            print(f"   kept in BF16 for vLLM (and training): {len(kept)} linears, e.g. {kept[0]}", flush=True)
+        model_dir = save_for_vllm(base, tempfile.mkdtemp(prefix=f"bench_vllm_{name}_"))
+        vocab = base.config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(3, vocab, (opts.mismatch_prompts, opts.prompt_len), generator=gen)
+        max_len = opts.prompt_len + opts.mismatch_tokens + 8
+        engines: dict[str, object] = {}
+        specs = [("FP8 calclip", dict(policy=policy, numerics="calclip")),
+                 ("BF16", {})]
+        if opts.vllm_default_arm:
+            specs.insert(1, ("FP8 vLLM-default", dict(policy=policy, numerics="vllm")))
+        for arm, kwargs in specs:
+            try:
+                engines[arm] = make_llm(model_dir, opts, max_model_len=max_len, max_num_seqs=opts.mismatch_prompts,
+                                        batches=[opts.mismatch_prompts], gpu_util=opts.gpu_util, **kwargs)
+            except Exception as err:  # noqa: BLE001
+                print(f"   !! engine {arm}: {_short(err)}", flush=True)
+                results.append({"model": name, "arm": arm, "error": _short(err)})
+        samples = {}
+        for stage in ("initial", f"after {opts.steps} steps + sync"):
+            sync_ms: dict[str, float] = {}
+            if stage != "initial":
+                fp8_tokens = samples.get("FP8 calclip")
+                if fp8_tokens is None:
+                    break
+                losses = train_steps(policy, prompts, fp8_tokens, opts.steps, opts.lr)
+                print(f"   {opts.steps} AdamW steps (lr {opts.lr}) on the FP8 policy: NLL {losses[0]:.3f} -> "
+                      f"{losses[-1]:.3f}", flush=True)
+                from calclip.trainers.vllm_sync import sync_fp8_weights
+
+                for arm, llm in engines.items():
+                    sync = (lambda llm=llm: sync_bf16(llm, base)) if arm == "BF16" else (
+                        lambda llm=llm: sync_fp8_weights(llm, policy))
+                    sync_ms[arm] = timed_ms(sync)
+            for arm, llm in engines.items():
+                fp8 = arm != "BF16"
+                reference = policy if fp8 else base
+                codes = "-"
+                if fp8:
+                    bad = engine_fp8_mismatches(vllm_engine_model(llm)[0], policy)
+                    codes = "yes" if not bad else f"NO ({len(bad)}: {bad[0]})"
+                tokens, engine_lp = rollout(llm, prompts, opts.mismatch_tokens, seed=len(samples))
+                samples[arm] = tokens
+                stats = mismatch_stats(engine_lp, trainer_logprobs(reference, prompts, tokens))
+                floor = {}
+                if arm != "FP8 vLLM-default":
+                    with attention(reference, "eager"):
+                        eager_lp = trainer_logprobs(reference, prompts, tokens)
+                    floor = mismatch_stats(eager_lp, trainer_logprobs(reference, prompts, tokens))
+                row = {"model": name, "stage": stage, "arm": arm, **stats, "floor_tmpe": floor.get("tmpe"),
+                       "floor_max_abs": floor.get("max_abs"), "engine_holds_trainer_codes": codes,
+                       "sync_ms": sync_ms.get(arm)}
+                results.append(row)
+                rows.append([name, stage, arm, fmt(stats["tmpe"], 4), fmt(stats["max_abs"]), fmt(stats["over_1p1"]),
+                             fmt(floor.get("tmpe"), 4), codes[:40], fmt(sync_ms.get(arm), 0)])
+                print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
+            control = next((r["tmpe"] for r in results[::-1] if r.get("model") == name and r.get("stage") == stage
+                            and r.get("arm") == "BF16"), None)
+            for r in results:
+                if r.get("model") == name and r.get("stage") == stage and r.get("arm", "").startswith("FP8"):
+                    r["minus_bf16_control"] = None if control is None else r["tmpe"] - control
+            save_results(opts)
+        for llm in list(engines.values()):
+            shutdown(llm)
+        engines.clear()
+        del base, policy
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        print(f"   {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"\n### mismatch: token-mult-prob-error, engine rollout log-probs vs the trainer's forward on the same "
+          f"tokens ({opts.mismatch_prompts} prompts x {opts.prompt_len} random tokens, {opts.mismatch_tokens} "
+          f"sampled tokens, temperature 1)")
+    _common.table(["model", "stage", "engine", "tmpe", "max |d|", "share exp|d|>1.1", "floor tmpe",
+                   "engine holds trainer codes", "sync ms"], rows)
+    print("FP8 engines are compared with calclip's FP8 forward (same codes), BF16 with the HF BF16 forward. floor: "
+          "the trainer model with eager vs SDPA attention on the same tokens (BF16-level noise through the model). "
+          "Target (issue 27): FP8 calclip tmpe minus BF16 tmpe <= 0.01.", flush=True)
+    for r in results:
+        if r.get("minus_bf16_control") is not None:
+            print(f"   {r['model']} {r['stage']} {r['arm']}: minus BF16 control = {r['minus_bf16_control']:+.4f}")
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200] if text else ''}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# part decode (vLLM) and hf_decode (transformers generate)
+
+
+def part_decode(opts) -> None:
+    from calclip.fp8.export import block_fp8_quantization_config
+
+    layers = opts.decode_layers
+    model_dir = config_only_dir("llama3_8b", layers, tempfile.mkdtemp(prefix="bench_vllm_decode_"))
+    qc = block_fp8_quantization_config(modules_to_not_convert=["lm_head"])
+    max_len = opts.prompt_len + max(opts.new_tokens) + 8
+    specs = [("vLLM FP8", dict(quantization_config=qc, numerics="calclip")), ("vLLM BF16", {})]
+    if opts.decode_vllm_default:
+        specs.insert(1, ("vLLM FP8 vLLM-default", dict(quantization_config=qc, numerics="vllm")))
+    engines = {}
+    opts_dummy = argparse.Namespace(**{**vars(opts), "dummy_bf16": True})
+    util = opts.decode_gpu_util or min(0.4, 0.85 / len(specs))  # all engines live at once (interleaved rounds)
+    for name, kwargs in specs:
+        try:
+            engines[name] = make_llm(model_dir, opts_dummy, max_model_len=max_len, max_num_seqs=max(opts.batches),
+                                     batches=opts.batches, gpu_util=util, **kwargs)
+        except Exception as err:  # noqa: BLE001
+            print(f"   !! engine {name}: {_short(err)}", flush=True)
+    rows, results = [], RESULTS.setdefault("decode", [])
+    for batch in opts.batches:
+        prompts = torch.randint(3, 128256, (batch, opts.prompt_len), generator=torch.Generator().manual_seed(batch))
+        for new_tokens in opts.new_tokens:
+            print(f"-- decode {layers}L, batch {batch}, {new_tokens} tokens", flush=True)
+
+            def build(llm, batch=batch, new_tokens=new_tokens, prompts=prompts):
+                from vllm import SamplingParams
+
+                # no per-request seed: vLLM samples seeded requests with per-request generators (slower)
+                params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens,
+                                        ignore_eos=True, detokenize=False)
+                requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
+
+                def sample():
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    outs = llm.generate(requests, params, use_tqdm=False)
+                    seconds = time.perf_counter() - start
+                    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+                    return {"tok_s": tokens / seconds}
+
+                sample()  # warm-up
+                return lambda: sample()
+
+            arms = [setup_arm(name, lambda llm=llm: build(llm)) for name, llm in engines.items()]
+            interleave(arms, opts.repeats)
+            by = {a.name: a for a in arms}
+            row = [str(layers), str(batch), str(new_tokens), *[cell(by.get(n), "tok_s", 0) for n, _ in specs],
+                   paired_ratio(by.get("vLLM FP8"), by.get("vLLM BF16"), "tok_s")]
+            if opts.decode_vllm_default:
+                row.append(paired_ratio(by.get("vLLM FP8"), by.get("vLLM FP8 vLLM-default"), "tok_s"))
+            rows.append(row)
+            results.append({"layers": layers, "batch": batch, "new_tokens": new_tokens,
+                            **{a.name: a.values("tok_s") for a in arms}, "errors": {a.name: a.error for a in arms}})
+            print("row: | " + " | ".join(row) + " |", flush=True)
+            save_results(opts)
+    for llm in list(engines.values()):
+        shutdown(llm)
+    columns = ["layers", "batch", "new tokens", *[f"{n} tok/s" for n, _ in specs], "FP8/BF16"]
+    if opts.decode_vllm_default:
+        columns.append("FP8 calclip/vLLM-default settings")
+    print(f"\n### decode: vLLM generate tokens/s, Llama-3-8B dims, dummy weights, prompt {opts.prompt_len}, ignore_eos, "
+          f"temperature 1, CUDA graphs (median [min-max] of {opts.repeats} interleaved rounds)")
+    _common.table(columns, rows)
+
+
+def part_hf_decode(opts) -> None:
+    from calclip.fp8 import Fp8Config, frozen_fp8_weights, quantize_model
+
+    device = torch.device("cuda")
+    base = build_llama(opts.hf_layers, 4096, 14336, 128256, device, heads=32, kv_heads=8).eval()
+    models = {"HF FP8": quantize_model(sharing_copy(base), Fp8Config()).eval(), "HF BF16": base}
+    rows, results = [], RESULTS.setdefault("hf_decode", [])
+    for batch in opts.batches:
+        prompts = torch.randint(3, 128256, (batch, opts.prompt_len), generator=torch.Generator().manual_seed(batch))
+        prompts = prompts.to(device)
+        new_tokens = opts.new_tokens[0]
+        torch._dynamo.reset()  # each batch size compiles its own static-shape decode step
+        print(f"-- hf_decode {opts.hf_layers}L, batch {batch}, {new_tokens} tokens", flush=True)
+
+        def build(name):
+            model = models[name]
+
+            def sample():
+                frozen = frozen_fp8_weights(model) if name == "HF FP8" else contextlib.nullcontext()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                with torch.no_grad(), frozen:
+                    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                         pad_token_id=0, cache_implementation="static")
+                torch.cuda.synchronize()
+                return {"tok_s": batch * (out.shape[1] - prompts.shape[1]) / (time.perf_counter() - start)}
+
+            for _ in range(2):  # compile + graph recording
+                sample()
+            return sample
+
+        arms = [setup_arm(name, lambda name=name: build(name)) for name in models]
+        interleave(arms, opts.repeats)
+        by = {a.name: a for a in arms}
+        row = [str(opts.hf_layers), str(batch), str(new_tokens), cell(by["HF FP8"], "tok_s", 0),
+               cell(by["HF BF16"], "tok_s", 0), paired_ratio(by["HF FP8"], by["HF BF16"], "tok_s")]
+        rows.append(row)
+        results.append({"layers": opts.hf_layers, "batch": batch, "new_tokens": new_tokens,
+                        **{a.name: a.values("tok_s") for a in arms}, "errors": {a.name: a.error for a in arms}})
+        print("row: | " + " | ".join(row) + " |", flush=True)
+        save_results(opts)
+    print(f"\n### hf_decode: HF generate tokens/s (static cache, compiled decode with CUDA graphs, greedy), "
+          f"Llama-3-8B dims, random weights, prompt {opts.prompt_len}")
+    _common.table(["layers", "batch", "new tokens", "HF FP8 tok/s", "HF BF16 tok/s", "FP8/BF16"], rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# part grpo: one process per arm (each owns a colocated engine)
+
+
+def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, int, int] = (4096, 14336, 32, 8)
+                ) -> dict:
+    """Runs in its own process: CalibratedGRPOTrainer with vLLM colocate rollouts; returns per-step timings.
+    dims: hidden, intermediate, heads, KV heads (Llama-3-8B's by default; tests/test_bench_vllm.py runs it on CPU
+    with a tiny model and a recorded engine)."""
+    from transformers import TrainerCallback
+
+    from calclip.testing import build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+    from calclip.trainers import CalibratedGRPOConfig, CalibratedGRPOTrainer
+
+    device = torch.device(device)
+    tokenizer = build_tiny_tokenizer()
+    # Llama-3-8B layer dims; the vocabulary is the test tokenizer's (TRL decodes completions with it).
+    MODEL_SPECS["grpo"] = (*dims, len(tokenizer), opts.grpo_layers)
+    base = random_llama("grpo", opts.grpo_layers, device, opts.logit_std)
+    base.config.pad_token_id, base.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    base.config.bos_token_id = tokenizer.bos_token_id
+    model_dir = save_for_vllm(base, tempfile.mkdtemp(prefix=f"bench_vllm_grpo_{arm}_"), tokenizer)
+    base.config._name_or_path = model_dir  # TRL's colocated LLM(model=model.name_or_path)
+    completions = opts.grpo_completions
+    on_gpu = device.type == "cuda"
+    args = CalibratedGRPOConfig(
+        output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm == "fp8",
+        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
+        per_device_train_batch_size=completions, num_generations=8, gradient_accumulation_steps=1,
+        steps_per_generation=1, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
+        learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False,
+        generation_kwargs={"min_tokens": opts.grpo_tokens}, check_dataset=False)
+    timings = {"step_s": [], "generate_s": [], "sync_s": []}
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            cuda_sync()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            cuda_sync()
+            timings["step_s"].append(time.perf_counter() - self.start)
+
+    # TRL builds LLM(...) with its own arguments; the attention backend is added to them in both arms (the GPU
+    # bundle was checked with Triton attention; vLLM 0.24 has no environment variable for it).
+    import trl.generation.vllm_generation as trl_vllm_generation
+
+    from calclip.trainers.vllm_sync import merged_call_kwargs
+
+    backend = {"attention_backend": opts.attention_backend} if opts.attention_backend else {}
+    with merged_call_kwargs(trl_vllm_generation, "LLM", backend):
+        trainer = CalibratedGRPOTrainer(model=base, reward_funcs=digit_share_reward, args=args,
+                                        train_dataset=tiny_prompt_dataset(completions // 8 * opts.grpo_steps),
+                                        processing_class=tokenizer, callbacks=[StepClock()])
+    generation = trainer.vllm_generation
+    for method, key in (("sync_weights", "sync_s"), ("generate", "generate_s")):
+        original = getattr(generation, method)
+
+        def timed(*a, _original=original, _key=key, **k):
+            cuda_sync()
+            start = time.perf_counter()
+            out = _original(*a, **k)
+            cuda_sync()
+            timings[_key].append(time.perf_counter() - start)
+            return out
+
+        setattr(generation, method, timed)
+    trainer.train()
+    return timings
+
+
+def part_grpo(opts) -> None:
+    rows, results = [], RESULTS.setdefault("grpo", {})
+    for arm in ("fp8", "bf16"):
+        out = Path(tempfile.mkdtemp()) / f"grpo_{arm}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--grpo-worker", arm, "--grpo-json", str(out),
+               "--grpo-layers", str(opts.grpo_layers), "--grpo-steps", str(opts.grpo_steps),
+               "--grpo-tokens", str(opts.grpo_tokens), "--grpo-completions", str(opts.grpo_completions),
+               "--gpu-util", str(opts.gpu_util), "--logit-std", str(opts.logit_std),
+               "--attention-backend", opts.attention_backend]
+        print(f"-- grpo {arm}: {' '.join(cmd[2:])}", flush=True)
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.grpo_timeout)
+        print(f"   exit {proc.returncode} after {time.perf_counter() - start:.0f} s", flush=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            print(f"   !! grpo {arm} failed; last output:\n{tail}", flush=True)
+            results[arm] = {"error": tail[-500:]}
+            continue
+        t = json.loads(out.read_text())
+        step = median_after_first(t["step_s"])
+        gen = median_after_first(t["generate_s"])
+        sync = median_after_first(t["sync_s"])
+        results[arm] = {**t, "step_median_s": step, "generate_median_s": gen, "sync_median_s": sync,
+                        "sync_share": sync / step if step else math.nan}
+        rows.append([arm, fmt(step), fmt(gen), fmt(sync * 1e3, 0), f"{100 * sync / step:.1f}%"])
+        save_results(opts)
+    if "fp8" in results and "bf16" in results and "step_median_s" in results["fp8"] and \
+            "step_median_s" in results["bf16"]:
+        ratio = results["bf16"]["step_median_s"] / results["fp8"]["step_median_s"]
+        results["bf16_over_fp8_step"] = ratio
+        rows.append(["BF16/FP8 step time", f"{ratio:.2f}x", "", "", ""])
+    print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
+          f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step (median of steps 2..)")
+    _common.table(["arm", "step s", "rollout s", "weight sync ms", "sync share of step"], rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma-separated, of {PARTS}")
+    parser.add_argument("--models", default="llama3_8b", help="mismatch part: llama3_8b,issue_probe,smollm2")
+    parser.add_argument("--layers", type=int, default=4, help="mismatch: layers of llama3_8b (issue_probe: 2)")
+    parser.add_argument("--smollm2-gguf", default=None, help="path of SmolLM2-135M-Instruct's .gguf file")
+    parser.add_argument("--logit-std", type=float, default=4.0)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--mismatch-prompts", type=int, default=32)
+    parser.add_argument("--mismatch-tokens", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3, help="mismatch: AdamW steps before the second measurement")
+    parser.add_argument("--lr", type=float, default=1e-4,
+                        help="mismatch: AdamW lr (BF16 masters: smaller steps round away in many weights)")
+    parser.add_argument("--no-vllm-default-arm", dest="vllm_default_arm", action="store_false",
+                        help="mismatch: leave out the FP8 engine with vLLM's default settings")
+    parser.add_argument("--batches", type=_ints, default=[64, 128, 256])
+    parser.add_argument("--new-tokens", type=_ints, default=[128, 512], help="decode; hf_decode uses the first")
+    parser.add_argument("--decode-layers", type=int, default=4)
+    parser.add_argument("--decode-vllm-default", action="store_true",
+                        help="decode: add the FP8 engine with vLLM's default settings (the cost of calclip's)")
+    parser.add_argument("--hf-layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gpu-util", type=float, default=0.25,
+                        help="vLLM gpu_memory_utilization per engine (mismatch holds up to 3 at once; grpo: one)")
+    parser.add_argument("--decode-gpu-util", type=float, default=None,
+                        help="decode: per engine (default 0.85 / engines, at most 0.4)")
+    parser.add_argument("--attention-backend", default="TRITON_ATTN")
+    parser.add_argument("--grpo-layers", type=int, default=4)
+    parser.add_argument("--grpo-steps", type=int, default=4)
+    parser.add_argument("--grpo-tokens", type=int, default=128)
+    parser.add_argument("--grpo-completions", type=int, default=64)
+    parser.add_argument("--grpo-timeout", type=int, default=280)
+    parser.add_argument("--grpo-worker", choices=("fp8", "bf16"), help=argparse.SUPPRESS)
+    parser.add_argument("--grpo-json", help=argparse.SUPPRESS)
+    parser.add_argument("--child-json", help=argparse.SUPPRESS)
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every part in this process (default: one child process per part and model)")
+    opts = parser.parse_args(argv)
+    opts.parts = [p for p in opts.parts.split(",") if p]
+    unknown = set(opts.parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    opts.models = [m for m in opts.models.split(",") if m]
+    unknown = set(opts.models) - {*MODEL_SPECS, "smollm2"}
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {sorted({*MODEL_SPECS, 'smollm2'})}")
+    opts.dummy_bf16 = False
+    opts.device = "cuda"  # tests/test_bench_vllm.py runs the mismatch part on CPU against a stand-in engine
+    return opts
+
+
+def child_argv(argv: list[str], part: str, model: str | None, result_json: str) -> list[str]:
+    """``argv`` without its --parts / --models (and their values), for one part (and one model) in a child."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--parts", "--models"):
+            skip = True
+            continue
+        if arg.startswith(("--parts=", "--models=")):
+            continue
+        out.append(arg)
+    out += ["--parts", part, "--child-json", result_json]
+    if model is not None:
+        out += ["--models", model]
+    return out
+
+
+def merge(into: dict, child: dict) -> None:
+    for key, value in child.items():
+        if key == "env":
+            into.setdefault("env", value)
+        elif isinstance(value, list):
+            into.setdefault(key, []).extend(value)
+        elif isinstance(value, dict):
+            into.setdefault(key, {}).update(value)
+        else:
+            into[key] = value
+
+
+def run_in_process(opts) -> None:
+    parts = {"ops": part_ops, "mismatch": part_mismatch, "decode": part_decode, "hf_decode": part_hf_decode,
+             "grpo": part_grpo}
+    for part in opts.parts:
+        try:
+            parts[part](opts)
+        except Exception as err:  # noqa: BLE001 — later parts still run
+            import traceback
+
+            traceback.print_exc(limit=6)
+            RESULTS.setdefault("errors", {})[part] = _short(err)
+        save_results(opts)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts = parse_args(argv)
+    if opts.grpo_worker:
+        timings = grpo_worker(opts.grpo_worker, opts)
+        Path(opts.grpo_json).write_text(json.dumps(timings))
+        return 0
+    if opts.child_json:  # one part (one model) in this process
+        RESULTS["env"] = {"vllm": _common.package_version("vllm"), "torch": torch.__version__,
+                          "device": torch.cuda.get_device_name(), "commit": _common.git_commit()}
+        run_in_process(opts)
+        save_results(opts)
+        return 0
+    _common.header("bench_vllm: vLLM rollouts on calclip's FP8 codes")
+    print(f"vllm {_common.package_version('vllm')}  trl {_common.package_version('trl')}  transformers "
+          f"{_common.package_version('transformers')}  calclip {_common.git_commit()}", flush=True)
+    RESULTS["argv"] = argv
+    if opts.in_process:
+        run_in_process(opts)
+        return 0
+    # Each part (each model of mismatch) in a child process: vLLM engines do not give all their GPU memory back
+    # in-process, and every part starts its own engines.
+    for part in opts.parts:
+        for model in (opts.models if part == "mismatch" else [None]):
+            start = time.perf_counter()
+            result_json = str(Path(tempfile.mkdtemp()) / "part.json")
+            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()),
+                                   *child_argv(argv, part, model, result_json)])
+            if Path(result_json).exists():
+                merge(RESULTS, json.loads(Path(result_json).read_text()))
+            if proc.returncode != 0:
+                RESULTS.setdefault("errors", {})[f"{part}{'/' + model if model else ''}"] = f"exit {proc.returncode}"
+            print(f"== {part}{' ' + model if model else ''}: {time.perf_counter() - start:.0f} s "
+                  f"(exit {proc.returncode})", flush=True)
+            save_results(opts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,285 @@
+"""benchmarks/bench_vllm.py: the helpers its tables rest on, on CPU (the script itself needs vLLM and a GPU).
+
+Checked: the mismatch statistics against a hand computation, the teacher-forced trainer log-probs against a
+per-sequence forward, the training steps move the FP8 policy's codes, the FP8 policy keeps exactly what vLLM cannot
+serve, and the argument checks name what is wrong.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+transformers = pytest.importorskip("transformers")
+import bench_vllm  # noqa: E402
+
+from calclip.fp8 import FP8BlockLinear  # noqa: E402
+
+
+def test_mismatch_stats_by_hand():
+    engine = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+    trainer = torch.tensor([[-1.0, -2.5], [-0.4, -3.0]])
+    stats = bench_vllm.mismatch_stats(engine, trainer)
+    assert stats["tmpe"] == pytest.approx((1 + math.exp(0.5) + math.exp(0.1) + 1) / 4, rel=1e-6)
+    assert stats["max_abs"] == pytest.approx(0.5)
+    assert stats["over_1p1"] == pytest.approx(0.5)  # exp(0.5) and exp(0.1) = 1.105 exceed 1.1
+    assert stats["tokens"] == 4
+
+
+def test_over_threshold_counts_exp_diff_strictly_above_1p1():
+    engine = torch.zeros(1, 3)
+    trainer = torch.tensor([[math.log(1.1) - 1e-4, math.log(1.1) + 1e-4, 0.0]])
+    assert bench_vllm.mismatch_stats(engine, trainer)["over_1p1"] == pytest.approx(1 / 3)
+
+
+def test_helpers():
+    assert bench_vllm.median_after_first([10.0, 1.0, 3.0, 2.0]) == 2.0
+    assert bench_vllm.median_after_first([5.0]) == 5.0
+    assert bench_vllm.capture_sizes([256, 64, 128]) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert bench_vllm.fmt(None) == "-" and bench_vllm.fmt(math.nan) == "-" and bench_vllm.fmt(1.23456, 2) == "1.23"
+
+
+@pytest.mark.parametrize("argv, match", [(["--parts", "ops,bogus"], "unknown parts"),
+                                         (["--models", "gpt2"], "unknown models")])
+def test_bad_arguments_are_named(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(argv)
+    assert match in capsys.readouterr().err
+
+
+def tiny_llama(hidden=128, kv_heads=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32,
+                                   max_position_embeddings=64, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def test_trainer_logprobs_are_the_teacher_forced_logprobs_of_each_completion_token():
+    model = tiny_llama()
+    prompts = torch.randint(3, 96, (3, 5), generator=torch.Generator().manual_seed(0))
+    completions = torch.randint(3, 96, (3, 4), generator=torch.Generator().manual_seed(1))
+    got = bench_vllm.trainer_logprobs(model, prompts, completions, chunk=2)
+    assert got.shape == (3, 4) and got.dtype == torch.float32
+    for b in range(3):
+        ids = torch.cat([prompts[b], completions[b]])
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0].float()
+        for t in range(4):
+            want = torch.log_softmax(logits[4 + t], -1)[completions[b, t]]
+            assert got[b, t] == pytest.approx(float(want), abs=1e-5)
+
+
+def test_fp8_policy_shares_parameters_and_keeps_what_vllm_cannot_serve():
+    base = tiny_llama(kv_heads=4)  # q/k/v 128 rows each: every FP8 block inside one shard
+    policy, kept = bench_vllm.fp8_policy(base)
+    assert kept == []
+    fp8 = {n for n, m in policy.named_modules() if isinstance(m, FP8BlockLinear)}
+    assert len(fp8) == 2 * 7  # every decoder linear; lm_head stays BF16
+    assert policy.model.layers[0].mlp.down_proj.weight is base.model.layers[0].mlp.down_proj.weight
+
+
+def test_fp8_policy_keeps_ragged_fused_shards_and_their_siblings_in_bf16():
+    base = tiny_llama(hidden=128, kv_heads=2)  # q 128 rows, k/v 2 x 32 = 64 rows: ragged shards of qkv_proj
+    policy, kept = bench_vllm.fp8_policy(base)
+    fp8 = {n for n, m in policy.named_modules() if isinstance(m, FP8BlockLinear)}
+    for i in range(2):
+        assert f"model.layers.{i}.self_attn.k_proj" in kept
+        assert not {f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"} & fp8  # the whole fused layer
+        assert {f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"} <= fp8
+
+
+def test_train_steps_move_the_policy_and_its_fp8_codes():
+    base = tiny_llama(kv_heads=4).float()
+    policy, _ = bench_vllm.fp8_policy(base)
+    layer = policy.model.layers[0].self_attn.o_proj
+    before = layer.quantized_weight()[0].view(torch.uint8).clone()
+    prompts = torch.randint(3, 96, (4, 5), generator=torch.Generator().manual_seed(0))
+    completions = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(1))
+    losses = bench_vllm.train_steps(policy, prompts, completions, steps=3, lr=1e-2, chunk=2)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert not torch.equal(layer.quantized_weight()[0].view(torch.uint8), before)
+    assert not policy.training
+
+
+def test_attention_context_restores_the_implementation():
+    model = tiny_llama()
+    previous = model.config._attn_implementation
+    with bench_vllm.attention(model, "eager"):
+        assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == previous
+
+
+def test_child_processes_get_one_part_and_model_and_results_merge():
+    argv = ["--parts", "ops,mismatch", "--models=llama3_8b,smollm2", "--steps", "2"]
+    assert bench_vllm.child_argv(argv, "mismatch", "smollm2", "/r.json") == [
+        "--steps", "2", "--parts", "mismatch", "--child-json", "/r.json", "--models", "smollm2"]
+    assert bench_vllm.child_argv(argv, "ops", None, "/r.json") == ["--steps", "2", "--parts", "ops",
+                                                                   "--child-json", "/r.json"]
+    merged = {}
+    bench_vllm.merge(merged, {"env": {"device": "a"}, "mismatch": [{"model": "x"}]})
+    bench_vllm.merge(merged, {"env": {"device": "b"}, "mismatch": [{"model": "y"}], "grpo": {"fp8": {}}})
+    assert merged == {"env": {"device": "a"}, "mismatch": [{"model": "x"}, {"model": "y"}], "grpo": {"fp8": {}}}
+
+
+def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monkeypatch, tmp_path):
+    """The grpo part's worker on CPU, tiny dims, vLLM replaced by a recorder (TRL 1.16's own generation code runs):
+    each arm trains its steps, the FP8 arm syncs inside a layerwise reload, and every timing list is filled."""
+    import argparse
+    import types
+
+    trl_vllm_generation = pytest.importorskip("trl.generation.vllm_generation")
+    pytest.importorskip("datasets")
+    events = []
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    reload.initialize_layerwise_reload = lambda model: events.append("init")
+    reload.finalize_layerwise_reload = lambda model, cfg: events.append("finalize")
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.model_loader"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload)
+    engine_kwargs = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            engine_kwargs.append(kwargs)
+            model = types.SimpleNamespace(load_weights=lambda weights: events.extend("load" for _ in weights))
+            self.llm_engine = types.SimpleNamespace(model_config="CFG", model_executor=types.SimpleNamespace(
+                driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))))
+
+        def reset_prefix_cache(self):
+            events.append("reset")
+
+        def generate(self, prompts, sampling_params, use_tqdm):
+            assert sampling_params["min_tokens"] == 6
+            ids = [7] * 6  # a character token of the tiny tokenizer, never EOS
+            logprobs = [{7: types.SimpleNamespace(rank=1, logprob=-0.5)}] * 6
+            return [types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
+                                          outputs=[types.SimpleNamespace(token_ids=ids, logprobs=logprobs)])
+                    for p in prompts]
+
+    monkeypatch.setattr(trl_vllm_generation, "LLM", LLM, raising=False)
+    monkeypatch.setattr(trl_vllm_generation, "SamplingParams", lambda **kw: kw, raising=False)
+    monkeypatch.setattr(trl_vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(trl_vllm_generation, "ensure_master_addr_port", lambda: None)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # TRL sets them; restored afterwards
+        monkeypatch.setenv(var, "0")
+        monkeypatch.delenv(var)
+    opts = argparse.Namespace(grpo_layers=1, logit_std=4.0, grpo_completions=8, gpu_util=0.2, grpo_tokens=6,
+                              grpo_steps=2, attention_backend="TRITON_ATTN")
+    for arm in ("fp8", "bf16"):  # (the bench runs each arm in its own process)
+        for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
+            monkeypatch.delenv(var, raising=False)
+        events.clear()
+        timings = bench_vllm.grpo_worker(arm, opts, device="cpu", dims=(128, 256, 4, 4))
+        assert len(timings["step_s"]) == 2 and len(timings["generate_s"]) == 2 and len(timings["sync_s"]) == 2
+        assert all(t > 0 for values in timings.values() for t in values)
+        assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
+        assert (engine_kwargs[-1].get("quantization") == "fp8") == (arm == "fp8")
+        assert ("init" in events and "finalize" in events) == (arm == "fp8")
+
+
+class StandInEngine:
+    """A vllm.LLM stand-in for the mismatch part on CPU: an HF model loaded from the engine's directory that takes
+    every synced tensor (FP8 codes + weight_scale_inv are dequantized into its BF16 weights) and samples with it;
+    its ``named_parameters`` show what a vLLM model would hold (shards stacked into qkv_proj / gate_up_proj)."""
+
+    instances = []
+
+    def __init__(self, **kwargs):
+        from calclip.fp8.reference import dequantize_128x128
+
+        self.kwargs, self.dequantize = kwargs, dequantize_128x128
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(kwargs["model"], dtype=torch.bfloat16).eval()
+        self.received = {}
+        runner = torch.nn.Module()
+        runner.load_weights = self.load_weights
+        runner.named_parameters = self.named_parameters
+        executor = type("E", (), {})()
+        executor.driver_worker = type("W", (), {"model_runner": type("R", (), {"model": runner})()})()
+        self.llm_engine = type("L", (), {"model_executor": executor, "model_config": "CFG"})()
+        StandInEngine.instances.append(self)
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.received[name] = tensor.detach().clone()
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight_scale_inv":
+                codes = self.received[f"{module}.weight"]
+                self.hf.get_parameter(f"{module}.weight").data.copy_(self.dequantize(codes, tensor))
+            elif tensor.dtype != torch.float8_e4m3fn:
+                self.hf.get_parameter(name).data.copy_(tensor)
+
+    def named_parameters(self):
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        groups = {}
+        for name, t in self.received.items():
+            module, _, leaf = name.rpartition(".")
+            parent, _, short = module.rpartition(".")
+            if leaf in ("weight", "weight_scale_inv") and (t.dtype == torch.float8_e4m3fn or leaf != "weight"):
+                target, index = fused.get(short, (short, 0))
+                groups.setdefault(f"{parent}.{target}.{leaf}", {})[index] = t
+        for name, parts in groups.items():
+            yield name, torch.nn.Parameter(torch.cat([parts[i] for i in sorted(parts)]), requires_grad=False)
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, prompts, params, use_tqdm):
+        gen = torch.Generator().manual_seed(params["seed"])
+        outs = []
+        for p in prompts:
+            ids, steps = list(p["prompt_token_ids"]), []
+            for _ in range(params["max_tokens"]):
+                with torch.no_grad():
+                    logp = torch.log_softmax(self.hf(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
+                tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                steps.append({tok: type("Lp", (), {"logprob": float(logp[tok])})()})
+                ids.append(tok)
+            completion = ids[len(p["prompt_token_ids"]):]
+            outs.append(type("O", (), {"outputs": [type("C", (), {"token_ids": completion, "logprobs": steps})()]})())
+        return outs
+
+
+def test_mismatch_part_runs_both_stages_syncs_every_engine_and_reports_each_row(monkeypatch, tmp_path, capsys):
+    import types
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = StandInEngine, lambda **kw: kw
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    reload.initialize_layerwise_reload = lambda model: None
+    reload.finalize_layerwise_reload = lambda model, cfg: None
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    for name in ("vllm.model_executor", "vllm.model_executor.model_loader"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload)
+    monkeypatch.setitem(bench_vllm.MODEL_SPECS, "tiny", (128, 256, 4, 4, 96, 1))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setenv("OUT", str(tmp_path))
+    StandInEngine.instances.clear()
+    opts = bench_vllm.parse_args(["--parts", "mismatch", "--models", "issue_probe", "--mismatch-prompts", "2",
+                                  "--mismatch-tokens", "3", "--prompt-len", "4", "--steps", "2", "--lr", "1e-2"])
+    opts.models, opts.device = ["tiny"], "cpu"
+    bench_vllm.part_mismatch(opts)
+    rows = bench_vllm.RESULTS["mismatch"]
+    assert [(r["stage"], r["arm"]) for r in rows] == [
+        (stage, arm) for stage in ("initial", "after 2 steps + sync")
+        for arm in ("FP8 calclip", "FP8 vLLM-default", "BF16")]
+    fp8, default, bf16 = StandInEngine.instances
+    assert fp8.kwargs["linear_backend"] == "cutlass" and "linear_backend" not in default.kwargs
+    assert fp8.kwargs["compilation_config"]["pass_config"] == {"fuse_norm_quant": False, "fuse_act_quant": False}
+    assert "quantization" not in bf16.kwargs
+    for r in rows:
+        assert r["tmpe"] >= 1.0 and math.isfinite(r["tmpe"])
+        if r["arm"] != "BF16":
+            assert r["engine_holds_trainer_codes"] == "yes", r  # after the first sync and after the second
+    assert rows[3]["sync_ms"] > 0 and rows[5]["sync_ms"] > 0 and rows[0]["sync_ms"] is None
+    assert rows[0]["floor_tmpe"] >= 1.0 and rows[1]["floor_tmpe"] is None
+    assert rows[0]["minus_bf16_control"] == pytest.approx(rows[0]["tmpe"] - rows[2]["tmpe"])
+    assert (tmp_path / "bench_vllm.json").exists()
+    assert "### mismatch" in capsys.readouterr().out
