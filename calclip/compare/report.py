@@ -208,30 +208,28 @@ def arm_header(arm: str, runs: list[Run], window: Window | None = None, partial:
     return header + (" " + "; ".join(notes) if notes else "")
 
 
+def _table_cell(arm_runs: list[Run], metric: str | tuple[str, str], window: Window, partial: bool) -> str:
+    if any(counts(run, window, partial) for run in arm_runs):
+        return format_cell(arm_summary(arm_runs, metric, window, partial))
+    if any(run.status == FAILED for run in arm_runs):
+        return "failed"
+    reached = "not reached" if partial else "unfinished"
+    return reached if any(run.rows for run in arm_runs) else "not run"
+
+
 def markdown_tables(record: dict, runs: list[Run], windows: list[Window], partial: bool = False) -> str:
     by_arm = {arm: [run for run in runs if run.arm == arm] for arm in record["arms"]}
+    rows = [(f"`{metric}`", metric) for metric in TABLE_METRICS]
+    rows += [(name, (numerator, denominator)) for name, (numerator, denominator, _) in POOLED_SHARES.items()]
     lines = []
     for window in windows:
         lines += [f"### {window.title()}", ""]
         lines.append("| metric | " + " | ".join(arm_header(arm, arm_runs, window, partial)
                                                for arm, arm_runs in by_arm.items()) + " |")
         lines.append("|---" * (len(by_arm) + 1) + "|")
-        for metric in TABLE_METRICS:
-            cells = []
-            for arm_runs in by_arm.values():
-                if not any(counts(run, window, partial) for run in arm_runs):
-                    if any(run.status == FAILED for run in arm_runs):
-                        cells.append("failed")
-                    else:
-                        reached = "not reached" if partial else "unfinished"
-                        cells.append(reached if any(run.rows for run in arm_runs) else "not run")
-                else:
-                    cells.append(format_cell(arm_summary(arm_runs, metric, window, partial)))
-            lines.append(f"| `{metric}` | " + " | ".join(cells) + " |")
-        for name, (numerator, denominator, _) in POOLED_SHARES.items():
-            cells = [format_cell(arm_summary(arm_runs, (numerator, denominator), window, partial))
-                     for arm_runs in by_arm.values()]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        for label, metric in rows:
+            cells = [_table_cell(arm_runs, metric, window, partial) for arm_runs in by_arm.values()]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 

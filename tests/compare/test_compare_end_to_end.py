@@ -84,10 +84,23 @@ def test_table_numbers_equal_the_metrics_files(comparison):
     text = (folder / "report.md").read_text()
     for title, (first, last) in [("steps 1-2 (all)", (1, 2)), ("steps 2-2 (last 1 steps)", (2, 2))]:
         cells = _table_cells(text, title)
-        assert set(cells) == set(report.TABLE_METRICS)
+        assert set(cells) == set(report.TABLE_METRICS) | set(report.POOLED_SHARES)
         for arm in GOOD_ARMS.split(","):
             rows = metrics.read_metrics(folder / arm / "seed0" / "metrics.jsonl")
+            window = [row for row in rows if first <= row["step"] <= last]
+            for name, (numerator, denominator, _) in report.POOLED_SHARES.items():
+                # one seed: the window's summed numerator over its summed denominator
+                pairs = [(row[numerator], row[denominator]) for row in window
+                         if row[numerator] is not None and row[denominator] is not None]
+                total = sum(d for _, d in pairs)
+                cell = cells[name][f"{arm} (n=1)"]
+                if total == 0:
+                    assert cell == "-", (name, arm)
+                else:
+                    assert float(cell) == pytest.approx(sum(n for n, _ in pairs) / total, rel=5e-4), (name, arm)
             for metric, by_arm in cells.items():
+                if metric in report.POOLED_SHARES:
+                    continue
                 values = [row[metric] for row in rows if first <= row["step"] <= last and row[metric] is not None]
                 cell = by_arm[f"{arm} (n=1)"]
                 if not values:
@@ -95,6 +108,7 @@ def test_table_numbers_equal_the_metrics_files(comparison):
                 else:  # one seed: the cell is the window mean, printed to 4 significant digits
                     assert float(cell) == pytest.approx(sum(values) / len(values), rel=5e-4, abs=1e-12), (metric, arm)
             assert cells["reward"]["broken (n=0) seed 0 FAILED"] == "failed"
+            assert all(cells[name]["broken (n=0) seed 0 FAILED"] == "failed" for name in report.POOLED_SHARES)
 
 
 def test_per_seed_numbers_equal_the_metrics_files(comparison):

@@ -77,7 +77,7 @@ def test_sanitize_rejects_bad_shapes():
 
 
 def test_registry_keys_and_lookup():
-    assert clip_mode_names() == ("static", "clip_higher", "dual_clip", "calibrated")
+    assert clip_mode_names() == ("static", "clip_higher", "dual_clip", "calibrated", "oracle")
     assert get_clip_mode("calibrated") is ClipMode.CALIBRATED
     assert get_clip_mode(ClipMode.DUAL_CLIP) is ClipMode.DUAL_CLIP
     assert ClipMode.STATIC == "static"  # str-backed: compares equal to the YAML string
