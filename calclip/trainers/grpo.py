@@ -10,6 +10,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   runs the same FP8 codes (``calclip.trainers.vllm_sync``): TRL's generation object is built block-FP8, its colocated
   engine starts only after the quantization (its ``modules_to_not_convert`` are the quantized model's BF16 linears),
   and every weight sync sends FP8 codes + ``weight_scale_inv`` for exactly the FP8 layers.
+- ``__init__``: the policy's (and reference model's) backbone gets a pre-hook that gives TRL's log-prob forwards the
+  positions ``generate`` used for left-padded rows (``calclip.trainers.positions``): with TRL's own positions the
+  rollout's and the trainer's FP8 log-probs of the same tokens differed by over 1 nat on some tokens.
 - ``__init__`` / ``_tokenize_prompts``: the datasets are checked before training (``calclip.trainers.data_checks``:
   empty prompts, columns the rewards require, prompts too long for the model's positions); with
   ``truncate_long_prompts`` TRL's prompt token ids are left-truncated to fit.
@@ -104,6 +107,7 @@ from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_
 from calclip.trainers.generation_cache import KeptStaticCache, generate_wrapped
 from calclip.trainers.grad_guard import NonfiniteGradGuard
 from calclip.trainers.mismatch_outliers import MismatchOutlierLog, logp_gaps, outlier_path
+from calclip.trainers.positions import use_rollout_positions
 from calclip.trainers.rewards import exclude_nonfinite_rewards
 from calclip.trainers.ratio_histograms import attach_ratio_histograms
 from calclip.trainers.vllm_sync import check_vllm_compatible, use_fp8_vllm_generation
@@ -211,6 +215,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         vllm_hook = use_fp8_vllm_generation(defer_engine=True, check_vllm_shapes=False)
         with vllm_hook if fp8_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
+        # TRL's log-prob forwards number a left-padded row's positions as generate did (calclip.trainers.positions)
+        for policy in (self.model, self.ref_model):
+            if policy is not None:
+                use_rollout_positions(self.accelerator.unwrap_model(policy))
         self.clip_mode = get_clip_mode(args.clip_mode)
         self._prompt_token_limit = self._max_prompt_tokens()
         if args.check_dataset:
