@@ -1,11 +1,11 @@
 """Rollout-trainer mismatch bursts: where FP8 rollout and trainer log-probs of the same tokens part (CPU or CUDA).
 
-The H200 evidence runs (docs/evidence/2026-12-01-smollm2*) logged FP8 rollout-vs-trainer gaps above 1 nat in most
-steps, and 5-10 nats on single tokens (mismatch_outliers.jsonl), with the same FP8 weight codes on both sides; BF16
-stayed below 0.85 nats. This probe rebuilds that setting without the trainer (no trl, datasets or wandb needed):
-SmolLM2-135M-Instruct, fp32 master weights under bf16 autocast, block FP8 (``--fp8-decode``: the evidence runs'
-``fp8_decode_fused_max_m 0`` and no split-K GEMM, or today's defaults), 8 arithmetic prompts of 54-56 tokens
-x 8 rollouts in one left-padded batch, HF ``generate`` with the KV cache, sampled at temperature 1, the sampled
+The H200 evidence runs (docs/evidence/2026-12-01-smollm2*) logged FP8 rollout-vs-trainer gaps above 1 nat in
+44-91% of steps, and 5-10 nats on single tokens (mismatch_outliers.jsonl), with the same FP8 weight codes on both
+sides; BF16 stayed below 0.85 nats. This probe rebuilds that setting without the trainer (no trl, datasets or
+wandb needed): SmolLM2-135M-Instruct, fp32 master weights under bf16 autocast, block FP8 (``--fp8-decode``: the
+evidence runs' ``fp8_decode_fused_max_m 0`` and no split-K GEMM, or today's defaults), 8 arithmetic prompts of 54-56
+tokens x 8 rollouts in one left-padded batch, HF ``generate`` with the KV cache, sampled at temperature 1, the sampled
 tokens' log-probs taken from the processed scores as calclip's trainer records them. The finished batch then goes
 through full forwards as the trainer computes its old log-probs:
 
@@ -15,23 +15,29 @@ through full forwards as the trainer computes its old log-probs:
 
 Per pair it prints the max |dlogp| over completion tokens, token_mult_prob_error (mean exp|dlogp|), the share and
 count of tokens more than 1 nat apart, and the share of bit-identical log-probs. Full forwards use the model's plain
-LM head; TRL's fused LM head gave the same log-probs to 1.7e-5 (CPU, the run below).
+LM head; TRL's fused LM head gave the same log-probs to 1.7e-5 (CPU, SmolLM2, the same batch).
 
-    python benchmarks/probes/probe_mismatch_bursts.py                            # CPU, ~15 min per arm on 2 cores
-    python benchmarks/probes/probe_mismatch_bursts.py --device cuda --new-tokens 128 --attn sdpa,eager \\
+    python benchmarks/probes/probe_mismatch_bursts.py --arms fp8,bf16            # CPU: 14 min on 2 shared cores
+    python benchmarks/probes/probe_mismatch_bursts.py --device cuda --new-tokens 128 --attn sdpa,eager \
         --arms fp8,bf16 --fp8-decode evidence,default                          # H200: the evidence runs' batch
 
-Measured on CPU (2026-12-02, torch 2.13, transformers 5.24, 64 rollouts, 48 new tokens, ~2300 completion tokens):
-FP8, eager attention: rollout vs trainer with TRL's positions max 1.357 nats, 4 tokens > 1 nat, tmpe 1.093, 30%
-identical (exactly the unpadded rows); with generate's positions max 0.000, every log-prob identical. FP8, sdpa:
-1.864 / 11 tokens / 1.137 with TRL's positions, 1.317 / 8 / 1.128 with generate's (CPU's sdpa also sums a decode
-step in another order than a full forward, so unpadded rows differ too). FP8 vs its BF16 shadow on the same tokens:
-max 1.7-2.6, 8-20 tokens > 1 nat, tmpe 1.17-1.19. BF16 shadow, TRL's vs generate's positions: max 0.25-0.33.
+Measured on CPU (2026-12-02, torch 2.13, transformers 5.24, the first command with ``--model-dir`` a save_pretrained
+copy of the embedded model; max |dlogp| / tokens > 1 nat / tmpe):
+
+    FP8, eager    rollout vs trainer: TRL pos 1.357 / 4 of 2253 / 1.093 (identical: the 30% of tokens on unpadded rows);
+                  gen pos 0.000 / 0 / 1.0000 (every log-prob identical); trainer vs BF16 shadow 1.656 / 14 / 1.169
+    BF16, eager   TRL pos 0.273 / 0 of 2462 / 1.024; gen pos every log-prob identical
+    FP8, sdpa     TRL pos 1.864 / 11 of 2316 / 1.137; gen pos 1.317 / 8 / 1.128; vs BF16 shadow 2.571 / 20 / 1.189
+    BF16, sdpa    TRL pos 0.310 / 0 of 2505 / 1.032; gen pos 0.357 / 0 / 1.031
+
+CPU's sdpa sums a decode step's attention in another order than a full forward (its unpadded rows differ too); eager
+attention computes both alike, so there the positions are the whole difference.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import random
 import sys
 import time
@@ -43,7 +49,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 
-def _load(model_dir: str | None, attn: str, device: torch.device):
+def _load(model_dir: str | None, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if model_dir:
@@ -53,7 +59,6 @@ def _load(model_dir: str | None, attn: str, device: torch.device):
         from calclip.models import load_default_model
 
         model, tokenizer = load_default_model(dtype=torch.float32)
-    model.config._attn_implementation = attn
     return model.to(device).eval(), tokenizer
 
 
@@ -118,8 +123,8 @@ def trainer_logps(model, ids, mask, completion, completion_mask, positions: str,
 def compare(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> str:
     gap = (a - b).abs()[mask.bool()]
     above = int((gap > 1.0).sum())
-    return (f"{float(gap.max()):.3f} | {float(torch.exp(gap).mean()):.4f} | {above / gap.numel() * 100:.2f}% ({above}) | "
-            f"{float((gap == 0).float().mean()) * 100:.1f}%")
+    return (f"{float(gap.max()):.3f} | {float(torch.exp(gap).mean()):.4f} | "
+            f"{above / gap.numel() * 100:.2f}% ({above}) | {float((gap == 0).float().mean()) * 100:.1f}%")
 
 
 @contextlib.contextmanager
@@ -140,10 +145,11 @@ def fp8_decode_setting(name: str):
         linear._gemm_choice.clear()
 
 
-def run_arm(opts, device, attn: str, arm: str, decode: str) -> None:
+def run_arm(opts, base: nn.Module, tokenizer, device, attn: str, arm: str, decode: str) -> None:
     from calclip.fp8 import Fp8Config, bf16_shadow, quantize_model
 
-    model, tokenizer = _load(opts.model_dir, attn, device)
+    model = copy.deepcopy(base)
+    model.config._attn_implementation = attn  # looked up on every forward
     pad = tokenizer.pad_token_id
     ids, mask = left_padded(arithmetic_prompts(tokenizer, opts.prompts, opts.seed), opts.rollouts, pad, device)
     with fp8_decode_setting(decode) if arm == "fp8" else contextlib.nullcontext(None) as fused_max_m:
@@ -161,7 +167,8 @@ def run_arm(opts, device, attn: str, arm: str, decode: str) -> None:
     name = f"{arm}{'/' + decode if arm == 'fp8' and device.type == 'cuda' else ''}, {attn}"
     tokens = int(completion_mask.sum())
     pads = sorted({int(n) for n in (mask == 0).sum(1).tolist()})
-    print(f"\n{name}: {ids.shape[0]} rollouts, prompt pads {pads}, {tokens} completion tokens, generate {seconds:.0f} s")
+    print(f"\n{name}: {ids.shape[0]} rollouts, prompt pads {pads}, {tokens} completion tokens, "
+          f"generate {seconds:.0f} s")
     print("| pair | max abs dlogp | token_mult_prob_error | > 1 nat | identical |\n|---|---|---|---|---|")
     print(f"| rollout vs trainer, TRL pos | {compare(rollout_logps, trl, completion_mask)} |")
     print(f"| rollout vs trainer, gen pos | {compare(rollout_logps, gen, completion_mask)} |")
@@ -190,10 +197,11 @@ def main(argv=None) -> int:
     print(f"probe_mismatch_bursts: {where}, torch {torch.__version__}, transformers {transformers.__version__}; "
           f"{opts.prompts} prompts x {opts.rollouts} rollouts, {opts.new_tokens} new tokens, seed {opts.seed}")
     decodes = opts.fp8_decode.split(",") if device.type == "cuda" else ["evidence"]
+    base, tokenizer = _load(opts.model_dir, device)
     for attn in opts.attn.split(","):
         for arm in opts.arms.split(","):
             for decode in decodes if arm == "fp8" else ["-"]:
-                run_arm(opts, device, attn, arm, decode)
+                run_arm(opts, base, tokenizer, device, attn, arm, decode)
     return 0
 
 
