@@ -5,7 +5,14 @@ import pytest
 import torch
 from torch import nn
 
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, logged, tiny_training_args
+from calclip.testing import (
+    build_tiny_model,
+    build_tiny_tokenizer,
+    digit_share_reward,
+    logged,
+    tiny_prompt_dataset,
+    tiny_training_args,
+)
 from calclip.trainers.positions import positions_from_attention_mask, use_rollout_positions
 
 
@@ -89,3 +96,22 @@ def test_rollout_and_trainer_logps_agree_on_left_padded_rows(tmp_path, monkeypat
     trainer = _padded_prompt_trainer(tmp_path / "shifted", fp8=fp8)
     trainer.train()
     assert max(logged(trainer, "mismatch/max_abs_logp_diff")) > 1e-3
+
+
+def test_trainer_hooks_the_policy_and_the_reference_model(tmp_path):
+    from calclip.trainers.config import CalibratedGRPOConfig
+    from calclip.trainers.grpo import CalibratedGRPOTrainer
+
+    tokenizer = build_tiny_tokenizer()
+    build_tiny_model(tokenizer).save_pretrained(tmp_path / "model")  # beta > 0: TRL loads the reference from a path
+    tokenizer.save_pretrained(tmp_path / "model")
+    trainer = CalibratedGRPOTrainer(model=str(tmp_path / "model"), reward_funcs=digit_share_reward,
+                                    args=tiny_training_args(CalibratedGRPOConfig, tmp_path, beta=0.04),
+                                    train_dataset=tiny_prompt_dataset(4), processing_class=tokenizer)
+    assert trainer.ref_model is not None
+    ids, mask = _padded_batch(trainer.model.config.vocab_size)
+    for model in (trainer.model, trainer.ref_model):
+        with torch.no_grad():
+            hooked = model(input_ids=ids, attention_mask=mask).logits
+            given = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_attention_mask(mask)).logits
+        assert torch.equal(hooked, given)
