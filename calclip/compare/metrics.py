@@ -40,6 +40,7 @@ METRIC_FIELDS: tuple[tuple[str, str], ...] = (
     ("mismatch/token_mult_prob_error", "rollout vs trainer token-mult-prob-error (1.0 = identical)"),
     ("mismatch/fp8_bf16_token_mult_prob_error", "FP8 vs BF16 shadow token-mult-prob-error (calibration steps)"),
     ("mismatch/max_abs_logp_diff", "largest rollout vs trainer per-token log-prob gap (nats; mismatch_outliers.jsonl)"),
+    ("mismatch/gap_gt_1nat_frac", "share of completion tokens whose rollout and trainer log-probs differ by > 1 nat"),
     ("completions/mean_length", "mean completion length in tokens"),
     ("completions/repeat_ngram_frac", "share of repeated n-grams in completions (garbled output)"),
     ("entropy/spike", "1 when the entropy-spike detector fired"),

@@ -30,8 +30,9 @@ MATPLOTLIB_MISSING = "matplotlib is not installed: no figure (pip install 'calcl
 TABLE_METRICS = (
     "reward", "entropy", "entropy/neg_adv", "clip/neg_low_frac_fp8", "clip/neg_low_frac_fp8_static",
     "clip/neg_low_frac_bf16", "calib/low", "calib/high", "mismatch/token_mult_prob_error",
-    "mismatch/fp8_bf16_token_mult_prob_error", "mismatch/max_abs_logp_diff", "completions/mean_length",
-    "completions/repeat_ngram_frac", "entropy/spike", "calib/fit", "calib/neg_tokens", "step_time", "time/bf16_shadow",
+    "mismatch/fp8_bf16_token_mult_prob_error", "mismatch/max_abs_logp_diff", "mismatch/gap_gt_1nat_frac",
+    "completions/mean_length", "completions/repeat_ngram_frac", "entropy/spike", "calib/fit", "calib/neg_tokens",
+    "step_time", "time/bf16_shadow",
 )
 PLOT_METRICS = (
     "reward", "entropy", "entropy/neg_adv", "clip/neg_low_frac_fp8", "clip/neg_low_frac_fp8_static",

@@ -10,6 +10,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   runs the same FP8 codes (``calclip.trainers.vllm_sync``): TRL's generation object is built block-FP8, its colocated
   engine starts only after the quantization (its ``modules_to_not_convert`` are the quantized model's BF16 linears),
   and every weight sync sends FP8 codes + ``weight_scale_inv`` for exactly the FP8 layers.
+- ``__init__``: the policy's (and reference model's) backbone gets a pre-hook that gives TRL's log-prob forwards the
+  positions ``generate`` used for left-padded rows (``calclip.trainers.positions``): with TRL's own positions the
+  rollout's and the trainer's FP8 log-probs of the same tokens differed by over 1 nat on some tokens.
 - ``__init__`` / ``_tokenize_prompts``: the datasets are checked before training (``calclip.trainers.data_checks``:
   empty prompts, columns the rewards require, prompts too long for the model's positions); with
   ``truncate_long_prompts`` TRL's prompt token ids are left-truncated to fit.
@@ -67,20 +70,24 @@ tokens whose BF16 shadow ratio is below 1 - epsilon, i.e. what BF16 training wou
 bounds, 0 below the minimum, with ``calib/pool_neg_tokens``), ``calib/bf16_low_clipped_tokens``, ``oos/*`` (moved
 mini-batches: A<0 tokens and those below the bound in force; shadow mini-batches: the same beside BF16's drops at
 1 - epsilon, ``oos/drop_recall``, ``oos/drop_precision``; calclip.calibration.drops), ``time/bf16_shadow``,
-``mismatch/token_mult_prob_error`` and ``mismatch/kl_k3`` (old vs rollout
-log-probs), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``, ``entropy/neg_adv``,
+``mismatch/token_mult_prob_error``, ``mismatch/kl_k3`` and
+``mismatch/gap_gt_1nat_frac`` (old vs rollout log-probs; the last the share of tokens more than 1 nat apart),
+``mismatch/max_abs_logp_diff`` (the largest such gap of the logging window, every rank's tokens), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``, ``entropy/neg_adv``,
 ``entropy/spike``, ``fp8/nonfinite_tokens`` (tokens whose FP8 linear output was non-finite),
 ``loss/nonfinite_tokens``, ``reward/nonfinite_count``, ``grad/nonfinite_skipped`` (share of optimizer steps skipped
 for non-finite gradients), ``completions/repeat_ngram_frac``; and TRL's ``clip_ratio/*``, ``kl``,
 ``policy_loss``, ``aux_loss``. TRL's metrics keep TRL's names and reductions (token-weighted global means,
 ``clip_ratio/low_min``/``high_max`` over every rank's sequences); calclip's token-level metrics are token-weighted
-global means too (one all-reduce of (sum, count) pairs), counts are summed, per-micro-batch scalars averaged.
+global means too (one all-reduce of (sum, count) pairs), counts are summed, per-micro-batch scalars averaged, and
+minima/maxima (``tis/weight_min``, ``tis/weight_max``, ``mismatch/max_abs_logp_diff``) are the extreme over ranks and
+over the micro-batches of the logging window.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import time
 import warnings
@@ -117,7 +124,8 @@ from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
 from calclip.trainers.generation_cache import KeptStaticCache, generate_wrapped
 from calclip.trainers.grad_guard import NonfiniteGradGuard
-from calclip.trainers.mismatch_outliers import MismatchOutlierLog, logp_gaps, outlier_path
+from calclip.trainers.mismatch_outliers import MismatchOutlierLog, burst_counts, logp_gaps, outlier_path
+from calclip.trainers.positions import use_rollout_positions
 from calclip.trainers.rewards import checked_reward_function, exclude_nonfinite_rewards
 from calclip.trainers.ratio_histograms import attach_ratio_histograms
 from calclip.trainers.vllm_sync import (
@@ -137,7 +145,7 @@ _FORWARD_KEYS = (
 _PER_STEP_STATS = ("calib/low", "calib/high", "clip/neg_low_frac_fp8", "clip/pos_high_frac")
 # Stats summed over ranks (counts); every other stat is averaged over ranks.
 _SUMMED_STATS = ("fp8/nonfinite_tokens", "loss/nonfinite_tokens", "tis/nonfinite_tokens")
-# Reduced over ranks by their extreme, not their mean.
+# Reduced over ranks, and over the micro-batches of a logging window, by their extreme, not their mean.
 _MIN_STATS, _MAX_STATS = ("tis/weight_min",), ("tis/weight_max", "mismatch/max_abs_logp_diff")
 
 
@@ -237,6 +245,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         with vllm_hook if fp8_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
         self._check_reward_outputs()
+        # TRL's log-prob forwards number a left-padded row's positions as generate did (calclip.trainers.positions)
+        for policy in (self.model, self.ref_model):
+            if policy is not None:
+                use_rollout_positions(self.accelerator.unwrap_model(policy))
         self.clip_mode = get_clip_mode(args.clip_mode)
         self._prompt_token_limit = self._max_prompt_tokens()
         if args.check_dataset:
@@ -860,7 +872,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             token_sums["mismatch/token_mult_prob_error"] = (token_mult_prob_error(old_logps, rollout, mask) * count,
                                                             count)  # fmt: skip
             token_sums["mismatch/kl_k3"] = (kl_k3(old_logps, rollout, mask) * count, count)
-            self._mismatch_outliers(mode, inputs, old_logps, rollout, mask, stats)
+            self._mismatch_outliers(mode, inputs, old_logps, rollout, mask, stats, token_sums)
         if "tis/weight_mean" in stats:
             self._tis_token_sums(inputs, old_logps, mask, stats, token_sums)
 
@@ -887,7 +899,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 else:
                     values[name] = column.nanmean().item()
         for name in sorted(values):
-            self._metrics[mode][name].append(values[name])
+            if name in _MIN_STATS or name in _MAX_STATS:
+                self._keep_window_extreme(mode, name, values[name])
+            else:
+                self._metrics[mode][name].append(values[name])
         for name, value in calibration_stats.items():
             if name not in _PER_STEP_STATS:  # the bounds in force and the FP8 clip shares are logged every step
                 self._metrics[mode][name].append(float(value))
@@ -903,12 +918,20 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                     self._metrics[mode]["time/bf16_shadow"].append(self._shadow_seconds)
                 self._shadow_seconds = 0.0
 
-    def _mismatch_outliers(self, mode, inputs, old_logps, rollout, mask, stats) -> None:
-        """mismatch/max_abs_logp_diff, and in training the tokens above mismatch_dump_threshold written out
-        (calclip.trainers.mismatch_outliers)."""
+    def _keep_window_extreme(self, mode, name, value: float) -> None:
+        """Keep one value under ``name`` for the logging window: the smallest (_MIN_STATS) or largest seen, NaN
+        (no data) skipped. TRL's log() averages each list, which would make a max over micro-batches their mean."""
+        window = self._metrics[mode][name]
+        seen = [v for v in (*window, value) if not math.isnan(v)]
+        window[:] = [(min if name in _MIN_STATS else max)(seen)] if seen else [value]
+
+    def _mismatch_outliers(self, mode, inputs, old_logps, rollout, mask, stats, token_sums) -> None:
+        """mismatch/max_abs_logp_diff, mismatch/gap_gt_1nat_frac, and in training the tokens above
+        mismatch_dump_threshold written out (calclip.trainers.mismatch_outliers)."""
         old_logps = old_logps.detach()
         gaps = logp_gaps(old_logps, rollout, mask)
         stats["mismatch/max_abs_logp_diff"] = gaps.max() if gaps.numel() else gaps.new_zeros(())
+        token_sums["mismatch/gap_gt_1nat_frac"] = burst_counts(gaps, old_logps, rollout, mask)
         threshold = self.args.mismatch_dump_threshold
         if threshold is None or mode != "train":
             return

@@ -6,7 +6,14 @@ import math
 import pytest
 import torch
 
-from calclip.trainers.mismatch_outliers import FILE_NAME, MismatchOutlierLog, logp_gaps, outlier_path
+from calclip.trainers.mismatch_outliers import (
+    BURST_NATS,
+    FILE_NAME,
+    MismatchOutlierLog,
+    burst_counts,
+    logp_gaps,
+    outlier_path,
+)
 
 
 def _tensors():
@@ -20,6 +27,15 @@ def test_gaps_skip_masked_and_nonfinite_tokens():
     trainer, rollout, mask = _tensors()
     expected = torch.tensor([[0.5, 7.0, 0.0, 0.0], [7.0, 0.0, 0.0, 0.0]])  # [0, 3] masked; [1, 1] and [1, 2] not finite
     assert torch.equal(logp_gaps(trainer, rollout, mask), expected)
+
+
+def test_burst_counts_count_compared_tokens_above_one_nat():
+    trainer, rollout, mask = _tensors()
+    # compared: [0, 0..2] and [1, 0], [1, 3] (masked [0, 3], non-finite [1, 1], [1, 2]); above 1 nat: 7.0 and 7.0
+    hits, compared = burst_counts(logp_gaps(trainer, rollout, mask), trainer, rollout, mask)
+    assert BURST_NATS == 1.0 and (int(hits), int(compared)) == (2, 5)
+    exactly_one = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-2.0, -3.5]]), torch.ones(1, 2)  # gaps 1.0, 1.5
+    assert [int(n) for n in burst_counts(logp_gaps(*exactly_one), *exactly_one)] == [1, 2]  # strictly above
 
 
 def test_record_writes_the_largest_gaps_first_within_the_caps(tmp_path):
@@ -97,3 +113,60 @@ def test_off_writes_nothing_but_still_logs_the_max(tmp_path):
     assert not (tmp_path / FILE_NAME).exists()
     values = [e["mismatch/max_abs_logp_diff"] for e in trainer.state.log_history if "mismatch/max_abs_logp_diff" in e]
     assert values and all(v > 0 for v in values)
+
+
+def _recording_mismatch(monkeypatch):
+    """Wraps the trainer's mismatch metrics to keep each micro-batch's (trainer, rollout, mask) log-probs."""
+    from calclip.trainers.grpo import CalibratedGRPOTrainer
+
+    calls = []
+    original = CalibratedGRPOTrainer._mismatch_outliers
+
+    def recording(self, mode, inputs, old_logps, rollout, mask, stats, token_sums):
+        calls.append((self.state.global_step + 1, old_logps.detach().double(), rollout.double(), mask.clone()))
+        return original(self, mode, inputs, old_logps, rollout, mask, stats, token_sums)
+
+    monkeypatch.setattr(CalibratedGRPOTrainer, "_mismatch_outliers", recording)
+    return calls
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_step_max_and_burst_share_over_the_micro_batches_of_a_step(tmp_path, monkeypatch, fp8):
+    """Two micro-batches per optimizer step (GA=2). With top_k=1 the rollout's log-prob of every sampled token is 0
+    and the trainer's is log p(argmax); an LM head scaled x10 makes that p vary around 1/e across tokens, so some gaps
+    are above 1 nat and some below. The logged max must be the larger micro-batch max (not their mean) and the burst
+    share the token-weighted share over both micro-batches, recomputed here in float64 from the log-probs."""
+    from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+    from calclip.testing import tiny_training_args
+    from calclip.trainers.config import CalibratedGRPOConfig
+    from calclip.trainers.grpo import CalibratedGRPOTrainer
+
+    calls = _recording_mismatch(monkeypatch)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    args = tiny_training_args(CalibratedGRPOConfig, tmp_path, fp8=fp8, top_k=1, gradient_accumulation_steps=2,
+                              steps_per_generation=4, max_steps=2, mismatch_dump_threshold=None)
+    trainer = CalibratedGRPOTrainer(model=model, reward_funcs=digit_share_reward, args=args,
+                                    train_dataset=tiny_prompt_dataset(8), processing_class=tokenizer)
+    trainer.train()
+    logged_max = {e["step"]: e["mismatch/max_abs_logp_diff"] for e in trainer.state.log_history
+                  if "mismatch/max_abs_logp_diff" in e}
+    logged_share = {e["step"]: e["mismatch/gap_gt_1nat_frac"] for e in trainer.state.log_history
+                    if "mismatch/gap_gt_1nat_frac" in e}
+    assert sorted(logged_max) == sorted(logged_share) == [1, 2]
+    maxima_differ = False
+    for step in (1, 2):
+        batches = [(t, r, m) for s, t, r, m in calls if s == step]
+        assert len(batches) == 2
+        maxima, hits, counts = [], 0, 0
+        for trainer_logps, rollout, mask in batches:
+            gap = (trainer_logps - rollout).abs()[mask != 0]
+            maxima.append(float(gap.max()))
+            hits, counts = hits + int((gap > 1.0).sum()), counts + gap.numel()
+        maxima_differ |= abs(maxima[0] - maxima[1]) > 1e-3
+        assert logged_max[step] == pytest.approx(max(maxima), rel=1e-5)
+        assert logged_share[step] == pytest.approx(hits / counts, rel=1e-9)
+        assert 0 < hits < counts  # the share is neither trivially 0 nor 1
+    assert maxima_differ  # so the window max is told apart from the mean of the micro-batch maxima

@@ -17,6 +17,7 @@ from calclip.testing import (
 )
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.grpo import CalibratedGRPOTrainer
+from calclip.trainers.positions import use_rollout_positions
 
 B, P, T = 6, 7, 9
 
@@ -48,6 +49,10 @@ def _trainers(base, tmp_path, **overrides):
             train_dataset=dataset,
             processing_class=tokenizer,
         )
+    # calclip numbers a left-padded row's positions as generate does (calclip.trainers.positions), TRL from its first
+    # pad: the same function, rounded differently in fp32 (up to 3e-6 on gradients of ~10). The stock model gets the
+    # same positions, so what is compared is the loss and its gradients, not the rounding of rotary angles.
+    assert use_rollout_positions(stock.model)
     for trainer in (stock, ours):
         # Set by Trainer's training loop; the loss reads it for gradient-accumulation scaling.
         trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
