@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
     header("bench_gemm: forward GEMM, FP8 block vs BF16")
 
-    tk = try_import("calclip.fp8.triton_kernels")
+    tk = try_import("calclip.fp8.kernels")
     gemm = try_import("calclip.fp8.gemm")
     if tk is None:
         print("!! no Triton kernels: nothing FP8 to measure")

@@ -68,7 +68,7 @@ def main() -> None:
     fp8 = try_import("calclip.fp8")
     linear_mod = try_import("calclip.fp8.linear")
     gemm = try_import("calclip.fp8.gemm")
-    tk = try_import("calclip.fp8.triton_kernels")
+    tk = try_import("calclip.fp8.kernels")
     shapes = SHAPES[:2] if args.quick else SHAPES
     rows, target_ratio = [], None
     for m, k, n in shapes:

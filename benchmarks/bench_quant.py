@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     header("bench_quant: quantization kernels vs device copy of the same bytes")
-    tk = try_import("calclip.fp8.triton_kernels")
+    tk = try_import("calclip.fp8.kernels")
     reference = try_import("calclip.fp8.reference")
     if tk is None:
         return

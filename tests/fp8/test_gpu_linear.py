@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from calclip.fp8 import reference as ref  # noqa: E402
-from calclip.fp8 import triton_kernels as tk  # noqa: E402
+from calclip.fp8 import kernels as tk  # noqa: E402
 from calclip.fp8.gemm import fp8_block_gemm, resolve_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -237,7 +237,7 @@ def test_fp8_linear_gpu_backends_match_emulated(b, t, k, n):
 
 
 def test_fast_launch_reuses_kernels_only_for_the_same_specialization():
-    """The direct C-launcher path (triton_kernels._fast_launch) must give the reference's codes on every call:
+    """The direct C-launcher path (kernels.launch._fast_launch) must give the reference's codes on every call:
     new data at one shape, then shapes and views that change Triton's specialization (odd sizes, 2-byte offsets)."""
     base = torch.randn(4096 + 8, 1536, device="cuda", dtype=torch.bfloat16)
     for x in (base[:4096], base[8:4104], base[:4096] * 3, base[1:4098], base[:4096, 1:1535], base[:7, :200]):
@@ -251,7 +251,7 @@ def test_fast_launch_reuses_kernels_only_for_the_same_specialization():
 
 
 def test_fast_launch_still_calls_registered_launch_hooks():
-    """With no hook registered the fast path passes None (triton_kernels._launch_hook); a hook added to Triton's
+    """With no hook registered the fast path passes None (kernels.launch._launch_hook); a hook added to Triton's
     launch_enter_hook chain must still see every launch of calclip's kernels, with the kernel's name."""
     from triton import knobs
 
@@ -278,7 +278,7 @@ def test_fast_launch_still_calls_registered_launch_hooks():
 
 def test_weight_refresh_writes_codes_and_dgrad_codes_in_place():
     """After an optimizer step the layer's refresh writes the new weight's codes, scales, non-finite flag and W^T
-    codes (triton_kernels.requantize_128x128_, two launches) into the same buffers: equal to the reference's, W^T
+    codes (kernels.requantize_128x128_, two launches) into the same buffers: equal to the reference's, W^T
     current without the next backward's copies, and a backward of a forward that saw the old codes raises."""
     from calclip.fp8 import FP8BlockLinear
 
