@@ -31,7 +31,7 @@ Sections (``--only``), each printed (and flushed) as soon as it is done:
   between CUDA events recorded by a logits processor after the first and the last token (prefill excluded).
 - ``trainer``: ``bench_trainer_step.py``'s default config through its own functions: median optimizer-step
   time of CalibratedGRPOTrainer runs (HF generate inside), BF16 vs FP8.
-- ``smollm``: ``calclip train`` equivalents (``calclip.cli.parse_train_args`` + ``build_trainer``) on the
+- ``smollm``: ``calclip train`` equivalents (``calclip.cli.arguments.parse_train_args`` + ``calclip.cli.train.build_trainer``) on the
   embedded SmolLM2-135M-Instruct with configs/bf16_static.yaml and configs/fp8_calibrated.yaml, fp32 master
   weights (``--model_dtype float32``, bf16 autocast: the issue's setting); ratio FP8/BF16 time as in issue 8.
 
@@ -955,7 +955,8 @@ SMOLLM_CONFIGS = {"bf16_static": "configs/bf16_static.yaml", "fp8_calibrated": "
 
 def smollm_section(opts, sizes: Sizes) -> None:
     import bench_trainer_step as bts
-    from calclip.cli import build_trainer, parse_train_args, resolve_dtype
+    from calclip.cli.arguments import parse_train_args, resolve_dtype
+    from calclip.cli.train import build_trainer
     from calclip.models import load_model
 
     steps = opts.smollm_warmup + opts.smollm_steps

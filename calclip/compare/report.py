@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from calclip.compare import folder
-from calclip.compare.metrics import FIELD_NAMES, METRIC_FIELDS, METRICS_FILE, read_metrics
+from calclip.trainers.run_outputs import FIELD_NAMES, METRIC_FIELDS, METRICS_FILE, read_metrics
 from calclip.compare.runner import FAILED, FINISHED, RUNNING, STOPPED, read_status
 
 REPORT_FILE = "report.md"
