@@ -2,7 +2,7 @@
 
 The layer takes its CUDA path on CPU tensors by pretending they are CUDA (``kernels.launch._check_device``) and
 stubbing out Triton's C launcher (``_fast_launch``), with the autotune choice fixed to the default config: what is
-timed is calclip's Python from the module call to the launch, broken down by wrapper (docs/benchmarks.md, fourth
+timed is calclip's Python from the module call to the launch, broken down by wrapper (docs/benchmarks-log.md, fourth
 session of 2026-12-01). Not a benchmark of the kernel; the numbers are this CPU's.
 
     python benchmarks/probes/host_path_fused_decode.py [--m 64] [--k 576] [--n 576]

@@ -8,7 +8,7 @@ Triton GEMM (as for SmolLM2's K=576, which ``torch._scaled_mm``'s blockwise path
 uninitialised memory: what is timed is calclip's Python and torch's dispatch, autograd included, from the module
 call to the last launch of the backward, per layer of a chain of ``--layers`` (one ``backward()`` per chain, as in
 a model). A chain of nn.Linear at 8 x 128 x 128 (its CPU matmuls take a few us) is printed beside it: roughly
-what a BF16 layer costs the host. Not a benchmark of the kernels; the numbers are this CPU's (docs/benchmarks.md).
+what a BF16 layer costs the host. Not a benchmark of the kernels; the numbers are this CPU's (docs/benchmarks-log.md).
 
     python benchmarks/probes/host_path_train.py [--m 256] [--k 576] [--n 576] [--dtype bf16] [--layers 8] [--profile]
 """

@@ -62,7 +62,7 @@ from calclip.fp8 import kernels as tk  # noqa: E402
 from calclip.fp8.kernels import launch, numerics, quantize  # noqa: E402
 
 BLOCK = 128
-BUDGET_S = 75.0  # stop adding optional sweep points after this (the lead's window is ~2 min)
+BUDGET_S = 75.0  # stop adding optional sweep points after this (one device call's window is ~2 min)
 T0 = time.perf_counter()
 
 # ----------------------------------------------------------------------------------------------------------

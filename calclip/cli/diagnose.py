@@ -99,7 +99,7 @@ def diagnose(argv: list[str] | None = None) -> dict:
                         "with the static and calibrated bounds to PATH (.png/.pdf/.svg; the plot extra)")
     parser.add_argument("--update-steps", type=int, default=4, help="AdamW steps between old and new log-probs "
                         "(--plot)")
-    # 1e-6: DESIGN.md's measured setting for SmolLM2; 4 steps at 1e-5 on one fixed batch move it so far (std of
+    # 1e-6: docs/DESIGN.md's measured setting for SmolLM2; 4 steps at 1e-5 on one fixed batch move it so far (std of
     # log r ~1 for BF16 too) that most tokens of both precisions fall outside the bounds and the picture says
     # nothing about FP8. The random tiny model needs ~1e-3 to move visibly.
     parser.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of those steps (--plot)")

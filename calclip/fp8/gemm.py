@@ -31,7 +31,7 @@ scale per element, so the same products as the Triton GEMM, summed in cuBLAS' or
 few tiles to fill the GPU (``splitk_applies``: decode's q/k/v/o and down projections) on
 calclip.fp8.kernels.fp8_splitk_gemm_triton: the same K step, K split across more programs. There cuBLAS'
 blockwise kernel (128 x 128 tiles) runs one program per output tile (16 at M=64, N=2048 on a 132-SM H200); where the
-split-K kernel does not split, it measured slower than cuBLAS (docs/benchmarks.md, ninth session). An explicit
+split-K kernel does not split, it measured slower than cuBLAS (docs/benchmarks-log.md, ninth session). An explicit
 "scaled_mm" keeps cuBLAS at every shape it supports.
 """
 

@@ -66,7 +66,7 @@ class CalibratedGRPOConfig(GRPOConfig):
 
     The clip bounds are ratio bounds ``[low, high]``. ``static``/``clip_higher``/``dual_clip`` use
     ``[1 - epsilon, 1 + epsilon_high]``; ``calibrated`` starts at ``calibration_init_bounds`` and then applies the
-    calibrator's bounds (DESIGN.md, "The calibration, defined exactly"), with ``epsilon``/``epsilon_high`` as the
+    calibrator's bounds (docs/DESIGN.md, "The calibration, defined exactly"), with ``epsilon``/``epsilon_high`` as the
     BF16 base bounds the calibration matches.
     """
 
@@ -314,7 +314,7 @@ class CalibratedGRPOConfig(GRPOConfig):
 
     @property
     def calibration_is_meaningful(self) -> bool:
-        """True when some mini-batches see a policy that moved since the old log-probs (DESIGN.md, Schedules).
+        """True when some mini-batches see a policy that moved since the old log-probs (docs/DESIGN.md, Schedules).
 
         TRL 1.16's own condition for computing old log-probs (GRPOTrainer._generate_and_score_completions): an
         optimizer step falls inside a generation round of steps_per_generation * num_iterations micro-batches

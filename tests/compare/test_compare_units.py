@@ -432,7 +432,7 @@ def test_command_refuses_bad_input_before_running(tmp_path, capsys):
 
 
 def test_an_arm_can_name_an_fp8_recipe():
-    """Issue 12: speed and dropout of the granularities side by side, one arm per recipe."""
+    """Speed and dropout of the granularities side by side, one arm per recipe."""
     pytest.importorskip("torchao", reason="the rowwise recipe converts through torchao (calclip[torchao])")
     root = Path(__file__).resolve().parents[2]
     arm = arms.parse_arm_spec("rowwise_static:fp8=true,fp8_recipe=rowwise,clip_mode=static,tis_mode=none")
@@ -458,7 +458,7 @@ def test_the_evidence_config_leaves_the_arm_fields_to_the_arms():
     raw = yaml.safe_load(path.read_text())
     assert not set(raw) & arms.arm_fields(list(arms.PRESETS.values()))
     script_args, args = parse_train_args(["--config", str(path)])
-    # The issue's evidence: the embedded model, >= 300 optimizer steps; resumes land on generation-cycle ends.
+    # The evidence runs' setting (docs/evidence.md): the embedded model, >= 300 optimizer steps; resumes land on generation-cycle ends.
     assert script_args.model_name_or_path == "default" and args.max_steps >= 300
     assert args.save_steps % (args.steps_per_generation * args.num_iterations) == 0
 

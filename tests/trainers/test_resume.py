@@ -162,7 +162,7 @@ def test_resume_true_without_any_complete_checkpoint_fails_naming_the_folder(sav
 
 @pytest.mark.slow
 def test_a_killed_run_resumed_with_true_finishes_from_the_previous_checkpoint(saved_run, tmp_path):
-    """The issue's case end to end: trainer_state.json of the newest folder missing, the resumed run trains on."""
+    """A run killed mid-save, end to end: trainer_state.json of the newest folder missing, the resumed run trains on."""
     run = _copy(saved_run, tmp_path)
     os.remove(run / "checkpoint-4" / "trainer_state.json")
     callback = _StopAtTrainBegin(stop=False)

@@ -66,7 +66,7 @@ def _fused_quant_gemm_step(acc, row_bad, x_ptrs, row_mask, b_ptrs, sb_ptrs, k0, 
     # The masked elements (padding rows of a decode tile, a ragged group's tail) divide 1 instead of 0 and their
     # code is then set to 0, the code 0 / scale gives. A zero dividend over the floor scale takes the IEEE
     # division's slow path, and at decode's M << BLOCK_M nearly every element of the tile is padding: on the H200
-    # M=1 ran slower than M=64 before (55 vs 27 us per call at K=N=576), 15 vs 22 us after (docs/benchmarks.md).
+    # M=1 ran slower than M=64 before (55 vs 27 us per call at K=N=576), 15 vs 22 us after (docs/benchmarks-log.md).
     codes = _scaled_codes(tl.where(valid, x, 1.0), sa[:, None], nonfinite[:, None])
     a = _e4m3fn_in_registers(tl.where(valid, codes, 0.0), SOFT_FP8)
     b = tl.load(b_ptrs + offs_k[:, None] * stride_bk, mask=k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
@@ -131,7 +131,7 @@ def _fp8_linear_fused_quant_kernel(
 # upcast to f16, which sums a K block with other rounding; one MMA family keeps the outputs independent of which
 # config the autotuner picks, and equal to the unfused path's. Masked rows cost no memory traffic, but every program
 # quantizes its BLOCK_M x 128 x tile per K step (an IEEE division per element): on the H200 the first configs (4
-# warps) took 1.5-31x the GPU time of quantize + GEMM (docs/benchmarks.md), so 8-warp configs share that work among
+# warps) took 1.5-31x the GPU time of quantize + GEMM (docs/benchmarks-log.md), so 8-warp configs share that work among
 # more warps; the kernel stays slower than the two launches on the GPU and pays only where the host's time decides.
 # BLOCK_N 32 gives narrow layers (SmolLM2's k/v, N = 192) more programs.
 _FUSED_DEFAULT = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=3)

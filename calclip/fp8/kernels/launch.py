@@ -105,7 +105,7 @@ class _Tuned:
     ``CALCLIP_TRITON_AUTOTUNE=0`` always use the first (default) config.
 
     The timings persist in Triton's on-disk cache (``cache_results``; off with ``CALCLIP_TRITON_AUTOTUNE_CACHE=0``):
-    in the first H200 comparison (docs/benchmarks.md, 2026-12-01) every FP8 process spent ~190 s more than BF16 on
+    in the first H200 comparison (docs/benchmarks-log.md, 2026-12-01) every FP8 process spent ~190 s more than BF16 on
     its first step, twelve processes compiling and timing the same configs at once.
     """
 
