@@ -56,6 +56,12 @@ def imports_of(path: Path, name: str, modules: dict, top: str) -> set[str]:
     return out
 
 
+def graph_of(root: Path) -> tuple[dict[str, tuple[Path, int]], dict[str, set[str]]]:
+    """(module -> (path, lines), module -> the package-internal modules it imports) for the package at ``root``."""
+    modules = collect(root)
+    return modules, {m: imports_of(path, m, modules, root.name) for m, (path, _) in modules.items()}
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's strongly connected components of size > 1 (or a self-loop)."""
     index: dict[str, int] = {}
@@ -100,9 +106,8 @@ def main(argv=None) -> int:
     p.add_argument("--edges", action="store_true", help="list each module's calclip imports")
     args = p.parse_args(argv)
     root = Path(args.root).resolve()
-    modules = collect(root)
+    modules, graph = graph_of(root)
     top = root.name
-    graph = {m: imports_of(path, m, modules, top) for m, (path, _) in modules.items()}
     print(f"{'module':44s} {'lines':>6s}  imports")
     for m in sorted(modules):
         deps = sorted(graph[m])

@@ -15,6 +15,8 @@ from calclip.fp8 import reference as ref  # noqa: E402
 from calclip.fp8 import kernels as tk  # noqa: E402
 from calclip.fp8.gemm import fp8_block_gemm, resolve_backend  # noqa: E402
 
+from _sqnr import sqnr_db  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 # FP8 E4M3 with 1x128 / 128x128 scales rounds each operand to 3 mantissa bits: ~29 dB per product on random
@@ -23,11 +25,6 @@ SQNR_FLOOR_DB = 25.0
 # Same codes and scales, different accumulation order (Hopper FP8 MMA: ~2**-14 within a K block) + bf16 output.
 BACKEND_VS_EMULATED_RTOL = 5e-3
 IS_SM90 = torch.cuda.get_device_capability()[0] == 9
-
-
-def _sqnr_db(y_ref, y):
-    y_ref, y = y_ref.double(), y.double()
-    return (10 * torch.log10(y_ref.pow(2).sum() / (y_ref - y).pow(2).sum().clamp_min(1e-300))).item()
 
 
 def _rel_err(y, y_ref):
@@ -217,7 +214,7 @@ def test_fp8_linear_vs_nn_linear_sqnr(b, t, k, n, gemm, backward):
     y_ref, dx_ref, dw_ref, db_ref = _run(ref_lin, x.float(), dy.float())
     y, dx, dw, db = _run(fp8, x, dy)
     assert y.dtype == dx.dtype == dw.dtype == torch.bfloat16
-    results = {"output": _sqnr_db(y_ref, y), "dgrad": _sqnr_db(dx_ref, dx), "wgrad": _sqnr_db(dw_ref, dw)}
+    results = {"output": sqnr_db(y_ref, y), "dgrad": sqnr_db(dx_ref, dx), "wgrad": sqnr_db(dw_ref, dw)}
     floors = {"output": SQNR_FLOOR_DB, "dgrad": SQNR_FLOOR_DB if backward == "fp8" else SQNR_FLOOR_DB + 3,
               "wgrad": SQNR_FLOOR_DB if backward == "fp8" else 40.0}  # bf16 wgrad sees unquantized x and dy
     for key, value in results.items():

@@ -27,6 +27,8 @@ import torch
 
 from calclip.fp8.config import BLOCK
 
+from _sqnr import sqnr_db
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -304,11 +306,6 @@ def test_decode_rows_take_split_k_only_where_it_splits(sweep):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
-    return (10 * torch.log10(ref.pow(2).sum() / (ref - got).pow(2).sum().clamp_min(1e-300))).item()
-
-
 def one_layer_model(f: Family, seed: int = 0, layers: int = 1, dtype=torch.float32, device="cpu"):
     """A random-weight LlamaModel (no embedding use, no LM head) with the family's linear dims and head counts."""
     from transformers import LlamaConfig, LlamaModel
@@ -344,8 +341,8 @@ def layer_sqnr(model_fp8, model_ref, f: Family, tokens: tuple[int, int], seed: i
         results.append((out.detach().double() - xi.detach().double(), xi.grad.double() - dyi.double(), grads))
     (y_ref, dx_ref, g_ref), (y, dx, g) = results
     assert g.keys() == g_ref.keys() and len(g) == 7 * len(model_ref.layers)
-    return {"output": _sqnr_db(y_ref, y), "dgrad": _sqnr_db(dx_ref, dx),
-            "wgrad": min(_sqnr_db(g_ref[n], g[n]) for n in g_ref)}
+    return {"output": sqnr_db(y_ref, y), "dgrad": sqnr_db(dx_ref, dx),
+            "wgrad": min(sqnr_db(g_ref[n], g[n]) for n in g_ref)}
 
 
 # One decoder layer (transformers' initialization), inputs_embeds and output gradient standard normal, 2 x 64 tokens,
