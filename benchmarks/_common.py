@@ -120,7 +120,7 @@ def fmt_ms(ms: float | None) -> str:
 
 
 def table(columns: list[str], rows: list[list[str]]) -> None:
-    """Print a Markdown table (pastes straight into docs/benchmarks.md)."""
+    """Print a Markdown table (pastes straight into docs/benchmarks-log.md)."""
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
     print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
     print("| " + " | ".join("-" * w for w in widths) + " |")

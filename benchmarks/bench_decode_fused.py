@@ -243,7 +243,7 @@ def decode_section(opts) -> None:
     fp32_masters = opts.masters == "fp32"
     # fp32 masters + bf16 autocast, as calclip's own configs train: the residual stream stays fp32, which the
     # fused kernel rounds in registers (no cast launch). Graphed generate crashes with fp32 masters under autocast
-    # (transformers' static cache takes the prefill's fp32 keys; docs/benchmarks.md), so only eager runs then.
+    # (transformers' static cache takes the prefill's fp32 keys; docs/benchmarks-log.md), so only eager runs then.
     settings = [s for s in opts.settings if not (fp32_masters and SETTINGS[s])]
     if len(settings) < len(opts.settings):
         print("-- decode: --masters fp32 runs the eager setting only (graphed generate refuses fp32 masters under "

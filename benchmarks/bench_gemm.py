@@ -6,7 +6,7 @@
 Columns: BF16 F.linear(x, W); FP8 GEMM alone on pre-quantized operands (the weight is quantized once and
 cached in training, so this is the GEMM's own speed); FP8 GEMM + the 1x128 activation quantization of x (what
 the forward of FP8BlockLinear pays per call). Ratios are BF16 time / FP8 time (> 1 is faster). Target
-(issue 3): forward GEMM path >= 1.45x BF16.
+(docs/benchmarks.md, Kernels): forward GEMM path >= 1.45x BF16.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
     header("bench_gemm: forward GEMM, FP8 block vs BF16")
 
-    tk = try_import("calclip.fp8.triton_kernels")
+    tk = try_import("calclip.fp8.kernels")
     gemm = try_import("calclip.fp8.gemm")
     if tk is None:
         print("!! no Triton kernels: nothing FP8 to measure")

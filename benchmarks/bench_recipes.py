@@ -1,6 +1,6 @@
-"""Each FP8 recipe (``fp8_recipe``: blockwise, rowwise, tensorwise) against BF16, in one run (issue 12).
+"""Each FP8 recipe (``fp8_recipe``: blockwise, rowwise, tensorwise) against BF16, in one run.
 
-Speed: model-level fwd+bwd+AdamW step of a random-weight Llama (the model rows of issue 8: 8 layers hidden 2048
+Speed: model-level fwd+bwd+AdamW step of a random-weight Llama (the model rows of docs/benchmarks.md: 8 layers hidden 2048
 intermediate 8192, and 4 layers hidden 4096 intermediate 14336; 8 x 2048 tokens, bf16 weights, fused AdamW,
 HF causal-LM loss; LM head and embeddings BF16 in every arm), eager and torch.compile'd. Every arm has its own
 model built from the same seed; arms are interleaved (round r runs each arm's steps in turn) and each arm's

@@ -1,4 +1,4 @@
-"""Issue 8's speed table in one run: BF16 vs calclip FP8 (eager and torch.compile) vs torchao, as Markdown.
+"""The FP8 speed table of docs/benchmarks.md in one run: BF16 vs calclip FP8 (eager and torch.compile) vs torchao, as Markdown.
 
     python benchmarks/bench_speed.py                          # every section, H200 (see benchmarks/README.md)
     python benchmarks/bench_speed.py --only layer,model       # some sections
@@ -31,9 +31,9 @@ Sections (``--only``), each printed (and flushed) as soon as it is done:
   between CUDA events recorded by a logits processor after the first and the last token (prefill excluded).
 - ``trainer``: ``bench_trainer_step.py``'s default config through its own functions: median optimizer-step
   time of CalibratedGRPOTrainer runs (HF generate inside), BF16 vs FP8.
-- ``smollm``: ``calclip train`` equivalents (``calclip.cli.parse_train_args`` + ``build_trainer``) on the
+- ``smollm``: ``calclip train`` equivalents (``calclip.cli.arguments.parse_train_args`` + ``calclip.cli.train.build_trainer``) on the
   embedded SmolLM2-135M-Instruct with configs/bf16_static.yaml and configs/fp8_calibrated.yaml, fp32 master
-  weights (``--model_dtype float32``, bf16 autocast: the issue's setting); ratio FP8/BF16 time as in issue 8.
+  weights (``--model_dtype float32``, bf16 autocast: the target's setting); ratio FP8/BF16 time, as the target states it.
 
 Method: arms are interleaved (A B C A B C ...) over ``--repeats`` rounds after a warm-up per arm; medians over
 rounds with the [min-max] spread; ratios are the median of the per-round ratios (arms of one round ran
@@ -73,7 +73,7 @@ from _common import git_commit, package_version, rotating, table
 SECTIONS = ("layer", "model", "decode", "trainer", "smollm")
 ROOT = Path(__file__).resolve().parents[1]
 
-# (M, K, N) of issue 8's layer rows.
+# (M, K, N) of docs/benchmarks.md's layer rows.
 LAYER_SHAPES = ((2048, 4096, 4096), (8192, 2048, 2048), (8192, 4096, 14336))
 TINY_LAYER_SHAPES = ((128, 256, 256), (256, 128, 384))
 
@@ -99,7 +99,7 @@ class ModelRow:
 
 # Named architectures (--models): the dims of each model's config.json on the Hugging Face hub, as in
 # tests/fp8/test_model_dims.py's table (tests/test_bench_speed.py checks they agree), with the layer count and batch
-# of issue 28's rows: few layers, so the compiled peers of three rows finish within one 10-minute device call.
+# of the model rows: few layers, so the compiled peers of three rows finish within one 10-minute device call.
 NAMED_MODELS = {row.name: row for row in (
     ModelRow("qwen2.5-1.5b", 1536, 8960, 12, 2, layers=8, head_dim=128, batch=8),
     ModelRow("qwen2.5-7b", 3584, 18944, 28, 4, layers=3, head_dim=128, batch=4),
@@ -107,7 +107,7 @@ NAMED_MODELS = {row.name: row for row in (
     ModelRow("qwen2.5-0.5b", 896, 4864, 14, 2, layers=8, head_dim=64, batch=8),
     ModelRow("qwen3-8b", 4096, 12288, 32, 8, layers=3, head_dim=128, batch=4),
     ModelRow("smollm2-135m", 576, 1536, 9, 3, layers=30, head_dim=64, batch=8),
-    # issue 8's synthetic rows (head dim 128, no grouped-query attention)
+    # the original synthetic rows (head dim 128, no grouped-query attention)
     ModelRow("h2048", 2048, 8192, 16, 16, layers=8),
     ModelRow("h4096", 4096, 14336, 32, 32, layers=4),
 )}
@@ -470,7 +470,7 @@ def build_row_model(row: ModelRow, vocab: int, device, seed: int = 0) -> nn.Modu
 
 def parse_model_rows(text: str) -> tuple[ModelRow, ...]:
     """``--models``: comma-separated rows, each a name of NAMED_MODELS (optionally ``name:LAYERS`` or
-    ``name:LAYERS:BATCH``), ``HIDDEN:INTERMEDIATE:HEADS:KV_HEADS:LAYERS[:BATCH]``, or issue 8's
+    ``name:LAYERS:BATCH``), ``HIDDEN:INTERMEDIATE:HEADS:KV_HEADS:LAYERS[:BATCH]``, or the synthetic
     ``LAYERSxHIDDENxINTERMEDIATE`` (head dim 128, no GQA). Raises ValueError naming the bad item."""
     rows = []
     for item in (part.strip() for part in text.split(",")):
@@ -955,7 +955,8 @@ SMOLLM_CONFIGS = {"bf16_static": "configs/bf16_static.yaml", "fp8_calibrated": "
 
 def smollm_section(opts, sizes: Sizes) -> None:
     import bench_trainer_step as bts
-    from calclip.cli import build_trainer, parse_train_args, resolve_dtype
+    from calclip.cli.arguments import parse_train_args, resolve_dtype
+    from calclip.cli.train import build_trainer
     from calclip.models import load_model
 
     steps = opts.smollm_warmup + opts.smollm_steps
@@ -1003,12 +1004,12 @@ def smollm_section(opts, sizes: Sizes) -> None:
                 except Exception as err:  # noqa: BLE001
                     print(f"   !! smollm {name} failed: {short_error(err)}", flush=True)
                 free_memory()
-    rows = summarize_runs(times, "bf16_static", run_over_base=True)  # issue 8 states this row as FP8 / BF16
+    rows = summarize_runs(times, "bf16_static", run_over_base=True)  # the target states this row as FP8 / BF16
     print(f"\n### smollm: `calclip train` on SmolLM2-135M-Instruct{' (tiny stand-in)' if opts.tiny else ''}, "
           f"master weights {opts.smollm_dtype}, optimizer-step time (s), {opts.run_rounds} round(s) x "
           f"{opts.smollm_steps} timed steps after {opts.smollm_warmup} warm-up")
     table(["config", "median step s [min-max]", "mean step s", "run/BF16 (median)", "run/BF16 (mean)"], rows)
-    print("Ratios here are run time / BF16 time (issue 8's form: < 1.5x is the target). Generation happens every "
+    print("Ratios here are run time / BF16 time (the target's form: < 1.5x). Generation happens every "
           "4th step (steps_per_generation 4, GA 1): the mean over whole cycles is the throughput figure, the "
           "median is a training step without generation.", flush=True)
 
@@ -1059,7 +1060,7 @@ def parse_args(argv=None):
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; "
                         "aot_eager with --tiny)")
     parser.add_argument("--layer-shapes", default=None,
-                        help="layer rows as MxKxN,... (default: issue 8's three; the --tiny ones with --tiny)")
+                        help="layer rows as MxKxN,... (default: docs/benchmarks.md's three; the --tiny ones with --tiny)")
     parser.add_argument("--models", default=None,
                         help="model rows, comma-separated: a named architecture (" + ", ".join(NAMED_MODELS)
                         + "; NAME:LAYERS or NAME:LAYERS:BATCH to change its layers / sequences), "

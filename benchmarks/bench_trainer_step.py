@@ -1,4 +1,4 @@
-"""FP8 vs BF16 CalibratedGRPOTrainer step time on one GPU (issue 4's H200 check).
+"""FP8 vs BF16 CalibratedGRPOTrainer step time on one GPU (the trainer-step row of docs/benchmarks.md).
 
 A randomly initialized Llama whose linear dims are multiples of 512 (so the forward and dgrad GEMMs take the
 torch._scaled_mm path), the character-level test tokenizer and the offline arithmetic prompts. Three runs of

@@ -1,4 +1,4 @@
-"""vLLM rollouts on calclip's own FP8 codes (issue 27), measured on one GPU: numerics, decode speed, GRPO step.
+"""vLLM rollouts on calclip's own FP8 codes , measured on one GPU: numerics, decode speed, GRPO step.
 
     export PYTHONPATH=/tmp/vsite VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
     python benchmarks/bench_vllm.py                      # parts ops,mismatch,decode (estimated 8-10 min cold)
@@ -35,7 +35,7 @@ grpo       one CalibratedGRPOTrainer step with vLLM colocate rollouts, ``fp8`` t
            (median of the steps after the first).
 
 Models (``--models``): ``llama3_8b`` (Llama-3-8B dims: hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
-vocab 128256; ``--layers`` layers, random weights), ``issue_probe`` (the issue's probe dims: 2 layers, hidden 1024,
+vocab 128256; ``--layers`` layers, random weights), ``issue_probe`` (the dims of the original mismatch probe: 2 layers, hidden 1024,
 intermediate 2816, 8 heads / 4 KV, vocab 32000), ``smollm2`` (SmolLM2-135M-Instruct from ``--smollm2-gguf``, a
 GGUF file transformers dequantizes; needs the ``gguf`` package). Random models get their LM head redrawn with std
 ``--logit-std`` / sqrt(hidden), i.e. logits of std ~``--logit-std`` after the final RMSNorm, so the sampled
@@ -523,7 +523,7 @@ def part_mismatch(opts) -> None:
                    "engine holds trainer codes", "sync ms"], rows)
     print("FP8 engines are compared with calclip's FP8 forward (same codes), BF16 with the HF BF16 forward. floor: "
           "the trainer model with eager vs SDPA attention on the same tokens (BF16-level noise through the model). "
-          "Target (issue 27): FP8 calclip tmpe minus BF16 tmpe <= 0.01.", flush=True)
+          "Target (docs/vllm.md): FP8 calclip tmpe minus BF16 tmpe <= 0.01.", flush=True)
     for r in results:
         if r.get("minus_bf16_control") is not None:
             print(f"   {r['model']} {r['stage']} {r['arm']}: minus BF16 control = {r['minus_bf16_control']:+.4f}")

@@ -41,7 +41,7 @@ def _split(loaded, split: str, field_name: str, dataset_name: str):
 
 
 def load_prompt_datasets(script_args, task, *, seed: int, evaluate: bool):
-    """``(train_dataset, eval_dataset)`` for a run from `calclip.cli.ScriptArguments`-like fields (module
+    """``(train_dataset, eval_dataset)`` for a run from `calclip.cli.arguments.ScriptArguments`-like fields (module
     docstring). ``evaluate``: whether the run evaluates (``eval_strategy != "no"``); only ``dataset_name`` datasets
     bring an eval split, as in TRL's scripts."""
     if script_args.dataset_name:

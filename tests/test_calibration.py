@@ -55,7 +55,7 @@ def _reference_high_balance(pos_q, target):
 
 
 def reference_bounds(rb, rq, adv, mask, eps_low, eps_high, upper, target_slack=0.0):
-    """DESIGN.md steps 1-5 with loops and numpy.quantile. target_slack scales the balance target by
+    """docs/DESIGN.md steps 1-5 with loops and numpy.quantile. target_slack scales the balance target by
     (1 + target_slack) so a test can bracket H when the target sits on a data step up to rounding."""
     neg, pos = _tokens(rb, rq, adv, mask)
     base_low, base_high = 1 - eps_low, 1 + eps_high

@@ -1,4 +1,4 @@
-"""The calibration on enough tokens (DESIGN.md steps 8-10): pooling over mini-batches, the minimum-evidence rule,
+"""The calibration on enough tokens (docs/DESIGN.md steps 8-10): pooling over mini-batches, the minimum-evidence rule,
 default rails that never make the trust region tighter than static, out-of-sample drop scores, the oracle bounds,
 and the checks of a saved calibrator state."""
 

@@ -10,6 +10,10 @@ import pytest
 import torch
 
 from calclip import cli
+from calclip.cli.arguments import parse_train_args
+from calclip.cli.demo import DEMO_TABLE_COLUMNS, demo, format_metrics_table
+from calclip.cli.diagnose import diagnose
+from calclip.cli.train import build_trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_YAML = str(ROOT / "configs" / "demo.yaml")
@@ -48,10 +52,10 @@ def test_format_metrics_table_hand_worked():
          "mismatch/fp8_bf16_token_mult_prob_error": float("nan"), "step": 2},
         {"train_runtime": 3.0, "step": 2},  # the end-of-training summary is not a row
     ]
-    lines = cli.format_metrics_table(history).splitlines()
+    lines = format_metrics_table(history).splitlines()
     assert len(lines) == 4
     assert [cell.strip() for cell in lines[0].split("  ") if cell.strip()] == [
-        title for title, _, _ in cli.DEMO_TABLE_COLUMNS
+        title for title, _, _ in DEMO_TABLE_COLUMNS
     ]
     assert set(lines[1]) == {"-", " "}
     assert lines[2].split() == ["1", "0.500", "1.250", "0.600", "1.800", "-", "-", "-", "-", "-"]
@@ -70,7 +74,7 @@ def test_train_on_tiny_model_via_python_entry(tmp_path):
         "--num_train_examples", "16",
         "--save_final_model", "true",
     ]
-    trainer = cli.train(argv)
+    trainer = train(argv)
     assert trainer.state.global_step == 2
     assert trainer.args.fp8 and trainer.args.clip_mode == "calibrated"  # from demo.yaml
     assert trainer.reward_func_names == ["arithmetic_reward", "format_reward"]  # the arithmetic task's rewards
@@ -93,14 +97,14 @@ def test_train_with_local_dataset_and_dapo(tmp_path):
     data = tmp_path / "data.jsonl"
     rows = [{"prompt": [{"role": "user", "content": f"{i}+1=?"}], "answer": i + 1} for i in range(8)]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    script_args, args = cli.parse_train_args([
+    script_args, args = parse_train_args([
         "--config", str(ROOT / "configs" / "dapo_fp8_calibrated.yaml"),
         "--model_name_or_path", "tiny", "--dataset_path", str(data), "--output_dir", str(tmp_path / "out"),
         "--report_to", "none", "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4",
         "--steps_per_generation", "2", "--max_completion_length", "8", "--overlong_buffer_length", "4",
         "--dynamic_sampling_max_rounds", "1", "--gradient_checkpointing", "false",
     ])
-    trainer = cli.build_trainer(script_args, args)
+    trainer = build_trainer(script_args, args)
     from calclip.trainers.dapo import CalibratedDAPOTrainer
 
     assert isinstance(trainer, CalibratedDAPOTrainer)
@@ -115,7 +119,7 @@ def test_demo_on_tiny_model_prints_table_and_writes_offline_wandb_run(tmp_path, 
     pytest.importorskip("wandb")
     for name in ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT"):
         monkeypatch.delenv(name, raising=False)
-    trainer = cli.demo(["--model", "tiny", "--max-steps", "2", "--output-dir", str(tmp_path)])
+    trainer = demo(["--model", "tiny", "--max-steps", "2", "--output-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert os.environ["WANDB_MODE"] == "offline"
     assert trainer.state.global_step == 2 and "wandb" in trainer.args.report_to
@@ -128,7 +132,7 @@ def test_demo_on_tiny_model_prints_table_and_writes_offline_wandb_run(tmp_path, 
 
 
 def test_diagnose_tiny(capsys):
-    result = cli.diagnose(["--model", "tiny", "--seq-len", "32"])
+    result = diagnose(["--model", "tiny", "--seq-len", "32"])
     out = capsys.readouterr().out
     assert result["torch"] == torch.__version__ and "trl" in result and "torch._scaled_mm" in result
     assert result["tokens"] == 4 * 31

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from calclip.cli import DEMO_CONFIG, ScriptArguments, parse_train_args
+from calclip.cli.arguments import ScriptArguments, parse_train_args
+from calclip.cli.demo import DEMO_CONFIG
 from calclip.trainers.config import CalibratedDAPOConfig, CalibratedGRPOConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"

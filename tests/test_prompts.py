@@ -1,10 +1,13 @@
 """Prompts the TRL way: dataset_name / dataset_config / dataset_train_split / dataset_test_split / dataset_streaming."""
 
 import json
+from pathlib import Path
 
 import pytest
 
-from calclip import cli, prompts
+from calclip import prompts
+from calclip.cli.arguments import ScriptArguments, parse_train_args
+from calclip.cli.train import build_trainer
 
 
 def write_split(folder, split, rows):
@@ -64,16 +67,16 @@ def test_hub_dataset_offline_fails_in_datasets_not_calclip():
 
 def test_dataset_name_and_dataset_path_together_are_refused():
     with pytest.raises(ValueError, match="dataset_name .* or dataset_path .*not both"):
-        cli.ScriptArguments(dataset_name="a/b", dataset_path="data.jsonl")
+        ScriptArguments(dataset_name="a/b", dataset_path="data.jsonl")
 
 
 def test_train_builds_on_dataset_name_with_eval_split(local_dataset, tmp_path):
-    script_args, args = cli.parse_train_args([
-        "--config", str(cli.Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"),
+    script_args, args = parse_train_args([
+        "--config", str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"),
         "--model_name_or_path", "tiny", "--dataset_name", str(local_dataset), "--output_dir", str(tmp_path / "out"),
         "--report_to", "none", "--eval_strategy", "steps", "--eval_steps", "10", "--per_device_eval_batch_size", "4",
     ])
-    trainer = cli.build_trainer(script_args, args)
+    trainer = build_trainer(script_args, args)
     assert len(trainer.train_dataset) == 8 and trainer.train_dataset[7]["answer"] == 8
     assert len(trainer.eval_dataset) == 3
 
@@ -81,13 +84,13 @@ def test_train_builds_on_dataset_name_with_eval_split(local_dataset, tmp_path):
 def test_train_hub_model_id_goes_to_trl_and_fails_offline_in_transformers(tmp_path):
     # As trl/scripts/grpo.py: the id is the trainer's `model`, loaded by TRL with model_init_kwargs; offline the
     # error is transformers'.
-    script_args, args = cli.parse_train_args([
+    script_args, args = parse_train_args([
         "--model_name_or_path", "calclip-tests/no-such-model-anywhere", "--output_dir", str(tmp_path),
         "--report_to", "none", "--num_train_examples", "8", "--model_revision", "v2",
         "--model_init_kwargs", '{"attn_implementation": "eager"}',
     ])
     with pytest.raises(OSError) as error:
-        cli.build_trainer(script_args, args)
+        build_trainer(script_args, args)
     raised_in = str(error.traceback[-1].path)
     assert "/transformers/" in raised_in or "/huggingface_hub/" in raised_in, raised_in
     assert args.model_init_kwargs["revision"] == "v2" and args.model_init_kwargs["attn_implementation"] == "eager"
@@ -100,11 +103,11 @@ def test_train_local_folder_model_loaded_by_trl(tmp_path):
     tokenizer = build_tiny_tokenizer()
     build_tiny_model(tokenizer).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    script_args, args = cli.parse_train_args([
+    script_args, args = parse_train_args([
         "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out"), "--report_to", "none",
         "--num_train_examples", "8", "--fp8", "true",
     ])
-    trainer = cli.build_trainer(script_args, args)
+    trainer = build_trainer(script_args, args)
     assert trainer.model.config.vocab_size == len(tokenizer)
     assert trainer.processing_class.padding_side == "left"  # TRL's own tokenizer loading
     from calclip.fp8 import FP8BlockLinear

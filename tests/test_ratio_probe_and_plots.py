@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from calclip import cli
+from calclip.cli.diagnose import diagnose
 from calclip.calibration import calibrate_bounds
 from calclip.ratio_distributions import dropped_shares
 from calclip.ratio_probe import probe_moved_policy, synthetic_advantages
@@ -67,14 +67,14 @@ def test_plot_writes_a_png_and_returns_the_shares_it_shows(probe, tmp_path):
 def test_missing_matplotlib_names_the_plot_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(ModuleNotFoundError, match=r'pip install "calclip\[plot\]"'):
-        cli.diagnose(["--plot", str(tmp_path / "x.png")])
+        diagnose(["--plot", str(tmp_path / "x.png")])
     assert not (tmp_path / "x.png").exists()
 
 
 def test_diagnose_plot_on_tiny_model(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "ratios.png"
-    report = cli.diagnose(["--plot", str(path), "--seq-len", "32", "--update-steps", "2", "--lr", "1e-3"])
+    report = diagnose(["--plot", str(path), "--seq-len", "32", "--update-steps", "2", "--lr", "1e-3"])
     out = capsys.readouterr().out
     assert path.stat().st_size > 20_000 and f"figure                   {path}" in out
     assert 0.0 < report["plot/low"] <= 1.0 <= report["plot/high"]

@@ -1,4 +1,4 @@
-"""One-off H200 probe for issue 8's first fast-path commit: is the new FP8BlockLinear right and fast on the GPU,
+"""One-off H200 probe for the first commit of FP8BlockLinear's fast host path: is the new FP8BlockLinear right and fast on the GPU,
 and do torch.compile (Inductor) and HF's CUDA-graphed static-cache decode work with it?
 
     python benchmarks/probes/fp8_fastpath_probe.py [--skip-model] [--skip-decode]

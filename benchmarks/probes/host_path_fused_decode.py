@@ -1,8 +1,8 @@
 """Host (Python) time of one eager fused-decode FP8BlockLinear call, without a GPU.
 
-The layer takes its CUDA path on CPU tensors by pretending they are CUDA (``triton_kernels._check_device``) and
+The layer takes its CUDA path on CPU tensors by pretending they are CUDA (``kernels.launch._check_device``) and
 stubbing out Triton's C launcher (``_fast_launch``), with the autotune choice fixed to the default config: what is
-timed is calclip's Python from the module call to the launch, broken down by wrapper (docs/benchmarks.md, fourth
+timed is calclip's Python from the module call to the launch, broken down by wrapper (docs/benchmarks-log.md, fourth
 session of 2026-12-01). Not a benchmark of the kernel; the numbers are this CPU's.
 
     python benchmarks/probes/host_path_fused_decode.py [--m 64] [--k 576] [--n 576]
@@ -41,9 +41,12 @@ def main() -> None:
     tk = quant.triton_kernels()
     if tk is None:
         raise SystemExit("needs triton importable")
-    tk._check_device = lambda *tensors: False  # "CUDA": the hardware-fp8 launch path
-    tk._fast_launch = lambda *args, **kwargs: None  # Triton's C launcher is not timed
-    tuned = tk._fp8_linear_fused_quant_tuned
+    from calclip.fp8.kernels import fused_decode, launch
+
+    for module in (launch, fused_decode):  # each kernel module holds its own reference to the check
+        module._check_device = lambda *tensors: False  # "CUDA": the hardware-fp8 launch path
+    launch._fast_launch = lambda *args, **kwargs: None  # Triton's C launcher is not timed
+    tuned = fused_decode._fp8_linear_fused_quant_tuned
 
     class DefaultChoice(dict):
         def get(self, key, default=None):

@@ -1,14 +1,14 @@
 """Host (Python) time of one eager training FP8BlockLinear forward + backward, without a GPU.
 
 The layer's CUDA code path runs on CPU tensors: the quantizer dispatch picks calclip's Triton wrappers for every
-tensor, the wrappers believe the tensors are CUDA ones (``triton_kernels._check_device``), calclip's launch path
+tensor, the wrappers believe the tensors are CUDA ones (``kernels.launch._check_device``), calclip's launch path
 (``_fast_launch``) runs up to the compiled kernel's C launcher, which is a no-op, every autotuned kernel uses its
 default config, and the GEMM backend is calclip's
 Triton GEMM (as for SmolLM2's K=576, which ``torch._scaled_mm``'s blockwise path cannot take). Outputs are
 uninitialised memory: what is timed is calclip's Python and torch's dispatch, autograd included, from the module
 call to the last launch of the backward, per layer of a chain of ``--layers`` (one ``backward()`` per chain, as in
 a model). A chain of nn.Linear at 8 x 128 x 128 (its CPU matmuls take a few us) is printed beside it: roughly
-what a BF16 layer costs the host. Not a benchmark of the kernels; the numbers are this CPU's (docs/benchmarks.md).
+what a BF16 layer costs the host. Not a benchmark of the kernels; the numbers are this CPU's (docs/benchmarks-log.md).
 
     python benchmarks/probes/host_path_train.py [--m 256] [--k 576] [--n 576] [--dtype bf16] [--layers 8] [--profile]
 """
@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from calclip.fp8 import FP8BlockLinear, Fp8Config, gemm, linear, quant, reference  # noqa: E402
+from calclip.fp8 import FP8BlockLinear, Fp8Config, gemm, linear_math, quant, reference  # noqa: E402
+from calclip.fp8.weight_codes import invalidate_fp8_weight_caches  # noqa: E402
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -42,7 +43,12 @@ def stub_launches() -> object:
     tk = quant.triton_kernels()
     if tk is None:
         raise SystemExit("needs triton importable")
-    tk._check_device = lambda *tensors: False  # "CUDA": the hardware-fp8 launch path
+    from calclip.fp8.kernels import block_gemm, fused_decode, launch, quantize, splitk_gemm
+
+    modules = (launch, quantize, block_gemm, splitk_gemm, fused_decode)
+    for module in modules:  # each kernel module holds its own reference to the check
+        if hasattr(module, "_check_device"):
+            module._check_device = lambda *tensors: False  # "CUDA": the hardware-fp8 launch path
 
     # _fast_launch runs as on a GPU (its cache key, hooks and stream lookup are timed); only the compiled kernel's C
     # launcher, the one call that would reach CUDA, is a no-op.
@@ -61,7 +67,7 @@ def stub_launches() -> object:
         def get(self, key, default=None):
             return (CompiledStub, ())
 
-    tk._compiled_launches = EveryKernelCompiled()
+    launch._compiled_launches = EveryKernelCompiled()
     torch.cuda.current_device = lambda: 0
     torch._C._cuda_getCurrentRawStream = lambda device: 0
 
@@ -73,17 +79,17 @@ def stub_launches() -> object:
         def get(self, key, default=None):
             return self.tuned._default_launch
 
-    for value in list(vars(tk).values()) + list(getattr(tk, "_count_tuned", {}).values()):
-        if isinstance(value, tk._Tuned):
+    for value in [v for module in modules for v in vars(module).values()] + list(quantize._count_tuned.values()):
+        if isinstance(value, launch._Tuned):
             value.chosen = DefaultChoice(value)
-    real_count = tk._counting_kernel
+    real_count = quantize._counting_kernel
 
     def counting_kernel(groups):
         tuned = real_count(groups)
         tuned.chosen = DefaultChoice(tuned)
         return tuned
 
-    tk._counting_kernel = counting_kernel
+    quantize._counting_kernel = counting_kernel
 
     def impl(x, name, block):  # every tensor takes the Triton wrapper, as CUDA tensors do
         return getattr(tk, name, None) or getattr(reference, name)
@@ -97,8 +103,8 @@ def stub_launches() -> object:
     quant.requantize_128x128_ = requantize
     forced = lambda backend, *args, **kwargs: "triton"  # noqa: E731
     gemm.resolve_backend = forced
-    linear.resolve_backend = forced
-    linear._gemm_choice.clear()
+    linear_math.resolve_backend = forced
+    linear_math._gemm_choice.clear()
     return tk
 
 
@@ -162,7 +168,7 @@ def main() -> None:
     x2 = x.detach()
 
     def refresh():
-        linear.invalidate_fp8_weight_caches()
+        invalidate_fp8_weight_caches()
         layer._refresh_weight_codes()
     qx, sx = quant.quantize_1x128(x2, gemm_layout=True)
     rows = {
@@ -173,7 +179,7 @@ def main() -> None:
             x2, gemm_layout=True, nonfinite_count=count, weight_bad=bad), opts.calls * 5),
         "  quantize_1x128 (wrapper)": per_call_us(lambda: quant.quantize_1x128(x2, gemm_layout=True), opts.calls * 5),
         "  quantize_128x1 (wrapper)": per_call_us(lambda: quant.quantize_128x1(x2, gemm_layout=True), opts.calls * 5),
-        "  GEMM (linear._gemm, Triton wrapper)": per_call_us(lambda: linear._gemm(
+        "  GEMM (linear_math._gemm, Triton wrapper)": per_call_us(lambda: linear_math._gemm(
             qx, sx, qw, sw, dtype, "auto", "1x128", "128x128"), opts.calls * 5),
         "  weight-staleness check": per_call_us(layer._refresh_weight_codes, opts.calls * 5),
         "  weight refresh after a weight change (2 launches)": per_call_us(refresh, opts.calls * 5),

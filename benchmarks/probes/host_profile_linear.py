@@ -1,5 +1,5 @@
 """Where does FP8BlockLinear's host time go? cProfile (Python functions) and torch.profiler (ops, self CPU) of
-fwd+bwd calls at M=2048, K=N=4096, after warm-up. One-off probe for issue 8.
+fwd+bwd calls at M=2048, K=N=4096, after warm-up. One-off probe of the layer's host time.
 
     python benchmarks/probes/host_profile_linear.py
 """

@@ -1,6 +1,6 @@
 """Dynamo's guards on a compiled decoder forward, BF16 against calclip FP8: how many, of which kind, and how long
-one guard check takes (issue 8: the CUDA-graphed FP8 decode step is host-bound, ~1.2 ms slower per step than BF16's
-on the H200 while its kernels differ by 0.4 ms; docs/benchmarks.md, seventh session).
+one guard check takes (the CUDA-graphed FP8 decode step is host-bound, ~1.2 ms slower per step than BF16's
+on the H200 while its kernels differ by 0.4 ms; docs/benchmarks-log.md, seventh session).
 
 Every compiled call evaluates the guards of its cache entry before it runs the graph (or replays the CUDA graph).
 This probe compiles a random Llama's ``__call__`` (as transformers' ``generate`` does for its decode step), calls it,

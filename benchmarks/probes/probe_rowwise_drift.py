@@ -1,4 +1,4 @@
-"""Probe (issue 12): why did the rowwise recipe's FP8 forward drift from its BF16 shadow after one AdamW step?
+"""Probe: why did the rowwise recipe's FP8 forward drift from its BF16 shadow after one AdamW step?
 
 Measured on CPU (torch 2.13, torchao 0.18 emulation, SmolLM2-135M-Instruct fp32, one text of 24 tokens), with
 torchao's own rowwise recipe (scales rounded down to a power of two): token-mult-prob-error FP8 vs shadow 1.87

@@ -1,7 +1,7 @@
-"""Where one HF decode step's GPU time goes, per kernel, BF16 against calclip FP8 (issue 8's decode row).
+"""Where one HF decode step's GPU time goes, per kernel, BF16 against calclip FP8 (the decode row of docs/benchmarks.md).
 
-Issue 8's decode row (8L h2048 i8192, CUDA-graphed, batch 64) is 0.68x: FP8 3.80 ms per step against BF16's 2.56
-(docs/benchmarks.md, fifth session), and what the 1.2 ms are made of was estimated, not measured. This probe runs
+The decode row (8L h2048 i8192, CUDA-graphed, batch 64) is 0.68x: FP8 3.80 ms per step against BF16's 2.56
+(docs/benchmarks-log.md, fifth session), and what the 1.2 ms are made of was estimated, not measured. This probe runs
 HF ``generate`` under torch.profiler and sums CUDA kernel time by kernel name, per decode step:
 
     python benchmarks/probes/profile_decode.py                      # H200: 8L, batch 64, eager and graphed

@@ -1,5 +1,5 @@
 """Where one model training step's GPU time goes: GEMMs (BF16 / FP8), FP8 quantizers, attention, optimizer, fused
-elementwise (norms, RoPE, SiLU, loss), copies, other; BF16 compiled against calclip FP8 compiled (issue 28).
+elementwise (norms, RoPE, SiLU, loss), copies, other; BF16 compiled against calclip FP8 compiled (the model rows of docs/benchmarks.md).
 
 bench_speed.py's model rows say how fast a step is; this says where the time goes, from torch.profiler's CUDA kernel
 names, so one GPU run tells which speed lever to pull (a quantizer share larger than the GEMM time FP8 saves, say):
@@ -33,7 +33,7 @@ import _common  # noqa: E402,F401  (puts the repository root on sys.path)
 from _common import table  # noqa: E402
 
 # (category, pattern on the kernel name), first match wins. cuBLAS' FP8 kernels carry "qq" in their nvjet names
-# (docs/benchmarks.md's profiles: nvjet_sm90_qqtst_... for FP8, nvjet_sm90_tst_... for BF16).
+# (docs/benchmarks-log.md's profiles: nvjet_sm90_qqtst_... for FP8, nvjet_sm90_tst_... for BF16).
 CATEGORIES = (
     ("GEMM FP8", r"qqtst|_fp8_block_gemm|_fp8_splitk|_splitk_reduce|fp8_linear_fused_quant|blockwise_fp8_gemm|"
                  r"fp8.*gemm|gemm.*fp8|e4m3"),

@@ -58,14 +58,15 @@ from _common import fmt_ms, header, rotating, table  # noqa: E402  (also puts th
 
 from calclip.fp8 import quant  # noqa: E402
 from calclip.fp8 import reference as ref  # noqa: E402
-from calclip.fp8 import triton_kernels as tk  # noqa: E402
+from calclip.fp8 import kernels as tk  # noqa: E402
+from calclip.fp8.kernels import launch, numerics, quantize  # noqa: E402
 
 BLOCK = 128
-BUDGET_S = 75.0  # stop adding optional sweep points after this (the lead's window is ~2 min)
+BUDGET_S = 75.0  # stop adding optional sweep points after this (one device call's window is ~2 min)
 T0 = time.perf_counter()
 
 # ----------------------------------------------------------------------------------------------------------
-# Experimental copy of tk._quantize_1x128_and_128x1_kernel with switches. MATH: 0 exact div_rn (production),
+# Experimental copy of quantize._quantize_1x128_and_128x1_kernel with switches. MATH: 0 exact div_rn (production),
 # 1 multiply by a per-block reciprocal, 2 approximate '/', 3 no scaling at all, 4 no IEEE division at all (scale
 # by a multiply, codes by approximate '/'). ROW: do the 1x128 half.
 # COL: 0 no 128x1 half, 1 transposed store (production), 2 row-major store (wrong layout). K_FASTEST: grid
@@ -83,15 +84,15 @@ def _codes(x, scale, nonfinite, MATH: tl.constexpr):
         c = x / scale
     else:
         c = x
-    c = tl.clamp(c, -tk._FP8_MAX, tk._FP8_MAX)
+    c = tl.clamp(c, -numerics._FP8_MAX, numerics._FP8_MAX)
     return tl.where(nonfinite, float("nan"), c)
 
 
 @triton.jit
 def _scale(amax, nonfinite, POW2: tl.constexpr, MATH: tl.constexpr):
     if MATH == 4:  # no IEEE division anywhere: scale = amax * (1/448) (not exact: counted by the check)
-        return tl.where(nonfinite, float("nan"), tl.maximum(amax, tk._AMAX_FLOOR) * (1.0 / tk._FP8_MAX))
-    return tk._block_scale(amax, nonfinite, POW2)
+        return tl.where(nonfinite, float("nan"), tl.maximum(amax, numerics._AMAX_FLOOR) * (1.0 / numerics._FP8_MAX))
+    return numerics._block_scale(amax, nonfinite, POW2)
 
 
 @triton.jit
@@ -111,21 +112,21 @@ def _exp_dual_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
     if ROW:
-        row_amax = tk._abs_max(x, 1)
+        row_amax = numerics._abs_max(x, 1)
         row_nonfinite = row_amax == float("inf")
         row_scale = _scale(row_amax, row_nonfinite, POW2, MATH)
         row_codes = _codes(x, row_scale[:, None], row_nonfinite[:, None], MATH)
-        tk._store_codes(q_row_ptr + rows[:, None] * K + cols[None, :], row_codes, mask, SOFT_FP8)
+        numerics._store_codes(q_row_ptr + rows[:, None] * K + cols[None, :], row_codes, mask, SOFT_FP8)
         tl.store(s_row_ptr + rows * stride_srm + pid_k * stride_srk, row_scale, mask=rows < M)
     if COL != 0:
-        col_amax = tk._abs_max(x, 0)
+        col_amax = numerics._abs_max(x, 0)
         col_nonfinite = col_amax == float("inf")
         col_scale = _scale(col_amax, col_nonfinite, POW2, MATH)
         col_codes = _codes(x, col_scale[None, :], col_nonfinite[None, :], MATH)
         if COL == 1:
-            tk._store_codes(q_col_ptr + cols[None, :] * M + rows[:, None], col_codes, mask, SOFT_FP8)
+            numerics._store_codes(q_col_ptr + cols[None, :] * M + rows[:, None], col_codes, mask, SOFT_FP8)
         else:
-            tk._store_codes(q_col_ptr + rows[:, None] * K + cols[None, :], col_codes, mask, SOFT_FP8)
+            numerics._store_codes(q_col_ptr + rows[:, None] * K + cols[None, :], col_codes, mask, SOFT_FP8)
         tl.store(s_col_ptr + pid_m * stride_scm + cols * stride_sck, col_scale, mask=cols < K)
 
 
@@ -171,8 +172,8 @@ def _args(o: dict) -> list:
 
 def launch_prod(o: dict, warps: int, stages: int, pow2: bool = False):
     m, k = o["x"].shape
-    return tk._quantize_1x128_and_128x1_kernel[o["grid"]](
-        *_args(o), tk._bucket(k), tk._bucket(m), POW2=pow2, SOFT_FP8=o["soft"], GROUP=BLOCK,
+    return quantize._quantize_1x128_and_128x1_kernel[o["grid"]](
+        *_args(o), launch._bucket(k), launch._bucket(m), POW2=pow2, SOFT_FP8=o["soft"], GROUP=BLOCK,
         num_warps=warps, num_stages=stages)
 
 
@@ -464,8 +465,8 @@ def main() -> None:
         print(f"-- {c.m}x{c.k} essentials (t={time.perf_counter() - T0:.0f}s)", flush=True)
         c.add("copy", "copy (same bytes)", bench(lambda: (lambda p: p[1].copy_(p[0]))(c.nxt_copy())), "-")
         t_a = bench(lambda: fused(c.nxt_x()["x"], gemm_layout=True))
-        chosen = [cfg for key, cfg in tk._quantize_dual_tuned.chosen.items()
-                  if key[:2] == (tk._bucket(c.k), tk._bucket(c.m))]
+        chosen = [cfg for key, cfg in quantize._quantize_dual_tuned.chosen.items()
+                  if key[:2] == (launch._bucket(c.k), launch._bucket(c.m))]
         chosen_s = ", ".join(f"w{cfg.num_warps}s{cfg.num_stages}" for cfg in chosen) or "default"
         c.add("a", f"(a) prod via calclip [{chosen_s}]", t_a, checks["prod"])
         two = lambda: (lambda x: (tk.quantize_1x128(x, gemm_layout=True),  # noqa: E731

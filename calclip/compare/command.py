@@ -23,7 +23,7 @@ from calclip.compare import folder, report
 from calclip.compare.arms import (
     DEFAULT_ARMS, PRESETS, RUN_FIELDS, Arm, arm_fields, looks_like_a_flag, parse_arm_spec, resolve_arms,
 )
-from calclip.compare.metrics import METRICS_FILE
+from calclip.trainers.run_outputs import METRICS_FILE
 from calclip.compare.runner import FAILED, FINISHED, RunSpec, run_grid
 
 EXIT_OK, EXIT_FAILED_RUNS, EXIT_USAGE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -171,7 +171,7 @@ def _print_summary(root, report_path, figure, note, windows, partial: bool = Fal
 def _resolve(arm: Arm, config_path: str, train_flags: list[str], root: Path) -> dict:
     """The `calclip train` config of the arm's runs (ScriptArguments + trainer config fields), as TrlParser
     resolves it; a refused value raises ValueError naming the arm."""
-    from calclip.cli import parse_train_args
+    from calclip.cli.arguments import parse_train_args
 
     argv = _train_argv(arm, config_path, train_flags, 0, folder.run_directory(root, arm.name, 0))
     try:
@@ -186,7 +186,7 @@ def _resolve(arm: Arm, config_path: str, train_flags: list[str], root: Path) -> 
 def _field_defaults() -> dict:
     """Every `calclip train` field with a plain default (ScriptArguments, CalibratedGRPOConfig), JSON-normalized like
     the folder's configs: what a field the folder's record lacks stood at when that folder was made."""
-    from calclip.cli import ScriptArguments
+    from calclip.cli.arguments import ScriptArguments
     from calclip.trainers.config import CalibratedGRPOConfig
 
     defaults = {}
@@ -234,7 +234,7 @@ def _check_train_flags(flags: list[str], arms: list[Arm]) -> None:
 
 def _train_field_names() -> set[str]:
     """Every field `calclip train` takes (ScriptArguments and the DAPO config, a superset of the GRPO one)."""
-    from calclip.cli import ScriptArguments
+    from calclip.cli.arguments import ScriptArguments
     from calclip.trainers.config import CalibratedDAPOConfig
 
     return {field.name for cls in (ScriptArguments, CalibratedDAPOConfig) for field in dataclasses.fields(cls)}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from calclip.compare import folder
-from calclip.compare.metrics import FIELD_NAMES, METRIC_FIELDS, METRICS_FILE, read_metrics
+from calclip.trainers.run_outputs import FIELD_NAMES, METRIC_FIELDS, METRICS_FILE, read_metrics
 from calclip.compare.runner import FAILED, FINISHED, RUNNING, STOPPED, read_status
 
 REPORT_FILE = "report.md"
@@ -44,7 +44,7 @@ PER_SEED_METRICS = (
     "reward", "entropy", "clip/neg_low_frac_fp8", "clip/neg_low_frac_fp8_static", "clip/neg_low_frac_bf16",
     "mismatch/token_mult_prob_error", "completions/mean_length", "completions/repeat_ngram_frac", "entropy/spike",
 )
-# Out-of-sample drop shares (DESIGN.md step 10): per run, the quotient of the counts summed over the window's steps
+# Out-of-sample drop shares (docs/DESIGN.md step 10): per run, the quotient of the counts summed over the window's steps
 # (an exact share over all its tokens, where a mean of per-step shares would weight a step of 3 tokens like one of
 # 300). name -> (numerator, denominator, what it is).
 POOLED_SHARES = {

@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from calclip.compare.folder import COMMAND_FILE
-from calclip.compare.metrics import METRICS_FILE, last_step, truncate_metrics
+from calclip.trainers.run_outputs import EXIT_STOPPED, METRICS_FILE, last_step, truncate_metrics
 
-EXIT_STOPPED = 75  # EX_TEMPFAIL: a run stopped on SIGTERM after saving a checkpoint (calclip.compare.callback)
 STATUS_FILE = "status.json"
 LOG_FILE = "train.log"
 ERROR_TAIL_LINES = 15

@@ -89,14 +89,64 @@ def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", ge
     return [name for name, conflict in conflicts.items() if conflict]
 
 
+def check_fp8_combination(*, recipe: str | Fp8Recipe, backward: str = "fp8", gemm: str = "auto",
+                          block_size: int = BLOCK, fused_quantizer: bool = False,
+                          decode_fused_max_m: int | None = None, decode_group_siblings: bool = False,
+                          scaled_mm_row_scales: bool = False, subject=lambda name: f"Fp8Config.{name}",
+                          mention=lambda name: name) -> Fp8Recipe:
+    """The rules between ``Fp8Config``'s options, in one place: ``Fp8Config.__post_init__`` applies them after
+    checking each field alone, and the trainer config applies them to its ``fp8_*`` fields, so the two cannot
+    disagree. Returns the Fp8Recipe; raises ValueError naming the options (ImportError when a torchao recipe is chosen
+    without torchao). ``subject`` / ``mention`` spell an option's name as the caller's user writes it: the option a
+    message is about, and the others it mentions (``Fp8Config.gemm`` / ``gemm`` here, ``fp8_gemm`` in the trainer).
+    """
+    max_m = decode_fused_max_m
+    if max_m and block_size != BLOCK:
+        raise ValueError(f"{subject('decode_fused_max_m')}={max_m} runs calclip's Triton kernel, which needs "
+                         f"{mention('block_size')}={BLOCK}; got {mention('block_size')}={block_size}")
+    if max_m and gemm == "emulated":
+        raise ValueError(f"{subject('decode_fused_max_m')}={max_m} runs calclip's Triton kernel, but "
+                         f"{mention('gemm')}='emulated' asks for the torch emulation; set "
+                         f"{mention('decode_fused_max_m')}=0 or another {mention('gemm')}")
+    if scaled_mm_row_scales and gemm not in ("auto", "scaled_mm"):
+        raise ValueError(f"{subject('scaled_mm_row_scales')} runs GEMMs on torch._scaled_mm, which "
+                         f"{mention('gemm')}={gemm!r} rules out; set {mention('gemm')} to 'auto' or 'scaled_mm', or "
+                         f"{mention('scaled_mm_row_scales')}=False")
+    if decode_group_siblings and max_m == 0:
+        raise ValueError(f"{subject('decode_group_siblings')} groups fused decode calls, which "
+                         f"{mention('decode_fused_max_m')}=0 turns off; set {mention('decode_fused_max_m')} to None "
+                         "(automatic) or N > 0")
+    try:
+        recipe = get_fp8_recipe(recipe)
+    except ValueError:
+        raise ValueError(f"{subject('recipe')} must be one of {fp8_recipe_names()}, got {recipe!r}") from None
+    values = {"backward": backward, "gemm": gemm, "block_size": block_size, "fused_quantizer": fused_quantizer,
+              "decode_fused_max_m": decode_fused_max_m, "decode_group_siblings": decode_group_siblings,
+              "scaled_mm_row_scales": scaled_mm_row_scales}
+    conflicts = blockwise_only_options(recipe, **values)
+    if conflicts:
+        settings = ", ".join(f"{mention(name)}={values[name]!r}" for name in conflicts)
+        raise ValueError(f"{subject('recipe')}={recipe.value!r} (torchao) cannot honour {settings}: these are "
+                         "options of the 'blockwise' recipe; leave them at their defaults")
+    require_recipe_available(recipe, field=subject("recipe"))
+    return recipe
+
+
 # Fp8Config.decode_fused_max_m=None's row limit: RL decode batches (a generation batch of completions is M); the
-# H200 measured the fused kernel faster in eager calls up to M=256, the largest it timed (docs/benchmarks.md).
+# H200 measured the fused kernel faster in eager calls up to M=256, the largest it timed (docs/usage.md, Fused decode).
 DECODE_FUSED_AUTO_MAX_M = 256
+
+# Fp8Config options that are off by default because no measurement has shown them to pay: kept so that a GPU run can
+# measure them against the default, not recommended for training (docs/usage.md, Experimental FP8 options).
+EXPERIMENTAL_OPTIONS: tuple[str, ...] = ("fused_quantizer", "decode_group_siblings", "scaled_mm_row_scales")
 
 
 @dataclass(frozen=True)
 class Fp8Config:
     """How linear layers are quantized and which ones stay in BF16.
+
+    Experimental options (``EXPERIMENTAL_OPTIONS``): fused_quantizer, decode_group_siblings, scaled_mm_row_scales.
+    Each is off by default, changes no codes or scales, and exists to be measured against the default on a GPU.
 
     block_size: quantization block edge (1 x block_size groups, block_size x block_size weight blocks).
         Only 128 is supported by the GPU kernels; the CPU reference accepts any positive size.
@@ -105,9 +155,8 @@ class Fp8Config:
         although torchao's own rowwise recipe turns it on: a power-of-two scale keeps a weight's mantissa bits,
         so a weight with 5 significant bits (1 in 16 bf16 values) sits exactly on a rounding tie between two
         e4m3 codes, and the smallest update moves its code a whole e4m3 step in the update's direction. Fp32
-        master weights loaded from a bf16 checkpoint then take an FP8 step far larger than their BF16 shadow's:
-        on SmolLM2-135M one AdamW step at lr 1e-6 took the rowwise token-mult-prob-error FP8 vs shadow from 1.87
-        to 111.7 with power-of-two scales, 1.39 to 1.31 without (benchmarks/probes/probe_rowwise_drift.py).
+        master weights loaded from a bf16 checkpoint then take an FP8 step far larger than their BF16 shadow's
+        (docs/usage.md, FP8 recipes, has the measured drift).
     backward: "fp8" (DeepSeek-V3: dgrad and wgrad GEMMs in FP8) or "bf16" (straight-through: BF16
         matmuls against the dequantized weight and the unquantized activations).
     gemm: "auto" | "scaled_mm" | "triton" | "emulated" (see ``calclip.fp8.gemm``).
@@ -123,35 +172,32 @@ class Fp8Config:
         recipes re-quantize the weight on every call). Turn it off when the parameters are sharded (FSDP,
         ZeRO-3): the forward's weight is a fresh all-gather whose buffer key does not follow the shards (the
         trainer does this itself; docs/usage.md, Multi-GPU).
-    fused_quantizer: quantize x (forward) and dy (backward) 1x128 and 128x1 in one fused kernel that reads the
-        tensor once. Off by default: on the H200 the fused kernel reached 25% of copy bandwidth (its exact
-        divisions dominate) and the layer ran 1.11x BF16 against 1.23x with the two separate kernels at
-        M=8192, K=4096, N=14336 (docs/benchmarks.md). Same codes either way.
+    fused_quantizer (experimental): quantize x (forward) and dy (backward) 1x128 and 128x1 in one fused kernel
+        that reads the tensor once. Off by default: on the H200 the layer ran slower with it than with the two
+        separate kernels (docs/usage.md, Experimental FP8 options). Same codes either way.
     decode_fused_max_m: None (default: automatic), 0 (off) or the largest number of rows (tokens) a forward with
         grad disabled may have to run as ONE launch that quantizes x in the GEMM's prologue
         (``fp8_linear_fused_quant_gemm``) instead of a quantizer launch and a GEMM launch: meant for rollout decode
         steps (M = batch). Same codes and scales; the GEMM accumulates like the ``triton`` backend (not
         ``torch._scaled_mm``: fp32 rounding order only). Training forwards never take it.
         None: eager CUDA calls of up to ``DECODE_FUSED_AUTO_MAX_M`` (256) rows when gemm is "auto" or "triton"
-        (blockwise, block_size 128), nothing else. That is where the H200 measured it faster (docs/benchmarks.md,
-        2026-12-01: eager per call 1.6-3.2x the two-launch path at every shape measured, HF decode of a
-        SmolLM2-shaped model 1.6x tokens/s), while inside CUDA graphs (compiled calls, or eager calls being
-        captured) the two-launch path's GPU time was lower at every shape (the fused kernel redoes the quantization
-        in each N tile).
+        (blockwise, block_size 128), nothing else. That is where the H200 measured it faster, while inside CUDA
+        graphs (compiled calls, or eager calls being captured) the two-launch path's GPU time was lower at every
+        shape: the fused kernel redoes the quantization in each N tile (docs/usage.md, Fused decode).
         An int N > 0: eager and compiled calls of up to N rows on CUDA (compiled calls record the triton op
         ``calclip::fp8_linear_decode``), and eager CPU calls under TRITON_INTERPRET=1 (the tests).
-    decode_group_siblings: in eager fused decode calls, run the sibling linears that read one input (a decoder
+    decode_group_siblings (experimental): in eager fused decode calls, run the sibling linears that read one input (a decoder
         layer's q_proj/k_proj/v_proj, gate_proj/up_proj) as ONE launch over their stacked codes: 4 launches per
         Llama-style layer instead of 7 (``calclip.fp8.siblings``). Same codes, scales and output bits; the
         non-finite count's total is the same, all of it on the first sibling. Off by default until measured on
         a GPU. Needs the fused decode (``decode_fused_max_m`` not 0) and the blockwise recipe.
-    scaled_mm_row_scales: with gemm "auto" or "scaled_mm" on the H200, run the forward and dgrad GEMMs whose
+    scaled_mm_row_scales (experimental): with gemm "auto" or "scaled_mm" on the H200, run the forward and dgrad GEMMs whose
         contraction dim is a multiple of 128 but not of 512 (Qwen2.5-1.5B's down projection, K = 8960; its gate/up
         and k/v dgrad; Qwen2.5-0.5B's every linear) on torch._scaled_mm with the weight's 128x128 scales repeated per
         row, instead of calclip's Triton GEMM: cuBLAS returns wrong results for a 128x128 scale whose K/128 is not a
         multiple of 4, not for one scale per row (``calclip.fp8.gemm``). Same codes and scales, so the same products,
         summed in cuBLAS' order; costs one small copy of the weight's scales per call. Off by default until the
-        H200 measures it (the Triton GEMM ran at 0.7-0.9x of BF16's TFLOP/s, cuBLAS' blockwise at 1.4-1.7x).
+        H200 measures it (docs/usage.md, Experimental FP8 options).
     """
 
     block_size: int = BLOCK
@@ -203,33 +249,11 @@ class Fp8Config:
         if max_m is not None and (isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 0):
             raise ValueError(f"Fp8Config.decode_fused_max_m must be None (automatic) or an int >= 0 (0: off), "
                              f"got {max_m!r}")
-        if max_m and self.block_size != BLOCK:
-            raise ValueError(f"Fp8Config.decode_fused_max_m={max_m} runs calclip's Triton kernel, which needs "
-                             f"block_size={BLOCK}; got block_size={self.block_size}")
-        if max_m and self.gemm == "emulated":
-            raise ValueError(f"Fp8Config.decode_fused_max_m={max_m} runs calclip's Triton kernel, but gemm='emulated' "
-                             "asks for the torch emulation; set decode_fused_max_m=0 or another gemm")
-        if self.scaled_mm_row_scales and self.gemm not in ("auto", "scaled_mm"):
-            raise ValueError(f"Fp8Config.scaled_mm_row_scales runs GEMMs on torch._scaled_mm, which gemm={self.gemm!r} "
-                             "rules out; set gemm to 'auto' or 'scaled_mm', or scaled_mm_row_scales=False")
-        if self.decode_group_siblings and max_m == 0:
-            raise ValueError("Fp8Config.decode_group_siblings groups fused decode calls, which "
-                             "decode_fused_max_m=0 turns off; set decode_fused_max_m to None (automatic) or N > 0")
-        try:
-            recipe = get_fp8_recipe(self.recipe)
-        except ValueError:
-            raise ValueError(f"Fp8Config.recipe must be one of {fp8_recipe_names()}, got {self.recipe!r}") from None
+        recipe = check_fp8_combination(
+            recipe=self.recipe, backward=self.backward, gemm=self.gemm, block_size=self.block_size,
+            fused_quantizer=self.fused_quantizer, decode_fused_max_m=max_m,
+            decode_group_siblings=self.decode_group_siblings, scaled_mm_row_scales=self.scaled_mm_row_scales)
         object.__setattr__(self, "recipe", recipe)  # the Enum member (a str: compares equal to its name)
-        conflicts = blockwise_only_options(recipe, backward=self.backward, gemm=self.gemm,
-                                           block_size=self.block_size, fused_quantizer=self.fused_quantizer,
-                                           decode_fused_max_m=self.decode_fused_max_m,
-                                           decode_group_siblings=self.decode_group_siblings,
-                                           scaled_mm_row_scales=self.scaled_mm_row_scales)
-        if conflicts:
-            settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in conflicts)
-            raise ValueError(f"Fp8Config.recipe={recipe.value!r} (torchao) cannot honour {settings}: these are "
-                             "options of the 'blockwise' recipe; leave them at their defaults")
-        require_recipe_available(recipe)
 
     def fused_decode_max_m(self, *, cuda: bool, compiled: bool) -> int:
         """The most rows a no-grad forward may have to take the fused decode kernel (0: never), for a call on CUDA

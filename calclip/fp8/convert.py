@@ -32,9 +32,10 @@ from fractions import Fraction
 from torch import nn
 
 from calclip.fp8.config import Fp8Config
-from calclip.fp8.linear import FP8BlockLinear, fp8_layers, refresh_before_compiled_call
+from calclip.fp8.linear import FP8BlockLinear
 from calclip.fp8.recipes import fp8_linear_from, is_fp8_linear
 from calclip.fp8.siblings import group_siblings
+from calclip.fp8.weight_codes import fp8_layers, refresh_before_compiled_call
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)")
 

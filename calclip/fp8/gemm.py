@@ -19,7 +19,7 @@ Backends:
     "emulated"   dequantize both operands to fp32, fp32 matmul, cast (CPU and GPU; the numerical reference)
     "scaled_mm"  torch._scaled_mm with blockwise FP32 scales (CUDA sm_90); only layout pairs listed in
                  SCALED_MM_LAYOUTS and shapes accepted by ``scaled_mm_supports``, else falls back as below
-    "triton"     calclip.fp8.triton_kernels.fp8_block_gemm_triton (CUDA), else "emulated"
+    "triton"     calclip.fp8.kernels.fp8_block_gemm_triton (CUDA), else "emulated"
     "auto"       "scaled_mm" when allowed, else "triton" on CUDA, else "emulated"
 With ``row_scales`` (``Fp8Config.scaled_mm_row_scales``), "auto" and "scaled_mm" also run a (1x128, 128x128) GEMM that
 ``scaled_mm_supports`` rejects only for its 128x128 scale's leading dimension (contraction / 128 not a multiple of 4:
@@ -29,9 +29,9 @@ cuBLAS computes correctly at any contraction length (the wgrad pair; docs/scaled
 scale per element, so the same products as the Triton GEMM, summed in cuBLAS' order ("scaled_mm_rows").
 "auto" and "triton" run a forward-layout GEMM (1x128, 128x128) of at most SPLITK_MAX_M rows whose output has too
 few tiles to fill the GPU (``splitk_applies``: decode's q/k/v/o and down projections) on
-calclip.fp8.triton_kernels.fp8_splitk_gemm_triton: the same K step, K split across more programs. There cuBLAS'
+calclip.fp8.kernels.fp8_splitk_gemm_triton: the same K step, K split across more programs. There cuBLAS'
 blockwise kernel (128 x 128 tiles) runs one program per output tile (16 at M=64, N=2048 on a 132-SM H200); where the
-split-K kernel does not split, it measured slower than cuBLAS (docs/benchmarks.md, ninth session). An explicit
+split-K kernel does not split, it measured slower than cuBLAS (docs/benchmarks-log.md, ninth session). An explicit
 "scaled_mm" keeps cuBLAS at every shape it supports.
 """
 
@@ -43,8 +43,9 @@ import torch
 from torch import Tensor
 
 from calclip.fp8.config import BLOCK
-from calclip.fp8.quant import is_traced, size_hint, triton_kernels
+from calclip.fp8.quant import triton_kernels
 from calclip.fp8.reference import dequantize_1x128, dequantize_128x128
+from calclip.fp8.tracing import is_traced, size_hint
 
 GRANULARITIES = ("1x128", "128x128")
 BACKENDS = ("auto", "scaled_mm", "triton", "emulated")
@@ -188,7 +189,7 @@ _TRITON_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _triton_gemm(out_dtype: torch.dtype):
-    """``triton_kernels.fp8_block_gemm_triton(qa, sa, qb, sb, *, out_dtype)``, or None when unavailable. It
+    """``kernels.fp8_block_gemm_triton(qa, sa, qb, sb, *, out_dtype)``, or None when unavailable. It
     reads each operand's granularity from its scale shape ([rows, KB] 1x128, [ceil(rows/128), KB] 128x128;
     both readings coincide when rows == 1), so every layout pair goes through it."""
     module = triton_kernels()
@@ -228,7 +229,7 @@ def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dt
 def splitk_applies(a_blocks: str, b_blocks: str, m, n, k, out_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether "auto"/"triton" take the split-K GEMM: (1x128, 128x128) operands, 1 to SPLITK_MAX_M rows (symbolic
     sizes by their hints, ``size_hint``, no guard), an output dtype the Triton GEMMs write, the kernels importable,
-    and a shape the kernel splits on this device (``triton_kernels.splitk_splits`` > 1: too few output tiles for the
+    and a shape the kernel splits on this device (``kernels.splitk_splits`` > 1: too few output tiles for the
     multiprocessors). On the H200 it was faster than cuBLAS exactly where it split, slower where it did not."""
     if (a_blocks, b_blocks) != ("1x128", "128x128"):
         return False

@@ -1,18 +1,17 @@
 """Quantizer dispatch: Triton kernels for CUDA tensors when they are importable, else the torch reference.
 
 Both implementations follow the numerics of ``calclip.fp8.reference`` (module docstring there), so callers do
-not care which one ran. ``calclip.fp8.triton_kernels`` is imported lazily, on the first CUDA tensor, so CPU
-machines without triton never import it; a missing or broken module falls back to the reference.
+not care which one ran. ``calclip.fp8.kernels`` is imported lazily, on the first CUDA tensor, so CPU machines
+without triton never import it; a missing or broken package falls back to the reference, with one warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from types import ModuleType
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 
 from calclip.fp8 import reference
 from calclip.fp8.config import BLOCK
@@ -21,37 +20,26 @@ _UNSET = object()
 _triton_module: object = _UNSET
 
 
-def is_traced(t: Tensor) -> bool:
-    """True for the stand-in tensors torch.compile traces with (FakeTensor under Dynamo, FunctionalTensor while
-    AOTAutograd decomposes calclip's triton ops): then kernels are recorded through ``torch.library.wrap_triton``
-    and GEMMs through custom ops, instead of being launched."""
-    return isinstance(t, (FakeTensor, FunctionalTensor))
-
-
-def size_hint(d) -> int | None:
-    """A size as a plain int: itself, or a symbolic size's example value (its hint; None for one without). Kernel
-    choices are made on it without a guard, as Inductor chooses kernels: every candidate is correct at every size,
-    only the speed differs; an eager call of the hinted size chooses the same kernel (same result bit for bit)."""
-    if type(d) is int:
-        return d
-    hint = getattr(getattr(d, "node", None), "hint", None)
-    return int(hint) if hint is not None else None
-
-
 def triton_kernels() -> ModuleType | None:
-    """The ``calclip.fp8.triton_kernels`` module, or None when it (or triton) cannot be imported."""
+    """The ``calclip.fp8.kernels`` package, or None when it (or triton) cannot be imported. Only called for tensors
+    the kernels would serve (CUDA, or CPU under TRITON_INTERPRET=1), so a failed import means those tensors run the
+    torch reference, a far slower path: said once, as a warning naming the import error."""
     global _triton_module
     if _triton_module is _UNSET:
         try:
-            from calclip.fp8 import triton_kernels as module
-        except ImportError:  # no triton on this machine, or the module is not there
+            from calclip.fp8 import kernels as module
+        except ImportError as err:  # no triton on this machine, one too old (no triton.knobs), or a broken install
             module = None
+            warnings.warn(f"calclip.fp8: the Triton kernels cannot be imported ({type(err).__name__}: {err}); FP8 "
+                          "quantizers and GEMMs on CUDA fall back to the torch reference, which is correct but far "
+                          'slower. Install the gpu extra (pip install "calclip[gpu]": triton>=3.4).',
+                          RuntimeWarning, stacklevel=2)
         _triton_module = module
     return _triton_module  # type: ignore[return-value]
 
 
 def _triton_impl(x: Tensor, name: str, block: int):
-    """calclip.fp8.triton_kernels' ``name`` for a CUDA ``x`` at the kernels' block size, or None."""
+    """calclip.fp8.kernels' ``name`` for a CUDA ``x`` at the kernels' block size, or None."""
     if x.is_cuda and block == BLOCK:
         module = triton_kernels()
         return getattr(module, name, None) if module is not None else None

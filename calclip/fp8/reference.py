@@ -1,6 +1,6 @@
 """Plain-torch reference block quantizers (CPU and GPU). The Triton kernels must reproduce these exactly.
 
-Numerics — the contract every quantizer here and in ``triton_kernels.py`` follows, step by step:
+Numerics — the contract every quantizer here and in ``kernels/quantize.py`` follows, step by step:
 
 1. Work in float32. Inputs (bf16/fp16/fp32; fp64 is first rounded to fp32) are converted with ``.float()``.
 2. Blocks: ``quantize_1x128`` groups ``block`` consecutive elements of the LAST dim; ``quantize_128x1`` groups

@@ -16,7 +16,7 @@ what calclip's trainer relies on from every FP8 linear, the same contract as ``F
 
 Scales are exact (448 / amax) unless ``Fp8Config.power_of_two_scales``, for both recipes: torchao's rowwise
 recipe rounds them down to a power of two, which under fp32 master weights holding bf16 values turns a tiny
-update into whole-code FP8 steps along the gradient (issue 12; ``Fp8Config.power_of_two_scales`` says why).
+update into whole-code FP8 steps along the gradient (``Fp8Config.power_of_two_scales`` says why).
 
 What torchao does differently from the blockwise recipe: dims must be multiples of 16 (torch._scaled_mm; the
 conversion refuses other layers, on CPU too, so a CPU run predicts the GPU's), the weight is re-quantized on

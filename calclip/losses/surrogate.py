@@ -10,7 +10,7 @@ Per token (or per sequence at level "sequence"), with r the importance ratio and
 exploded: for A < 0 the inner min equals A * max(r, low), so the dual branch c * A (constant, zero gradient)
 takes over exactly when max(r, low) > c.
 
-Why the split clip statistics matter (DESIGN.md): a token with A < 0 and r < low sits on the constant branch,
+Why the split clip statistics matter (docs/DESIGN.md): a token with A < 0 and r < low sits on the constant branch,
 so its gradient is zero; FP8 noise raises that share. "clip/neg_low_frac" measures it.
 """
 

@@ -19,7 +19,7 @@ from calclip.calibration import SCHEDULES as CALIBRATION_SCHEDULES
 from calclip.calibration import UPPER_MODES as CALIBRATION_UPPER_MODES
 from calclip.fp8.config import BACKWARD_MODES as FP8_BACKWARD_MODES
 from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
-from calclip.fp8.config import blockwise_only_options, fp8_recipe_names, get_fp8_recipe, require_recipe_available
+from calclip.fp8.config import check_fp8_combination, fp8_recipe_names, get_fp8_recipe
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
 from calclip.losses.registry import clip_mode_names
@@ -37,6 +37,11 @@ _DEFAULT_RAIL_NOTE = (" (unset, calibration_low_max is 1 - epsilon and calibrati
                       "calibrated trust region is never tighter than the static one)")
 # DAPO paper (arXiv 2503.14476): clip-higher with eps_low 0.2, eps_high 0.28.
 CLIP_HIGHER_DEFAULT_EPSILON_HIGH = 0.28
+
+
+def _fp8_field(name: str) -> str:
+    """An Fp8Config option's name as a trainer config field (Fp8Config.gemm is fp8_gemm)."""
+    return f"fp8_{name}"
 
 
 def _one_of(name: str, value, allowed: tuple[str, ...]) -> None:
@@ -61,7 +66,7 @@ class CalibratedGRPOConfig(GRPOConfig):
 
     The clip bounds are ratio bounds ``[low, high]``. ``static``/``clip_higher``/``dual_clip`` use
     ``[1 - epsilon, 1 + epsilon_high]``; ``calibrated`` starts at ``calibration_init_bounds`` and then applies the
-    calibrator's bounds (DESIGN.md, "The calibration, defined exactly"), with ``epsilon``/``epsilon_high`` as the
+    calibrator's bounds (docs/DESIGN.md, "The calibration, defined exactly"), with ``epsilon``/``epsilon_high`` as the
     BF16 base bounds the calibration matches.
     """
 
@@ -197,9 +202,10 @@ class CalibratedGRPOConfig(GRPOConfig):
                                 "slower); 0: off; N: up to N rows, eager and compiled, on CUDA."}
     )
     fp8_decode_group_siblings: bool = field(
-        default=False, metadata={"help": "In fused decode calls, run a decoder layer's q/k/v projections as one "
-                                 "launch and gate/up as one (Fp8Config.decode_group_siblings, fp8_recipe "
-                                 "'blockwise'; same FP8 codes and outputs). Off until measured on a GPU."}
+        default=False, metadata={"help": "Experimental (docs/usage.md, Experimental FP8 options): in fused decode "
+                                 "calls, run a decoder layer's q/k/v projections as one launch and gate/up as one "
+                                 "(Fp8Config.decode_group_siblings, fp8_recipe 'blockwise'; same FP8 codes and "
+                                 "outputs). Off until measured on a GPU."}
     )
     compile_generation: bool = field(
         default=False,
@@ -308,7 +314,7 @@ class CalibratedGRPOConfig(GRPOConfig):
 
     @property
     def calibration_is_meaningful(self) -> bool:
-        """True when some mini-batches see a policy that moved since the old log-probs (DESIGN.md, Schedules).
+        """True when some mini-batches see a policy that moved since the old log-probs (docs/DESIGN.md, Schedules).
 
         TRL 1.16's own condition for computing old log-probs (GRPOTrainer._generate_and_score_completions): an
         optimizer step falls inside a generation round of steps_per_generation * num_iterations micro-batches
@@ -339,21 +345,19 @@ class CalibratedGRPOConfig(GRPOConfig):
         return high_min, self.calibration_high_max
 
     def _validate_fp8_recipe(self) -> None:
-        recipe = get_fp8_recipe(self.fp8_recipe)
-        if not recipe.uses_torchao:
-            return
-        conflicts = blockwise_only_options(recipe, backward=self.fp8_backward, gemm=self.fp8_gemm,
-                                           decode_fused_max_m=self.fp8_decode_fused_max_m,
-                                           decode_group_siblings=self.fp8_decode_group_siblings)
-        if conflicts:
-            settings = ", ".join(f"fp8_{name}={getattr(self, 'fp8_' + name)!r}" for name in conflicts)
-            raise ValueError(f"fp8_recipe={recipe.value!r} (torchao) cannot honour {settings}: these are options of "
-                             "fp8_recipe 'blockwise'; leave them at their defaults")
-        if self.use_vllm:
-            raise ValueError(f"fp8_recipe={recipe.value!r} cannot run with use_vllm: vLLM rollouts on the policy's "
+        """The trainer's own rule on fp8_recipe (the rules between FP8 options are Fp8Config's: ``_validate_fp8``)."""
+        if get_fp8_recipe(self.fp8_recipe).uses_torchao and self.use_vllm:
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} cannot run with use_vllm: vLLM rollouts on the policy's "
                              "FP8 codes serve fp8_recipe 'blockwise' only (block-FP8 weights); use the transformers "
                              "generate path (use_vllm False) or fp8_recipe 'blockwise'")
-        require_recipe_available(recipe, field="fp8_recipe")
+
+    def _validate_fp8(self) -> None:
+        """Fp8Config's rules between options (calclip.fp8.config.check_fp8_combination), on the fp8_* fields: the
+        trainer builds its Fp8Config from them, so a combination refused there is refused here, before training."""
+        check_fp8_combination(recipe=self.fp8_recipe, backward=self.fp8_backward, gemm=self.fp8_gemm,
+                              decode_fused_max_m=self.fp8_decode_fused_max_m,
+                              decode_group_siblings=self.fp8_decode_group_siblings,
+                              subject=_fp8_field, mention=_fp8_field)
 
     def _validate_calclip_fields(self) -> None:
         _one_of("clip_mode", self.clip_mode, CLIP_MODES)
@@ -461,12 +465,8 @@ class CalibratedGRPOConfig(GRPOConfig):
             _int_at_least(name, getattr(self, name), 1 if name == "repeat_ngram_size" else 0)
         if not isinstance(self.fp8_decode_group_siblings, bool):
             raise ValueError(f"fp8_decode_group_siblings must be a bool, got {self.fp8_decode_group_siblings!r}")
-        if self.fp8 and self.fp8_decode_group_siblings and self.fp8_decode_fused_max_m == 0:
-            raise ValueError("fp8_decode_group_siblings groups fused decode calls, which fp8_decode_fused_max_m 0 "
-                             "turns off")
-        if self.fp8 and self.fp8_decode_fused_max_m and self.fp8_gemm == "emulated":
-            raise ValueError("fp8_decode_fused_max_m runs calclip's Triton kernel, but fp8_gemm='emulated' asks for "
-                             "the torch emulation; set fp8_decode_fused_max_m 0 or another fp8_gemm")
+        if self.fp8:
+            self._validate_fp8()
         if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):
             raise ValueError(f"fp8_keep_patterns must be a list of regex strings, got "
                              f"{bounded_repr(self.fp8_keep_patterns)}")

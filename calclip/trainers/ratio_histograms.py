@@ -11,7 +11,7 @@ over the main process's completion tokens of that step (all its calibrated micro
 
 It exists only when W&B is a reporter of the run (`attach_ratio_histograms`): otherwise the trainer holds None
 and pays nothing. When on, a calibration step copies its ratios to the CPU once (a host sync on those steps only).
-Other processes record nothing: the histograms show rank 0's tokens, the bounds are global (DESIGN.md step 7).
+Other processes record nothing: the histograms show rank 0's tokens, the bounds are global (docs/DESIGN.md step 7).
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
-"""calclip.compare pieces without training: arms, metrics file, resume planning, fingerprint, table, callbacks."""
+"""calclip.compare pieces without training: arms, resume planning, fingerprint, table. (The metrics file and the
+callbacks that write it: tests/trainers/test_run_outputs.py, test_run_callbacks.py.)"""
 
 import json
-import math
 import os
-import signal
 import statistics
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from calclip.compare import arms, command, folder, metrics, report, runner
+from calclip.compare import arms, command, folder, report, runner
+from calclip.trainers import run_outputs as metrics
 
 
 # ---------------------------------------------------------------------------------------------------- arms
@@ -71,31 +70,6 @@ def test_resolve_arms_names_the_valid_ones_on_a_typo():
         arms.resolve_arms(["fp8_tis"], [arms.parse_arm_spec("fp8_tis:tis_cap=3")])
     with pytest.raises(ValueError, match="listed twice"):
         arms.resolve_arms(["fp8_tis", "fp8_tis"])
-
-
-# ---------------------------------------------------------------------------------------------------- metrics file
-
-
-def test_metrics_row_keeps_trainer_names_nulls_and_nonfinite():
-    logs = {"loss": 0.5, "reward": 0.25, "entropy": float("nan"), "calib/low": 0.7, "step_time": 1.5, "epoch": 0.1}
-    row = metrics.metrics_row(logs, step=3, time=12.34567)
-    assert list(row) == list(metrics.FIELD_NAMES)
-    assert row["step"] == 3 and row["time"] == 12.346 and row["reward"] == 0.25 and row["calib/low"] == 0.7
-    assert math.isnan(row["entropy"])  # a collapse stays visible
-    assert row["clip/neg_low_frac_bf16"] is None
-    assert metrics.metrics_row({"train_runtime": 3.0, "train_loss": 0.1, "epoch": 1.0}, 3, 1.0) is None
-
-
-def test_read_last_step_and_truncate(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    lines = [json.dumps({"step": s, "reward": s / 10}) for s in (1, 2, 3)] + [json.dumps({"step": 2, "reward": 9.0})]
-    path.write_text("\n".join(lines) + "\n" + '{"step": 4, "rew')  # a resumed step 2 and a killed writer's line
-    rows = metrics.read_metrics(path)
-    assert [row["step"] for row in rows] == [1, 2, 3] and rows[1]["reward"] == 9.0
-    assert metrics.last_step(path) == 2  # the last complete line
-    metrics.truncate_metrics(path, 2)
-    assert [(row["step"], row["reward"]) for row in metrics.read_metrics(path)] == [(1, 0.1), (2, 9.0)]
-    assert metrics.last_step(tmp_path / "missing.jsonl") == 0 and metrics.read_metrics(tmp_path / "missing") == []
 
 
 # ---------------------------------------------------------------------------------------------------- resume planning
@@ -428,72 +402,6 @@ def test_bad_metrics_lines_are_named_with_file_and_line(tmp_path, capsys, lines,
     assert __import__("re").search(match, capsys.readouterr().err)
 
 
-# ---------------------------------------------------------------------------------------------------- callbacks
-
-
-def test_generation_cycle_boundaries():
-    from calclip.compare.callback import ends_generation_cycle
-
-    grpo = SimpleNamespace(gradient_accumulation_steps=1, steps_per_generation=4, num_iterations=1)
-    assert [step for step in range(1, 13) if ends_generation_cycle(grpo, step)] == [4, 8, 12]
-    assert all(ends_generation_cycle(SimpleNamespace(), step) for step in (1, 2, 3))
-
-
-def test_metrics_callback_resumes_the_file_at_the_checkpoint_step(tmp_path):
-    from calclip.compare.callback import MetricsFileCallback
-
-    path = tmp_path / "m.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "time": float(s)}) + "\n" for s in (1, 2, 3)))
-    callback = MetricsFileCallback(path)
-    state = SimpleNamespace(is_world_process_zero=True, global_step=2)
-    callback.on_train_begin(None, state, None)
-    state.global_step = 3
-    callback.on_log(None, state, None, logs={"loss": 0.1, "reward": 0.5})
-    callback.on_log(None, state, None, logs={"train_runtime": 1.0})  # the summary is not a row
-    callback.on_train_end(None, state, None)
-    rows = metrics.read_metrics(path)
-    assert [row["step"] for row in rows] == [1, 2, 3] and rows[2]["reward"] == 0.5
-    assert rows[2]["time"] >= 2.0  # the clock continues from the checkpoint's step
-    fresh = MetricsFileCallback(path)
-    fresh.on_train_begin(None, SimpleNamespace(is_world_process_zero=True, global_step=0), None)
-    fresh.on_train_end(None, state, None)
-    assert metrics.read_metrics(path) == []  # a run starting over starts its file over
-
-
-def test_sigterm_checkpoints_and_exits_resumable():
-    from transformers import TrainerControl
-
-    from calclip.compare.callback import CheckpointOnSigtermCallback
-
-    callback = CheckpointOnSigtermCallback()
-    # Generation every 4 micro-steps, 2 micro-steps per optimizer step: cycles end at optimizer steps 2, 4, 6, ...
-    args = SimpleNamespace(gradient_accumulation_steps=2, steps_per_generation=2, num_iterations=2)
-    state = SimpleNamespace(global_step=4, max_steps=10)
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        callback.on_train_begin(args, state, TrainerControl())
-        control = TrainerControl()
-        callback.on_step_end(args, state, control)
-        assert not control.should_save and not control.should_training_stop
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert callback.requested
-        state.global_step = 5  # mid-cycle: keep going, a resume there would regenerate early
-        callback.on_step_end(args, state, control)
-        assert not control.should_save and not control.should_training_stop
-        state.global_step = 6
-        callback.on_step_end(args, state, control)
-        assert control.should_save and control.should_training_stop
-        with pytest.raises(SystemExit) as stopped:
-            callback.on_train_end(args, state, control)
-        assert stopped.value.code == runner.EXIT_STOPPED
-        # SIGTERM during the last step: the run finished, no special exit.
-        callback.on_train_begin(args, state, control)
-        callback.requested = True
-        callback.on_train_end(args, SimpleNamespace(global_step=10, max_steps=10), control)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 # ---------------------------------------------------------------------------------------------------- command errors
 
 
@@ -524,7 +432,7 @@ def test_command_refuses_bad_input_before_running(tmp_path, capsys):
 
 
 def test_an_arm_can_name_an_fp8_recipe():
-    """Issue 12: speed and dropout of the granularities side by side, one arm per recipe."""
+    """Speed and dropout of the granularities side by side, one arm per recipe."""
     pytest.importorskip("torchao", reason="the rowwise recipe converts through torchao (calclip[torchao])")
     root = Path(__file__).resolve().parents[2]
     arm = arms.parse_arm_spec("rowwise_static:fp8=true,fp8_recipe=rowwise,clip_mode=static,tis_mode=none")
@@ -544,13 +452,13 @@ def test_list_arms(capsys):
 def test_the_evidence_config_leaves_the_arm_fields_to_the_arms():
     import yaml
 
-    from calclip.cli import parse_train_args
+    from calclip.cli.arguments import parse_train_args
 
     path = Path(__file__).resolve().parents[2] / "configs" / "compare_smollm2.yaml"
     raw = yaml.safe_load(path.read_text())
     assert not set(raw) & arms.arm_fields(list(arms.PRESETS.values()))
     script_args, args = parse_train_args(["--config", str(path)])
-    # The issue's evidence: the embedded model, >= 300 optimizer steps; resumes land on generation-cycle ends.
+    # The evidence runs' setting (docs/evidence.md): the embedded model, >= 300 optimizer steps; resumes land on generation-cycle ends.
     assert script_args.model_name_or_path == "default" and args.max_steps >= 300
     assert args.save_steps % (args.steps_per_generation * args.num_iterations) == 0
 

@@ -1,7 +1,7 @@
 """How far an FP8 block GEMM computed in fp32 may lie from the exact product of its FP8 operands: the bound the
 kernel tests use where two kernels sum in different orders (so bit equality is not a property of the math).
 
-The kernels (``calclip.fp8.triton_kernels``) compute, per output and per 128-wide K block,
+The kernels (``calclip.fp8.kernels``) compute, per output and per 128-wide K block,
 ``acc += dot(codes_x, codes_w) * (sx * sw)`` and round ``acc`` once to the output dtype. Along the path of any
 one product x_k w_k:
 

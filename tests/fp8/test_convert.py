@@ -204,3 +204,31 @@ def test_keep_layers_apply_to_each_layer_stack():
     assert bf16 == {"visual.blocks.0.proj", "visual.blocks.4.proj", "visual.blocks.5.proj",
                     "model.language_model.layers.0.proj", "model.language_model.layers.2.proj",
                     "model.language_model.layers.3.proj"}
+
+
+def test_experimental_options_are_off_by_default_and_change_no_codes():
+    """EXPERIMENTAL_OPTIONS names real Fp8Config bool fields, all off by default; turning each on leaves the layer's
+    weight codes, its output and both gradients unchanged (CPU: the same reference math either way)."""
+    import dataclasses
+
+    from calclip.fp8.config import EXPERIMENTAL_OPTIONS
+
+    fields = {f.name: f for f in dataclasses.fields(Fp8Config)}
+    assert EXPERIMENTAL_OPTIONS and all(fields[name].default is False for name in EXPERIMENTAL_OPTIONS)
+    torch.manual_seed(0)
+    base = nn.Linear(200, 130)
+    x = torch.randn(5, 200)
+
+    def run(config):
+        layer = FP8BlockLinear.from_linear(base, config)
+        xg = x.clone().requires_grad_()
+        y = layer(xg)
+        (weight_grad,) = torch.autograd.grad(y.square().sum(), [layer.weight], retain_graph=True)
+        (x_grad,) = torch.autograd.grad(y.square().sum(), [xg])
+        return layer._fp8_qw.view(torch.uint8), y.detach(), weight_grad, x_grad
+
+    reference = run(Fp8Config(keep_patterns=()))
+    for name in EXPERIMENTAL_OPTIONS:
+        for got, want, what in zip(run(Fp8Config(keep_patterns=(), **{name: True})), reference,
+                                   ("codes", "output", "weight grad", "input grad")):
+            assert torch.equal(got, want), (name, what)

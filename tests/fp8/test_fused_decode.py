@@ -39,9 +39,10 @@ def _needs_device(request):
         pytest.skip("needs CUDA, or TRITON_INTERPRET=1 to run the kernels on CPU")
 
 
-from calclip.fp8 import FP8BlockLinear, Fp8Config, bf16_shadow, gemm, linear, quantize_model  # noqa: E402
+from calclip.fp8 import FP8BlockLinear, Fp8Config, bf16_shadow, gemm, linear_math, quantize_model  # noqa: E402
 from calclip.fp8 import reference as ref  # noqa: E402
-from calclip.fp8 import triton_kernels as tk  # noqa: E402
+from calclip.fp8 import kernels as tk  # noqa: E402
+from calclip.fp8.weight_codes import fp8_layers  # noqa: E402
 from calclip.fp8.config import BLOCK, DECODE_FUSED_AUTO_MAX_M, blockwise_only_options  # noqa: E402
 
 from _gemm_bound import assert_within_bound, exact_linear, exact_products, gemm_bound  # noqa: E402
@@ -267,11 +268,13 @@ def test_fused_kernel_compiles_for_sm90_without_a_gpu():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = tk._fp8_linear_fused_quant_kernel
+    from calclip.fp8.kernels import fused_decode
+
+    fn = fused_decode._fp8_linear_fused_quant_kernel
     types = {"x_ptr": "*bf16", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "sb_ptr": "*fp32", "count_ptr": "*i64",
              "weight_bad_ptr": "*i1", **{name: "i32" for name in fn.arg_names[6:17]}}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items() if t != "i32"}
-    for config in tk._FUSED_CONFIGS:
+    for config in fused_decode._FUSED_CONFIGS:
         constexprs = {"POW2": True, "SOFT_FP8": False, "COUNT": True, "ROUND": 0, "MEMBERS": 1, "BLOCK_K": BLOCK,
                       **config.kwargs}
         signature = {**types, **{n: "constexpr" for n in constexprs}}
@@ -283,7 +286,7 @@ def test_fused_kernel_compiles_for_sm90_without_a_gpu():
     # fp32 x rounded to bf16 in registers (ROUND 1): the hardware round-to-nearest-even conversion.
     types32 = {**types, "x_ptr": "*fp32"}
     constexprs = {"POW2": True, "SOFT_FP8": False, "COUNT": True, "ROUND": 1, "MEMBERS": 1, "BLOCK_K": BLOCK,
-                  **tk._FUSED_DEFAULT.kwargs}
+                  **fused_decode._FUSED_DEFAULT.kwargs}
     # siblings' stacked codes (q/k/v: MEMBERS 3) count with an int32 number of bad weights
     group_constexprs = {**constexprs, "ROUND": 0, "MEMBERS": 3}
     group_signature = {**types, "weight_bad_ptr": "*i32", **{n: "constexpr" for n in group_constexprs}}
@@ -423,7 +426,7 @@ def test_automatic_limit_leaves_a_cuda_graph_capture_unfused(monkeypatch):
 
 
 class _CallCounter:
-    """Counts calls of triton_kernels.fp8_linear_decode_unchecked, the fused kernel's entry for the layer (it looks
+    """Counts calls of kernels.fp8_linear_decode_unchecked, the fused kernel's entry for the layer (it looks
     it up on every call)."""
 
     def __init__(self, monkeypatch):
@@ -444,8 +447,8 @@ def triton_gemm_everywhere(monkeypatch):
     reference, whose codes and scales the Triton quantizers equal bit for bit: tests/fp8/test_triton.py.)"""
     forced = lambda backend, *args, **kwargs: "triton"  # noqa: E731
     monkeypatch.setattr(gemm, "resolve_backend", forced)
-    monkeypatch.setattr(linear, "resolve_backend", forced)
-    monkeypatch.setattr(linear, "_gemm_choice", {})
+    monkeypatch.setattr(linear_math, "resolve_backend", forced)
+    monkeypatch.setattr(linear_math, "_gemm_choice", {})
 
 
 def _layer_pair(k, n, max_m, seed=0):
@@ -523,7 +526,7 @@ def _generate(model, prompt, mask):
 def _record_linear_calls(model, records):
     """Forward hooks on every FP8 linear of ``model`` appending (layer, input, output) to ``records``."""
     hooks = [layer.register_forward_hook(lambda mod, args, out: records.append((mod, args[0].detach(), out.detach())))
-             for layer in linear.fp8_layers(model)]
+             for layer in fp8_layers(model)]
     return hooks
 
 
@@ -553,8 +556,8 @@ def test_generate_with_the_fused_decode_matches_the_unfused_model(monkeypatch):
     records = {"off": [], "on": []}
     with monkeypatch.context() as patch:
         patch.setattr(gemm, "resolve_backend", lambda backend, *a, **kw: "triton")
-        patch.setattr(linear, "resolve_backend", lambda backend, *a, **kw: "triton")
-        patch.setattr(linear, "_gemm_choice", {})
+        patch.setattr(linear_math, "resolve_backend", lambda backend, *a, **kw: "triton")
+        patch.setattr(linear_math, "_gemm_choice", {})
         calls = _CallCounter(patch)
         hooks = [h for name in models for h in _record_linear_calls(models[name], records[name])]
         try:
@@ -583,7 +586,7 @@ def test_generate_with_the_fused_decode_matches_the_unfused_model(monkeypatch):
     top2 = logits_emulated.topk(2, dim=-1).values
     assert float((top2[..., 0] - top2[..., 1]).min()) > 10 * tolerance
     for name in models:
-        counts = [int(m.nonfinite_count) for m in linear.fp8_layers(models[name])]
+        counts = [int(m.nonfinite_count) for m in fp8_layers(models[name])]
         assert counts == [0] * fp8_linears
 
 

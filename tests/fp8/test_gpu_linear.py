@@ -12,8 +12,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from calclip.fp8 import reference as ref  # noqa: E402
-from calclip.fp8 import triton_kernels as tk  # noqa: E402
+from calclip.fp8 import kernels as tk  # noqa: E402
 from calclip.fp8.gemm import fp8_block_gemm, resolve_backend  # noqa: E402
+
+from _sqnr import sqnr_db  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -23,11 +25,6 @@ SQNR_FLOOR_DB = 25.0
 # Same codes and scales, different accumulation order (Hopper FP8 MMA: ~2**-14 within a K block) + bf16 output.
 BACKEND_VS_EMULATED_RTOL = 5e-3
 IS_SM90 = torch.cuda.get_device_capability()[0] == 9
-
-
-def _sqnr_db(y_ref, y):
-    y_ref, y = y_ref.double(), y.double()
-    return (10 * torch.log10(y_ref.pow(2).sum() / (y_ref - y).pow(2).sum().clamp_min(1e-300))).item()
 
 
 def _rel_err(y, y_ref):
@@ -217,7 +214,7 @@ def test_fp8_linear_vs_nn_linear_sqnr(b, t, k, n, gemm, backward):
     y_ref, dx_ref, dw_ref, db_ref = _run(ref_lin, x.float(), dy.float())
     y, dx, dw, db = _run(fp8, x, dy)
     assert y.dtype == dx.dtype == dw.dtype == torch.bfloat16
-    results = {"output": _sqnr_db(y_ref, y), "dgrad": _sqnr_db(dx_ref, dx), "wgrad": _sqnr_db(dw_ref, dw)}
+    results = {"output": sqnr_db(y_ref, y), "dgrad": sqnr_db(dx_ref, dx), "wgrad": sqnr_db(dw_ref, dw)}
     floors = {"output": SQNR_FLOOR_DB, "dgrad": SQNR_FLOOR_DB if backward == "fp8" else SQNR_FLOOR_DB + 3,
               "wgrad": SQNR_FLOOR_DB if backward == "fp8" else 40.0}  # bf16 wgrad sees unquantized x and dy
     for key, value in results.items():
@@ -237,7 +234,7 @@ def test_fp8_linear_gpu_backends_match_emulated(b, t, k, n):
 
 
 def test_fast_launch_reuses_kernels_only_for_the_same_specialization():
-    """The direct C-launcher path (triton_kernels._fast_launch) must give the reference's codes on every call:
+    """The direct C-launcher path (kernels.launch._fast_launch) must give the reference's codes on every call:
     new data at one shape, then shapes and views that change Triton's specialization (odd sizes, 2-byte offsets)."""
     base = torch.randn(4096 + 8, 1536, device="cuda", dtype=torch.bfloat16)
     for x in (base[:4096], base[8:4104], base[:4096] * 3, base[1:4098], base[:4096, 1:1535], base[:7, :200]):
@@ -251,7 +248,7 @@ def test_fast_launch_reuses_kernels_only_for_the_same_specialization():
 
 
 def test_fast_launch_still_calls_registered_launch_hooks():
-    """With no hook registered the fast path passes None (triton_kernels._launch_hook); a hook added to Triton's
+    """With no hook registered the fast path passes None (kernels.launch._launch_hook); a hook added to Triton's
     launch_enter_hook chain must still see every launch of calclip's kernels, with the kernel's name."""
     from triton import knobs
 
@@ -278,7 +275,7 @@ def test_fast_launch_still_calls_registered_launch_hooks():
 
 def test_weight_refresh_writes_codes_and_dgrad_codes_in_place():
     """After an optimizer step the layer's refresh writes the new weight's codes, scales, non-finite flag and W^T
-    codes (triton_kernels.requantize_128x128_, two launches) into the same buffers: equal to the reference's, W^T
+    codes (kernels.requantize_128x128_, two launches) into the same buffers: equal to the reference's, W^T
     current without the next backward's copies, and a backward of a forward that saw the old codes raises."""
     from calclip.fp8 import FP8BlockLinear
 

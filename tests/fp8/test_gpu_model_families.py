@@ -32,7 +32,7 @@ from test_model_dims import (  # noqa: E402
 
 from calclip.fp8 import Fp8Config, pop_nonfinite_count, quantize_model  # noqa: E402
 from calclip.fp8 import reference as ref  # noqa: E402
-from calclip.fp8 import triton_kernels as tk  # noqa: E402
+from calclip.fp8 import kernels as tk  # noqa: E402
 from calclip.fp8.gemm import fp8_block_gemm, resolve_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -18,15 +18,12 @@ from calclip.fp8.reference import (
 )
 from calclip.fp8.shadow import bf16_shadow, in_bf16_shadow
 
+from _sqnr import sqnr_db
+
 # Measured on this CPU (seed 0, M=300 tokens, K=576, N=320, Gaussian data): ~28.8 dB on output, input grad and
 # weight grad (e4m3 has 3 mantissa bits: ~31 dB per quantized operand, two operands per GEMM).
 SQNR_FLOOR_DB = 27.0
 SQNR_FLOOR_POW2_DB = 25.0  # power-of-two scales waste up to one bit of range
-
-
-def sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
-    return (10 * torch.log10(ref.pow(2).sum() / (ref - got).pow(2).sum())).item()
 
 
 def _pair(dtype, bias=True, cfg=None, k=576, n=320):

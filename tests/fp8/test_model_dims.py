@@ -27,6 +27,8 @@ import torch
 
 from calclip.fp8.config import BLOCK
 
+from _sqnr import sqnr_db
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -104,34 +106,36 @@ def test_counting_quantizer_has_configs_for_every_family_width():
     """The training forward's 1x128 quantizer counts non-finite rows in whole-row programs; every row width of every
     family (and every power of two up to 2**12 groups, K = 512K) gets a non-empty config table, one-pass tiles hold
     the whole row, and no tile exceeds 16K elements (the register budget the chunked table exists for)."""
-    tk = pytest.importorskip("calclip.fp8.triton_kernels")
+    launch = pytest.importorskip("calclip.fp8.kernels.launch")
+    quantize = pytest.importorskip("calclip.fp8.kernels.quantize")
     widths = {k for k, _ in _distinct_linears()} | {n for _, n in _distinct_linears()}
     for k in sorted(widths) + [1 << e for e in range(7, 20)]:
         nb = -(-k // BLOCK)
-        groups = tk._next_pow2(nb)
-        configs = tk._counting_configs(groups)
+        groups = launch._next_pow2(nb)
+        configs = quantize._counting_configs(groups)
         assert configs, k
         for config in configs:
             tile = config.kwargs["BLOCK_R"] * config.kwargs["GROUPS"] * BLOCK
             assert tile <= 16384, (k, config.kwargs)
-            if groups <= tk._COUNT_ONE_PASS_GROUPS:
+            if groups <= quantize._COUNT_ONE_PASS_GROUPS:
                 assert config.kwargs["GROUPS"] >= nb, (k, config.kwargs)  # one pass covers the row
-        default = tk._counting_kernel(groups).default
+        default = quantize._counting_kernel(groups).default
         assert (default.kwargs, default.num_warps) == (configs[0].kwargs, configs[0].num_warps)
 
 
 def test_autotune_buckets_are_capped_powers_of_two():
-    tk = pytest.importorskip("calclip.fp8.triton_kernels")
+    launch = pytest.importorskip("calclip.fp8.kernels.launch")
     for m in (*TRAIN_TOKENS, *DECODE_ROWS, 65536, 65537, 10**6):
-        bucket = tk._bucket(m)
+        bucket = launch._bucket(m)
         assert bucket & (bucket - 1) == 0 and bucket <= 1 << 16
         assert bucket >= m or bucket == 1 << 16
 
 
 def test_empty_config_table_is_refused_by_name():
-    tk = pytest.importorskip("calclip.fp8.triton_kernels")
+    launch = pytest.importorskip("calclip.fp8.kernels.launch")
+    quantize = pytest.importorskip("calclip.fp8.kernels.quantize")
     with pytest.raises(ValueError, match="_quantize_1x128_kernel: no autotune config"):
-        tk._Tuned(tk._quantize_1x128_kernel, [], key=["K"])
+        launch._Tuned(quantize._quantize_1x128_kernel, [], key=["K"])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -142,8 +146,9 @@ _SWEEP = r"""
 import json, sys
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from calclip.fp8 import gemm, linear, quant
-from calclip.fp8 import triton_kernels as tk
+from calclip.fp8 import gemm, linear_math, quant
+from calclip.fp8 import kernels as tk
+from calclip.fp8.kernels import quantize, splitk_gemm
 
 gemm._is_sm90 = lambda device: True  # resolve as on the H200 (tk.sm_count gives its 132 SMs without a GPU)
 spec = json.loads(sys.argv[1])
@@ -164,12 +169,12 @@ with FakeTensorMode(allow_non_fake_inputs=True):
             # bf16 weights (the benchmarks' models), and fp32 master weights with the fused quantizer
             for fused, w_dtype in ((False, bf16), (True, torch.float32)):
                 for row_scales in (False, True):
-                    y, qxt, sxt = linear._forward(empty(m, k), qw, sw, bad, counter, True, False, fused, "auto", bf16,
+                    y, qxt, sxt = linear_math._forward(empty(m, k), qw, sw, bad, counter, True, False, fused, "auto", bf16,
                                                   row_scales)
-                    linear._backward(empty(m, n), qwt, swt, qxt, sxt, True, True, False, fused, "auto", bf16,
+                    linear_math._backward(empty(m, n), qwt, swt, qxt, sxt, True, True, False, fused, "auto", bf16,
                                      w_dtype, row_scales)
         for m in spec["rows"]:
-            linear._forward(empty(m, k), qw, sw, bad, counter, False, False, False, "auto", bf16)  # compiled no-grad
+            linear_math._forward(empty(m, k), qw, sw, bad, counter, False, False, False, "auto", bf16)  # compiled no-grad
             splits.append([m, n, k, tk.splitk_splits(m, n, k, tk.sm_count(torch.device("cuda")))])
             for dtype, round_to in ((bf16, None), (torch.float32, bf16)):  # eager fused decode, fp32 under autocast
                 tk.fp8_linear_decode_unchecked(empty(m, k, dtype=dtype), qw, sw, out_dtype=bf16,
@@ -183,9 +188,10 @@ with FakeTensorMode(allow_non_fake_inputs=True):
             tk.fp8_linear_decode_unchecked(empty(m, k), qw, sw, out_dtype=bf16, nonfinite_count=counter,
                                            weight_bad=members_bad, members=len(widths))
 choices = [[key[0], key[1], key[2], key[3], key[4], key[5], str(key[6]), key[8], chosen]
-           for key, chosen in linear._gemm_choice.items()]
+           for key, chosen in linear_math._gemm_choice.items()]
 print("RESULT " + json.dumps({"choices": choices, "splits": splits,
-                              "count_tables": sorted(tk._count_tuned), "splitk_tables": sorted(tk._splitk_tuned)}))
+                              "count_tables": sorted(quantize._count_tuned),
+                              "splitk_tables": sorted(splitk_gemm._splitk_tuned)}))
 """
 
 
@@ -214,7 +220,7 @@ def _expected_backend(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out_
     K / 128 of a 128x128 one); with row scales, a 128x128 b whose only obstacle is K / 128 runs as a 1x128 b; else
     Triton (so every weight gradient of fp32 master weights: torch._scaled_mm's blockwise path is measured for bf16
     output only)."""
-    tk = pytest.importorskip("calclip.fp8.triton_kernels")
+    tk = pytest.importorskip("calclip.fp8.kernels")
     forward_layout = (a_blocks, b_blocks) == ("1x128", "128x128")
     if forward_layout and 0 < m <= 256 and tk.splitk_splits(m, n, k, H200_SMS) > 1:
         return "splitk"
@@ -300,11 +306,6 @@ def test_decode_rows_take_split_k_only_where_it_splits(sweep):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
-    return (10 * torch.log10(ref.pow(2).sum() / (ref - got).pow(2).sum().clamp_min(1e-300))).item()
-
-
 def one_layer_model(f: Family, seed: int = 0, layers: int = 1, dtype=torch.float32, device="cpu"):
     """A random-weight LlamaModel (no embedding use, no LM head) with the family's linear dims and head counts."""
     from transformers import LlamaConfig, LlamaModel
@@ -340,8 +341,8 @@ def layer_sqnr(model_fp8, model_ref, f: Family, tokens: tuple[int, int], seed: i
         results.append((out.detach().double() - xi.detach().double(), xi.grad.double() - dyi.double(), grads))
     (y_ref, dx_ref, g_ref), (y, dx, g) = results
     assert g.keys() == g_ref.keys() and len(g) == 7 * len(model_ref.layers)
-    return {"output": _sqnr_db(y_ref, y), "dgrad": _sqnr_db(dx_ref, dx),
-            "wgrad": min(_sqnr_db(g_ref[n], g[n]) for n in g_ref)}
+    return {"output": sqnr_db(y_ref, y), "dgrad": sqnr_db(dx_ref, dx),
+            "wgrad": min(sqnr_db(g_ref[n], g[n]) for n in g_ref)}
 
 
 # One decoder layer (transformers' initialization), inputs_embeds and output gradient standard normal, 2 x 64 tokens,

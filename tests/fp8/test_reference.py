@@ -186,7 +186,7 @@ def test_splitk_gemm_applies_where_the_output_has_too_few_tiles():
     for the device's multiprocessors: the H200 measured it faster than cuBLAS there and slower elsewhere), for plain
     int sizes of at most SPLITK_MAX_M rows."""
     pytest.importorskip("triton")
-    from calclip.fp8 import triton_kernels as tk
+    from calclip.fp8 import kernels as tk
 
     cuda = torch.device("cuda")
     sms = tk.sm_count(cuda)  # 132 (an H200's) on a machine without CUDA

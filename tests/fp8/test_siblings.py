@@ -14,12 +14,13 @@ pytest.importorskip("triton", reason="triton is not installed")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1",
                                 reason="CPU test of the fused kernel under the interpreter")
 
-from calclip.fp8 import Fp8Config, linear, quantize_model  # noqa: E402
-from calclip.fp8 import triton_kernels as tk  # noqa: E402
+from calclip.fp8 import Fp8Config, quantize_model  # noqa: E402
+from calclip.fp8 import kernels as tk  # noqa: E402
 from calclip.fp8.linear import FP8BlockLinear, pop_nonfinite_count  # noqa: E402
 from calclip.fp8.reference import quantize_128x128  # noqa: E402
 from calclip.fp8.shadow import bf16_shadow  # noqa: E402
 from calclip.fp8.siblings import SiblingGroup  # noqa: E402
+from calclip.fp8.weight_codes import fp8_layers  # noqa: E402
 
 NAN = float("nan")
 
@@ -194,13 +195,13 @@ def test_grouping_needs_the_fused_decode_and_one_config():
     model = nn.Sequential(_Attention())
     model[0].v_proj = nn.Linear(100, 70)  # another input width: not siblings
     quantize_model(model, Fp8Config(decode_group_siblings=True))
-    assert all(m._fp8_group is None for m in linear.fp8_layers(model))
+    assert all(m._fp8_group is None for m in fp8_layers(model))
     sharded = nn.Sequential(_Attention())  # cache_weights=False: the trainer's setting for sharded parameters
     quantize_model(sharded, Fp8Config(decode_group_siblings=True, cache_weights=False))
-    assert all(m._fp8_group is None for m in linear.fp8_layers(sharded))
+    assert all(m._fp8_group is None for m in fp8_layers(sharded))
     llama_like = nn.Sequential(_Attention())
     quantize_model(llama_like, Fp8Config(decode_group_siblings=True, keep_patterns=("v_proj",)))
-    assert all(m._fp8_group is None for m in linear.fp8_layers(llama_like))  # v stays BF16: no complete set
+    assert all(m._fp8_group is None for m in fp8_layers(llama_like))  # v stays BF16: no complete set
 
 
 def test_trainer_config_field(tmp_path):

@@ -18,6 +18,8 @@ from calclip.fp8.convert import dequantize_model, quantize_model  # noqa: E402
 from calclip.fp8.export import export_fp8_checkpoint, fp8_weight_specs  # noqa: E402
 from calclip.fp8.torchao_recipes import TorchaoFloat8Linear  # noqa: E402
 
+from _sqnr import sqnr_db  # noqa: E402
+
 TORCHAO_RECIPES = ["rowwise", "tensorwise"]
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -25,11 +27,6 @@ E4M3_MAX = torch.finfo(E4M3).max
 # dx, dW 28.4-29.0 rowwise (e4m3 dy), 24.6-24.7 tensorwise (e5m2 dy: two mantissa bits). Floors ~1.5 dB below.
 SQNR_FLOOR = {"rowwise": {"y": 27.0, "dx": 27.0, "dw": 27.0}, "tensorwise": {"y": 27.0, "dx": 23.0, "dw": 23.0}}
 QUANTIZED_BELOW_DB = 45.0  # an unquantized path would match nn.Linear to ~130+ dB in fp32
-
-
-def _sqnr(ref, x):
-    ref, x = ref.double(), x.double()
-    return (10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum())).item()
 
 
 def _tiny_llama(layers=4, hidden=128, inter=256, dtype=torch.float32):
@@ -168,15 +165,15 @@ def test_forward_gradients_and_shadow_vs_nn_linear(recipe, dtype, pow2):
     y_fp8.backward(grad)
     layer = fp8[0]
     floors = SQNR_FLOOR[recipe]
-    measured = {"y": _sqnr(y_ref, y_fp8), "dx": _sqnr(x_ref.grad, x_fp8.grad),
-                "dw": _sqnr(linear.weight.grad, layer.weight.grad)}
+    measured = {"y": sqnr_db(y_ref, y_fp8), "dx": sqnr_db(x_ref.grad, x_fp8.grad),
+                "dw": sqnr_db(linear.weight.grad, layer.weight.grad)}
     for name, value in measured.items():
         assert floors[name] <= value <= QUANTIZED_BELOW_DB, (name, value)
     assert torch.equal(layer.bias.grad, linear.bias.grad)  # the bias gradient is a plain sum
     # the output is the recipe's, computed here independently in float64: measured 133-151 dB in fp32 (torchao's
     # emulation multiplies in fp32), 52.6 dB in bf16 (output rounding); another granularity scores ~30 dB
     reference = _reference_forward(recipe, x, linear.weight, linear.bias, pow2)
-    assert _sqnr(reference, y_fp8.reshape(-1, 192)) > (120.0 if dtype == torch.float32 else 48.0)
+    assert sqnr_db(reference, y_fp8.reshape(-1, 192)) > (120.0 if dtype == torch.float32 else 48.0)
 
     # BF16 shadow: plain F.linear on the same Parameters, bit for bit, output and gradients
     x_shadow = x.clone().requires_grad_()
@@ -300,7 +297,7 @@ def _step_gain_ratio(recipe, power_of_two_scales):
     return (fp8_after - fp8_before).sum().item() / shadow_gain
 
 
-# Issue 12. Power-of-two scales keep a weight's mantissa bits, so a bf16 value with 5 significant bits sits exactly
+# Power-of-two scales keep a weight's mantissa bits, so a bf16 value with 5 significant bits sits exactly
 # on a rounding tie between two e4m3 codes (1 in 16 bf16 values, 2.7% of SmolLM2's weights); any update, however
 # small, moves it off the tie in its own direction and its code by a whole e4m3 step, all of them along the
 # gradient. Measured gain ratios over model seeds 0-5, every recipe: exact scales 0.5-12.2, power-of-two scales
@@ -361,12 +358,12 @@ def test_cuda_scaled_mm_matches_the_emulation(recipe):
     y_real, y_emulated = real(x_real), emulated(x_emulated)
     assert not real[0].emulate  # "auto" re-decided on the CUDA input
     # the same FP8 codes and scales; only the GEMMs' accumulation and the bf16 rounding differ
-    assert _sqnr(y_emulated, y_real) > 40.0
+    assert sqnr_db(y_emulated, y_real) > 40.0
     grad = torch.randn_like(y_real)
     y_real.backward(grad)
     y_emulated.backward(grad)
-    assert _sqnr(x_emulated.grad, x_real.grad) > 35.0
-    assert _sqnr(emulated[0].weight.grad, real[0].weight.grad) > 35.0
+    assert sqnr_db(x_emulated.grad, x_real.grad) > 35.0
+    assert sqnr_db(emulated[0].weight.grad, real[0].weight.grad) > 35.0
 
 
 def test_only_tensorwise_makes_a_token_depend_on_the_rest_of_the_call():

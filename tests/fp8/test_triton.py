@@ -3,7 +3,7 @@
 Runs on CUDA normally. On a CPU machine it runs the same kernels under Triton's interpreter when
 ``TRITON_INTERPRET=1`` is set and triton is installed (small sizes); otherwise every test skips with the reason.
 Under the interpreter the kernels encode e4m3fn bits in software (the interpreter's own fp8 cast truncates,
-see ``triton_kernels``' docstring); ``test_software_e4m3_encoder_equals_hardware_cast`` ties that encoder to the
+see ``calclip.fp8.kernels.numerics``' docstring); ``test_software_e4m3_encoder_equals_hardware_cast`` ties that encoder to the
 GPU's cast, so interpreter results stand for GPU results.
 
     TRITON_INTERPRET=1 python -m pytest -q tests/fp8/test_triton.py     # CPU
@@ -35,7 +35,8 @@ def _needs_device(request):
         pytest.skip("needs CUDA, or TRITON_INTERPRET=1 to run the kernels on CPU")
 
 from calclip.fp8 import reference as ref  # noqa: E402
-from calclip.fp8 import triton_kernels as tk  # noqa: E402
+from calclip.fp8 import kernels as tk  # noqa: E402
+from calclip.fp8.kernels import block_gemm, launch, quantize, splitk_gemm  # noqa: E402
 from calclip.fp8.config import BLOCK, FP8_DTYPE, FP8_E4M3_MAX  # noqa: E402
 
 from _gemm_bound import assert_within_bound, exact_products, gemm_bound  # noqa: E402
@@ -268,7 +269,7 @@ def test_software_e4m3_encoder_equals_hardware_cast():
     q_hw, s_hw = tk.quantize_1x128(x)
     q_sw = torch.empty_like(q_hw)
     s_sw = torch.empty_like(s_hw)
-    tk._quantize_1x128_kernel[(x.shape[0] // 16, 2)](
+    quantize._quantize_1x128_kernel[(x.shape[0] // 16, 2)](
         x, q_sw.view(torch.uint8), s_sw, x.shape[0], k, k // BLOCK, x.stride(0), s_sw.stride(0), 1, 0,
         s_sw, s_sw,  # count_ptr, weight_bad_ptr: unused with COUNT=False
         POW2=False, SOFT_FP8=True, COUNT=False, BLOCK_R=16, GROUPS=4, GROUP=BLOCK)
@@ -453,19 +454,19 @@ def test_autotune_timings_persist_unless_turned_off(monkeypatch):
     timing runs); CALCLIP_TRITON_AUTOTUNE_CACHE=0 turns that off. (Triton itself ignores cache_results under the
     interpreter, so the flag handed to triton.autotune is what is checked here.)"""
     seen = []
-    real = tk.triton.autotune
+    real = launch.triton.autotune
 
     def recording_autotune(*args, **kwargs):
         # only the autotuner that times every config; with CALCLIP_TRITON_AUTOTUNE=0 _Tuned also builds a
         # one-config autotuner for torch.compile's tracing, which times nothing
-        if kwargs.get("configs") is tk._GEMM_CONFIGS:
+        if kwargs.get("configs") is block_gemm._GEMM_CONFIGS:
             seen.append(kwargs.get("cache_results"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tk.triton, "autotune", recording_autotune)
-    tk._Tuned(tk._fp8_block_gemm_kernel, tk._GEMM_CONFIGS, key=["M_BUCKET", "N", "K"])
+    monkeypatch.setattr(launch.triton, "autotune", recording_autotune)
+    launch._Tuned(block_gemm._fp8_block_gemm_kernel, block_gemm._GEMM_CONFIGS, key=["M_BUCKET", "N", "K"])
     monkeypatch.setenv("CALCLIP_TRITON_AUTOTUNE_CACHE", "0")
-    tk._Tuned(tk._fp8_block_gemm_kernel, tk._GEMM_CONFIGS, key=["M_BUCKET", "N", "K"])
+    launch._Tuned(block_gemm._fp8_block_gemm_kernel, block_gemm._GEMM_CONFIGS, key=["M_BUCKET", "N", "K"])
     assert seen == [True, False]
 
 
@@ -490,62 +491,62 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     i32 = "i32"
     quant = {"POW2": True, "SOFT_FP8": False, "GROUP": BLOCK}
     plain_extra = {"count_ptr": "*fp32", "weight_bad_ptr": "*fp32"}  # unused when COUNT=False
-    ptx = compile_ptx(tk._quantize_1x128_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32,
+    ptx = compile_ptx(quantize._quantize_1x128_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32,
                       "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32,
-                      **plain_extra}, {**quant, "COUNT": False}, tk._QUANT_1X128_DEFAULT)
+                      **plain_extra}, {**quant, "COUNT": False}, quantize._QUANT_1X128_DEFAULT)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
     count_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32, "K": i32, "NB": i32,
                    "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32, "count_ptr": "*i64",
                    "weight_bad_ptr": "*i1"}
     # SmolLM2's 576/1536, K=4096, K=14336: whole rows in one pass; K=18944 (Qwen2.5-7B's down projection): chunks
     for groups in (8, 32, 128, 256):
-        tuned = tk._counting_kernel(groups)
-        ptx = compile_ptx(tk._quantize_1x128_kernel, count_types, {**quant, "COUNT": True, "GROUPS": groups},
+        tuned = quantize._counting_kernel(groups)
+        ptx = compile_ptx(quantize._quantize_1x128_kernel, count_types, {**quant, "COUNT": True, "GROUPS": groups},
                           tuned.default)
         assert "atom.global" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if ptxas.exists():  # the chunked configs exist so that no program spills registers: keep it so
-        for config in tk._COUNT_CHUNK_CONFIGS:
-            ptx = compile_ptx(tk._quantize_1x128_kernel, count_types, {**quant, "COUNT": True}, config)
+        for config in quantize._COUNT_CHUNK_CONFIGS:
+            ptx = compile_ptx(quantize._quantize_1x128_kernel, count_types, {**quant, "COUNT": True}, config)
             with tempfile.TemporaryDirectory() as tmp:
                 (Path(tmp) / "k.ptx").write_text(ptx)
                 info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(tmp) / "k.ptx"), "-o",
                                        str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True).stderr
             assert " 0 bytes spill stores" in info, (config, info)
-    compile_ptx(tk._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
+    compile_ptx(quantize._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
                 "K": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
-                quant, tk._QUANT_128X1_DEFAULT)
-    dual_types = {n: i32 for n in tk._quantize_1x128_and_128x1_kernel.arg_names[5:15]}
-    ptx = compile_ptx(tk._quantize_1x128_and_128x1_kernel, {"x_ptr": "*bf16", "q_row_ptr": "*fp8e4nv",
+                quant, quantize._QUANT_128X1_DEFAULT)
+    dual_types = {n: i32 for n in quantize._quantize_1x128_and_128x1_kernel.arg_names[5:15]}
+    ptx = compile_ptx(quantize._quantize_1x128_and_128x1_kernel, {"x_ptr": "*bf16", "q_row_ptr": "*fp8e4nv",
                       "s_row_ptr": "*fp32", "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", **dual_types},
-                      quant, tk._QUANT_DUAL_DEFAULT)
+                      quant, quantize._QUANT_DUAL_DEFAULT)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
-    compile_ptx(tk._quantize_128x128_kernel, {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "N": i32,
-                "K": i32, "NBK": i32, "stride_wn": i32, "stride_wk": i32}, quant, tk._QUANT_128X128_DEFAULT)
+    compile_ptx(quantize._quantize_128x128_kernel, {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "N": i32,
+                "K": i32, "NBK": i32, "stride_wn": i32, "stride_wk": i32}, quant, quantize._QUANT_128X128_DEFAULT)
     requant_types = {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bad_ptr": "*u8", "N": i32, "K": i32,
                      "NBK": i32, "stride_wn": i32, "stride_wk": i32}
-    ptx = compile_ptx(tk._requantize_128x128_kernel, requant_types, quant, tk._QUANT_128X128_DEFAULT)  # refresh
+    ptx = compile_ptx(quantize._requantize_128x128_kernel, requant_types, quant, quantize._QUANT_128X128_DEFAULT)  # refresh
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ptx.count("st.global") > 0
-    soft = compile_ptx(tk._quantize_1x128_kernel, {"x_ptr": "*fp16", "q_ptr": "*u8", "s_ptr": "*fp32", "R": i32,
+    soft = compile_ptx(quantize._quantize_1x128_kernel, {"x_ptr": "*fp16", "q_ptr": "*u8", "s_ptr": "*fp32", "R": i32,
                        "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32,
                        "R_BUCKET": i32, **plain_extra}, {**quant, "SOFT_FP8": True, "COUNT": False},
-                       tk._QUANT_1X128_DEFAULT)
+                       quantize._QUANT_1X128_DEFAULT)
     assert "e4m3x2" not in soft
     gemm_types = {n: ("*fp8e4nv" if n in ("a_ptr", "b_ptr") else "*bf16" if n == "c_ptr" else "*fp32"
-                      if n.endswith("_ptr") else i32) for n in tk._fp8_block_gemm_kernel.arg_names[:19]}
+                      if n.endswith("_ptr") else i32) for n in block_gemm._fp8_block_gemm_kernel.arg_names[:19]}
     for b_rows in (BLOCK, 1):
-        ptx = compile_ptx(tk._fp8_block_gemm_kernel, gemm_types, {"A_SCALE_ROWS": 1, "B_SCALE_ROWS": b_rows,
-                          "INTERPRET": False, "BLOCK_K": BLOCK}, tk._GEMM_DEFAULT)
+        ptx = compile_ptx(block_gemm._fp8_block_gemm_kernel, gemm_types, {"A_SCALE_ROWS": 1, "B_SCALE_ROWS": b_rows,
+                          "INTERPRET": False, "BLOCK_K": BLOCK}, block_gemm._GEMM_DEFAULT)
         assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx  # Hopper FP8 tensor cores
     splitk_types = {n: ("*fp8e4nv" if n in ("a_ptr", "b_ptr") else "*bf16" if n == "c_ptr" else "*fp32"
-                        if n.endswith("_ptr") else i32) for n in tk._fp8_splitk_gemm_kernel.arg_names[:21]}
+                        if n.endswith("_ptr") else i32) for n in splitk_gemm._fp8_splitk_gemm_kernel.arg_names[:21]}
     for split in (1, 4):  # every config: BLOCK_M 64 keeps the FP8 wgmma the unfused GEMM runs
-        for config in tk._SPLITK_CONFIGS:
-            ptx = compile_ptx(tk._fp8_splitk_gemm_kernel, splitk_types, {"SPLIT": split, "INTERPRET": False,
+        for config in splitk_gemm._SPLITK_CONFIGS:
+            ptx = compile_ptx(splitk_gemm._fp8_splitk_gemm_kernel, splitk_types, {"SPLIT": split, "INTERPRET": False,
                               "BLOCK_K": BLOCK}, config)
             assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx, (split, config)
-    ptx = compile_ptx(tk._splitk_reduce_kernel, {"p_ptr": "*fp32", "c_ptr": "*bf16", "MN": i32}, {"SPLIT": 4},
-                      tk._REDUCE_CONFIG)
+    ptx = compile_ptx(splitk_gemm._splitk_reduce_kernel, {"p_ptr": "*fp32", "c_ptr": "*bf16", "MN": i32}, {"SPLIT": 4},
+                      splitk_gemm._REDUCE_CONFIG)
     assert "atom" not in ptx  # a fixed-order sum: deterministic
 
 
@@ -555,18 +556,18 @@ def test_launch_hook_passes_only_hooks_with_something_to_call():
     hook that can do something as it is."""
     knobs = pytest.importorskip("triton.knobs")
     chain = knobs.HookChain()
-    assert tk._launch_hook(None) is None
-    assert tk._launch_hook(chain) is None
+    assert launch._launch_hook(None) is None
+    assert launch._launch_hook(chain) is None
     seen = []
     chain.add(seen.append)
-    assert tk._launch_hook(chain) is chain
+    assert launch._launch_hook(chain) is chain
     chain(1)
     assert seen == [1]
 
     def plain(metadata):  # a bare callable (how older Triton releases took a hook)
         return None
 
-    assert tk._launch_hook(plain) is plain
+    assert launch._launch_hook(plain) is plain
 
 
 def _garbage_buffers(n, k, transposed):

@@ -93,7 +93,7 @@ def test_registry_has_no_aliases():
 
 
 def test_losses_import_only_torch():
-    # DESIGN.md layering rule: calclip.losses never imports trl, transformers or accelerate (fresh interpreter,
+    # docs/DESIGN.md layering rule: calclip.losses never imports trl, transformers or accelerate (fresh interpreter,
     # since other tests in this session may have imported them).
     import subprocess
     import sys

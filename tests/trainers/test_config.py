@@ -155,3 +155,46 @@ def test_calibration_is_meaningful_exactly_when_trl_computes_old_logps(accumulat
     assert config.calibration_is_meaningful == moves_mid_round
     assert make(gradient_accumulation_steps=accumulation, steps_per_generation=steps_per_generation,
                 num_iterations=num_iterations, old_logps_source="rollout").calibration_is_meaningful == moves_mid_round
+
+
+def test_fp8_option_combinations_are_refused_exactly_where_fp8config_refuses_them():
+    """One source of truth: every combination of the FP8 options the trainer exposes is accepted by the trainer
+    config iff Fp8Config accepts it (the trainer applies Fp8Config's own rules), and a refusal names the trainer's
+    fp8_* fields, not Fp8Config's."""
+    import itertools
+
+    from calclip.fp8.config import Fp8Config
+
+    grid = itertools.product(("blockwise", "rowwise"), ("fp8", "bf16"), ("auto", "triton", "emulated"), (None, 0, 8),
+                             (False, True))
+    refused = 0
+    for recipe, backward, gemm, max_m, siblings in grid:
+        options = dict(recipe=recipe, backward=backward, gemm=gemm, decode_fused_max_m=max_m,
+                       decode_group_siblings=siblings)
+        try:
+            Fp8Config(**options)
+            library_error = None
+        except ValueError as error:
+            library_error = str(error)
+        fields = {f"fp8_{name}": value for name, value in options.items()}
+        if library_error is None:
+            assert make(**fields).fp8_recipe == recipe
+            continue
+        refused += 1
+        with pytest.raises(ValueError) as trainer_error:
+            make(**fields)
+        message = str(trainer_error.value)
+        assert "Fp8Config." not in message and "fp8_" in message, message
+        # the same rule: the library's message with its option names spelled as trainer fields
+        for name in options:
+            library_error = library_error.replace(f"Fp8Config.{name}", f"fp8_{name}")
+        assert message.split(";")[0] == _as_trainer_fields(library_error.split(";")[0]), (options, message)
+        make(fp8=False, **fields)  # FP8 off: the options are not used, nothing to refuse
+    assert refused >= 20  # the grid exercises every cross-field rule several times
+
+
+def _as_trainer_fields(text):
+    import re
+
+    names = ("backward", "gemm", "decode_fused_max_m", "decode_group_siblings", "recipe", "block_size")
+    return re.sub(rf"(?<![\w.])({'|'.join(names)})(?==)", r"fp8_\1", text)

@@ -6,8 +6,7 @@ import pytest
 from datasets import Dataset
 
 from calclip.tasks import arithmetic_reward, format_reward
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_training_args
-from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.testing import build_tiny_tokenizer, digit_share_reward, tiny_trainer
 from calclip.trainers.data_checks import required_reward_columns
 from calclip.trainers.grpo import CalibratedGRPOTrainer
 
@@ -27,14 +26,10 @@ def _trainer(rows, reward_funcs=digit_share_reward, eval_rows=None, **overrides)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*on-policy.*")
-        return CalibratedGRPOTrainer(
-            model=build_tiny_model(tokenizer),
-            reward_funcs=reward_funcs,
-            args=tiny_training_args(CalibratedGRPOConfig, "unused-output", fp8=False, **overrides),
-            train_dataset=Dataset.from_list(rows),
-            eval_dataset=None if eval_rows is None else Dataset.from_list(eval_rows),
-            processing_class=tokenizer,
-        )
+        return tiny_trainer("unused-output", tokenizer=tokenizer, reward_funcs=reward_funcs,
+                            train_dataset=Dataset.from_list(rows),
+                            eval_dataset=None if eval_rows is None else Dataset.from_list(eval_rows), fp8=False,
+                            **overrides)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Two CPU processes (torch.distributed over gloo, set up by accelerate from the usual env variables) train the same
 calibrated FP8 run on different data: both ranks must hold identical bounds, equal to a single-process calibration
 on the concatenated tokens of both ranks and of every moved mini-batch of the round, in (mini-batch, rank) order
-(DESIGN.md steps 7 and 8).
+(docs/DESIGN.md steps 7 and 8).
 
 The test launches this file as a script once per rank; ``python test_distributed.py OUT_DIR`` is the worker.
 """

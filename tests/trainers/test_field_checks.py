@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from calclip.cli import ScriptArguments, parse_train_args
+from calclip.cli.arguments import ScriptArguments, parse_train_args
 from calclip.trainers.config import CalibratedDAPOConfig, CalibratedGRPOConfig
 from calclip.trainers.field_checks import INHERITED_RANGES, resume_flag
 

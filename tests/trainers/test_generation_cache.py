@@ -1,7 +1,7 @@
 """KeptStaticCache: one static KV cache per batch size kept across generate calls (compile_generation).
 
 On the GPU a new cache per call moves the static addresses the CUDA graphs were recorded with, and every decode step
-re-records (docs/benchmarks.md, eighth session); that part needs CUDA. Here: the kept cache gives transformers' own
+re-records (docs/benchmarks-log.md, eighth session); that part needs CUDA. Here: the kept cache gives transformers' own
 tokens, keeps its tensors' addresses, is rebuilt exactly when it must be, stays out of calls it does not fit, and the
 trainer uses one across its rollouts.
 """

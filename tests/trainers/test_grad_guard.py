@@ -107,16 +107,9 @@ def test_max_consecutive_must_be_a_positive_int(bad):
 
 
 def _trainer(tmp_path, **overrides):
-    from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset, \
-        tiny_training_args
-    from calclip.trainers.config import CalibratedGRPOConfig
-    from calclip.trainers.grpo import CalibratedGRPOTrainer
+    from calclip.testing import tiny_trainer
 
-    tokenizer = build_tiny_tokenizer()
-    args = tiny_training_args(CalibratedGRPOConfig, tmp_path, **overrides)
-    return CalibratedGRPOTrainer(model=build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256),
-                                 reward_funcs=digit_share_reward, args=args, train_dataset=tiny_prompt_dataset(8),
-                                 processing_class=tokenizer)
+    return tiny_trainer(tmp_path, **overrides)  # the tiny model's default dims: hidden 128, intermediate 256
 
 
 def _poison_step(trainer, steps):

@@ -15,13 +15,13 @@ from calclip.fp8 import FP8BlockLinear
 from calclip.testing import (
     build_tiny_model,
     build_tiny_tokenizer,
-    digit_share_reward,
     logged,
     tiny_prompt_dataset,
+    tiny_trainer,
     tiny_training_args,
 )
 from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.grpo import BF16_OLD_LOGPS_KEY, CalibratedGRPOTrainer
+from calclip.trainers.grpo import BF16_OLD_LOGPS_KEY
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +30,8 @@ def tokenizer():
 
 
 def make_trainer(tokenizer, tmp_path, hidden_size=128, **overrides):
-    args = tiny_training_args(CalibratedGRPOConfig, tmp_path, **overrides)
-    return CalibratedGRPOTrainer(
-        model=build_tiny_model(tokenizer, hidden_size=hidden_size, intermediate_size=2 * hidden_size),
-        reward_funcs=digit_share_reward,
-        args=args,
-        train_dataset=tiny_prompt_dataset(8),
-        processing_class=tokenizer,
-    )
+    model = build_tiny_model(tokenizer, hidden_size=hidden_size, intermediate_size=2 * hidden_size)
+    return tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, **overrides)
 
 
 RUNS = {
@@ -161,13 +155,7 @@ def test_misaligned_rounds_calibrate_exactly_the_moved_micro_batches(
     assert args.calibration_is_meaningful
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = CalibratedGRPOTrainer(
-            model=build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256),
-            reward_funcs=digit_share_reward,
-            args=args,
-            train_dataset=tiny_prompt_dataset(8),
-            processing_class=tokenizer,
-        )
+        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, args=args)
     seen = []
     calibrate = trainer._calibrate
 
@@ -269,8 +257,7 @@ def test_plain_grpo_config_is_rejected(tokenizer, tmp_path):
         warnings.simplefilter("ignore")
         args = tiny_training_args(GRPOConfig, tmp_path)
     with pytest.raises(TypeError, match="CalibratedGRPOConfig"):
-        CalibratedGRPOTrainer(model=build_tiny_model(tokenizer), reward_funcs=digit_share_reward, args=args,
-                              train_dataset=tiny_prompt_dataset(4), processing_class=tokenizer)  # fmt: skip
+        tiny_trainer(tmp_path, tokenizer=tokenizer, args=args, num_prompts=4)
 
 
 def test_compile_generation_undoes_trls_disable_compile(tokenizer, tmp_path):

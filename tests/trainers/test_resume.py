@@ -162,7 +162,7 @@ def test_resume_true_without_any_complete_checkpoint_fails_naming_the_folder(sav
 
 @pytest.mark.slow
 def test_a_killed_run_resumed_with_true_finishes_from_the_previous_checkpoint(saved_run, tmp_path):
-    """The issue's case end to end: trainer_state.json of the newest folder missing, the resumed run trains on."""
+    """A run killed mid-save, end to end: trainer_state.json of the newest folder missing, the resumed run trains on."""
     run = _copy(saved_run, tmp_path)
     os.remove(run / "checkpoint-4" / "trainer_state.json")
     callback = _StopAtTrainBegin(stop=False)
@@ -179,7 +179,8 @@ def test_a_killed_run_resumed_with_true_finishes_from_the_previous_checkpoint(sa
 def test_resume_from_checkpoint_true_from_yaml_and_command_line(saved_run, tmp_path, monkeypatch):
     """`calclip train` passes resume_from_checkpoint to train() as TRL's scripts do; `true` from YAML (a bool) and
     `--resume_from_checkpoint true` (a string) both mean the latest complete checkpoint."""
-    from calclip import cli
+    from calclip.cli.arguments import parse_train_args
+    from calclip.cli.train import train
 
     run = _copy(saved_run, tmp_path)
     os.remove(run / "checkpoint-4" / "optimizer.pt")
@@ -193,10 +194,10 @@ def test_resume_from_checkpoint_true_from_yaml_and_command_line(saved_run, tmp_p
     for extra in ([], ["--resume_from_checkpoint", "true"], ["--resume_from_checkpoint", "True"]):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cli.train(["--config", str(config), *extra])
+            train(["--config", str(config), *extra])
     assert received == [str(run / "checkpoint-2")] * 3
 
-    _, args = cli.parse_train_args(["--config", str(config), "--resume_from_checkpoint", "false"])
+    _, args = parse_train_args(["--config", str(config), "--resume_from_checkpoint", "false"])
     assert args.resume_from_checkpoint is None
-    _, args = cli.parse_train_args(["--config", str(config), "--resume_from_checkpoint", str(run / "checkpoint-4")])
+    _, args = parse_train_args(["--config", str(config), "--resume_from_checkpoint", str(run / "checkpoint-4")])
     assert args.resume_from_checkpoint == str(run / "checkpoint-4")  # an explicit path is used as given

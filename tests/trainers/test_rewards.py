@@ -6,9 +6,7 @@ import warnings
 import pytest
 import torch
 
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_prompt_dataset, tiny_training_args
-from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.grpo import CalibratedGRPOTrainer
+from calclip.testing import tiny_prompt_dataset, tiny_trainer
 from calclip.trainers.rewards import exclude_nonfinite_rewards
 
 # Fixed rewards by position in the generation batch (2 prompts x 4 completions); the broken entry is position 1.
@@ -25,18 +23,11 @@ def _reward(broken):
 
 
 def _advantages(tmp_path, broken, *, second=None):
-    tokenizer = build_tiny_tokenizer()
     funcs = [_reward(broken)] + ([second] if second else [])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = CalibratedGRPOTrainer(
-            model=build_tiny_model(tokenizer),
-            reward_funcs=funcs,
-            args=tiny_training_args(CalibratedGRPOConfig, tmp_path, clip_mode="static", fp8=False,
-                                    steps_per_generation=2),
-            train_dataset=tiny_prompt_dataset(2),
-            processing_class=tokenizer,
-        )
+        trainer = tiny_trainer(tmp_path, reward_funcs=funcs, num_prompts=2, clip_mode="static", fp8=False,
+                               steps_per_generation=2)
     trainer.model.train()
     rows = [tiny_prompt_dataset(2)[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
     with warnings.catch_warnings(record=True) as caught:
@@ -110,15 +101,10 @@ def test_a_reward_function_returning_what_trl_cannot_score_is_named(tmp_path):
     async def async_scores(completions, **kwargs):
         return [returned["async"]] * len(completions)
 
-    tokenizer = build_tiny_tokenizer()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = CalibratedGRPOTrainer(
-            model=build_tiny_model(tokenizer), reward_funcs=[scored_by_position, async_scores],
-            args=tiny_training_args(CalibratedGRPOConfig, tmp_path, clip_mode="static", fp8=False,
-                                    steps_per_generation=2),
-            train_dataset=tiny_prompt_dataset(2), processing_class=tokenizer,
-        )
+        trainer = tiny_trainer(tmp_path, reward_funcs=[scored_by_position, async_scores], num_prompts=2,
+                               clip_mode="static", fp8=False, steps_per_generation=2)
     trainer.model.train()
     rows = [tiny_prompt_dataset(2)[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)]
     cases = [

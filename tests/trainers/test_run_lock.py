@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from calclip import cli
+from calclip.cli.train import train
 from calclip.trainers import run_lock
 from calclip.trainers.run_lock import (
     LOCK_NAME, OutputDirInUseError, OutputDirNotWritableError, claim_directory, claim_output_dir,
@@ -112,23 +112,23 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the output_dir check")
 
-    monkeypatch.setattr(cli, "build_trainer", refuse)
+    monkeypatch.setattr("calclip.cli.train.build_trainer", refuse)
 
 
 def test_calclip_train_refuses_a_folder_another_run_holds_before_loading(tmp_path, no_model_load):
     with Holder(tmp_path / "run") as holder:
         with pytest.raises(OutputDirInUseError, match=f"pid {holder.proc.pid}"):
-            cli.train(_train_argv(tmp_path / "run"))
+            train(_train_argv(tmp_path / "run"))
 
 
 def test_calclip_train_refuses_an_unwritable_folder_before_loading(tmp_path, no_model_load):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputDirNotWritableError, match=r"output_dir .*file/run cannot be created"):
-        cli.train(_train_argv(tmp_path / "file" / "run"))
+        train(_train_argv(tmp_path / "file" / "run"))
     if os.geteuid() != 0:  # root writes into read-only folders
         (tmp_path / "ro").mkdir(mode=0o555)
         with pytest.raises(OutputDirNotWritableError, match=r"output_dir .*ro is not writable"):
-            cli.train(_train_argv(tmp_path / "ro"))
+            train(_train_argv(tmp_path / "ro"))
 
 
 def test_the_trainer_claims_its_folder_before_trl_loads_the_model(tmp_path, monkeypatch):

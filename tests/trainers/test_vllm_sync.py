@@ -193,12 +193,11 @@ def test_use_fp8_vllm_generation_swaps_trl_class_only_inside():
 from calclip.testing import (  # noqa: E402
     build_tiny_model,
     build_tiny_tokenizer,
-    digit_share_reward,
     tiny_prompt_dataset,
+    tiny_trainer,
     tiny_training_args,
 )
 from calclip.trainers.config import CalibratedGRPOConfig  # noqa: E402
-from calclip.trainers.grpo import CalibratedGRPOTrainer  # noqa: E402
 
 # What the fake engine "samples" for every prompt (token characters) and the log-probs it reports for them.
 FAKE_COMPLETION = "12"
@@ -296,9 +295,7 @@ def make_vllm_trainer(fake, tokenizer, tmp_path, *, num_key_value_heads=4, **ove
                              num_key_value_heads=num_key_value_heads, dtype=torch.bfloat16)
     fake.holder["model"] = model
     options = dict(use_vllm=True, vllm_mode="colocate", fp8=True, fp8_keep_last_n_layers=1)
-    args = tiny_training_args(CalibratedGRPOConfig, tmp_path, **{**options, **overrides})
-    return CalibratedGRPOTrainer(model=model, reward_funcs=digit_share_reward, args=args,
-                                 train_dataset=tiny_prompt_dataset(8), processing_class=tokenizer)
+    return tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, **{**options, **overrides})
 
 
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -1,6 +1,6 @@
-"""Trainer callbacks of a `calclip train` run that `calclip compare` started (usable by any run).
+"""Trainer callbacks of a `calclip train` run that a supervisor (``calclip compare``, a cluster script) reads from.
 
-- `MetricsFileCallback` writes the metrics file (`calclip.compare.metrics`) as the trainer logs, so a killed run
+- `MetricsFileCallback` writes the metrics file (`run_outputs`) as the trainer logs, so a killed run
   keeps every step it logged; a resumed run first drops the rows after the checkpoint it resumed from.
 - `CheckpointOnSigtermCallback`: after SIGTERM, training stops at the next step that ends a generation cycle
   (so the resumed run generates where the uninterrupted one would: TRL does not checkpoint its rollout buffer),
@@ -17,8 +17,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from calclip.compare.metrics import metrics_row, read_metrics, truncate_metrics
-from calclip.compare.runner import EXIT_STOPPED
+from calclip.trainers.run_outputs import EXIT_STOPPED, metrics_row, read_metrics, truncate_metrics
 
 
 class MetricsFileCallback(TrainerCallback):

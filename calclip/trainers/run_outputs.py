@@ -1,6 +1,7 @@
-"""The per-run metrics file: one JSON line per logged optimizer step.
+"""What a `calclip train` run leaves for whoever supervises it (``calclip compare``, a cluster script): the per-run
+metrics file, and the exit status of a run that a SIGTERM stopped after a checkpoint (``run_callbacks``).
 
-Keys are the trainer's own log names (DESIGN.md "Metric names", TRL's where calclip adds none); a metric not
+The metrics file: one JSON line per logged optimizer step. Keys are the trainer's own log names (docs/DESIGN.md "Metric names", TRL's where calclip adds none); a metric not
 logged at a step is ``null`` (reward exists only on generating steps, the FP8-static and BF16-shadow drop shares
 only on shadow-calibration steps); a non-finite value is kept (written as NaN/Infinity, which Python's json and
 pandas read back), so a collapse shows. ``time`` is wall seconds since training began, resumed runs continuing
@@ -50,6 +51,9 @@ METRIC_FIELDS: tuple[tuple[str, str], ...] = (
 )
 FIELD_NAMES = tuple(key for key, _ in METRIC_FIELDS)
 METRICS_FILE = "metrics.jsonl"
+# EX_TEMPFAIL: a run stopped on SIGTERM after saving a checkpoint (run_callbacks.CheckpointOnSigtermCallback); the
+# same command resumes it.
+EXIT_STOPPED = 75
 
 
 def metrics_row(logs: dict, step: int, time: float) -> dict | None:

@@ -1,0 +1,105 @@
+"""The numerics contract of ``calclip.fp8.reference`` (its module docstring) as ``@triton.jit`` helpers: one scale
+per block, codes from a block and its scale, and the e4m3fn cast (hardware, or in software under the interpreter).
+
+Every quantizer kernel and the fused decode kernel build on these, so all of them produce the reference's fp32
+scales bit for bit and its e4m3fn codes exactly. Under ``TRITON_INTERPRET=1`` the interpreter's own fp32 -> fp8
+cast truncates instead of rounding and cannot produce NaN, so in that mode the kernels encode the e4m3fn bits in
+software (``_e4m3fn_bits``); the GPU tests check that this software encoder equals the hardware
+``cvt.rn.satfinite.e4m3x2.f32`` on every fp32 input they try.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from calclip.fp8.config import FP8_E4M3_MAX
+from calclip.fp8.reference import AMAX_FLOOR
+
+# Constants used inside kernels must be tl.constexpr globals (Triton rejects plain Python globals in @jit code).
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+# fp32 bit fields for the exact power-of-two round-up of a scale (reference.round_scale_up_to_pow2).
+_FP32_MANTISSA_MASK = tl.constexpr(0x007FFFFF)
+_FP32_EXPONENT_MASK = tl.constexpr(0x7F800000)
+_FP32_EXPONENT_ONE = tl.constexpr(0x00800000)
+# e4m3fn: 3 mantissa bits, exponent bias 7; smallest normal 2**-6; subnormal step 2**-9; NaN code 0x7F.
+_E4M3_MANTISSA_BITS = tl.constexpr(3)
+_E4M3_BIAS = tl.constexpr(7)
+_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+_E4M3_SUBNORMAL_STEPS = tl.constexpr(2.0**9)  # 1 / subnormal step
+_E4M3_NAN_CODE = tl.constexpr(0x7F)
+# Adding then subtracting 1.5 * 2**23 rounds an fp32 in [0, 2**22) to the nearest integer, ties to even.
+_RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _abs_max(x, axis: tl.constexpr):
+    """max |x| along ``axis``, +Inf if any element is NaN or +-Inf: one reduction gives both the amax and the
+    non-finite test (``amax == inf``). NaN is mapped to Inf first because a max reduction may drop NaN."""
+    return tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=axis)
+
+
+@triton.jit
+def _block_scale(amax, nonfinite, POW2: tl.constexpr):
+    """amax (from _abs_max), nonfinite (amax == inf), per block -> fp32 dequantization scale, NaN for
+    non-finite blocks.
+
+    s = max(amax, AMAX_FLOOR) / FP8_E4M3_MAX with IEEE division; POW2 rounds s up to a power of two exactly.
+    """
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _FP8_MAX)
+    if POW2:
+        bits = scale.to(tl.int32, bitcast=True)
+        exponent = bits & _FP32_EXPONENT_MASK
+        has_mantissa = (bits & _FP32_MANTISSA_MASK) != 0
+        scale = tl.where(has_mantissa, exponent + _FP32_EXPONENT_ONE, exponent).to(tl.float32, bitcast=True)
+    return tl.where(nonfinite, float("nan"), scale)
+
+
+@triton.jit
+def _scaled_codes(x, scale, nonfinite):
+    """x fp32, scale and nonfinite broadcastable to x -> fp32 values on the fp8 grid's range [-448, 448] or NaN."""
+    codes = tl.clamp(tl.math.div_rn(x, scale), -_FP8_MAX, _FP8_MAX)
+    return tl.where(nonfinite, float("nan"), codes)  # explicit: clamp's NaN behaviour is unspecified
+
+
+@triton.jit
+def _e4m3fn_bits(v):
+    """fp32 in [-448, 448] or NaN -> e4m3fn bit pattern (int32 in [0, 255]), round to nearest even.
+
+    The software twin of the hardware cast, used only under the interpreter (see the module docstring).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    is_nan = v != v
+    mag = tl.where(is_nan, 0.0, tl.abs(v))  # NaN is encoded at the end; keep it out of the integer casts
+    # Subnormals (|v| < 2**-6) count steps of 2**-9; the carry to 8 is the smallest normal's code.
+    sub_code = ((mag * _E4M3_SUBNORMAL_STEPS + _RNE_MAGIC) - _RNE_MAGIC).to(tl.int32)
+    # Normals: round the fp32 mantissa to 3 bits, ties to even; a carry ripples into the exponent.
+    mag_bits = mag.to(tl.int32, bitcast=True)
+    drop = 23 - _E4M3_MANTISSA_BITS
+    mag_bits = mag_bits + ((1 << (drop - 1)) - 1) + ((mag_bits >> drop) & 1)
+    normal_code = (mag_bits >> drop) - ((127 - _E4M3_BIAS) << _E4M3_MANTISSA_BITS)
+    code = tl.where(mag < _E4M3_MIN_NORMAL, sub_code, normal_code) | sign
+    return tl.where(is_nan, _E4M3_NAN_CODE, code)
+
+
+@triton.jit
+def _store_codes(q_ptrs, codes, mask, SOFT_FP8: tl.constexpr):
+    """Store fp32 codes as e4m3fn: hardware cast, or software bits through a uint8 pointer (interpreter)."""
+    if SOFT_FP8:
+        tl.store(q_ptrs, _e4m3fn_bits(codes).to(tl.uint8), mask=mask)
+    else:
+        tl.store(q_ptrs, codes.to(q_ptrs.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+@triton.jit
+def _e4m3fn_in_registers(codes, SOFT_FP8: tl.constexpr):
+    """fp32 codes from _scaled_codes -> e4m3fn values for tl.dot: the very cast _store_codes stores (hardware
+    round-to-nearest-even cast, or under the interpreter the software bits reinterpreted as e4m3fn)."""
+    if SOFT_FP8:
+        a = _e4m3fn_bits(codes).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        a = codes.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return a
+

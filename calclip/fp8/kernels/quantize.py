@@ -1,0 +1,481 @@
+"""Triton block quantizers, each reproducing its plain-torch twin in ``calclip.fp8.reference`` EXACTLY (the same
+fp32 scales bit for bit and the same e4m3fn codes; NaN blocks: NaN scale and NaN codes):
+
+    quantize_1x128             reference.quantize_1x128             (activations, output gradients)
+    quantize_128x1             reference.quantize_128x1             (the token axis of the weight-gradient GEMM)
+    quantize_1x128_and_128x1   reference.quantize_1x128_and_128x1   (both, from one read)
+    quantize_128x128           reference.quantize_128x128           (weights)
+    requantize_128x128_        quant.requantize_128x128_'s torch path (weights, into existing buffers)
+
+Each op is a pair: a small ``@triton.jit`` kernel and a launcher that checks its inputs, allocates outputs, builds
+the grid and launches (``launch._Tuned``). Kernels read every input once (no separate amax pass): a program loads a
+tile of whole 128-element groups into registers, reduces it, and writes codes and scales (``numerics``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from calclip.fp8.config import BLOCK, FP8_DTYPE
+from calclip.fp8.kernels.launch import (
+    _as_float_input, _bucket, _ceil_div, _check_2d, _check_block, _check_device, _codes_out, _counter_operands,
+    _next_pow2, _Tuned,
+)
+from calclip.fp8.kernels.numerics import _abs_max, _block_scale, _scaled_codes, _store_codes
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1x128: groups of 128 along the last dim (activations, output gradients).
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, first_group, R, K, NB, stride_xr, stride_sr, stride_sg,
+                           POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """Quantize the groups [first_group, first_group + GROUPS) of ``rows`` [BLOCK_R] (int64), loaded once as a
+    [BLOCK_R, GROUPS, GROUP] tile -> int32 [BLOCK_R]: 1 where a row has a non-finite group among them."""
+    groups = first_group + tl.arange(0, GROUPS)
+    cols = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    mask = (rows[:, None, None] < R) & (cols < K)  # ragged last group and ragged last row tile
+    x = tl.load(x_ptr + rows[:, None, None] * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = _abs_max(x, 2)  # [BLOCK_R, GROUPS]
+    nonfinite = amax == float("inf")
+    scale = _block_scale(amax, nonfinite, POW2)
+    codes = _scaled_codes(x, scale[:, :, None], nonfinite[:, :, None])
+    _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
+    s_mask = (rows[:, None] < R) & (groups[None, :] < NB)
+    tl.store(s_ptr + rows[:, None] * stride_sr + groups[None, :] * stride_sg, scale, mask=s_mask)
+    return tl.max(nonfinite.to(tl.int32), axis=1)  # padded groups and rows are finite zeros
+
+
+@triton.jit
+def _quantize_1x128_kernel(
+    x_ptr, q_ptr, s_ptr,  # x [R, K] (last dim contiguous), q [R, K] contiguous, s [R, NB] any strides
+    R, K, NB, stride_xr, stride_sr, stride_sg,
+    R_BUCKET,  # autotune key only
+    count_ptr, weight_bad_ptr,  # COUNT only: int64 [] counter += bad rows; bool [] "the weight has a NaN block"
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+):
+    """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile.
+
+    COUNT (launched with one program per BLOCK_R rows): the program walks its rows' groups GROUPS at a time, so it
+    holds whole rows however wide they are, and adds to ``count_ptr`` the number of its rows that have a non-finite
+    group (every valid row when ``weight_bad_ptr`` is set) — the FP8BlockLinear non-finite token count, from
+    registers this kernel already holds, one atomic per program with bad rows."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    if COUNT:
+        row_bad = tl.zeros((BLOCK_R,), dtype=tl.int32)
+        if SOFT_FP8:  # the interpreter passes NB as a 1-element array (see _fp8_block_gemm_kernel)
+            g0 = 0
+            while g0 < NB:
+                row_bad = tl.maximum(row_bad, _quantize_1x128_groups(
+                    x_ptr, q_ptr, s_ptr, rows, g0, R, K, NB, stride_xr, stride_sr, stride_sg,
+                    POW2, SOFT_FP8, GROUPS, GROUP))
+                g0 += GROUPS
+        else:
+            for g0 in range(0, NB, GROUPS):
+                row_bad = tl.maximum(row_bad, _quantize_1x128_groups(
+                    x_ptr, q_ptr, s_ptr, rows, g0, R, K, NB, stride_xr, stride_sr, stride_sg,
+                    POW2, SOFT_FP8, GROUPS, GROUP))
+        valid = rows < R
+        weight_bad = tl.load(weight_bad_ptr).to(tl.int32)
+        n_bad = tl.where(weight_bad != 0, tl.sum(valid.to(tl.int32), axis=0), tl.sum(row_bad, axis=0))
+        tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=n_bad > 0)
+    else:
+        _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, tl.program_id(1) * GROUPS, R, K, NB, stride_xr, stride_sr,
+                               stride_sg, POW2, SOFT_FP8, GROUPS, GROUP)
+
+
+_QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4}, num_warps=8)
+_QUANT_1X128_CONFIGS = [
+    _QUANT_1X128_DEFAULT,
+    triton.Config({"BLOCK_R": 8, "GROUPS": 4}, num_warps=4),
+    triton.Config({"BLOCK_R": 32, "GROUPS": 2}, num_warps=8),
+    triton.Config({"BLOCK_R": 16, "GROUPS": 8}, num_warps=8),
+    triton.Config({"BLOCK_R": 4, "GROUPS": 8}, num_warps=4),
+    triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
+]
+_quantize_1x128_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_CONFIGS, key=["K", "R_BUCKET"])
+
+
+def _scales_out(rows: int, nb: int, column_major: bool, device: torch.device) -> Tensor:
+    """fp32 [rows, nb], row-major, or column-major (the transpose of a contiguous [nb, rows])."""
+    if column_major:
+        return torch.empty(nb, rows, dtype=torch.float32, device=device).t()
+    return torch.empty(rows, nb, dtype=torch.float32, device=device)
+
+
+# Counting launches: one program per BLOCK_R rows, which walks its rows' groups GROUPS at a time (the kernel's
+# loop), so it holds whole rows at any K. Rows of up to _COUNT_ONE_PASS_GROUPS groups (K <= 16384) take one pass:
+# GROUPS = next_pow2(NB), tiles of about 2K-16K elements (the configs the H200 ran since counting moved into the
+# kernel). Wider rows (Qwen2.5-7B's down projection, K = 18944; Llama-3-70B's, K = 28672) walk chunks: a whole
+# row of next_pow2(NB) = 256 groups in one tile spills registers on sm_90 (ptxas: 2 KB of spill stores at 16 warps,
+# 312 bytes at 32) and, at NB = 148, leaves 42% of its lanes masked; a chunk of 16-64 groups does neither (ptxas:
+# 101-216 registers, no spills, for every config of _COUNT_CHUNK_CONFIGS with and without POW2; 2 rows x 64 groups at
+# 16 warps spilled, so it is not one of them).
+_COUNT_ELEMENTS = (2048, 16384)
+_COUNT_ONE_PASS_GROUPS = _COUNT_ELEMENTS[1] // BLOCK
+_COUNT_CHUNK_DEFAULT = triton.Config({"BLOCK_R": 1, "GROUPS": 32}, num_warps=8)
+_COUNT_CHUNK_CONFIGS = [
+    _COUNT_CHUNK_DEFAULT,
+    triton.Config({"BLOCK_R": 1, "GROUPS": 32}, num_warps=4),
+    triton.Config({"BLOCK_R": 2, "GROUPS": 32}, num_warps=8),
+    triton.Config({"BLOCK_R": 4, "GROUPS": 16}, num_warps=8),
+    triton.Config({"BLOCK_R": 1, "GROUPS": 64}, num_warps=8),
+    triton.Config({"BLOCK_R": 1, "GROUPS": 64}, num_warps=16),
+    triton.Config({"BLOCK_R": 4, "GROUPS": 32}, num_warps=16),
+]
+_count_tuned: dict[int, _Tuned] = {}  # one per one-pass group count; key 0: the chunked launches
+
+
+def _counting_configs(groups: int) -> list[triton.Config]:
+    """Autotune configs of the counting launch for rows of NB <= ``groups`` groups (``groups`` = next_pow2(NB)).
+    Never empty: a one-pass table always holds a single-row config, and wider rows take the chunked table."""
+    if groups > _COUNT_ONE_PASS_GROUPS:
+        return list(_COUNT_CHUNK_CONFIGS)
+    configs = []
+    for block_r in (max(1, 4096 // (groups * BLOCK)), 1, 2, 4, 8, 16, 32):
+        elements = block_r * groups * BLOCK
+        if elements <= _COUNT_ELEMENTS[1] and (elements >= _COUNT_ELEMENTS[0] or block_r == 1):
+            for warps in (4, 8) if elements <= 4096 else (8, 16):
+                config = triton.Config({"BLOCK_R": block_r, "GROUPS": groups}, num_warps=warps)
+                if all(c.kwargs != config.kwargs or c.num_warps != warps for c in configs):
+                    configs.append(config)
+    return configs
+
+
+def _counting_kernel(groups: int) -> _Tuned:
+    """The 1x128 kernel tuned for counting launches over rows of NB <= ``groups`` = next_pow2(NB) groups."""
+    table = groups if groups <= _COUNT_ONE_PASS_GROUPS else 0
+    tuned = _count_tuned.get(table)
+    if tuned is None:
+        tuned = _count_tuned[table] = _Tuned(_quantize_1x128_kernel, _counting_configs(groups), key=["K", "R_BUCKET"],
+                                             restore_value=["count_ptr"])
+    return tuned
+
+
+def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
+                   nonfinite_count: Tensor | None = None,
+                   weight_bad: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Quantize in groups of 128 along the last dim (activations, output gradients). Matches the reference.
+
+    x: [..., K] bf16/fp16/fp32 (fp64 rounded to fp32), any leading dims, K ragged allowed
+    -> (q float8_e4m3fn [..., K] contiguous, s float32 [..., ceil(K / 128)], x ~= q * s)
+    s is contiguous like the reference's; ``gemm_layout=True`` makes it column-major over the flattened rows
+    (the strides torch._scaled_mm demands of a 1x128 operand's scale, so gemm.py's re-layout is a no-op).
+    nonfinite_count: int64 [] tensor on x's device; when given, the kernel adds the number of rows (tokens)
+    with a non-finite group to it — every row when ``weight_bad`` (bool [], optional) is set — without a sync
+    or another launch, at any K. Codes and scales are the same with or without it.
+    """
+    _check_block(block)
+    count = nonfinite_count is not None
+    soft_fp8, weight_bad = _counter_operands(x, nonfinite_count, weight_bad) if count else (_check_device(x), None)
+    if x.dim() < 1:
+        raise ValueError("quantize_1x128 needs at least one dim")
+    x = _as_float_input(x)
+    k, nb = x.shape[-1], _ceil_div(x.shape[-1], block)
+    r = x.numel() // k if k else 0
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    s2 = _scales_out(r, nb, gemm_layout, x.device)
+    s = s2.view(*x.shape[:-1], nb)
+    if x.numel() == 0:
+        return q, s
+    x2 = x.reshape(r, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if count:
+        groups = _next_pow2(nb)
+        _counting_kernel(groups).launch(
+            lambda meta: (_ceil_div(r, meta["BLOCK_R"]), 1), (k, _bucket(r), x2.dtype, groups), soft_fp8,
+            x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
+            nonfinite_count, weight_bad, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=True, GROUP=block)
+        return q, s
+    _quantize_1x128_tuned.launch(
+        lambda meta: (_ceil_div(r, meta["BLOCK_R"]), _ceil_div(nb, meta["GROUPS"])),
+        (k, _bucket(r), x2.dtype), soft_fp8,
+        x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
+        s2, s2, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=False, GROUP=block)
+    return q, s
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 128x1: groups of 128 rows along dim 0, one per column (the token axis of the weight-gradient GEMM).
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_128x1_kernel(
+    x_ptr, q_ptr, s_ptr,  # x [M, K] any strides; q^T [K, M] contiguous; s [NB, K] any strides
+    M, K, stride_xm, stride_xk, stride_sb, stride_sk,
+    M_BUCKET,  # autotune key only
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program: one group of GROUP rows x BLOCK_K columns; reduces over rows, stores codes transposed."""
+    pid_m = tl.program_id(0)
+    rows = (pid_m * GROUP + tl.arange(0, GROUP)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)  # ragged last row group and column tile
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    amax = _abs_max(x, 0)  # [BLOCK_K]
+    nonfinite = amax == float("inf")
+    scale = _block_scale(amax, nonfinite, POW2)
+    codes = _scaled_codes(x, scale[None, :], nonfinite[None, :])
+    _store_codes(q_ptr + cols[None, :] * M + rows[:, None], codes, mask, SOFT_FP8)
+    tl.store(s_ptr + pid_m * stride_sb + cols * stride_sk, scale, mask=cols < K)
+
+
+_QUANT_128X1_DEFAULT = triton.Config({"BLOCK_K": 64}, num_warps=8)
+_QUANT_128X1_CONFIGS = [
+    _QUANT_128X1_DEFAULT,
+    triton.Config({"BLOCK_K": 32}, num_warps=4),
+    triton.Config({"BLOCK_K": 64}, num_warps=4),
+    triton.Config({"BLOCK_K": 128}, num_warps=8),
+    triton.Config({"BLOCK_K": 128}, num_warps=16),
+]
+_quantize_128x1_tuned = _Tuned(_quantize_128x1_kernel, _QUANT_128X1_CONFIGS, key=["K", "M_BUCKET"])
+
+
+def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
+                   gemm_layout: bool = False) -> tuple[Tensor, Tensor]:
+    """Quantize a 2-D tensor in groups of 128 rows along dim 0, one group per column. Matches the reference.
+
+    x: [M, K] bf16/fp16/fp32, any strides, M and K ragged allowed
+    -> (q float8_e4m3fn [M, K], s float32 [ceil(M / 128), K]); like the reference, q is the transpose of a
+       contiguous [K, M] tensor (column-major), the layout a GEMM contracting over M reads, and so is s;
+       ``gemm_layout=True`` makes s row-major instead (contiguous [ceil(M/128), K]: then the wgrad operands'
+       scales s.t() are already column-major, as torch._scaled_mm demands, and gemm.py copies nothing).
+    """
+    _check_block(block)
+    soft_fp8 = _check_device(x)
+    _check_2d("quantize_128x1", x)
+    x = _as_float_input(x)
+    m, k = x.shape
+    nb = _ceil_div(m, block)
+    q_t = torch.empty(k, m, dtype=FP8_DTYPE, device=x.device)
+    s = _scales_out(nb, k, not gemm_layout, x.device)
+    if x.numel() == 0:
+        return q_t.t(), s
+    _quantize_128x1_tuned.launch(
+        lambda meta: (nb, _ceil_div(k, meta["BLOCK_K"])), (k, _bucket(m), x.dtype), soft_fp8,
+        x, _codes_out(q_t, soft_fp8), s, m, k, x.stride(0), x.stride(1), s.stride(0), s.stride(1), _bucket(m),
+        POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    return q_t.t(), s
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1x128 and 128x1 from one read: the two quantizations FP8BlockLinear needs of x (forward) and dy (backward).
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_1x128_and_128x1_kernel(
+    x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
+    # x [M, K] any strides; q_row [M, K] contiguous, s_row [M, NBK] any strides;
+    # q_col^T [K, M] contiguous, s_col [NBM, K] any strides
+    M, K, stride_xm, stride_xk, stride_srm, stride_srk, stride_scm, stride_sck,
+    K_BUCKET, M_BUCKET,  # autotune key only
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUP: tl.constexpr,
+):
+    """One program: a [GROUP, GROUP] tile of x, loaded once. Its row amaxes are the scales of GROUP 1x128
+    groups, its column amaxes those of GROUP 128x1 groups; both code sets are written from the same registers."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = (pid_m * GROUP + tl.arange(0, GROUP)).to(tl.int64)
+    cols = (pid_k * GROUP + tl.arange(0, GROUP)).to(tl.int64)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)  # ragged edges: masked elements are 0, amax unchanged
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+
+    row_amax = _abs_max(x, 1)  # [GROUP]: one 1x128 group per row
+    row_nonfinite = row_amax == float("inf")
+    row_scale = _block_scale(row_amax, row_nonfinite, POW2)
+    row_codes = _scaled_codes(x, row_scale[:, None], row_nonfinite[:, None])
+    _store_codes(q_row_ptr + rows[:, None] * K + cols[None, :], row_codes, mask, SOFT_FP8)
+    tl.store(s_row_ptr + rows * stride_srm + pid_k * stride_srk, row_scale, mask=rows < M)
+
+    col_amax = _abs_max(x, 0)  # [GROUP]: one 128x1 group per column
+    col_nonfinite = col_amax == float("inf")
+    col_scale = _block_scale(col_amax, col_nonfinite, POW2)
+    col_codes = _scaled_codes(x, col_scale[None, :], col_nonfinite[None, :])
+    _store_codes(q_col_ptr + cols[None, :] * M + rows[:, None], col_codes, mask, SOFT_FP8)
+    tl.store(s_col_ptr + pid_m * stride_scm + cols * stride_sck, col_scale, mask=cols < K)
+
+
+_QUANT_DUAL_DEFAULT = triton.Config({}, num_warps=8)
+_QUANT_DUAL_CONFIGS = [
+    _QUANT_DUAL_DEFAULT,
+    triton.Config({}, num_warps=4),
+    triton.Config({}, num_warps=16),
+]
+_quantize_dual_tuned = _Tuned(_quantize_1x128_and_128x1_kernel, _QUANT_DUAL_CONFIGS, key=["K_BUCKET", "M_BUCKET"])
+
+
+def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
+                             gemm_layout: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``quantize_1x128(x) + quantize_128x1(x)`` from one read of x: the same codes and scales bit for bit.
+
+    x: [M, K] bf16/fp16/fp32, any strides, M and K ragged allowed
+    -> (q_row float8_e4m3fn [M, K] contiguous, s_row float32 [M, ceil(K / 128)],
+        q_col float8_e4m3fn [M, K] column-major, s_col float32 [ceil(M / 128), K])
+    Scale layouts are the reference's (s_row row-major, s_col column-major); ``gemm_layout=True`` flips both
+    (see quantize_1x128 / quantize_128x1), which is what FP8BlockLinear asks for.
+    """
+    _check_block(block)
+    soft_fp8 = _check_device(x)
+    _check_2d("quantize_1x128_and_128x1", x)
+    x = _as_float_input(x)
+    m, k = x.shape
+    nbm, nbk = _ceil_div(m, block), _ceil_div(k, block)
+    q_row = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    q_col_t = torch.empty(k, m, dtype=FP8_DTYPE, device=x.device)
+    s_row = _scales_out(m, nbk, gemm_layout, x.device)
+    s_col = _scales_out(nbm, k, not gemm_layout, x.device)
+    if x.numel() == 0:
+        return q_row, s_row, q_col_t.t(), s_col
+    _quantize_dual_tuned.launch(
+        lambda meta: (nbm, nbk), (_bucket(k), _bucket(m), x.dtype), soft_fp8,
+        x, _codes_out(q_row, soft_fp8), s_row, _codes_out(q_col_t, soft_fp8), s_col, m, k,
+        x.stride(0), x.stride(1), s_row.stride(0), s_row.stride(1), s_col.stride(0), s_col.stride(1),
+        _bucket(k), _bucket(m), POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    return q_row, s_row, q_col_t.t(), s_col
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 128x128: square weight blocks.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _weight_tile(w_ptr, N, K, stride_wn, stride_wk, POW2: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    """This program's GROUP rows x GROUPS blocks of GROUP columns of w, a [GROUP, GROUPS, GROUP] tile, quantized:
+    (rows, groups, cols, mask, codes, scales [GROUPS], non-finite blocks [GROUPS])."""
+    pid_n = tl.program_id(0)
+    rows = (pid_n * GROUP + tl.arange(0, GROUP)).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    mask = (rows[:, None, None] < N) & (cols < K)  # ragged edge blocks: real elements only
+    w = tl.load(w_ptr + rows[:, None, None] * stride_wn + cols * stride_wk, mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    amax = tl.max(_abs_max(w, 2), axis=0)  # [GROUPS]
+    nonfinite = amax == float("inf")
+    scale = _block_scale(amax, nonfinite, POW2)
+    codes = _scaled_codes(w, scale[None, :, None], nonfinite[None, :, None])
+    return rows, groups, cols, mask, codes, scale, nonfinite
+
+
+@triton.jit
+def _quantize_128x128_kernel(
+    w_ptr, q_ptr, s_ptr,  # w [N, K] any strides; q [N, K] contiguous; s [NBN, NBK] contiguous
+    N, K, NBK, stride_wn, stride_wk,
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """One program: GROUP rows x GROUPS blocks of GROUP columns, a [GROUP, GROUPS, GROUP] tile."""
+    rows, groups, cols, mask, codes, scale, nonfinite = _weight_tile(w_ptr, N, K, stride_wn, stride_wk, POW2, GROUP,
+                                                                     GROUPS)
+    _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
+    tl.store(s_ptr + tl.program_id(0) * NBK + groups, scale, mask=groups < NBK)
+
+
+@triton.jit
+def _requantize_128x128_kernel(
+    w_ptr, q_ptr, s_ptr, bad_ptr,  # w [N, K] any strides; q [N, K], s [NBN, NBK] contiguous; bad: one byte, zeroed
+    N, K, NBK, stride_wn, stride_wk,  # by the caller, set to 1 by a NaN/Inf block
+    POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr,
+):
+    """_quantize_128x128_kernel into existing buffers, also setting the "weight has a non-finite block" flag.
+
+    W^T's codes are a second launch of this kernel on w.t() (a 128x128 block's codes and scale do not depend on
+    the order of its elements). Writing them from this launch's registers, through a pointer contiguous along the
+    tile's first axis, gave wrong codes on the H200 whenever N was a multiple of 16 (Triton 3.6, 2026-12-01; the
+    interpreter got them right), so the transposing store is left to the layout the other stores already use."""
+    rows, groups, cols, mask, codes, scale, nonfinite = _weight_tile(w_ptr, N, K, stride_wn, stride_wk, POW2, GROUP,
+                                                                     GROUPS)
+    _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
+    real = groups < NBK
+    tl.store(s_ptr + tl.program_id(0) * NBK + groups, scale, mask=real)
+    tl.store(bad_ptr + groups * 0, tl.full([GROUPS], 1, tl.uint8), mask=nonfinite & real)
+
+
+_QUANT_128X128_DEFAULT = triton.Config({"GROUPS": 1}, num_warps=8)
+_QUANT_128X128_CONFIGS = [
+    _QUANT_128X128_DEFAULT,
+    triton.Config({"GROUPS": 1}, num_warps=4),
+    triton.Config({"GROUPS": 1}, num_warps=16),
+    triton.Config({"GROUPS": 2}, num_warps=16),
+]
+_quantize_128x128_tuned = _Tuned(_quantize_128x128_kernel, _QUANT_128X128_CONFIGS, key=["N", "K"])
+
+
+def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
+    """Quantize a 2-D tensor (a weight [N, K]) in 128x128 tiles. Matches the reference.
+
+    w: [N, K] bf16/fp16/fp32, any strides, ragged N and K allowed
+    -> (q float8_e4m3fn [N, K] contiguous, s float32 [ceil(N / 128), ceil(K / 128)] contiguous)
+    """
+    _check_block(block)
+    soft_fp8 = _check_device(w)
+    _check_2d("quantize_128x128", w)
+    w = _as_float_input(w)
+    n, k = w.shape
+    nbn, nbk = _ceil_div(n, block), _ceil_div(k, block)
+    q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(nbn, nbk, dtype=torch.float32, device=w.device)
+    if w.numel() == 0:
+        return q, s
+    _quantize_128x128_tuned.launch(
+        lambda meta: (nbn, _ceil_div(nbk, meta["GROUPS"])), (n, k, w.dtype), soft_fp8,
+        w, _codes_out(q, soft_fp8), s, n, k, nbk, w.stride(0), w.stride(1),
+        POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    return q, s
+
+
+_requantize_128x128_tuned = _Tuned(_requantize_128x128_kernel, _QUANT_128X128_CONFIGS, key=["N", "K"])
+
+
+def requantize_128x128_(w: Tensor, q: Tensor, s: Tensor, bad: Tensor, *, qt: Tensor | None = None,
+                        st: Tensor | None = None, block: int = BLOCK, pow2: bool = False) -> None:
+    """Re-quantize a weight into existing buffers, in place: one launch writes the codes and scales
+    ``quantize_128x128(w)`` returns and ``bad`` (bool []) = whether a scale is NaN (after the flag's zeroing); when
+    given, a second launch on ``w.t()`` writes W^T's codes ``qt`` [K, N] and scales ``st`` [NBK, NBN] (``q.t()`` /
+    ``s.t()``, contiguous). Every buffer's autograd version is bumped, as ``copy_`` would: a backward that saved the
+    old codes raises instead of using the new ones.
+
+    w: [N, K] bf16/fp16/fp32, any strides; q [N, K] e4m3fn, s [ceil(N/128), ceil(K/128)] fp32, contiguous.
+    """
+    _check_block(block)
+    transposed = qt is not None or st is not None
+    if transposed and (qt is None or st is None):
+        raise ValueError("requantize_128x128_ needs both qt and st, or neither")
+    tensors = (w, q, s, bad, qt, st) if transposed else (w, q, s, bad)
+    soft_fp8 = _check_device(*tensors)
+    _check_2d("requantize_128x128_", w)
+    w = _as_float_input(w)
+    n, k = w.shape
+    nbn, nbk = _ceil_div(n, block), _ceil_div(k, block)
+    wanted = [("q", q, (n, k), FP8_DTYPE), ("s", s, (nbn, nbk), torch.float32), ("bad", bad, (), torch.bool)]
+    if transposed:
+        wanted += [("qt", qt, (k, n), FP8_DTYPE), ("st", st, (nbk, nbn), torch.float32)]
+    for name, t, shape, dtype in wanted:
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"requantize_128x128_: {name} must be a contiguous {dtype} {list(shape)}, got "
+                             f"{t.dtype} {list(t.shape)} (strides {t.stride()})")
+    bad.zero_()
+    if w.numel():
+        flag = bad.view(torch.uint8)
+        for src, codes, scales, rows, cols in ((w, q, s, n, k), (w.t(), qt, st, k, n))[:2 if transposed else 1]:
+            nb_rows, nb_cols = _ceil_div(rows, block), _ceil_div(cols, block)
+            _requantize_128x128_tuned.launch(
+                lambda meta, nb_rows=nb_rows, nb_cols=nb_cols: (nb_rows, _ceil_div(nb_cols, meta["GROUPS"])),
+                (rows, cols, w.dtype), soft_fp8,
+                src, _codes_out(codes, soft_fp8), scales, flag, rows, cols, nb_cols, src.stride(0), src.stride(1),
+                POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+    for t in (q, s, qt, st) if transposed else (q, s):
+        if not t.is_inference():  # inference tensors keep no version (nor can autograd have saved them)
+            torch.autograd.graph.increment_version(t)

@@ -1,0 +1,63 @@
+"""The eager autograd Function of FP8BlockLinear: ``linear_math``'s forward and backward, called directly (no
+dispatcher round trip per call). Compiled calls take the triton ops of linear_ops.py instead.
+
+Saved for backward (backward="fp8"): x quantized 128x1 — FP8 codes + one fp32 scale per 128 tokens per feature,
+~1.03 bytes per element instead of BF16's 2 — and the weight's W^T codes (the layer's own buffers, no extra memory).
+x is quantized 128x1 directly in the forward, not dequantized from the forward's 1x128 codes and re-quantized in the
+backward: one rounding instead of two.
+
+backward="bf16" is the straight-through comparison mode (eager only): dx = dy W_dq with W_dq =
+dequant(Q128x128(W)), and dW = dy^T x with the unquantized x (saved in its own dtype), plain matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from calclip.fp8 import quant
+from calclip.fp8.config import Fp8Config
+from calclip.fp8.linear_math import _backward, _forward
+from calclip.fp8.weight_codes import Fp8WeightCodes
+
+
+class _FP8BlockLinearFn(torch.autograd.Function):
+    """Eager autograd: calls _forward/_backward directly (no dispatcher round trip per call)."""
+
+    @staticmethod
+    def forward(ctx, x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor,
+                layer: Fp8WeightCodes, cfg: Fp8Config, out_dtype: torch.dtype, grad: bool) -> Tensor:
+        # x2 [M, K]; weight [N, K] (only its grad slot is used here); qw/sw: the layer's current codes
+        # grad: the caller's grad mode (forward runs under no_grad; needs_input_grad follows requires_grad alone)
+        need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
+        fp8_backward = cfg.backward == "fp8"
+        y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, need_dw and fp8_backward,
+                               cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, out_dtype,
+                               cfg.scaled_mm_row_scales)
+        ctx.cfg, ctx.need = cfg, (need_dx, need_dw)
+        ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
+        if fp8_backward:
+            saved_w = layer._dgrad_codes() if need_dx else (None, None)
+            ctx.save_for_backward(*saved_w, qxt if need_dw else None, sxt if need_dw else None)
+        else:
+            ctx.save_for_backward(qw if need_dx else None, sw if need_dx else None, x2 if need_dw else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        cfg: Fp8Config = ctx.cfg
+        need_dx, need_dw = ctx.need
+        dy2 = dy if dy.is_contiguous() else dy.contiguous()
+        if cfg.backward == "fp8":
+            qwt, swt, qxt, sxt = ctx.saved_tensors
+            dx, dw = _backward(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, cfg.power_of_two_scales,
+                               cfg.fused_quantizer, cfg.gemm, ctx.x_dtype, ctx.w_dtype, cfg.scaled_mm_row_scales)
+        else:  # straight-through: plain matmuls in the input dtype
+            qw, sw, x2 = ctx.saved_tensors
+            dx = dw = None
+            if need_dx:
+                w_dq = quant.dequantize_128x128(qw, sw, block=cfg.block_size).to(dy2.dtype)
+                dx = (dy2 @ w_dq).to(ctx.x_dtype)
+            if need_dw:
+                dw = (dy2.t() @ x2.to(dy2.dtype)).to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None, None, None, None

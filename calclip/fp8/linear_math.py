@@ -1,0 +1,131 @@
+"""The math of one FP8BlockLinear call, shared by the eager autograd Function (linear_function.py) and the triton ops
+torch.compile records (linear_ops.py): which GEMM backend serves a shape, the forward (quantize x, GEMM) and the
+backward (quantize dy, dgrad and wgrad GEMMs), and whether a no-grad call takes the fused decode kernel.
+
+    forward  y  = Q1x128(x) Q128x128(W)^T
+    dgrad    dx = Q1x128(dy) Q128x128(W)                (the forward's weight codes, transposed)
+    wgrad    dW = Q128x1(dy)^T Q128x1(x)                (both quantized along the token axis M)
+
+A forward is one 1x128 quantizer launch (which also counts non-finite tokens), one 128x1 launch when a weight
+gradient will be needed, and one GEMM; a backward is two quantizer launches and two GEMMs. The layer was host-bound
+(~0.5 ms of Python per forward on the H200 host, docs/benchmarks-log.md), so which GEMM backend serves a shape is
+decided once per (shape, dtype, device) and cached (``_gemm``). The two quantizations of x (and, in the backward, of
+dy) come from two kernels, or from one fused kernel that reads the tensor once with Fp8Config.fused_quantizer. All
+scales are emitted in the strides torch._scaled_mm reads, so no operand is re-laid out per call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from calclip.fp8 import quant
+from calclip.fp8.config import Fp8Config
+from calclip.fp8.gemm import fp8_block_gemm, resolve_backend, row_scales_of, scaled_mm_blockwise
+from calclip.fp8.tracing import is_traced
+
+# (backend, a_blocks, b_blocks, m, n, k, out_dtype, device, row_scales) -> "scaled_mm" | other backend name
+_gemm_choice: dict[tuple, str] = {}
+
+
+def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype, backend: str,
+          a_blocks: str, b_blocks: str, row_scales: bool = False) -> Tensor:
+    """fp8_block_gemm for operands already in the layouts the quantizers emit with gemm_layout=True; the
+    backend decision is made once per shape, and the torch._scaled_mm path re-lays out nothing (but for
+    ``row_scales``' "scaled_mm_rows", which repeats a weight's scales per row: a [K/128, N] fp32 tensor per call)."""
+    (m, k), n = qa.shape, qb.shape[0]
+    traced = is_traced(qa)
+    if traced and not all(type(d) is int for d in (m, n, k)):  # symbolic sizes: decided while tracing, not cached
+        chosen = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks,
+                                 row_scales=row_scales)
+    else:
+        key = (backend, a_blocks, b_blocks, m, n, k, out_dtype, qa.device, row_scales)
+        chosen = _gemm_choice.get(key)
+        if chosen is None:
+            chosen = _gemm_choice[key] = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks,
+                                                         b_blocks=b_blocks, row_scales=row_scales)
+    if chosen in ("scaled_mm", "scaled_mm_rows"):
+        # a [M, K] row-major, b = qb^T [K, N] column-major; 1x128 scales column-major, 128x128 row-major
+        # (gemm.scaled_mm_block_gemm, whose re-layouts are no-ops for these operands); "scaled_mm_rows": the
+        # 128x128 scales of b repeated per row, a 1x128 scale ([K/128, N] contiguous as scale_b).
+        scale_b = (row_scales_of(sb, n) if chosen == "scaled_mm_rows" else sb).t()
+        mm = scaled_mm_blockwise if traced else torch._scaled_mm
+        return mm(qa, qb.t(), scale_a=sa, scale_b=scale_b, out_dtype=out_dtype)
+    if chosen == "splitk":
+        return quant.triton_kernels().fp8_splitk_gemm_triton(qa, sa, qb, sb, out_dtype=out_dtype)
+    return fp8_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, backend=chosen, a_blocks=a_blocks,
+                          b_blocks=b_blocks)
+
+
+def _quantize_both(t2: Tensor, pow2: bool, fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """t2 [M, K] -> 1x128 codes/scales and 128x1 codes/scales (the same values either path)."""
+    if fused:
+        return quant.quantize_1x128_and_128x1(t2, pow2=pow2, gemm_layout=True)
+    return (*quant.quantize_1x128(t2, pow2=pow2, gemm_layout=True),
+            *quant.quantize_128x1(t2, pow2=pow2, gemm_layout=True))
+
+
+def _forward(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool,
+             pow2: bool, fused: bool, gemm: str, out_dtype: torch.dtype,
+             row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """x2 [M, K]; qw [N, K] e4m3fn, sw [N/128, K/128]; counter int64 [] (+= non-finite rows)
+    -> y [M, N] out_dtype, and x quantized 128x1 (qxt [M, K], sxt [M/128, K]) when save_for_wgrad, else None.
+    row_scales: Fp8Config.scaled_mm_row_scales (gemm.resolve_backend)."""
+    if save_for_wgrad and fused:
+        qx, sx, qxt, sxt = _quantize_both(x2, pow2, fused)
+        quant.add_nonfinite_rows(counter, sx, weight_bad)
+    else:
+        qx, sx = quant.quantize_1x128(x2, pow2=pow2, gemm_layout=True, nonfinite_count=counter,
+                                      weight_bad=weight_bad)
+        qxt, sxt = quant.quantize_128x1(x2, pow2=pow2, gemm_layout=True) if save_for_wgrad else (None, None)
+    y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales)
+    return y, qxt, sxt
+
+
+def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, need_dx: bool, need_dw: bool,
+              pow2: bool, fused: bool, gemm: str, x_dtype: torch.dtype,
+              w_dtype: torch.dtype, row_scales: bool = False) -> tuple[Tensor | None, Tensor | None]:
+    """dy2 [M, N]; W^T codes qwt [K, N], swt [K/128, N/128]; saved x 128x1 -> (dx [M, K], dW [N, K])."""
+    dx = dw = None
+    if need_dx and need_dw:
+        qdy, sdy, qdyt, sdyt = _quantize_both(dy2, pow2, fused)
+    elif need_dx:
+        qdy, sdy = quant.quantize_1x128(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M, N/128]
+    elif need_dw:
+        qdyt, sdyt = quant.quantize_128x1(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M/128, N]
+    if need_dx:
+        dx = _gemm(qdy, sdy, qwt, swt, x_dtype, gemm, "1x128", "128x128", row_scales)
+    if need_dw:
+        dw = _gemm(qdyt.t(), sdyt.t(), qxt.t(), sxt.t(), w_dtype, gemm, "1x128", "1x128")
+    return dx, dw
+
+
+_FUSED_DECODE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fused_decode_applies(x2: Tensor, cfg: Fp8Config, *, compiled: bool) -> bool:
+    """Fp8Config.decode_fused_max_m's rule: grad disabled (rollout) and 1 to max_m rows, max_m resolved for this
+    call (``Fp8Config.fused_decode_max_m``: None is automatic, eager CUDA calls only). An eager call being captured
+    into a CUDA graph counts as compiled: in graphs the two launches' GPU time measured lower."""
+    if torch.is_grad_enabled():
+        return False
+    cuda = x2.is_cuda
+    # Only the automatic rule tells a capture from an eager call: an explicit limit skips the query.
+    in_graph = compiled or (cuda and cfg.decode_fused_max_m is None and torch.cuda.is_current_stream_capturing())
+    return 0 < x2.shape[0] <= cfg.fused_decode_max_m(cuda=cuda, compiled=in_graph)
+
+
+def _fused_decode_kernel(x2: Tensor):
+    """``kernels.fp8_linear_decode_unchecked`` (fp8_linear_fused_quant_gemm without its argument checks,
+    for the layer's own operands) when it can serve ``x2`` (a CUDA tensor, or a CPU tensor under
+    TRITON_INTERPRET=1, in bf16/fp16/fp32, triton importable), else None: then the layer's usual path runs.
+    Whether a call may take it is ``_fused_decode_applies`` (Fp8Config.decode_fused_max_m, resolved per call)."""
+    if x2.dtype not in _FUSED_DECODE_DTYPES:
+        return None
+    if not x2.is_cuda and not (x2.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        return None
+    module = quant.triton_kernels()
+    return getattr(module, "fp8_linear_decode_unchecked", None) if module is not None else None
+
