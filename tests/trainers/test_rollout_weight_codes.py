@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from calclip.fp8 import quantize_128x128
-from calclip.fp8.linear import fp8_layers
+from calclip.fp8.weight_codes import fp8_layers
 from calclip.testing import tiny_trainer
 
 
