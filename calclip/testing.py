@@ -97,21 +97,42 @@ def logged(trainer, key: str) -> list:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
+def _dumping_worker(rank: int, worker, port: int, out_dir: str, dump_after_s: float) -> None:
+    """``worker(rank, port, out_dir)`` with every thread's Python stack written to ``out_dir/stacks-rank{R}.txt``
+    after ``dump_after_s`` seconds, so a worker that hangs says where."""
+    import faulthandler
+
+    with open(os.path.join(out_dir, f"stacks-rank{rank}.txt"), "w") as stacks:
+        faulthandler.dump_traceback_later(dump_after_s, file=stacks)
+        try:
+            worker(rank, port, out_dir)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+
 def spawn_workers(worker, out_dir, nprocs: int, timeout_s: float, what: str) -> None:
     """Run ``worker(rank, port, out_dir)`` in ``nprocs`` processes (torch.multiprocessing.spawn, a fresh
     ``free_port()`` for their process group) and wait for them; kill them and fail the test naming ``what`` once
-    ``timeout_s`` seconds have passed. A worker's exception is raised here by spawn."""
+    ``timeout_s`` seconds have passed, with the Python stacks each worker wrote 10 s before that. A worker's
+    exception is raised here by spawn."""
     import pytest
     import torch.multiprocessing as mp
 
+    dump_after_s = max(timeout_s - 10.0, 1.0)
     with mock.patch.dict(os.environ, _loopback_gloo_env()):  # the spawned workers inherit it
-        context = mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=nprocs, join=False)
+        context = mp.spawn(_dumping_worker, args=(worker, free_port(), str(out_dir), dump_after_s), nprocs=nprocs,
+                           join=False)  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"{what} did not finish within {timeout_s} s")
+            stacks = []
+            for rank in range(nprocs):
+                path = os.path.join(str(out_dir), f"stacks-rank{rank}.txt")
+                text = open(path).read() if os.path.exists(path) else "(no stack file)"
+                stacks.append(f"--- rank {rank} ---\n{text[-6000:]}")
+            pytest.fail(f"{what} did not finish within {timeout_s} s; the workers' stacks:\n" + "\n".join(stacks))
 
 
 def _loopback_gloo_env() -> dict[str, str]:

@@ -149,8 +149,9 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1,
-                            timeout=timedelta(seconds=60))
+    # One process: an in-memory store, no TCP rendezvous and no store file (a clean-clone run of the whole suite on
+    # the 2-core machine once hung here with a TCP store, 2026-12-02; the worker's stacks now come with a timeout).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=rank, world_size=1, timeout=timedelta(seconds=60))
     try:
         model = quantize_model(_tiny("llama", 192, 320).float().train())
         ddp = nn.parallel.DistributedDataParallel(model)
