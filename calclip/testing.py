@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from unittest import mock
 
@@ -99,7 +100,13 @@ def logged(trainer, key: str) -> list:
 
 def _dumping_worker(rank: int, worker, port: int, out_dir: str, dump_after_s: float) -> None:
     """``worker(rank, port, out_dir)`` with every thread's Python stack written to ``out_dir/stacks-rank{R}.txt``
-    after ``dump_after_s`` seconds, so a worker that hangs says where."""
+    after ``dump_after_s`` seconds, so a worker that hangs says where.
+
+    A worker that returns leaves with ``os._exit(0)``, skipping the interpreter's teardown: there, libtorch's
+    destructors (a TCP store's server thread, gloo's worker threads still referenced by a device mesh) run in no set
+    order, and a full-suite run on the 2-core machine saw one abort with "terminate called without an active
+    exception" after the worker had saved its results and torn its process group down. A worker's exception
+    still reaches the parent through spawn's error file."""
     import faulthandler
 
     with open(os.path.join(out_dir, f"stacks-rank{rank}.txt"), "w") as stacks:
@@ -108,6 +115,9 @@ def _dumping_worker(rank: int, worker, port: int, out_dir: str, dump_after_s: fl
             worker(rank, port, out_dir)
         finally:
             faulthandler.cancel_dump_traceback_later()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_workers(worker, out_dir, nprocs: int, timeout_s: float, what: str) -> None:
