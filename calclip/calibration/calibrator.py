@@ -266,7 +266,7 @@ class ClipCalibrator:
     def _commit_calibration(self, step: int) -> dict[str, float]:
         num_neg, num_pos = self._pool.counts()
         if not self._enough(num_neg, num_pos):
-            return self._stats(fitted=False, num_neg=num_neg, num_pos=num_pos)
+            return {**self._stats("calib/pool_", num_neg, num_pos), "calib/fit": 0.0}
         tokens = self._pool.tensors()
         rb, rq, adv = tokens["ratio_bf16"], tokens["ratio_fp8"], tokens["advantages"]
         result = _calibrate_tokens(rb, rq, adv, eps_low=self.eps_low, eps_high=self.eps_high, upper=self.upper,
@@ -281,7 +281,7 @@ class ClipCalibrator:
         self._pending_recalibration = False
         self._pool.clear()
         self._refit_pool.clear()  # FP8 tokens pooled under the old statistics
-        stats = self._stats(fitted=True, num_neg=num_neg, num_pos=num_pos)
+        stats = {**self._stats("calib/", num_neg, num_pos), "calib/fit": 1.0}
         # The count alpha rests on: with a handful of BF16-clipped tokens, alpha is a coarse estimate.
         stats["calib/bf16_low_clipped_tokens"] = float(((adv < 0) & (rb < 1.0 - self.eps_low)).sum())
         return stats
@@ -300,10 +300,7 @@ class ClipCalibrator:
         self._update_bounds(low, high)
         self._num_refits += 1
         self._refit_pool.clear()
-        stats = self._stats(fitted=True, num_neg=num_neg, num_pos=num_pos)
-        del stats["calib/fit"]  # a refit is not a calibration
-        stats["calib/refit"] = 1.0
-        return stats
+        return {**self._stats("calib/", num_neg, num_pos), "calib/refit": 1.0}
 
     def _gather(self, *tensors: Tensor, num_nonfinite: int) -> tuple:
         if self._all_gather is None:
@@ -329,19 +326,19 @@ class ClipCalibrator:
             self._high = self._clamp_high(self._smooth(self._high, high, self._high_fitted))
             self._high_fitted = True
 
-    def _stats(self, *, fitted: bool, num_neg: int, num_pos: int) -> dict[str, float]:
+    def _stats(self, token_prefix: str, num_neg: int, num_pos: int) -> dict[str, float]:
+        """The bounds and statistics in force, and the A<0 / A>0 tokens under ``token_prefix``: "calib/" for the
+        tokens a fit used, "calib/pool_" for the pool so far (a round below the minimum)."""
         low, high = self.bounds
-        stats = {"calib/low": low, "calib/high": high, "calib/fit": float(fitted)}
+        stats = {"calib/low": low, "calib/high": high}
         if self._alpha is not None:
             stats["calib/alpha"] = self._alpha
         if self._balance_p is not None:
             stats["calib/balance_p"] = self._balance_p
         if self.upper == "quantile" and self._beta is not None:
             stats["calib/beta"] = self._beta
-        # The tokens a fit used (fit steps), or the pool so far (rounds below the minimum).
-        prefix = "calib/" if fitted else "calib/pool_"
-        stats[prefix + "neg_tokens"] = float(num_neg)
-        stats[prefix + "pos_tokens"] = float(num_pos)
+        stats[token_prefix + "neg_tokens"] = float(num_neg)
+        stats[token_prefix + "pos_tokens"] = float(num_pos)
         return stats
 
     # -- checkpointing --------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ it loads with ``torch.load(..., weights_only=True)`` and can be checked value by
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
+
+from calclip.calibration.state import is_real
 
 _FIELDS = ("ratio_bf16", "ratio_fp8", "advantages")
 
@@ -78,7 +78,7 @@ class TokenPool:
         columns = {}
         for name in self._names:
             values = state[name]
-            if not isinstance(values, list) or not all(_is_real(v) for v in values):
+            if not isinstance(values, list) or not all(is_real(v) for v in values):
                 raise ValueError(f"{where}[{name!r}] must be a list of finite numbers")
             if name == "advantages":
                 bad = next((v for v in values if v == 0), None)
@@ -98,7 +98,3 @@ class TokenPool:
             if column.numel():
                 self._parts[name].append(column)
         self.batches = batches
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

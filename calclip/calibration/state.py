@@ -26,7 +26,8 @@ STATE_KEYS = (
 )  # fmt: skip
 
 
-def _is_real(value) -> bool:
+def is_real(value) -> bool:
+    """A finite int or float (a bool is not a number here)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -45,7 +46,7 @@ def check_state(state) -> None:
     if missing:
         raise ValueError(f"the calibrator state is missing {missing}")
     for name in ("low", "high"):
-        if not _is_real(state[name]) or not state[name] > 0:
+        if not is_real(state[name]) or not state[name] > 0:
             raise ValueError(f"'{name}' must be a finite ratio bound > 0, got {state[name]!r}")
     if not state["low"] <= state["high"]:
         raise ValueError(f"'low' ({state['low']!r}) must not exceed 'high' ({state['high']!r})")
@@ -54,7 +55,7 @@ def check_state(state) -> None:
             raise ValueError(f"'{name}' must be true or false, got {state[name]!r}")
     for name, (lo, hi) in _FLOAT_OR_NONE.items():
         value = state[name]
-        if value is not None and not (_is_real(value) and lo <= value <= hi):
+        if value is not None and not (is_real(value) and lo <= value <= hi):
             raise ValueError(f"'{name}' must be null or a finite number in [{lo}, {hi}], got {value!r}")
     for name in _COUNTS:
         if not _is_count(state[name]):
@@ -73,7 +74,7 @@ def check_settings(settings: dict) -> dict:
     if missing:
         raise ValueError(f"'settings' is missing {missing}")
     for name in ("eps_low", "eps_high", "ema"):
-        if not _is_real(settings[name]):
+        if not is_real(settings[name]):
             raise ValueError(f"settings['{name}'] must be a finite number, got {settings[name]!r}")
     if settings["upper"] not in UPPER_MODES:
         raise ValueError(f"settings['upper'] must be one of {UPPER_MODES}, got {settings['upper']!r}")
@@ -85,7 +86,7 @@ def check_settings(settings: dict) -> dict:
     checked = dict(settings)
     for name in ("low_rails", "high_rails"):
         rails = settings[name]
-        if not (isinstance(rails, (list, tuple)) and len(rails) == 2 and all(_is_real(x) for x in rails)):
+        if not (isinstance(rails, (list, tuple)) and len(rails) == 2 and all(is_real(x) for x in rails)):
             raise ValueError(f"settings['{name}'] must be a pair of finite numbers, got {rails!r}")
         checked[name] = (float(rails[0]), float(rails[1]))
     return checked

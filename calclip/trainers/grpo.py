@@ -785,21 +785,15 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         BF16 drops too) where defined. A window's share is the quotient of the summed counts.
         """
         counts = drop_counts(ratio_fp8, advantages, mask, low, ratio_bf16=ratio_bf16, base_low=1.0 - self.args.epsilon)
-        if ratio_bf16 is None:
-            counts = counts[:2]
         counts = self.accelerator.reduce(counts, reduction="sum")
-        metrics = self._metrics["train"]
-        if ratio_bf16 is None:
-            neg, fp8 = counts.tolist()
-            metrics["oos/neg_tokens"].append(neg)
-            metrics["oos/fp8_drops"].append(fp8)
-            metrics["oos/neg_drop_frac"].append(fp8 / neg if neg else 0.0)
-            return
         shares = drop_shares(counts)
         neg, fp8, bf16, both = counts.tolist()
+        metrics = self._metrics["train"]
         metrics["oos/neg_tokens"].append(neg)
         metrics["oos/fp8_drops"].append(fp8)
         metrics["oos/neg_drop_frac"].append(shares["neg_drop_frac"])
+        if ratio_bf16 is None:
+            return  # no shadow: the BF16 counts are zeros, not measurements
         for name, value in (("neg_tokens", neg), ("fp8_drops", fp8), ("bf16_drops", bf16), ("both_drop", both)):
             metrics[f"oos/shadow_{name}"].append(value)
         for name in ("drop_recall", "drop_precision"):
