@@ -132,7 +132,7 @@ def fp8_decode_setting(name: str):
     """'evidence': the two-launch decode and no split-K GEMM (the code and flags of the 2026-12-01 runs);
     'default': today's automatic choices (fused decode in eager CUDA calls, split-K for small-M GEMMs)."""
     import calclip.fp8.gemm as gemm
-    import calclip.fp8.linear as linear
+    import calclip.fp8.linear_math as linear
 
     saved = gemm.SPLITK_MAX_M
     if name == "evidence":
