@@ -423,6 +423,10 @@ def layer_section(opts, sizes: Sizes) -> None:
                          + [paired_ratio(bf16, arms[a], "wall") for a in names if a != "BF16"])
         rows_split.append([str(m), str(k), str(n)]
                           + [f"{cell(arms[a], 'gpu')} / {cell(arms[a], 'host')}" for a in names])
+        # each shape's row as soon as it is done: a run cut by a time limit keeps the shapes it finished
+        print("   row: " + " | ".join(f"{a} {cell(arms[a], 'wall')} ms" for a in names) + " | "
+              + " | ".join(f"BF16/{a} {paired_ratio(bf16, arms[a], 'wall')}" for a in names if a != "BF16"),
+              flush=True)
         del arms, base, nxt
         free_memory()
     print(f"\n### layer: forward+backward per call (ms, median [min-max] of {opts.repeats} rounds of "
