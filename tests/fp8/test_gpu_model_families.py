@@ -61,17 +61,43 @@ def _layer_pair(name: str, config: Fp8Config | None = None):
     return f, reference, fp8
 
 
-def _assert_floors(results: dict, label: str) -> None:
-    for key, floor in LAYER_SQNR_FLOOR_DB.items():
+# Where the emulation itself sits under LAYER_SQNR_FLOOR_DB (the floors the CPU measured up to 7B dims at 2 x 64
+# tokens), measured, dB (output / dgrad / wgrad), bf16 layer vs float32, 2026-12-02:
+# - Llama-3-70B dims, 2 x 256 tokens: CPU emulation 18.8 / 14.7 / 14.2 (the same layer in bf16 without FP8:
+#   28.7 / 23.9 / 23.4, so bf16 itself loses ~10 dB against the 7B's); the H200 kernels 18.7 / 14.6 / 14.2.
+# - Qwen2.5-7B dims, 4 x 2048 tokens: the H200 kernels 24.1 / 20.9 / 13.5 (the weight gradients sum 8192 tokens).
+# These floors sit ~2 dB under those numbers; the kernels are held to the emulation at 1 dB everywhere
+# (_assert_tracks_emulation), so a kernel error cannot hide under a lower floor.
+FLOOR_OVERRIDES_DB = {"llama3-70b": {"output": 16.5, "dgrad": 12.5, "wgrad": 12.0},
+                      "qwen2.5-7b@4x2048": {"output": 20.0, "dgrad": 17.0, "wgrad": 11.5}}
+# Triton / cuBLAS FP8 GEMMs vs the emulated GEMM (dequantized FP32 matmul) on the same codes: accumulation order and
+# rounding of the FP8 MMA only (measured within 0.1 dB of the CPU emulation at Llama-3-70B dims).
+KERNEL_VS_EMULATION_DB = 1.0
+
+
+def _assert_floors(results: dict, label: str, floors: dict | None = None) -> None:
+    for key, floor in (floors or LAYER_SQNR_FLOOR_DB).items():
         assert results[key] > floor, f"{label}: {key} SQNR {results[key]:.1f} dB <= {floor} dB ({results})"
+
+
+def _assert_tracks_emulation(results: dict, name: str, tokens: tuple[int, int], label: str) -> None:
+    """The same layer with calclip's emulated GEMM (Fp8Config(gemm="emulated"), same quantizers) on the GPU: the
+    kernels' SQNR stays within KERNEL_VS_EMULATION_DB of it for output, dgrad and wgrad."""
+    f, reference, emulated = _layer_pair(name, Fp8Config(gemm="emulated"))
+    expected = layer_sqnr(emulated, reference, f, tokens)
+    for key, value in expected.items():
+        assert results[key] > value - KERNEL_VS_EMULATION_DB, (
+            f"{label}: {key} SQNR {results[key]:.1f} dB, emulation {value:.1f} dB ({results} vs {expected})")
 
 
 @pytest.mark.parametrize("name", [f.name for f in FAMILIES])
 def test_family_layer_trains_in_fp8_against_float32(name):
     f, reference, fp8 = _layer_pair(name)
     results = layer_sqnr(fp8, reference, f, TOKENS)
-    _assert_floors(results, name)
+    _assert_floors(results, name, FLOOR_OVERRIDES_DB.get(name))
     assert int(pop_nonfinite_count(fp8)) == 0
+    del fp8
+    _assert_tracks_emulation(results, name, TOKENS, name)
 
 
 @pytest.mark.parametrize("name", COMPILED)
@@ -94,7 +120,9 @@ def test_issue_shape_qwen2_5_7b_layer_at_4x2048_tokens():
     1x128 quantizer counted over K = 18944 from an empty config table)."""
     f, reference, fp8 = _layer_pair("qwen2.5-7b")
     results = layer_sqnr(fp8, reference, f, (4, 2048))
-    _assert_floors(results, "qwen2.5-7b at 4 x 2048")
+    _assert_floors(results, "qwen2.5-7b at 4 x 2048", FLOOR_OVERRIDES_DB["qwen2.5-7b@4x2048"])
+    del fp8
+    _assert_tracks_emulation(results, "qwen2.5-7b", (4, 2048), "qwen2.5-7b at 4 x 2048")
 
 
 def _row_widths() -> list[int]:
