@@ -25,8 +25,9 @@ mismatch   token-mult-prob-error of each engine's rollout log-probs against the 
 decode     generate tokens/s (prompt ``--prompt-len`` random tokens, ignore_eos, sampled at temperature 1) of
            vLLM FP8 (calclip settings), vLLM BF16 and, with ``--decode-vllm-default``, vLLM FP8 with vLLM's
            defaults, on a dummy-weight Llama-3-8B-shaped model of ``--decode-layers`` layers, at each
-           ``--batches`` x ``--new-tokens``; CUDA graphs on (vLLM's default compile + graph capture); arms
-           interleaved over ``--repeats`` rounds after a warm-up; medians [min-max], ratios per round.
+           ``--batches`` x ``--new-tokens``; CUDA graphs on (vLLM's default compile + graph capture); one engine
+           alive at a time (a later in-process engine deletes an earlier one's CUDA graphs: ``part_decode``),
+           ``--repeats`` rounds per cell after a warm-up; medians [min-max], ratios of round i to round i.
 hf_decode  the same tokens/s for HF ``generate`` (static cache: transformers compiles the decode step with CUDA
            graphs) of calclip's FP8 policy (inside ``frozen_fp8_weights``, as the trainer runs it) and BF16, on
            ``--hf-layers`` layers (compiles once per batch size: ~1 min each).
@@ -539,6 +540,22 @@ def _short(err: BaseException) -> str:
 
 
 def part_decode(opts) -> None:
+    """One engine at a time: build it, warm up and time every (batch, new tokens) cell over ``--repeats`` rounds,
+    shut it down, then the next engine.
+
+    Why not all engines alive at once with interleaved rounds (as before): an engine built later in the same process
+    deletes the CUDA graphs of every engine built before it. vLLM 0.24's V1 model runner (the one these config-only
+    Llama directories get: no ``architectures`` in config.json, so not Model Runner V2) estimates CUDA-graph memory
+    at start-up (``GPUModelRunner.profile_cudagraph_memory``, called from ``gpu_worker.py:453``) and ends that with
+    ``CUDAGraphWrapper.clear_all_graphs()`` / ``BreakableCUDAGraphWrapper.clear_all_graphs()``
+    (``gpu_model_runner.py:6562-6563``), which walk class-level WeakSets of all wrappers in the process
+    (``compilation/cuda_graph.py:170-176``), then ``set_cudagraph_capturing_enabled(False)`` (6561); its own
+    ``capture_model`` re-captures only its own graphs and switches capture off again (6614, 6643). The earlier
+    engine's dispatcher still routes batches to graph mode, its wrappers find no graph, try to capture at run time,
+    and ``validate_cudagraph_capturing_enabled`` (``compilation/monitor.py:90-99``, called at
+    ``cuda_graph.py:277`` and ``breakable_cudagraph.py:359``) raises "CUDA graph capturing detected at an
+    inappropriate time". Re-enabling capture would make the earlier engine capture lazily inside timed runs (not
+    what the product runs). The product is not affected: TRL colocate builds one engine per process."""
     from calclip.fp8.export import block_fp8_quantization_config
 
     layers = opts.decode_layers
@@ -548,59 +565,71 @@ def part_decode(opts) -> None:
     specs = [("vLLM FP8", dict(quantization_config=qc, numerics="calclip")), ("vLLM BF16", {})]
     if opts.decode_vllm_default:
         specs.insert(1, ("vLLM FP8 vLLM-default", dict(quantization_config=qc, numerics="vllm")))
-    engines = {}
     opts_dummy = argparse.Namespace(**{**vars(opts), "dummy_bf16": True})
-    util = opts.decode_gpu_util or min(0.4, 0.85 / len(specs))  # all engines live at once (interleaved rounds)
+    # one engine alive at a time, but a shut-down engine does not hand all its memory back in-process: the same
+    # share as when two engines lived together
+    util = opts.decode_gpu_util or 0.4
+    cells = [(batch, new_tokens) for batch in opts.batches for new_tokens in opts.new_tokens]
+    prompts = {batch: torch.randint(3, 128256, (batch, opts.prompt_len), generator=torch.Generator().manual_seed(batch))
+               for batch in opts.batches}
+    arms: dict[tuple[int, int], dict[str, Arm]] = {c: {} for c in cells}
+
+    def build(llm, batch, new_tokens):
+        from vllm import SamplingParams
+
+        # no per-request seed: vLLM samples seeded requests with per-request generators (slower)
+        params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens,
+                                ignore_eos=True, detokenize=False)
+        requests = [{"prompt_token_ids": p.tolist()} for p in prompts[batch]]
+
+        def sample():
+            cuda_sync()
+            start = time.perf_counter()
+            outs = llm.generate(requests, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            return {"tok_s": tokens / seconds}
+
+        sample()  # warm-up
+        return sample
+
     for name, kwargs in specs:
         try:
-            engines[name] = make_llm(model_dir, opts_dummy, max_model_len=max_len, max_num_seqs=max(opts.batches),
-                                     batches=opts.batches, gpu_util=util, **kwargs)
+            llm = make_llm(model_dir, opts_dummy, max_model_len=max_len, max_num_seqs=max(opts.batches),
+                           batches=opts.batches, gpu_util=util, **kwargs)
         except Exception as err:  # noqa: BLE001
             print(f"   !! engine {name}: {_short(err)}", flush=True)
-    rows, results = [], RESULTS.setdefault("decode", [])
-    for batch in opts.batches:
-        prompts = torch.randint(3, 128256, (batch, opts.prompt_len), generator=torch.Generator().manual_seed(batch))
-        for new_tokens in opts.new_tokens:
-            print(f"-- decode {layers}L, batch {batch}, {new_tokens} tokens", flush=True)
-
-            def build(llm, batch=batch, new_tokens=new_tokens, prompts=prompts):
-                from vllm import SamplingParams
-
-                # no per-request seed: vLLM samples seeded requests with per-request generators (slower)
-                params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens,
-                                        ignore_eos=True, detokenize=False)
-                requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
-
-                def sample():
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    outs = llm.generate(requests, params, use_tqdm=False)
-                    seconds = time.perf_counter() - start
-                    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                    return {"tok_s": tokens / seconds}
-
-                sample()  # warm-up
-                return lambda: sample()
-
-            arms = [setup_arm(name, lambda llm=llm: build(llm)) for name, llm in engines.items()]
-            interleave(arms, opts.repeats)
-            by = {a.name: a for a in arms}
-            row = [str(layers), str(batch), str(new_tokens), *[cell(by.get(n), "tok_s", 0) for n, _ in specs],
-                   paired_ratio(by.get("vLLM FP8"), by.get("vLLM BF16"), "tok_s")]
-            if opts.decode_vllm_default:
-                row.append(paired_ratio(by.get("vLLM FP8"), by.get("vLLM FP8 vLLM-default"), "tok_s"))
-            rows.append(row)
-            results.append({"layers": layers, "batch": batch, "new_tokens": new_tokens,
-                            **{a.name: a.values("tok_s") for a in arms}, "errors": {a.name: a.error for a in arms}})
-            print("row: | " + " | ".join(row) + " |", flush=True)
-            save_results(opts)
-    for llm in list(engines.values()):
+            for c in cells:
+                arms[c][name] = Arm(name, error=f"engine: {_short(err)}")
+            continue
+        for batch, new_tokens in cells:
+            print(f"-- decode {layers}L, {name}, batch {batch}, {new_tokens} tokens", flush=True)
+            arm = setup_arm(name, lambda llm=llm, b=batch, n=new_tokens: build(llm, b, n))
+            if arm.error:
+                print(f"   !! {name} setup failed: {arm.error}", flush=True)
+            interleave([arm], opts.repeats)
+            arms[(batch, new_tokens)][name] = arm
         shutdown(llm)
+        del llm
+    rows, results = [], RESULTS.setdefault("decode", [])
+    for batch, new_tokens in cells:
+        by = arms[(batch, new_tokens)]
+        row = [str(layers), str(batch), str(new_tokens), *[cell(by.get(n), "tok_s", 0) for n, _ in specs],
+               paired_ratio(by.get("vLLM FP8"), by.get("vLLM BF16"), "tok_s")]
+        if opts.decode_vllm_default:
+            row.append(paired_ratio(by.get("vLLM FP8"), by.get("vLLM FP8 vLLM-default"), "tok_s"))
+        rows.append(row)
+        results.append({"layers": layers, "batch": batch, "new_tokens": new_tokens, "engines": "one at a time",
+                        **{a.name: a.values("tok_s") for a in by.values()},
+                        "errors": {a.name: a.error for a in by.values()}})
+        print("row: | " + " | ".join(row) + " |", flush=True)
+    save_results(opts)
     columns = ["layers", "batch", "new tokens", *[f"{n} tok/s" for n, _ in specs], "FP8/BF16"]
     if opts.decode_vllm_default:
         columns.append("FP8 calclip/vLLM-default settings")
     print(f"\n### decode: vLLM generate tokens/s, Llama-3-8B dims, dummy weights, prompt {opts.prompt_len}, ignore_eos, "
-          f"temperature 1, CUDA graphs (median [min-max] of {opts.repeats} interleaved rounds)")
+          f"temperature 1, CUDA graphs (median [min-max] of {opts.repeats} rounds; one engine alive at a time, engines "
+          f"one after another, so ratios pair round i of each engine, not interleaved rounds)")
     _common.table(columns, rows)
 
 
@@ -791,7 +820,7 @@ def parse_args(argv=None):
     parser.add_argument("--gpu-util", type=float, default=0.25,
                         help="vLLM gpu_memory_utilization per engine (mismatch holds up to 3 at once; grpo: one)")
     parser.add_argument("--decode-gpu-util", type=float, default=None,
-                        help="decode: per engine (default 0.85 / engines, at most 0.4)")
+                        help="decode: per engine (default 0.4)")
     parser.add_argument("--attention-backend", default="TRITON_ATTN")
     parser.add_argument("--grpo-layers", type=int, default=4)
     parser.add_argument("--grpo-steps", type=int, default=4)
