@@ -25,8 +25,9 @@ mismatch   token-mult-prob-error of each engine's rollout log-probs against the 
 decode     generate tokens/s (prompt ``--prompt-len`` random tokens, ignore_eos, sampled at temperature 1) of
            vLLM FP8 (calclip settings), vLLM BF16 and, with ``--decode-vllm-default``, vLLM FP8 with vLLM's
            defaults, on a dummy-weight Llama-3-8B-shaped model of ``--decode-layers`` layers, at each
-           ``--batches`` x ``--new-tokens``; CUDA graphs on (vLLM's default compile + graph capture); arms
-           interleaved over ``--repeats`` rounds after a warm-up; medians [min-max], ratios per round.
+           ``--batches`` x ``--new-tokens``; CUDA graphs on (vLLM's default compile + graph capture); one engine
+           alive at a time (a later in-process engine deletes an earlier one's CUDA graphs: ``part_decode``),
+           ``--repeats`` rounds per cell after a warm-up; medians [min-max], ratios of round i to round i.
 hf_decode  the same tokens/s for HF ``generate`` (static cache: transformers compiles the decode step with CUDA
            graphs) of calclip's FP8 policy (inside ``frozen_fp8_weights``, as the trainer runs it) and BF16, on
            ``--hf-layers`` layers (compiles once per batch size: ~1 min each).
@@ -84,6 +85,7 @@ MODEL_SPECS = {  # hidden, intermediate, heads, kv heads, vocab, default layers
     "llama3_8b": (4096, 14336, 32, 8, 128256, None),
     "issue_probe": (1024, 2816, 8, 4, 32000, 2),
 }
+MISMATCH_ARMS = {"calclip": "FP8 calclip", "vllm": "FP8 vLLM-default", "bf16": "BF16"}  # --mismatch-arms
 RESULTS: dict = {}
 
 
@@ -296,6 +298,115 @@ def trainer_logprobs(model, prompts: torch.Tensor, completions: torch.Tensor, ch
     return torch.cat(out)
 
 
+def prompt_logprobs_of(out, ids: list[int]) -> list[float]:
+    """The engine's teacher-forced log-probs of ``ids[1:]`` from one vLLM 0.24 ``RequestOutput`` of a request with
+    ``SamplingParams(prompt_logprobs=0)`` on ``ids``: ``out.prompt_logprobs`` holds None for the first prompt token,
+    then per position a {token id: Logprob} dict (a plain list, or vllm.logprobs.FlatLogprobs, whose ``[i]`` builds
+    the same dict) holding at least the prompt token itself. Raises ValueError when the output does not belong to
+    ``ids`` (another length, or a position without its token)."""
+    plp = out.prompt_logprobs
+    if plp is None:
+        raise ValueError("no prompt_logprobs in the output (SamplingParams(prompt_logprobs=0) not honoured)")
+    if len(plp) != len(ids):
+        raise ValueError(f"prompt_logprobs cover {len(plp)} positions, the request has {len(ids)} tokens")
+    values = []
+    for pos in range(1, len(ids)):
+        step = plp[pos]
+        if step is None or ids[pos] not in step:
+            raise ValueError(f"prompt_logprobs position {pos} lacks the prompt token {ids[pos]}")
+        values.append(float(step[ids[pos]].logprob))
+    return values
+
+
+def engine_teacher_forced(llm, ids: torch.Tensor, chunk: int = 8) -> tuple[torch.Tensor, float]:
+    """The engine's own log-probs of every token of ``ids`` [B, L] after the first, teacher-forced (one prefill with
+    ``prompt_logprobs=0``, ``max_tokens=1``), [B, L-1] fp32; and the share of requests whose ``prompt_token_ids``
+    the engine echoes back unchanged. Chunks of ``chunk`` requests keep the [tokens, vocab] log-softmax small."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0, seed=0, detokenize=False)
+    rows, echoed = [], 0
+    for start in range(0, ids.shape[0], chunk):
+        batch = ids[start:start + chunk].tolist()
+        outs = llm.generate([{"prompt_token_ids": r} for r in batch], params, use_tqdm=False)
+        for out, r in zip(outs, batch):
+            echoed += list(getattr(out, "prompt_token_ids", None) or []) == r
+            rows.append(prompt_logprobs_of(out, r))
+    return torch.tensor(rows, dtype=torch.float32), echoed / ids.shape[0]
+
+
+def engine_greedy_first(llm, prompts: torch.Tensor) -> torch.Tensor:
+    """The engine's greedy (temperature 0) first token after each prompt, [B]."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
+    return torch.tensor([o.outputs[0].token_ids[0] for o in outs])
+
+
+def trainer_all_logprobs(model, ids: torch.Tensor, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s teacher-forced log-probs of every token of ``ids`` [B, L] after the first, [B, L-1] fp32, and its
+    argmax at every position, [B, L] (column t: the most likely token after ids[:, :t+1])."""
+    device = next(model.parameters()).device
+    lps, tops = [], []
+    with torch.no_grad():
+        for start in range(0, ids.shape[0], chunk):
+            part = ids[start:start + chunk].to(device)
+            logits = model(input_ids=part).logits.float()
+            tops.append(logits.argmax(-1).cpu())
+            lps.append(torch.log_softmax(logits[:, :-1], -1).gather(-1, part[:, 1:, None])[..., 0].cpu())
+    return torch.cat(lps), torch.cat(tops)
+
+
+def diagnostic_stats(engine_rollout_lp: torch.Tensor, engine_tf: torch.Tensor, trainer_tf: torch.Tensor,
+                     prompt_len: int, engine_greedy: torch.Tensor | None = None,
+                     trainer_greedy: torch.Tensor | None = None) -> dict:
+    """What tells a wrong comparison from engine and trainer computing different functions.
+
+    engine_rollout_lp [B, T]: the rollout's log-probs of its sampled tokens; engine_tf / trainer_tf [B, P+T-1]:
+    teacher-forced log-probs of tokens 1.. of prompt + completion (P = ``prompt_len``) from the engine
+    (``prompt_logprobs``) and from the trainer's forward. ``align``: rollout vs the engine's own teacher-forced
+    values of the same completion tokens (tmpe ~1: the rollout's tokens and log-probs are extracted and lined up
+    right; far from 1: they are not). ``tf_prompt`` / ``tf_completion``: engine vs trainer on the same ids, prompt
+    positions (no sampling involved at all) and completion positions. ``greedy_top1_agree``: share of prompts whose
+    greedy first token is the same in engine and trainer. ``mean_logp``: the average log-prob each side gives."""
+    p = prompt_len
+    out = {"align": mismatch_stats(engine_rollout_lp, engine_tf[:, p - 1:]),
+           "tf_prompt": mismatch_stats(engine_tf[:, :p - 1], trainer_tf[:, :p - 1]),
+           "tf_completion": mismatch_stats(engine_tf[:, p - 1:], trainer_tf[:, p - 1:]),
+           "mean_logp": {"engine_rollout": float(engine_rollout_lp.mean()),
+                         "engine_tf_completion": float(engine_tf[:, p - 1:].mean()),
+                         "trainer_completion": float(trainer_tf[:, p - 1:].mean()),
+                         "engine_tf_prompt": float(engine_tf[:, :p - 1].mean()),
+                         "trainer_prompt": float(trainer_tf[:, :p - 1].mean())}}
+    if engine_greedy is not None and trainer_greedy is not None:
+        out["greedy_top1_agree"] = float((engine_greedy.cpu() == trainer_greedy.cpu()).float().mean())
+    return out
+
+
+def engine_runner(llm) -> str:
+    """Which vLLM model runner serves ``llm`` (0.24 picks Model Runner V2, ``vllm.v1.worker.gpu.model_runner``, for
+    LlamaForCausalLM checkpoints and the V1 ``gpu_model_runner`` otherwise)."""
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    except AttributeError:
+        return "?"
+    return f"{type(runner).__module__}.{type(runner).__name__}"
+
+
+def mismatch_diagnostics(llm, reference, prompts: torch.Tensor, tokens: torch.Tensor,
+                         engine_lp: torch.Tensor) -> dict:
+    """``diagnostic_stats`` for one engine and its trainer-side ``reference`` on one rollout, plus the runner and
+    whether the engine echoes the prompts unchanged. Costs two short prefills and a one-token greedy generate."""
+    ids = torch.cat([prompts, tokens], 1)
+    engine_tf, echoed = engine_teacher_forced(llm, ids)
+    trainer_tf, trainer_top = trainer_all_logprobs(reference, ids)
+    greedy = engine_greedy_first(llm, prompts)
+    stats = diagnostic_stats(engine_lp, engine_tf, trainer_tf, prompts.shape[1], greedy,
+                             trainer_top[:, prompts.shape[1] - 1])
+    return {**stats, "prompt_ids_echoed": echoed, "runner": engine_runner(llm)}
+
+
 def train_steps(policy, prompts, completions, steps: int, lr: float, chunk: int = 8) -> list[float]:
     """``steps`` AdamW steps minimizing the NLL of ``completions`` under ``policy`` (its FP8 forward and backward);
     returns the losses. The policy shares its Parameters with the BF16 model, so both move."""
@@ -433,7 +544,7 @@ def part_mismatch(opts) -> None:
     from calclip.trainers.vllm_sync import engine_fp8_mismatches, vllm_engine_model
 
     device = torch.device(opts.device)
-    rows, results = [], RESULTS.setdefault("mismatch", [])
+    rows, diag_rows, results = [], [], RESULTS.setdefault("mismatch", [])
     for name in opts.models:
         t0 = time.perf_counter()
         print(f"-- mismatch: {name}", flush=True)
@@ -453,10 +564,9 @@ def part_mismatch(opts) -> None:
         prompts = torch.randint(3, vocab, (opts.mismatch_prompts, opts.prompt_len), generator=gen)
         max_len = opts.prompt_len + opts.mismatch_tokens + 8
         engines: dict[str, object] = {}
-        specs = [("FP8 calclip", dict(policy=policy, numerics="calclip")),
-                 ("BF16", {})]
-        if opts.vllm_default_arm:
-            specs.insert(1, ("FP8 vLLM-default", dict(policy=policy, numerics="vllm")))
+        specs = [(MISMATCH_ARMS[key], kwargs) for key, kwargs in (
+            ("calclip", dict(policy=policy, numerics="calclip")), ("vllm", dict(policy=policy, numerics="vllm")),
+            ("bf16", {})) if key in opts.mismatch_arms]
         for arm, kwargs in specs:
             try:
                 engines[arm] = make_llm(model_dir, opts, max_model_len=max_len, max_num_seqs=opts.mismatch_prompts,
@@ -468,7 +578,8 @@ def part_mismatch(opts) -> None:
         for stage in ("initial", f"after {opts.steps} steps + sync"):
             sync_ms: dict[str, float] = {}
             if stage != "initial":
-                fp8_tokens = samples.get("FP8 calclip")
+                # the FP8 engine's samples (with --mismatch-arms bf16 alone: the BF16 engine's)
+                fp8_tokens = samples.get("FP8 calclip", next(iter(samples.values()), None))
                 if fp8_tokens is None:
                     break
                 losses = train_steps(policy, prompts, fp8_tokens, opts.steps, opts.lr)
@@ -495,10 +606,17 @@ def part_mismatch(opts) -> None:
                     with attention(reference, "eager"):
                         eager_lp = trainer_logprobs(reference, prompts, tokens)
                     floor = mismatch_stats(eager_lp, trainer_logprobs(reference, prompts, tokens))
+                try:
+                    diag = mismatch_diagnostics(llm, reference, prompts, tokens, engine_lp)
+                except Exception as err:  # noqa: BLE001 — the row stands without its diagnostics
+                    diag = {"error": _short(err)}
+                    print(f"   !! diagnostics {arm}: {diag['error']}", flush=True)
                 row = {"model": name, "stage": stage, "arm": arm, **stats, "floor_tmpe": floor.get("tmpe"),
                        "floor_max_abs": floor.get("max_abs"), "engine_holds_trainer_codes": codes,
-                       "sync_ms": sync_ms.get(arm)}
+                       "sync_ms": sync_ms.get(arm), "diag": diag}
                 results.append(row)
+                diag_rows.append(diagnostic_row(name, stage, arm, diag))
+                print("diag: | " + " | ".join(diag_rows[-1]) + " |", flush=True)
                 rows.append([name, stage, arm, fmt(stats["tmpe"], 4), fmt(stats["max_abs"]), fmt(stats["over_1p1"]),
                              fmt(floor.get("tmpe"), 4), codes[:40], fmt(sync_ms.get(arm), 0)])
                 print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
@@ -527,6 +645,33 @@ def part_mismatch(opts) -> None:
     for r in results:
         if r.get("minus_bf16_control") is not None:
             print(f"   {r['model']} {r['stage']} {r['arm']}: minus BF16 control = {r['minus_bf16_control']:+.4f}")
+    print("\n### mismatch diagnostics: the engine's teacher-forced prompt log-probs (prompt_logprobs=0 on prompt + "
+          "completion) against its rollout log-probs (align) and against the trainer's forward on the same ids "
+          "(prompt / completion positions), greedy first-token agreement, mean log-prob per side")
+    _common.table(DIAGNOSTIC_COLUMNS, diag_rows)
+    print("Read: align ~1 and TF tmpe ~ floor: the engine serves the trainer's model and the comparison is right. "
+          "align ~1 but TF prompt tmpe huge and top-1 agree ~0: engine and trainer compute different functions "
+          "(weights / config / engine state), sampling not involved. align far from 1: the rollout's tokens and "
+          "log-probs are not lined up (extraction).", flush=True)
+
+
+DIAGNOSTIC_COLUMNS = ["model", "stage", "engine", "runner", "prompt ids echoed", "align tmpe", "align max |d|",
+                      "TF prompt tmpe", "TF prompt mean |d|", "TF completion tmpe", "greedy top-1 agree",
+                      "mean logp engine/trainer (completion)", "mean logp engine/trainer (prompt)"]
+
+
+def diagnostic_row(model: str, stage: str, arm: str, diag: dict) -> list[str]:
+    """One row of the diagnostics table (``DIAGNOSTIC_COLUMNS``) from ``mismatch_diagnostics``' dict."""
+    if "error" in diag:
+        return [model, stage, arm, diag["error"][:60], *["-"] * (len(DIAGNOSTIC_COLUMNS) - 4)]
+    m = diag["mean_logp"]
+    runner = diag.get("runner", "?")
+    runner = "V2" if ".worker.gpu." in runner else "V1" if "gpu_model_runner" in runner else runner[-30:]
+    return [model, stage, arm, runner, fmt(diag.get("prompt_ids_echoed"), 2), fmt(diag["align"]["tmpe"], 4),
+            fmt(diag["align"]["max_abs"]), fmt(diag["tf_prompt"]["tmpe"], 4), fmt(diag["tf_prompt"]["mean_abs"]),
+            fmt(diag["tf_completion"]["tmpe"], 4), fmt(diag.get("greedy_top1_agree"), 3),
+            f"{m['engine_tf_completion']:.2f} / {m['trainer_completion']:.2f}",
+            f"{m['engine_tf_prompt']:.2f} / {m['trainer_prompt']:.2f}"]
 
 
 def _short(err: BaseException) -> str:
@@ -539,6 +684,22 @@ def _short(err: BaseException) -> str:
 
 
 def part_decode(opts) -> None:
+    """One engine at a time: build it, warm up and time every (batch, new tokens) cell over ``--repeats`` rounds,
+    shut it down, then the next engine.
+
+    Why not all engines alive at once with interleaved rounds (as before): an engine built later in the same process
+    deletes the CUDA graphs of every engine built before it. vLLM 0.24's V1 model runner (the one these config-only
+    Llama directories get: no ``architectures`` in config.json, so not Model Runner V2) estimates CUDA-graph memory
+    at start-up (``GPUModelRunner.profile_cudagraph_memory``, called from ``gpu_worker.py:453``) and ends that with
+    ``CUDAGraphWrapper.clear_all_graphs()`` / ``BreakableCUDAGraphWrapper.clear_all_graphs()``
+    (``gpu_model_runner.py:6562-6563``), which walk class-level WeakSets of all wrappers in the process
+    (``compilation/cuda_graph.py:170-176``), then ``set_cudagraph_capturing_enabled(False)`` (6561); its own
+    ``capture_model`` re-captures only its own graphs and switches capture off again (6614, 6643). The earlier
+    engine's dispatcher still routes batches to graph mode, its wrappers find no graph, try to capture at run time,
+    and ``validate_cudagraph_capturing_enabled`` (``compilation/monitor.py:90-99``, called at
+    ``cuda_graph.py:277`` and ``breakable_cudagraph.py:359``) raises "CUDA graph capturing detected at an
+    inappropriate time". Re-enabling capture would make the earlier engine capture lazily inside timed runs (not
+    what the product runs). The product is not affected: TRL colocate builds one engine per process."""
     from calclip.fp8.export import block_fp8_quantization_config
 
     layers = opts.decode_layers
@@ -548,59 +709,71 @@ def part_decode(opts) -> None:
     specs = [("vLLM FP8", dict(quantization_config=qc, numerics="calclip")), ("vLLM BF16", {})]
     if opts.decode_vllm_default:
         specs.insert(1, ("vLLM FP8 vLLM-default", dict(quantization_config=qc, numerics="vllm")))
-    engines = {}
     opts_dummy = argparse.Namespace(**{**vars(opts), "dummy_bf16": True})
-    util = opts.decode_gpu_util or min(0.4, 0.85 / len(specs))  # all engines live at once (interleaved rounds)
+    # one engine alive at a time, but a shut-down engine does not hand all its memory back in-process: the same
+    # share as when two engines lived together
+    util = opts.decode_gpu_util or 0.4
+    cells = [(batch, new_tokens) for batch in opts.batches for new_tokens in opts.new_tokens]
+    prompts = {batch: torch.randint(3, 128256, (batch, opts.prompt_len), generator=torch.Generator().manual_seed(batch))
+               for batch in opts.batches}
+    arms: dict[tuple[int, int], dict[str, Arm]] = {c: {} for c in cells}
+
+    def build(llm, batch, new_tokens):
+        from vllm import SamplingParams
+
+        # no per-request seed: vLLM samples seeded requests with per-request generators (slower)
+        params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens,
+                                ignore_eos=True, detokenize=False)
+        requests = [{"prompt_token_ids": p.tolist()} for p in prompts[batch]]
+
+        def sample():
+            cuda_sync()
+            start = time.perf_counter()
+            outs = llm.generate(requests, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            return {"tok_s": tokens / seconds}
+
+        sample()  # warm-up
+        return sample
+
     for name, kwargs in specs:
         try:
-            engines[name] = make_llm(model_dir, opts_dummy, max_model_len=max_len, max_num_seqs=max(opts.batches),
-                                     batches=opts.batches, gpu_util=util, **kwargs)
+            llm = make_llm(model_dir, opts_dummy, max_model_len=max_len, max_num_seqs=max(opts.batches),
+                           batches=opts.batches, gpu_util=util, **kwargs)
         except Exception as err:  # noqa: BLE001
             print(f"   !! engine {name}: {_short(err)}", flush=True)
-    rows, results = [], RESULTS.setdefault("decode", [])
-    for batch in opts.batches:
-        prompts = torch.randint(3, 128256, (batch, opts.prompt_len), generator=torch.Generator().manual_seed(batch))
-        for new_tokens in opts.new_tokens:
-            print(f"-- decode {layers}L, batch {batch}, {new_tokens} tokens", flush=True)
-
-            def build(llm, batch=batch, new_tokens=new_tokens, prompts=prompts):
-                from vllm import SamplingParams
-
-                # no per-request seed: vLLM samples seeded requests with per-request generators (slower)
-                params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens,
-                                        ignore_eos=True, detokenize=False)
-                requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
-
-                def sample():
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    outs = llm.generate(requests, params, use_tqdm=False)
-                    seconds = time.perf_counter() - start
-                    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-                    return {"tok_s": tokens / seconds}
-
-                sample()  # warm-up
-                return lambda: sample()
-
-            arms = [setup_arm(name, lambda llm=llm: build(llm)) for name, llm in engines.items()]
-            interleave(arms, opts.repeats)
-            by = {a.name: a for a in arms}
-            row = [str(layers), str(batch), str(new_tokens), *[cell(by.get(n), "tok_s", 0) for n, _ in specs],
-                   paired_ratio(by.get("vLLM FP8"), by.get("vLLM BF16"), "tok_s")]
-            if opts.decode_vllm_default:
-                row.append(paired_ratio(by.get("vLLM FP8"), by.get("vLLM FP8 vLLM-default"), "tok_s"))
-            rows.append(row)
-            results.append({"layers": layers, "batch": batch, "new_tokens": new_tokens,
-                            **{a.name: a.values("tok_s") for a in arms}, "errors": {a.name: a.error for a in arms}})
-            print("row: | " + " | ".join(row) + " |", flush=True)
-            save_results(opts)
-    for llm in list(engines.values()):
+            for c in cells:
+                arms[c][name] = Arm(name, error=f"engine: {_short(err)}")
+            continue
+        for batch, new_tokens in cells:
+            print(f"-- decode {layers}L, {name}, batch {batch}, {new_tokens} tokens", flush=True)
+            arm = setup_arm(name, lambda llm=llm, b=batch, n=new_tokens: build(llm, b, n))
+            if arm.error:
+                print(f"   !! {name} setup failed: {arm.error}", flush=True)
+            interleave([arm], opts.repeats)
+            arms[(batch, new_tokens)][name] = arm
         shutdown(llm)
+        del llm
+    rows, results = [], RESULTS.setdefault("decode", [])
+    for batch, new_tokens in cells:
+        by = arms[(batch, new_tokens)]
+        row = [str(layers), str(batch), str(new_tokens), *[cell(by.get(n), "tok_s", 0) for n, _ in specs],
+               paired_ratio(by.get("vLLM FP8"), by.get("vLLM BF16"), "tok_s")]
+        if opts.decode_vllm_default:
+            row.append(paired_ratio(by.get("vLLM FP8"), by.get("vLLM FP8 vLLM-default"), "tok_s"))
+        rows.append(row)
+        results.append({"layers": layers, "batch": batch, "new_tokens": new_tokens, "engines": "one at a time",
+                        **{a.name: a.values("tok_s") for a in by.values()},
+                        "errors": {a.name: a.error for a in by.values()}})
+        print("row: | " + " | ".join(row) + " |", flush=True)
+    save_results(opts)
     columns = ["layers", "batch", "new tokens", *[f"{n} tok/s" for n, _ in specs], "FP8/BF16"]
     if opts.decode_vllm_default:
         columns.append("FP8 calclip/vLLM-default settings")
     print(f"\n### decode: vLLM generate tokens/s, Llama-3-8B dims, dummy weights, prompt {opts.prompt_len}, ignore_eos, "
-          f"temperature 1, CUDA graphs (median [min-max] of {opts.repeats} interleaved rounds)")
+          f"temperature 1, CUDA graphs (median [min-max] of {opts.repeats} rounds; one engine alive at a time, engines "
+          f"one after another, so ratios pair round i of each engine, not interleaved rounds)")
     _common.table(columns, rows)
 
 
@@ -781,6 +954,9 @@ def parse_args(argv=None):
                         help="mismatch: AdamW lr (BF16 masters: smaller steps round away in many weights)")
     parser.add_argument("--no-vllm-default-arm", dest="vllm_default_arm", action="store_false",
                         help="mismatch: leave out the FP8 engine with vLLM's default settings")
+    parser.add_argument("--mismatch-arms", default=",".join(MISMATCH_ARMS),
+                        help="mismatch: engines built in the process, of calclip,vllm,bf16 (e.g. 'bf16' alone: one "
+                             "engine per process, as the product runs)")
     parser.add_argument("--batches", type=_ints, default=[64, 128, 256])
     parser.add_argument("--new-tokens", type=_ints, default=[128, 512], help="decode; hf_decode uses the first")
     parser.add_argument("--decode-layers", type=int, default=4)
@@ -791,7 +967,7 @@ def parse_args(argv=None):
     parser.add_argument("--gpu-util", type=float, default=0.25,
                         help="vLLM gpu_memory_utilization per engine (mismatch holds up to 3 at once; grpo: one)")
     parser.add_argument("--decode-gpu-util", type=float, default=None,
-                        help="decode: per engine (default 0.85 / engines, at most 0.4)")
+                        help="decode: per engine (default 0.4)")
     parser.add_argument("--attention-backend", default="TRITON_ATTN")
     parser.add_argument("--grpo-layers", type=int, default=4)
     parser.add_argument("--grpo-steps", type=int, default=4)
@@ -812,6 +988,12 @@ def parse_args(argv=None):
     unknown = set(opts.models) - {*MODEL_SPECS, "smollm2"}
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; choose from {sorted({*MODEL_SPECS, 'smollm2'})}")
+    opts.mismatch_arms = [a for a in opts.mismatch_arms.split(",") if a]
+    unknown = set(opts.mismatch_arms) - set(MISMATCH_ARMS)
+    if unknown or not opts.mismatch_arms:
+        parser.error(f"--mismatch-arms: unknown or none {sorted(unknown)}; choose from {list(MISMATCH_ARMS)}")
+    if not opts.vllm_default_arm:
+        opts.mismatch_arms = [a for a in opts.mismatch_arms if a != "vllm"]
     opts.dummy_bf16 = False
     opts.device = "cuda"  # tests/test_bench_vllm.py runs the mismatch part on CPU against a stand-in engine
     return opts

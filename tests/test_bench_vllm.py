@@ -231,19 +231,50 @@ class StandInEngine:
         pass
 
     def generate(self, prompts, params, use_tqdm):
-        gen = torch.Generator().manual_seed(params["seed"])
+        """vLLM 0.24's output shapes: outputs[0].token_ids / .logprobs (one {token: Logprob} per sampled token),
+        prompt_token_ids, and with prompt_logprobs=0 a FlatLogprobs-like prompt_logprobs (None first)."""
+        gen = torch.Generator().manual_seed(params.get("seed") or 0)
         outs = []
         for p in prompts:
             ids, steps = list(p["prompt_token_ids"]), []
+            prompt_lp = None
+            if params.get("prompt_logprobs") is not None:
+                with torch.no_grad():
+                    logp = torch.log_softmax(self.hf(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+                prompt_lp = FlatLogprobsLike([None] + [{t: Logprob(float(logp[i, t]))} for i, t in enumerate(ids[1:])])
             for _ in range(params["max_tokens"]):
                 with torch.no_grad():
                     logp = torch.log_softmax(self.hf(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
-                tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
-                steps.append({tok: type("Lp", (), {"logprob": float(logp[tok])})()})
+                if params.get("temperature", 1.0) == 0:
+                    tok = int(logp.argmax())
+                else:
+                    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                steps.append({tok: Logprob(float(logp[tok]))})
                 ids.append(tok)
             completion = ids[len(p["prompt_token_ids"]):]
-            outs.append(type("O", (), {"outputs": [type("C", (), {"token_ids": completion, "logprobs": steps})()]})())
+            outs.append(type("O", (), {"outputs": [type("C", (), {"token_ids": completion, "logprobs": steps})()],
+                                       "prompt_token_ids": list(p["prompt_token_ids"]),
+                                       "prompt_logprobs": prompt_lp})())
         return outs
+
+
+class Logprob:
+    def __init__(self, logprob):
+        self.logprob = logprob
+
+
+class FlatLogprobsLike:
+    """Indexable like vllm.logprobs.FlatLogprobs: ``[i]`` builds a fresh {token: Logprob} dict (None only at 0)."""
+
+    def __init__(self, positions):
+        self.positions = positions
+
+    def __len__(self):
+        return len(self.positions)
+
+    def __getitem__(self, i):
+        step = self.positions[i]
+        return None if step is None else dict(step)
 
 
 def test_mismatch_part_runs_both_stages_syncs_every_engine_and_reports_each_row(monkeypatch, tmp_path, capsys):
@@ -281,5 +312,129 @@ def test_mismatch_part_runs_both_stages_syncs_every_engine_and_reports_each_row(
     assert rows[3]["sync_ms"] > 0 and rows[5]["sync_ms"] > 0 and rows[0]["sync_ms"] is None
     assert rows[0]["floor_tmpe"] >= 1.0 and rows[1]["floor_tmpe"] is None
     assert rows[0]["minus_bf16_control"] == pytest.approx(rows[0]["tmpe"] - rows[2]["tmpe"])
+    for r in rows:  # the stand-in samples with the very model the trainer runs
+        d = r["diag"]
+        assert "error" not in d, d
+        assert d["align"]["tmpe"] == pytest.approx(1.0, abs=1e-3), d
+        assert d["prompt_ids_echoed"] == 1.0 and d["greedy_top1_agree"] == 1.0
+        if r["arm"] == "BF16":  # the stand-in computes the BF16 forward exactly as the trainer does
+            assert d["tf_prompt"]["max_abs"] < 1e-3 and d["tf_completion"]["max_abs"] < 1e-3, d
     assert (tmp_path / "bench_vllm.json").exists()
-    assert "### mismatch" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "### mismatch" in out and "### mismatch diagnostics" in out
+
+
+def _fake_output(ids, logps, flat):
+    positions = [None] + [{t: Logprob(v), 99999: Logprob(-50.0)} for t, v in zip(ids[1:], logps)]
+    plp = FlatLogprobsLike(positions) if flat else positions
+    return type("O", (), {"prompt_logprobs": plp, "prompt_token_ids": ids})()
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_prompt_logprobs_of_reads_each_tokens_own_logprob(flat):
+    ids = [5, 7, 9, 11]
+    out = _fake_output(ids, [-1.0, -2.0, -3.0], flat)
+    assert bench_vllm.prompt_logprobs_of(out, ids) == [-1.0, -2.0, -3.0]
+    with pytest.raises(ValueError, match="4 tokens"):
+        bench_vllm.prompt_logprobs_of(_fake_output(ids[:3], [-1.0, -2.0], flat), ids)
+    with pytest.raises(ValueError, match="lacks the prompt token 8"):
+        bench_vllm.prompt_logprobs_of(out, [5, 7, 8, 11])
+    with pytest.raises(ValueError, match="no prompt_logprobs"):
+        bench_vllm.prompt_logprobs_of(type("O", (), {"prompt_logprobs": None})(), ids)
+
+
+def test_diagnostic_stats_split_prompt_and_completion_positions():
+    # prompt of 3 tokens, completion of 2: teacher-forced arrays have 4 columns (tokens 1..4); completion = last 2
+    engine_tf = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
+    trainer_tf = torch.tensor([[-1.0, -2.5, -3.0, -4.0]])
+    rollout = torch.tensor([[-3.0, -4.0]])
+    d = bench_vllm.diagnostic_stats(rollout, engine_tf, trainer_tf, 3, torch.tensor([4, 5]), torch.tensor([4, 6]))
+    assert d["align"]["max_abs"] == 0 and d["align"]["tmpe"] == pytest.approx(1.0)
+    assert d["tf_prompt"]["max_abs"] == pytest.approx(0.5) and d["tf_prompt"]["tokens"] == 2
+    assert d["tf_completion"]["max_abs"] == 0 and d["tf_completion"]["tokens"] == 2
+    assert d["greedy_top1_agree"] == pytest.approx(0.5)
+    assert d["mean_logp"]["engine_tf_prompt"] == pytest.approx(-1.5)
+    assert d["mean_logp"]["trainer_completion"] == pytest.approx(-3.5)
+    # a rollout whose log-probs sit one position off shows in align, not in the engine/trainer columns
+    shifted = bench_vllm.diagnostic_stats(torch.tensor([[-2.0, -3.0]]), engine_tf, engine_tf, 3)
+    assert shifted["align"]["max_abs"] == pytest.approx(1.0) and shifted["tf_completion"]["max_abs"] == 0
+    assert "greedy_top1_agree" not in shifted
+
+
+def test_trainer_all_logprobs_match_the_completion_slice_of_trainer_logprobs():
+    torch.manual_seed(0)
+    from bench_speed import build_llama
+
+    model = build_llama(1, 128, 256, 64, "cpu", heads=2, kv_heads=2).eval()
+    prompts, completions = torch.randint(3, 64, (3, 4)), torch.randint(3, 64, (3, 5))
+    ids = torch.cat([prompts, completions], 1)
+    full, top = bench_vllm.trainer_all_logprobs(model, ids, chunk=2)
+    assert full.shape == (3, 8) and top.shape == (3, 9)
+    torch.testing.assert_close(full[:, 3:], bench_vllm.trainer_logprobs(model, prompts, completions), rtol=0,
+                               atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(top[:, 3], model(input_ids=prompts).logits[:, -1].argmax(-1))
+
+
+def test_diagnostic_row_names_the_runner_and_survives_an_error():
+    d = bench_vllm.diagnostic_stats(torch.zeros(1, 2) - 1, torch.zeros(1, 4) - 1, torch.zeros(1, 4) - 1, 3,
+                                    torch.tensor([1]), torch.tensor([1]))
+    row = bench_vllm.diagnostic_row("m", "initial", "BF16", {**d, "runner": "vllm.v1.worker.gpu.model_runner.X",
+                                                             "prompt_ids_echoed": 1.0})
+    assert len(row) == len(bench_vllm.DIAGNOSTIC_COLUMNS) and row[3] == "V2" and row[10] == "1.000"
+    err = bench_vllm.diagnostic_row("m", "initial", "BF16", {"error": "ValueError: x"})
+    assert len(err) == len(bench_vllm.DIAGNOSTIC_COLUMNS) and err[3].startswith("ValueError")
+
+
+def test_mismatch_arms_are_checked_and_the_default_arm_switch_still_drops_vllm(capsys):
+    assert bench_vllm.parse_args([]).mismatch_arms == ["calclip", "vllm", "bf16"]
+    assert bench_vllm.parse_args(["--mismatch-arms", "bf16"]).mismatch_arms == ["bf16"]
+    assert bench_vllm.parse_args(["--no-vllm-default-arm"]).mismatch_arms == ["calclip", "bf16"]
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--mismatch-arms", "fp8"])
+    assert "--mismatch-arms" in capsys.readouterr().err
+
+
+def test_decode_part_runs_one_engine_at_a_time_and_fills_every_cell(monkeypatch, tmp_path):
+    """vLLM 0.24: a later in-process engine clears an earlier engine's CUDA graphs, so each engine is built, timed
+    on every cell and shut down before the next is built."""
+    import types
+
+    events = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, requests, params, use_tqdm):
+            events.append(("generate", self.name))
+            outs = [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=[1] * params["max_tokens"])])
+                    for _ in requests]
+            return outs
+
+    def make_llm(model_dir, opts, *, quantization_config=None, numerics="calclip", **kw):
+        name = "BF16" if quantization_config is None else f"FP8 {numerics}"
+        events.append(("build", name))
+        return Engine(name)
+
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setattr(bench_vllm, "make_llm", make_llm)
+    monkeypatch.setattr(bench_vllm, "shutdown", lambda llm: events.append(("shutdown", llm.name)))
+    monkeypatch.setattr(bench_vllm, "config_only_dir", lambda name, layers, d: d)
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setenv("OUT", str(tmp_path))
+    opts = bench_vllm.parse_args(["--parts", "decode", "--batches", "2,4", "--new-tokens", "3", "--repeats", "2",
+                                  "--decode-vllm-default"])
+    bench_vllm.part_decode(opts)
+    order = [e for e in events if e[0] != "generate"]
+    assert order == [("build", "FP8 calclip"), ("shutdown", "FP8 calclip"), ("build", "FP8 vllm"),
+                     ("shutdown", "FP8 vllm"), ("build", "BF16"), ("shutdown", "BF16")]
+    # each engine generates only while it is the one alive: warm-up + 2 rounds per cell, 2 cells
+    assert [e for e in events if e[0] == "generate"][:6] == [("generate", "FP8 calclip")] * 6
+    rows = bench_vllm.RESULTS["decode"]
+    assert [(r["batch"], r["new_tokens"]) for r in rows] == [(2, 3), (4, 3)]
+    for r in rows:
+        assert all(len(r[name]) == 2 for name in ("vLLM FP8", "vLLM FP8 vLLM-default", "vLLM BF16")), r
+        assert not any(r["errors"].values())
