@@ -228,6 +228,8 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
     elif opts.dummy_bf16:
         kwargs["load_format"] = "dummy"
     kwargs["compilation_config"] = compilation
+    if getattr(opts, "enforce_eager", False):  # no torch.compile, no CUDA graphs: rules them in or out of a mismatch
+        kwargs["enforce_eager"] = True
     start = time.perf_counter()
     llm = LLM(**kwargs)
     setup_s = time.perf_counter() - start
@@ -969,6 +971,9 @@ def parse_args(argv=None):
     parser.add_argument("--decode-gpu-util", type=float, default=None,
                         help="decode: per engine (default 0.4)")
     parser.add_argument("--attention-backend", default="TRITON_ATTN")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="engines without torch.compile and CUDA graphs (vLLM's enforce_eager): with --parts "
+                             "mismatch, tells a graph or compile problem from a model one")
     parser.add_argument("--grpo-layers", type=int, default=4)
     parser.add_argument("--grpo-steps", type=int, default=4)
     parser.add_argument("--grpo-tokens", type=int, default=128)

@@ -305,6 +305,7 @@ def test_mismatch_part_runs_both_stages_syncs_every_engine_and_reports_each_row(
     assert fp8.kwargs["linear_backend"] == "cutlass" and "linear_backend" not in default.kwargs
     assert fp8.kwargs["compilation_config"]["pass_config"] == {"fuse_norm_quant": False, "fuse_act_quant": False}
     assert "quantization" not in bf16.kwargs
+    assert not any("enforce_eager" in e.kwargs for e in (fp8, default, bf16))  # graphs on unless asked
     for r in rows:
         assert r["tmpe"] >= 1.0 and math.isfinite(r["tmpe"])
         if r["arm"] != "BF16":
@@ -438,3 +439,16 @@ def test_decode_part_runs_one_engine_at_a_time_and_fills_every_cell(monkeypatch,
     for r in rows:
         assert all(len(r[name]) == 2 for name in ("vLLM FP8", "vLLM FP8 vLLM-default", "vLLM BF16")), r
         assert not any(r["errors"].values())
+
+
+def test_enforce_eager_reaches_every_engine(monkeypatch):
+    import types
+
+    seen = []
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kwargs: seen.append(kwargs) or object()
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    for argv, expected in ((["--enforce-eager"], True), ([], None)):
+        opts = bench_vllm.parse_args(argv)
+        bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1)
+        assert seen[-1].get("enforce_eager") is expected
