@@ -374,8 +374,8 @@ def layer_section(opts, sizes: Sizes) -> None:
     from calclip.fp8 import Fp8Config, FP8BlockLinear
 
     device = torch.device(sizes.device)
-    peer, peer_error = torchao_blockwise()
-    if peer is None:
+    peer, peer_error = (None, None) if opts.no_torchao else torchao_blockwise()
+    if peer is None and peer_error:
         print(f"   torchao not importable ({peer_error}): its column shows '-'")
     rows_wall, rows_split = [], []
     for m, k, n in sizes.layer_shapes:
@@ -544,8 +544,9 @@ def model_arm_keys(opts) -> list[str]:
     if opts.model_arms:
         keys = [k.strip() for k in opts.model_arms.split(",") if k.strip()]
     else:
-        keys = ["bf16", "bf16c", "fp8", "fp8c"] + (["fp8x", "fp8xc"] if opts.fp8_options else []) + ["torchao"]
-        keys += ["torchaoc"] if opts.compile_peers else []
+        keys = ["bf16", "bf16c", "fp8", "fp8c"] + (["fp8x", "fp8xc"] if opts.fp8_options else [])
+        if not opts.no_torchao:
+            keys += ["torchao"] + (["torchaoc"] if opts.compile_peers else [])
     unknown = [k for k in keys if k not in MODEL_ARMS]
     if unknown:
         raise ValueError(f"--model-arms: unknown arm(s) {unknown}; choose from {list(MODEL_ARMS)}")
@@ -1078,6 +1079,9 @@ def parse_args(argv=None):
                         "same model with a speed lever on, beside the default FP8 arms")
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode of the compiled arms, e.g. reduce-overhead (CUDA graphs)")
+    parser.add_argument("--no-torchao", action="store_true",
+                        help="leave torchao's Float8BlockwiseLinear out of the layer section and the model section's "
+                             "default arms (its first call autotunes: 165 s at Qwen2.5-1.5B dims on the H200)")
     parser.add_argument("--compile-peers", action="store_true",
                         help="also time torch.compile'd BF16 and torchao arms (layer, model): more compile time")
     parser.add_argument("--trainer-runs", default="bf16_static,fp8_static",

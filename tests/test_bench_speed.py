@@ -87,7 +87,7 @@ def test_tiny_run_prints_layer_model_and_decode_tables_with_numbers():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_speed.py"), "--tiny", "--only", "layer,model,decode",
          "--repeats", "1", "--decode-repeats", "1", "--layer-calls", "1", "--warmup", "1",
-         "--models", "256:512:4:2:1", "--model-arms", "bf16,bf16c,fp8,fp8c"],
+         "--models", "256:512:4:2:1", "--model-arms", "bf16,bf16c,fp8,fp8c", "--no-torchao"],
         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT,
     )
     out = proc.stdout
@@ -98,6 +98,9 @@ def test_tiny_run_prints_layer_model_and_decode_tables_with_numbers():
     columns = _cells(lines[header])
     rows = [_cells(line) for line in lines[header + 2: header + 2 + len(bench_speed.TINY_LAYER_SHAPES)]]
     assert [tuple(map(int, r[:3])) for r in rows] == list(bench_speed.TINY_LAYER_SHAPES)
+    assert "torchao ms" not in columns and "torchao" not in out.split("## layer")[1].split("###")[0]  # --no-torchao
+    # each shape's row is printed as soon as it is done (a run cut by a time limit keeps it)
+    assert sum(line.startswith("   row: BF16 ") for line in lines) == len(bench_speed.TINY_LAYER_SHAPES)
     for row in rows:
         for name in ("BF16 ms", "FP8 eager ms", "BF16/FP8 eager"):
             assert re.fullmatch(r"\d+\.\d+x?", row[columns.index(name)]), (name, row)
@@ -180,6 +183,8 @@ def test_parse_args_builds_model_rows_arms_and_fp8_options(capsys):
     assert opts.model_arm_keys == ["bf16", "bf16c", "fp8", "fp8c", "fp8x", "fp8xc", "torchao"]
     assert bench_speed.parse_args(["--compile-peers"]).model_arm_keys == ["bf16", "bf16c", "fp8", "fp8c", "torchao",
                                                                           "torchaoc"]
+    assert bench_speed.parse_args(["--no-torchao", "--compile-peers"]).model_arm_keys == ["bf16", "bf16c", "fp8",
+                                                                                          "fp8c"]
     # BF16 eager is every ratio's baseline: always there, always first
     assert bench_speed.parse_args(["--model-arms", "fp8c,bf16c"]).model_arm_keys == ["bf16", "fp8c", "bf16c"]
     for argv, message in ((["--model-arms", "fp8c,int4"], "unknown arm(s) ['int4']"),
