@@ -15,6 +15,10 @@ inputs rotating over sets > L2; ``triton.testing.do_bench`` median. Rows (varian
   (x) ctrl        this script's copy of the production kernel (exact div_rn); must time like (a)/(b)
   (c) recip       codes = x * (1/s) (1/s with div_rn once per block) instead of div_rn(x, s) per element
   (c) approx      codes = x / s with Triton's default (approximate, div.full.f32) division
+  (c) markstein   y = 1/s with div_rn once per block, q0 = x*y, codes = fma(fma(-s, q0, x), y, q0) with x's
+                  sign: Markstein's correction gives RN(x / s) itself (checked here in exact arithmetic on 1.9e9
+                  pairs, 2026-12-02: every fp32 quotient equal but for subnormal x, whose codes are 0 anyway, and
+                  every e4m3 code equal), so the codes stay exact at two FMAs per element instead of a div.rn
   (c) nodiv       no div.rn at all: s = max(amax, floor) * (1/448) and codes = x / s approximate (scales may
                   differ by an ulp too: the check counts them). The compile check shows the column pass runs
                   div_rn for its scales once per element-column a thread holds (not once per block), so
@@ -68,7 +72,8 @@ T0 = time.perf_counter()
 # ----------------------------------------------------------------------------------------------------------
 # Experimental copy of quantize._quantize_1x128_and_128x1_kernel with switches. MATH: 0 exact div_rn (production),
 # 1 multiply by a per-block reciprocal, 2 approximate '/', 3 no scaling at all, 4 no IEEE division at all (scale
-# by a multiply, codes by approximate '/'). ROW: do the 1x128 half.
+# by a multiply, codes by approximate '/'), 5 the reciprocal plus one FMA correction (Markstein). ROW: do the 1x128
+# half.
 # COL: 0 no 128x1 half, 1 transposed store (production), 2 row-major store (wrong layout). K_FASTEST: grid
 # axis 0 walks K tiles. Production helpers (_abs_max, _block_scale, _store_codes) are reused unchanged.
 # ----------------------------------------------------------------------------------------------------------
@@ -82,6 +87,13 @@ def _codes(x, scale, nonfinite, MATH: tl.constexpr):
         c = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     elif MATH == 2 or MATH == 4:
         c = x / scale
+    elif MATH == 5:  # Markstein: the per-block reciprocal, then one FMA-corrected step to RN(x / s)
+        y = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        q0 = x * y
+        c = tl.fma(tl.fma(-scale, q0, x), y, q0)
+        # x = -0 gives +0 through the FMAs; the quotient carries x's sign (copysign by bits)
+        sign = x.to(tl.int32, bitcast=True) & -2147483648
+        c = ((c.to(tl.int32, bitcast=True) & 2147483647) | sign).to(tl.float32, bitcast=True)
     else:
         c = x
     c = tl.clamp(c, -numerics._FP8_MAX, numerics._FP8_MAX)
@@ -137,6 +149,7 @@ EXPERIMENTS = {
     "recip": (1, True, 1, False, "(c) recip: x*(1/s)", "count"),
     "approx": (2, True, 1, False, "(c) approx: x/s div.full", "count"),
     "nodiv": (4, True, 1, False, "(c) nodiv: s=amax*(1/448), x/s", "count"),
+    "markstein": (5, True, 1, False, "(c) markstein: x*(1/s) + fma step", "exact"),
     "rows": (0, True, 0, False, "(d) rows: 1x128 half only", "exact"),
     "cols": (0, False, 1, False, "(d) cols: 128x1 half only", "exact"),
     "cols-noT": (0, True, 2, False, "(d) cols-noT: q_col row-major", "values"),
@@ -518,6 +531,7 @@ def conclude(results: dict, checks: dict, recip_pow2: str) -> None:
             savings[f"launch config (best {b_key[2:]})"] = t_a - t_b
         if t_ctrl is not None:
             for name, what in (("recip", "exact division -> reciprocal multiply"),
+                               ("markstein", "exact division -> reciprocal + FMA correction (exact codes)"),
                                ("approx", "exact division -> approximate '/'"),
                                ("nodiv", "every IEEE division (scales too)"),
                                ("cols-noT", "transposed 128x1 store"), ("kfast", "grid order"),
