@@ -40,6 +40,7 @@ Version notes and everything that has not run against a live engine: docs/vllm.m
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -104,6 +105,20 @@ def vllm_engine_model(llm) -> tuple[nn.Module, Any]:
     return model, engine.model_config
 
 
+class _RotaryReloadNotice(logging.Filter):
+    """Drops vLLM 0.24's "RotaryEmbedding: Failed to load weights" (``reload/layerwise.py``, a warning on every
+    reload, not once): a rotary layer holds a cos/sin cache built from the config, which no checkpoint carries, and
+    the reload puts that cache back unchanged (its fallback for layers that loaded nothing). Seen on the H200 at
+    every sync, i.e. every optimizer step. Any other layer that loads nothing still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args and "Rotary" in str(args[0]))
+
+
+_RELOAD_LOGGER = _RELOAD_MODULE + ".layerwise"
+
+
 def reload_weights_layerwise(model: nn.Module, model_config, named_tensors: Iterable[tuple[str, torch.Tensor]]
                              ) -> int:
     """Load checkpoint-format tensors into a live vLLM ``model`` through vLLM's layerwise reload: every layer is
@@ -117,9 +132,14 @@ def reload_weights_layerwise(model: nn.Module, model_config, named_tensors: Iter
         begin=lambda: reload.initialize_layerwise_reload(model),
         end=lambda: reload.finalize_layerwise_reload(model, model_config),
     )
-    for name, tensor in stream:
-        model.load_weights([(name, tensor)])
-        count += 1
+    logger, notice = logging.getLogger(_RELOAD_LOGGER), _RotaryReloadNotice()
+    logger.addFilter(notice)
+    try:
+        for name, tensor in stream:
+            model.load_weights([(name, tensor)])
+            count += 1
+    finally:
+        logger.removeFilter(notice)
     return count
 
 
