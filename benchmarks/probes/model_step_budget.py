@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bf16-tflops", type=float, default=735.0, help="BF16 cuBLAS (H200: 676-794)")
     parser.add_argument("--fp8-tflops", type=float, default=1120.0, help="blockwise cuBLAS FP8 (H200: 1084-1155)")
     parser.add_argument("--triton-tflops", type=float, default=560.0,
-                        help="calclip's Triton block GEMM (assumed; not measured at these shapes)")
+                        help="calclip's Triton block GEMM (H200, bench_gemm runs 1-2: 527-606 at K, N in {4096, "
+                             "14336}, i.e. slower than BF16; not measured at K = 8960)")
     parser.add_argument("--quant-tbps", type=float, default=2.6,
                         help="quantizer throughput, TB/s of bytes moved (H200: 53-85%% of ~4 TB/s copy)")
     opts = parser.parse_args(argv)
