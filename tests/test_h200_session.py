@@ -1,0 +1,69 @@
+"""benchmarks/h200_session.sh: every command the next H200 hold runs parses here, so no device call is lost to a
+stale flag or file name (two of this session's seven were)."""
+
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "h200_session.sh"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _commands() -> list[list[str]]:
+    """The argv of every ``run LIMIT LOG CMD...`` line (continuations joined)."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip().lstrip("(")
+        if line.startswith("run ") and not line.startswith("run()"):
+            argv = shlex.split(line.rstrip(")"))[3:]
+            out.append(argv)
+    return out
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_script_is_valid_bash_and_names_its_steps():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    bad = subprocess.run(["bash", str(SCRIPT), "9"], capture_output=True, text=True, env={"OUT": "/tmp/h200_session_test",
+                                                                                       "PATH": "/usr/bin:/bin"})
+    assert bad.returncode == 2 and "usage" in bad.stdout
+    assert len(_commands()) >= 9
+
+
+@pytest.mark.parametrize("argv", _commands(), ids=lambda a: " ".join(a[:3]))
+def test_every_command_parses(argv, capsys):
+    assert argv[0] == "python"
+    if argv[1] == "-m":  # pytest: the files exist and -k selects something there
+        files = [a for a in argv if a.endswith(".py")]
+        assert files and all((ROOT / f).is_file() for f in files)
+        if "-k" in argv:
+            pattern = argv[argv.index("-k") + 1]
+            assert any(re.search(rf"def test_\w*{pattern}", (ROOT / f).read_text()) for f in files), pattern
+        return
+    script, args = ROOT / argv[1], argv[2:]
+    assert script.is_file(), script
+    if script.name == "bench_speed.py":
+        import bench_speed
+        bench_speed.parse_args(args)  # exits (SystemExit) on a bad flag or value
+    elif script.name == "bench_vllm.py":
+        bench_vllm = _load("bench_vllm_for_session_test", script)
+        bench_vllm.parse_args(args)
+    elif script.name == "profile_model_step.py":
+        probe = _load("profile_model_step_for_session_test", script)
+        assert probe.main(args) == 2  # arguments accepted; then it stops for want of CUDA
+        assert "no CUDA device" in capsys.readouterr().out
+    else:
+        assert args == [] or script.name == "sweep_quant.py"
