@@ -16,6 +16,19 @@ import torch
 from calclip.tiny_model import build_tiny_model, build_tiny_tokenizer  # re-exported for tests and benchmarks
 
 
+def flat_calibration_tokens(batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mini-batches of (ratio_bf16 [B, T], ratio_fp8 [B, T], advantages [B], mask [B, T]) as flat [N] tensors in
+    arrival order, each sequence's advantage repeated over its tokens: the concatenation a calibration pool (or an
+    all-gather over ranks, rank 0 first) holds, for a one-shot ``calibrate_bounds`` to compare with."""
+    rb, rq, adv, mask = [], [], [], []
+    for b_rb, b_rq, b_adv, b_mask in batches:
+        rb.append(b_rb.reshape(-1))
+        rq.append(b_rq.reshape(-1))
+        adv.append(b_adv.unsqueeze(-1).expand_as(b_rb).reshape(-1))
+        mask.append(b_mask.reshape(-1))
+    return torch.cat(rb), torch.cat(rq), torch.cat(adv), torch.cat(mask)
+
+
 def tiny_prompt_dataset(num_prompts: int = 8, *, seed: int = 0):
     """``datasets.Dataset`` of conversational arithmetic prompts with an ``answer`` column."""
     from datasets import Dataset

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from calclip.calibration import ClipCalibrator, torch_distributed_all_gather
-from calclip.testing import spawn_workers
+from calclip.testing import flat_calibration_tokens, spawn_workers
 
 WORLD_SIZE = 2
 STEPS = 6
@@ -63,14 +63,7 @@ def _worker(rank, port, out_dir):
 
 def _union_batch(step):
     """Both ranks' tokens as flat [N] tensors, rank 0 first: the order the all-gather concatenates in."""
-    parts = [_rank_batch(rank, step) for rank in range(WORLD_SIZE)]
-    rb, rq, adv, mask = [], [], [], []
-    for p_rb, p_rq, p_adv, p_mask in parts:
-        rb.append(p_rb.reshape(-1))
-        rq.append(p_rq.reshape(-1))
-        adv.append(p_adv.unsqueeze(-1).expand_as(p_rb).reshape(-1))
-        mask.append(p_mask.reshape(-1))
-    return torch.cat(rb), torch.cat(rq), torch.cat(adv), torch.cat(mask)
+    return flat_calibration_tokens([_rank_batch(rank, step) for rank in range(WORLD_SIZE)])
 
 
 def test_two_ranks_match_single_process_on_the_union(tmp_path):

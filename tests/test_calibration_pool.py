@@ -17,6 +17,7 @@ from calclip.calibration import (
 )
 from calclip.calibration.calibrator import POOL_LIMIT_FACTOR
 from calclip.losses import clipped_surrogate
+from calclip.testing import flat_calibration_tokens
 
 EPS = 0.2
 
@@ -29,17 +30,6 @@ def _batch(seed, n_seq=8, length=16, spread=0.3):
     adv = torch.randn(n_seq, generator=gen, dtype=torch.float64)
     mask = torch.rand(n_seq, length, generator=gen) < 0.9
     return rb, rq, adv, mask
-
-
-def _flat(batches):
-    """The batches' tokens as flat [N] tensors in arrival order (the order a pool keeps)."""
-    rb, rq, adv, mask = [], [], [], []
-    for b_rb, b_rq, b_adv, b_mask in batches:
-        rb.append(b_rb.reshape(-1))
-        rq.append(b_rq.reshape(-1))
-        adv.append(b_adv.unsqueeze(-1).expand_as(b_rb).reshape(-1))
-        mask.append(b_mask.reshape(-1))
-    return torch.cat(rb), torch.cat(rq), torch.cat(adv), torch.cat(mask)
 
 
 def _neg_pos(batch):
@@ -69,7 +59,7 @@ def test_below_the_minimum_the_bounds_stay_and_the_pool_grows():
     cal.observe(*batches[2])
     stats = cal.commit(step=2)
     # One fit on all three batches' tokens: exactly the pure function on their concatenation.
-    expected = calibrate_bounds(*_flat(batches[:3]), eps_low=EPS, eps_high=EPS)
+    expected = calibrate_bounds(*flat_calibration_tokens(batches[:3]), eps_low=EPS, eps_high=EPS)
     assert cal.bounds == (expected.low, expected.high) and cal.calibrated
     assert stats["calib/fit"] == 1.0 and stats["calib/alpha"] == expected.alpha
     assert (stats["calib/neg_tokens"], stats["calib/pos_tokens"]) == (expected.num_neg, expected.num_pos)
@@ -99,14 +89,15 @@ def test_a_side_that_never_fills_commits_at_the_pool_limit():
         fits.append(cal.commit(step=step)["calib/fit"])
     assert fits == [0.0, 0.0, 1.0, 0.0]  # 96 >= 8 * 10 tokens after the third batch
     assert cal.bounds[0] == 0.6  # no A<0 data: L kept
-    expected = calibrate_bounds(*_flat([(rb, rq, adv, mask)] * 3), eps_low=EPS, eps_high=EPS, upper="quantile")
+    expected = calibrate_bounds(*flat_calibration_tokens([(rb, rq, adv, mask)] * 3), eps_low=EPS, eps_high=EPS,
+                                upper="quantile")
     assert cal.bounds[1] == expected.high
     assert POOL_LIMIT_FACTOR == 8
 
 
 def test_every_step_refits_need_the_minimum_too():
     cal = ClipCalibrator(schedule="every_step", min_tokens=60, low_rails=(0.0, 1.0), high_rails=(1.0, 10.0))
-    cal.calibrate(*_flat([_batch(s) for s in range(3)]))
+    cal.calibrate(*flat_calibration_tokens([_batch(s) for s in range(3)]))
     assert cal.calibrated
     bounds = cal.bounds
     signs = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
