@@ -51,8 +51,7 @@ def rn32(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
     mid = (c.astype(F64) + toward.astype(F64)) / 2  # exact in float64
     at_mid = (hi == mid) & (hi != c.astype(F64))
     other_side = (lo > 0) & (toward.astype(F64) > hi) | (lo < 0) & (toward.astype(F64) < hi)
-    back = (lo > 0) & (c.astype(F64) > hi) | (lo < 0) & (c.astype(F64) < hi)
-    return np.where(at_mid & other_side, toward, np.where(at_mid & back, c, c))
+    return np.where(at_mid & other_side, toward, c)
 
 
 def markstein(x: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
