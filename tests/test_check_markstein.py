@@ -1,15 +1,13 @@
 """benchmarks/probes/check_markstein.py: the division-free quantizer step (per-block reciprocal + one FMA correction)
 gives the reference's e4m3 codes, and the check is sharp enough to see the plain reciprocal's errors."""
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("check_markstein", ROOT / "benchmarks" / "probes" / "check_markstein.py")
-mk = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mk)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "probes"))
+import check_markstein as mk  # noqa: E402
 
 
 def test_markstein_codes_equal_division_and_the_plain_reciprocal_does_not():

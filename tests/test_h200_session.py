@@ -1,7 +1,6 @@
 """benchmarks/h200_session.sh: every command the next H200 hold runs parses here, so no device call is lost to a
 stale flag or file name (two of this session's seven were)."""
 
-import importlib.util
 import re
 import shlex
 import subprocess
@@ -12,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "h200_session.sh"
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "probes")]
 
 
 def _commands() -> list[list[str]]:
@@ -25,14 +24,6 @@ def _commands() -> list[list[str]]:
             argv = shlex.split(line.rstrip(")"))[3:]
             out.append(argv)
     return out
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_script_is_valid_bash_and_names_its_steps():
@@ -59,11 +50,11 @@ def test_every_command_parses(argv, capsys):
         import bench_speed
         bench_speed.parse_args(args)  # exits (SystemExit) on a bad flag or value
     elif script.name == "bench_vllm.py":
-        bench_vllm = _load("bench_vllm_for_session_test", script)
+        import bench_vllm
         bench_vllm.parse_args(args)
     elif script.name == "profile_model_step.py":
-        probe = _load("profile_model_step_for_session_test", script)
-        assert probe.main(args) == 2  # arguments accepted; then it stops for want of CUDA
+        import profile_model_step
+        assert profile_model_step.main(args) == 2  # arguments accepted; then it stops for want of CUDA
         assert "no CUDA device" in capsys.readouterr().out
     else:
         assert args == [] or script.name == "sweep_quant.py"

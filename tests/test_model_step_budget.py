@@ -1,18 +1,14 @@
 """benchmarks/probes/model_step_budget.py: which GEMMs of a model row leave cuBLAS, by calclip's own dispatch rule,
 and the quantizer bytes it counts."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-spec = importlib.util.spec_from_file_location("model_step_budget", ROOT / "benchmarks" / "probes" / "model_step_budget.py")
-budget_probe = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = budget_probe  # its dataclass looks its module up there
-spec.loader.exec_module(budget_probe)
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "probes")]
+import model_step_budget as budget_probe  # noqa: E402
 from bench_speed import parse_model_rows  # noqa: E402
 
 
