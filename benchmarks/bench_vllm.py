@@ -74,6 +74,7 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
 import _common  # noqa: E402  (puts the repository root on sys.path)
@@ -396,17 +397,62 @@ def engine_runner(llm) -> str:
     return f"{type(runner).__module__}.{type(runner).__name__}"
 
 
+def engine_weight_mismatches(engine_model: nn.Module, base: nn.Module,
+                             packed_modules=None) -> tuple[int, list[str]]:
+    """Compare every floating-point (not FP8) parameter of a live vLLM model with ``base``'s, under vLLM's names:
+    fused layers (q/k/v -> qkv_proj, gate/up -> gate_up_proj) against their shards stacked along dim 0, a vocab
+    table padded by the engine on its first rows. Returns (tensors compared, "name: why" for each that differs or
+    has no source). FP8 tensors are ``engine_fp8_mismatches``' job; this catches an engine that never received the
+    embeddings, norms or LM head, or that ties or pads them differently."""
+    from calclip.fp8.export import LLAMA_PACKED_MODULES
+
+    packed = LLAMA_PACKED_MODULES if packed_modules is None else packed_modules
+    source = {n: p.detach() for n, p in base.named_parameters()}
+    compared, bad = 0, []
+    for name, param in engine_model.named_parameters():
+        got = param.detach()
+        if not got.is_floating_point() or got.dtype == torch.float8_e4m3fn or got.element_size() < 2:
+            continue
+        module, _, leaf = name.rpartition(".")
+        parent, _, short = module.rpartition(".")
+        if name in source:
+            want = source[name]
+        elif short in packed and all(f"{parent}.{s}.{leaf}" in source for s in packed[short]):
+            want = torch.cat([source[f"{parent}.{s}.{leaf}"] for s in packed[short]])
+        else:
+            if leaf == "weight" and "." in module and got.dim() >= 1:
+                bad.append(f"{name}: no source in the trainer model")
+            continue
+        compared += 1
+        if got.shape[1:] != want.shape[1:] or got.shape[0] < want.shape[0]:
+            bad.append(f"{name}: engine {tuple(got.shape)}, trainer {tuple(want.shape)}")
+            continue
+        diff = (got[: want.shape[0]].float() - want.to(got.device).float()).abs().max().item()
+        if diff > 0:
+            bad.append(f"{name}: max |engine - trainer| {diff:.3g}")
+    return compared, bad
+
+
 def mismatch_diagnostics(llm, reference, prompts: torch.Tensor, tokens: torch.Tensor,
-                         engine_lp: torch.Tensor) -> dict:
-    """``diagnostic_stats`` for one engine and its trainer-side ``reference`` on one rollout, plus the runner and
-    whether the engine echoes the prompts unchanged. Costs two short prefills and a one-token greedy generate."""
+                         engine_lp: torch.Tensor, base: nn.Module | None = None) -> dict:
+    """``diagnostic_stats`` for one engine and its trainer-side ``reference`` on one rollout, plus the runner,
+    whether the engine echoes the prompts unchanged and (with ``base``) whether it holds ``base``'s BF16 tensors.
+    Costs two short prefills and a one-token greedy generate."""
     ids = torch.cat([prompts, tokens], 1)
     engine_tf, echoed = engine_teacher_forced(llm, ids)
     trainer_tf, trainer_top = trainer_all_logprobs(reference, ids)
     greedy = engine_greedy_first(llm, prompts)
     stats = diagnostic_stats(engine_lp, engine_tf, trainer_tf, prompts.shape[1], greedy,
                              trainer_top[:, prompts.shape[1] - 1])
-    return {**stats, "prompt_ids_echoed": echoed, "runner": engine_runner(llm)}
+    out = {**stats, "prompt_ids_echoed": echoed, "runner": engine_runner(llm)}
+    if base is not None:
+        from calclip.trainers.vllm_sync import vllm_engine_model
+
+        compared, bad = engine_weight_mismatches(vllm_engine_model(llm)[0], base)
+        out["bf16_tensors"] = {"compared": compared, "differ": len(bad), "first": bad[:4]}
+        print(f"   engine BF16 tensors vs the trainer's: {compared} compared, {len(bad)} differ"
+              + (f", e.g. {bad[:3]}" if bad else ""), flush=True)
+    return out
 
 
 def train_steps(policy, prompts, completions, steps: int, lr: float, chunk: int = 8) -> list[float]:
@@ -609,7 +655,7 @@ def part_mismatch(opts) -> None:
                         eager_lp = trainer_logprobs(reference, prompts, tokens)
                     floor = mismatch_stats(eager_lp, trainer_logprobs(reference, prompts, tokens))
                 try:
-                    diag = mismatch_diagnostics(llm, reference, prompts, tokens, engine_lp)
+                    diag = mismatch_diagnostics(llm, reference, prompts, tokens, engine_lp, base=base)
                 except Exception as err:  # noqa: BLE001 — the row stands without its diagnostics
                     diag = {"error": _short(err)}
                     print(f"   !! diagnostics {arm}: {diag['error']}", flush=True)

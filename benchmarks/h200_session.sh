@@ -4,10 +4,12 @@
 # to $OUT. Start each step within 30 s of the previous one's end (the machine keeps /tmp only while warm).
 #
 # Here first: python benchmarks/h200_pack.py --cut   (re-cuts .vchunks/ to the checkout's size)
-#   step 1: carry .gguf/part00 .whl                         (~5 min)  family + gemm-backend tests, issue 26's layer row
-#   step 2: carry .gguf/part01 .gguf/init.py .vchunks/c0    (~5 min)  profile of the 1.5B row, quantizer sweep
-#   step 3: carry .vchunks/c00                              (~5 min)  1.5B row with the row-scales lever
-#   step 4: carry .vchunks/c01 .vchunks/install.sh          (~8 min)  vLLM install, mismatch (one engine, then all), decode
+#   step 1: carry .gguf/part00 .whl                         (~7 min)  gemm-backend + family tests, issue 26's layer row
+#   step 2: carry .gguf/part01 .gguf/init.py .vchunks/c0    (~4 min)  1.5B row, compiled arms, with the row-scales lever
+#   step 3: carry .vchunks/c00                              (~2 min)  quantizer sweep (Markstein)
+#   step 4: carry .vchunks/c01 .vchunks/install.sh          (~9 min)  vLLM install; mismatch one engine per process
+#                                                                     (BF16 on two models, then FP8); decode if the
+#                                                                     BF16 control is sane, else BF16 with enforce_eager
 #   step 5: carry nothing                                   (~9 min)  vLLM GRPO step and HF decode, the vLLM GPU tests
 # Usage on the device: bash benchmarks/h200_session.sh STEP
 set -uo pipefail
@@ -29,30 +31,36 @@ case "${1:-}" in
 1)
     bash benchmarks/h200_stage.sh gguf1 2>&1 | tail -1
     export CALCLIP_TRITON_AUTOTUNE=0
-    run 300 fam.log python -m pytest -q -rf --tb=short -p no:cacheprovider tests/fp8/test_gpu_model_families.py
     run 60 gemm.log python -m pytest -q -rf --tb=short -p no:cacheprovider tests/fp8/test_gpu_linear.py -k gemm_backends
+    run 270 fam.log python -m pytest -q -rf --tb=short -p no:cacheprovider tests/fp8/test_gpu_model_families.py
     unset CALCLIP_TRITON_AUTOTUNE
     run 100 layer.log python benchmarks/bench_speed.py --only layer --layer-shapes 2048x4096x4096,8192x2048x2048 \
         --repeats 3 --no-torchao
     ;;
 2)
     bash benchmarks/h200_stage.sh gguf2 2>&1 | tail -1
-    run 200 profile.log python benchmarks/probes/profile_model_step.py --model qwen2.5-1.5b --arms bf16c,fp8c,fp8xc \
-        --fp8-options scaled_mm_row_scales=true
-    run 100 sweep.log python benchmarks/probes/sweep_quant.py
+    run 230 model.log python benchmarks/bench_speed.py --only model --models qwen2.5-1.5b \
+        --model-arms bf16c,fp8c,fp8xc --fp8-options scaled_mm_row_scales=true --repeats 3
     ;;
 3)
     bash benchmarks/h200_stage.sh vchunk 2>&1 | tail -1
-    run 280 model.log python benchmarks/bench_speed.py --only model --models qwen2.5-1.5b \
-        --model-arms bf16,bf16c,fp8,fp8c,fp8x,fp8xc --fp8-options scaled_mm_row_scales=true --repeats 3
+    run 90 sweep.log python benchmarks/probes/sweep_quant.py
     ;;
 4)
     bash benchmarks/h200_stage.sh vchunk 2>&1 | tail -1
     bash benchmarks/h200_stage.sh vinstall > "$OUT/vinstall.log" 2>&1; echo "vinstall rc=$?"
     export PYTHONPATH=/tmp/vsite:/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
-    (OUT="$OUT/bf16_alone"; mkdir -p "$OUT"; export OUT  # bench_vllm writes its JSON to $OUT: keep both runs'
-     run 150 vllm.log python benchmarks/bench_vllm.py --parts mismatch --mismatch-arms bf16)
-    run 330 vllm.log python benchmarks/bench_vllm.py --parts mismatch,decode
+    # one engine per process, as TRL's colocate mode runs it; bench_vllm writes its JSON to $OUT: one folder each
+    (OUT="$OUT/bf16_alone"; mkdir -p "$OUT"; export OUT
+     run 200 vllm.log python benchmarks/bench_vllm.py --parts mismatch --mismatch-arms bf16 --models issue_probe,llama3_8b)
+    (OUT="$OUT/fp8_alone"; mkdir -p "$OUT"; export OUT
+     run 150 vllm.log python benchmarks/bench_vllm.py --parts mismatch --mismatch-arms calclip)
+    if python benchmarks/h200_session_check.py "$OUT/bf16_alone/bench_vllm.json"; then
+        run 190 vllm_decode.log python benchmarks/bench_vllm.py --parts decode --decode-layers 32 --new-tokens 128
+    else
+        (OUT="$OUT/bf16_eager"; mkdir -p "$OUT"; export OUT
+         run 120 vllm.log python benchmarks/bench_vllm.py --parts mismatch --mismatch-arms bf16 --enforce-eager)
+    fi
     ;;
 5)
     export PYTHONPATH=/tmp/vsite:/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0

@@ -452,3 +452,60 @@ def test_enforce_eager_reaches_every_engine(monkeypatch):
         opts = bench_vllm.parse_args(argv)
         bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1)
         assert seen[-1].get("enforce_eager") is expected
+
+
+def _fused_engine_model(base):
+    """A stand-in for vLLM's LlamaForCausalLM over ``base``: q/k/v and gate/up stacked into qkv_proj /
+    gate_up_proj, everything else under its own name (what vLLM's loaders build)."""
+    engine = torch.nn.Module()
+    params = dict(base.named_parameters())
+    for name, p in params.items():
+        module, _, leaf = name.rpartition(".")
+        parent, _, short = module.rpartition(".")
+        if short in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            if short not in ("q_proj", "gate_proj"):
+                continue
+            shards = ("q_proj", "k_proj", "v_proj") if short == "q_proj" else ("gate_proj", "up_proj")
+            fused = "qkv_proj" if short == "q_proj" else "gate_up_proj"
+            value = torch.cat([params[f"{parent}.{s}.{leaf}"] for s in shards]).detach().clone()
+            name = f"{parent}.{fused}.{leaf}"
+        else:
+            value = p.detach().clone()
+        engine.register_parameter(name.replace(".", "__"), torch.nn.Parameter(value))
+    # named_parameters() of the stand-in must give vLLM's dotted names
+    engine.named_parameters = lambda: [(n.replace("__", "."), q) for n, q in engine._parameters.items()]
+    return engine
+
+
+def test_engine_weight_mismatches_finds_a_changed_lm_head_a_fused_shard_and_nothing_on_a_faithful_copy():
+    from bench_speed import build_llama
+
+    base = build_llama(1, 128, 256, 64, "cpu", heads=2, kv_heads=1)
+    engine = _fused_engine_model(base)
+    compared, bad = bench_vllm.engine_weight_mismatches(engine, base)
+    # embed, lm_head, final norm, two layer norms, qkv, o, gate_up, down
+    assert (compared, bad) == (9, [])
+    with torch.no_grad():
+        dict(engine.named_parameters())["lm_head.weight"].add_(1.0)
+        dict(engine.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"][-1, 0] += 0.5  # a v_proj row
+    compared, bad = bench_vllm.engine_weight_mismatches(engine, base)
+    assert compared == 9 and sorted(b.split(":")[0] for b in bad) == [
+        "lm_head.weight", "model.layers.0.self_attn.qkv_proj.weight"]
+
+
+def test_engine_weight_mismatches_reads_a_padded_vocab_table_on_its_first_rows_and_skips_fp8_tensors():
+    from bench_speed import build_llama
+
+    base = build_llama(1, 128, 256, 60, "cpu", heads=2, kv_heads=1)
+    engine = _fused_engine_model(base)
+    params = dict(engine.named_parameters())
+    key = "model__embed_tokens__weight"
+    engine._parameters[key] = torch.nn.Parameter(torch.cat([params["model.embed_tokens.weight"],
+                                                            torch.zeros(4, 128)]))
+    engine._parameters["model__layers__0__mlp__down_proj__weight"] = torch.nn.Parameter(
+        torch.zeros(128, 256).to(torch.float8_e4m3fn), requires_grad=False)
+    compared, bad = bench_vllm.engine_weight_mismatches(engine, base)
+    assert (compared, bad) == (8, [])
+    engine._parameters[key] = torch.nn.Parameter(params["model.embed_tokens.weight"][:50].clone())
+    assert any("embed_tokens" in b and "engine (50, 128)" in b for b in bench_vllm.engine_weight_mismatches(
+        engine, base)[1])
