@@ -140,7 +140,8 @@ def save_results(opts) -> None:
         Path(out).mkdir(parents=True, exist_ok=True)
         name = "bench_vllm.json"
         if child:
-            name = ".".join(["bench_vllm", *opts.parts, *(opts.models if opts.parts == ["mismatch"] else []), "json"])
+            name = ".".join(["bench_vllm", *opts.parts,
+                             *(opts.models + opts.mismatch_arms if opts.parts == ["mismatch"] else []), "json"])
         Path(out, name).write_text(text)
 
 
@@ -999,7 +1000,9 @@ def parse_args(argv=None):
     parser.add_argument("--mismatch-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3, help="mismatch: AdamW steps before the second measurement")
     parser.add_argument("--lr", type=float, default=1e-4,
-                        help="mismatch: AdamW lr (BF16 masters: smaller steps round away in many weights)")
+                        help="mismatch: AdamW lr (BF16 masters: smaller steps round away in many weights; on the "
+                             "H200 1e-4 collapsed the 4-layer llama3_8b policy onto its own samples in 3 steps, NLL "
+                             "5.1 -> 0.000, so its after-sync row is trivially 1.0: read that row with --steps 1)")
     parser.add_argument("--no-vllm-default-arm", dest="vllm_default_arm", action="store_false",
                         help="mismatch: leave out the FP8 engine with vLLM's default settings")
     parser.add_argument("--mismatch-arms", default=",".join(MISMATCH_ARMS),
@@ -1050,23 +1053,52 @@ def parse_args(argv=None):
     return opts
 
 
-def child_argv(argv: list[str], part: str, model: str | None, result_json: str) -> list[str]:
-    """``argv`` without its --parts / --models (and their values), for one part (and one model) in a child."""
+def child_argv(argv: list[str], part: str, model: str | None, result_json: str, arm: str | None = None) -> list[str]:
+    """``argv`` without its --parts / --models / --mismatch-arms (and their values), for one part (and one model,
+    one mismatch arm) in a child."""
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
             continue
-        if arg in ("--parts", "--models"):
+        if arg in ("--parts", "--models", "--mismatch-arms"):
             skip = True
             continue
-        if arg.startswith(("--parts=", "--models=")):
+        if arg.startswith(("--parts=", "--models=", "--mismatch-arms=")):
             continue
         out.append(arg)
     out += ["--parts", part, "--child-json", result_json]
     if model is not None:
         out += ["--models", model]
+    if arm is not None:
+        out += ["--mismatch-arms", arm]
     return out
+
+
+def child_runs(opts) -> list[tuple[str, str | None, str | None]]:
+    """(part, model, mismatch arm) of each child process: one per part; mismatch one per model and engine. vLLM 0.24
+    engines built in one process share state: measured on the H200 (2026-12-02), three engines in one process
+    all disagreed with their trainer forward at token-mult-prob-error ~5e7, each engine alone in its process at
+    1.03-1.45 (docs/vllm.md). TRL's colocate mode runs one engine per process, as these children do."""
+    runs = []
+    for part in opts.parts:
+        if part != "mismatch":
+            runs.append((part, None, None))
+            continue
+        runs += [(part, model, arm) for model in opts.models for arm in opts.mismatch_arms]
+    return runs
+
+
+def add_control_differences(results: dict) -> None:
+    """``minus_bf16_control`` of every FP8 mismatch row: its tmpe minus the BF16 row's of the same model and stage
+    (rows from separate child processes, so filled in after they merge); None without such a BF16 row."""
+    rows = results.get("mismatch", [])
+    control = {(r.get("model"), r.get("stage")): r["tmpe"] for r in rows
+               if r.get("arm") == "BF16" and r.get("tmpe") is not None}
+    for r in rows:
+        if r.get("arm", "").startswith("FP8") and r.get("tmpe") is not None:
+            base = control.get((r.get("model"), r.get("stage")))
+            r["minus_bf16_control"] = None if base is None else r["tmpe"] - base
 
 
 def merge(into: dict, child: dict) -> None:
@@ -1115,21 +1147,25 @@ def main(argv=None) -> int:
     if opts.in_process:
         run_in_process(opts)
         return 0
-    # Each part (each model of mismatch) in a child process: vLLM engines do not give all their GPU memory back
-    # in-process, and every part starts its own engines.
-    for part in opts.parts:
-        for model in (opts.models if part == "mismatch" else [None]):
-            start = time.perf_counter()
-            result_json = str(Path(tempfile.mkdtemp()) / "part.json")
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()),
-                                   *child_argv(argv, part, model, result_json)])
-            if Path(result_json).exists():
-                merge(RESULTS, json.loads(Path(result_json).read_text()))
-            if proc.returncode != 0:
-                RESULTS.setdefault("errors", {})[f"{part}{'/' + model if model else ''}"] = f"exit {proc.returncode}"
-            print(f"== {part}{' ' + model if model else ''}: {time.perf_counter() - start:.0f} s "
-                  f"(exit {proc.returncode})", flush=True)
-            save_results(opts)
+    # Each part (each model and engine of mismatch) in a child process: vLLM engines do not give all their GPU
+    # memory back in-process, and engines sharing a process disagree with their model (child_runs).
+    for part, model, arm in child_runs(opts):
+        start = time.perf_counter()
+        label = "/".join(x for x in (part, model, arm) if x)
+        result_json = str(Path(tempfile.mkdtemp()) / "part.json")
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()),
+                               *child_argv(argv, part, model, result_json, arm)])
+        if Path(result_json).exists():
+            merge(RESULTS, json.loads(Path(result_json).read_text()))
+        if proc.returncode != 0:
+            RESULTS.setdefault("errors", {})[label] = f"exit {proc.returncode}"
+        add_control_differences(RESULTS)
+        print(f"== {label}: {time.perf_counter() - start:.0f} s (exit {proc.returncode})", flush=True)
+        save_results(opts)
+    for r in RESULTS.get("mismatch", []):
+        if r.get("minus_bf16_control") is not None:
+            print(f"   {r['model']} {r['stage']} {r['arm']}: tmpe {r['tmpe']:.4f}, minus BF16 control "
+                  f"{r['minus_bf16_control']:+.4f}", flush=True)
     return 0
 
 

@@ -121,6 +121,9 @@ def test_child_processes_get_one_part_and_model_and_results_merge():
         "--steps", "2", "--parts", "mismatch", "--child-json", "/r.json", "--models", "smollm2"]
     assert bench_vllm.child_argv(argv, "ops", None, "/r.json") == ["--steps", "2", "--parts", "ops",
                                                                    "--child-json", "/r.json"]
+    assert bench_vllm.child_argv(["--mismatch-arms", "bf16,calclip", "--lr=1"], "mismatch", "m", "/r.json",
+                                 "bf16") == ["--lr=1", "--parts", "mismatch", "--child-json", "/r.json", "--models",
+                                             "m", "--mismatch-arms", "bf16"]
     merged = {}
     bench_vllm.merge(merged, {"env": {"device": "a"}, "mismatch": [{"model": "x"}]})
     bench_vllm.merge(merged, {"env": {"device": "b"}, "mismatch": [{"model": "y"}], "grpo": {"fp8": {}}})
@@ -509,3 +512,21 @@ def test_engine_weight_mismatches_reads_a_padded_vocab_table_on_its_first_rows_a
     engine._parameters[key] = torch.nn.Parameter(params["model.embed_tokens.weight"][:50].clone())
     assert any("embed_tokens" in b and "engine (50, 128)" in b for b in bench_vllm.engine_weight_mismatches(
         engine, base)[1])
+
+
+def test_mismatch_runs_one_child_per_model_and_engine_and_the_control_difference_is_filled_after_merging():
+    opts = bench_vllm.parse_args(["--parts", "ops,mismatch,decode", "--models", "llama3_8b,issue_probe",
+                                  "--mismatch-arms", "calclip,bf16"])
+    assert bench_vllm.child_runs(opts) == [("ops", None, None), ("mismatch", "llama3_8b", "calclip"),
+                                           ("mismatch", "llama3_8b", "bf16"), ("mismatch", "issue_probe", "calclip"),
+                                           ("mismatch", "issue_probe", "bf16"), ("decode", None, None)]
+    results = {"mismatch": [{"model": "a", "stage": "initial", "arm": "FP8 calclip", "tmpe": 1.45},
+                            {"model": "a", "stage": "initial", "arm": "BF16", "tmpe": 1.08},
+                            {"model": "a", "stage": "after", "arm": "FP8 calclip", "tmpe": 1.2},
+                            {"model": "b", "stage": "initial", "arm": "FP8 vLLM-default", "tmpe": 1.5},
+                            {"model": "b", "stage": "initial", "arm": "BF16", "error": "RuntimeError: x"}]}
+    bench_vllm.add_control_differences(results)
+    rows = results["mismatch"]
+    assert rows[0]["minus_bf16_control"] == pytest.approx(0.37, abs=1e-12)
+    assert rows[2]["minus_bf16_control"] is None and rows[3]["minus_bf16_control"] is None
+    assert "minus_bf16_control" not in rows[1]
