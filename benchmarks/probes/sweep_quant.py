@@ -480,7 +480,8 @@ def main() -> None:
         t_a = bench(lambda: fused(c.nxt_x()["x"], gemm_layout=True))
         chosen = [cfg for key, cfg in quantize._quantize_dual_tuned.chosen.items()
                   if key[:2] == (launch._bucket(c.k), launch._bucket(c.m))]
-        chosen_s = ", ".join(f"w{cfg.num_warps}s{cfg.num_stages}" for cfg in chosen) or "default"
+        # _Tuned.chosen values are (config.kwargs, all launch kwargs): warps and stages are in the second dict
+        chosen_s = ", ".join(f"w{kw.get('num_warps')}s{kw.get('num_stages')}" for _, kw in chosen) or "default"
         c.add("a", f"(a) prod via calclip [{chosen_s}]", t_a, checks["prod"])
         two = lambda: (lambda x: (tk.quantize_1x128(x, gemm_layout=True),  # noqa: E731
                                   tk.quantize_128x1(x, gemm_layout=True)))(c.nxt_x()["x"])
