@@ -74,7 +74,7 @@ def require_recipe_available(recipe: str | Fp8Recipe, *, field: str = "Fp8Config
 def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", gemm: str = "auto",
                            block_size: int = BLOCK, fused_quantizer: bool = False,
                            decode_fused_max_m: int | None = None, decode_group_siblings: bool = False,
-                           scaled_mm_row_scales: bool = False) -> list[str]:
+                           scaled_mm_row_scales: bool | None = None) -> list[str]:
     """``Fp8Config`` option names set to a value that only the blockwise recipe honours, for ``recipe``.
 
     torchao's rowwise/tensorwise recipes always quantize the backward in FP8, have no block size, no fused
@@ -92,7 +92,7 @@ def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", ge
 def check_fp8_combination(*, recipe: str | Fp8Recipe, backward: str = "fp8", gemm: str = "auto",
                           block_size: int = BLOCK, fused_quantizer: bool = False,
                           decode_fused_max_m: int | None = None, decode_group_siblings: bool = False,
-                          scaled_mm_row_scales: bool = False, subject=lambda name: f"Fp8Config.{name}",
+                          scaled_mm_row_scales: bool | None = None, subject=lambda name: f"Fp8Config.{name}",
                           mention=lambda name: name) -> Fp8Recipe:
     """The rules between ``Fp8Config``'s options, in one place: ``Fp8Config.__post_init__`` applies them after
     checking each field alone, and the trainer config applies them to its ``fp8_*`` fields, so the two cannot
@@ -138,14 +138,14 @@ DECODE_FUSED_AUTO_MAX_M = 256
 
 # Fp8Config options that are off by default because no measurement has shown them to pay: kept so that a GPU run can
 # measure them against the default, not recommended for training (docs/usage.md, Experimental FP8 options).
-EXPERIMENTAL_OPTIONS: tuple[str, ...] = ("fused_quantizer", "decode_group_siblings", "scaled_mm_row_scales")
+EXPERIMENTAL_OPTIONS: tuple[str, ...] = ("fused_quantizer", "decode_group_siblings")
 
 
 @dataclass(frozen=True)
 class Fp8Config:
     """How linear layers are quantized and which ones stay in BF16.
 
-    Experimental options (``EXPERIMENTAL_OPTIONS``): fused_quantizer, decode_group_siblings, scaled_mm_row_scales.
+    Experimental options (``EXPERIMENTAL_OPTIONS``): fused_quantizer, decode_group_siblings.
     Each is off by default, changes no codes or scales, and exists to be measured against the default on a GPU.
 
     block_size: quantization block edge (1 x block_size groups, block_size x block_size weight blocks).
@@ -191,13 +191,15 @@ class Fp8Config:
         Llama-style layer instead of 7 (``calclip.fp8.siblings``). Same codes, scales and output bits; the
         non-finite count's total is the same, all of it on the first sibling. Off by default until measured on
         a GPU. Needs the fused decode (``decode_fused_max_m`` not 0) and the blockwise recipe.
-    scaled_mm_row_scales (experimental): with gemm "auto" or "scaled_mm" on the H200, run the forward and dgrad GEMMs whose
+    scaled_mm_row_scales: None (default: on wherever it applies, i.e. the blockwise recipe with gemm "auto" or
+        "scaled_mm"; ``Fp8Config.row_scales`` resolves it), True, or False. On: on the H200, run the forward and dgrad GEMMs whose
         contraction dim is a multiple of 128 but not of 512 (Qwen2.5-1.5B's down projection, K = 8960; its gate/up
         and k/v dgrad; Qwen2.5-0.5B's every linear) on torch._scaled_mm with the weight's 128x128 scales repeated per
         row, instead of calclip's Triton GEMM: cuBLAS returns wrong results for a 128x128 scale whose K/128 is not a
         multiple of 4, not for one scale per row (``calclip.fp8.gemm``). Same codes and scales, so the same products,
-        summed in cuBLAS' order; costs one small copy of the weight's scales per call. Off by default until the
-        H200 measures it (docs/usage.md, Experimental FP8 options).
+        summed in cuBLAS' order; costs one small copy of the weight's scales per call. Measured on the H200
+        (docs/benchmarks.md, FP8 at real model shapes): the Qwen2.5-1.5B-dims model row, compiled, 1.10x faster
+        than with it off; 7B/8B dims have no such GEMM (every K/128 a multiple of 4), so nothing changes there.
     """
 
     block_size: int = BLOCK
@@ -213,7 +215,7 @@ class Fp8Config:
     recipe: str = Fp8Recipe.BLOCKWISE.value
     decode_fused_max_m: int | None = None
     decode_group_siblings: bool = False
-    scaled_mm_row_scales: bool = False
+    scaled_mm_row_scales: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -243,8 +245,10 @@ class Fp8Config:
                 raise ValueError(f"Fp8Config.keep_patterns: invalid regex {pattern!r}: {err}") from None
         object.__setattr__(self, "keep_patterns", patterns)  # lists from YAML become a hashable tuple
         for name in ("cache_weights", "fused_quantizer", "decode_group_siblings", "scaled_mm_row_scales"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Fp8Config.{name} must be a bool, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "scaled_mm_row_scales" and value is None):
+                extra = " or None (automatic)" if name == "scaled_mm_row_scales" else ""
+                raise ValueError(f"Fp8Config.{name} must be a bool{extra}, got {value!r}")
         max_m = self.decode_fused_max_m
         if max_m is not None and (isinstance(max_m, bool) or not isinstance(max_m, int) or max_m < 0):
             raise ValueError(f"Fp8Config.decode_fused_max_m must be None (automatic) or an int >= 0 (0: off), "
@@ -254,6 +258,17 @@ class Fp8Config:
             fused_quantizer=self.fused_quantizer, decode_fused_max_m=max_m,
             decode_group_siblings=self.decode_group_siblings, scaled_mm_row_scales=self.scaled_mm_row_scales)
         object.__setattr__(self, "recipe", recipe)  # the Enum member (a str: compares equal to its name)
+        row_scales = self.scaled_mm_row_scales
+        if row_scales is None:  # automatic: on wherever the option applies
+            row_scales = not recipe.uses_torchao and self.gemm in ("auto", "scaled_mm")
+        object.__setattr__(self, "_row_scales", row_scales)  # resolved once; not a field (replace() re-resolves)
+
+    @property
+    def row_scales(self) -> bool:
+        """``scaled_mm_row_scales`` resolved: its None (automatic) is on wherever the option applies, i.e. the
+        blockwise recipe with gemm "auto" or "scaled_mm". The field keeps what was given, so that
+        ``dataclasses.replace(config, gemm="triton")`` stays valid."""
+        return self._row_scales
 
     def fused_decode_max_m(self, *, cuda: bool, compiled: bool) -> int:
         """The most rows a no-grad forward may have to take the fused decode kernel (0: never), for a call on CUDA

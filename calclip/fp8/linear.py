@@ -156,14 +156,14 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
         if not grad:
             return torch.ops.calclip.fp8_linear_infer(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                                       self.nonfinite_count, cfg.power_of_two_scales, cfg.gemm,
-                                                      x2.dtype, cfg.scaled_mm_row_scales)
+                                                      x2.dtype, cfg.row_scales)
         qwt, swt = self._fp8_qwt, self._fp8_swt
         if qwt is None:
             raise RuntimeError("FP8BlockLinear is compiled for training before its dgrad codes exist: compile the "
                                "model that quantize_model converted, or call refresh_fp8_weights(model) first")
         y, _, _, bad_rows = torch.ops.calclip.fp8_linear_forward(
             x2, self.weight, self._fp8_qw, self._fp8_sw, qwt, swt, self._fp8_bad, self.weight.requires_grad,
-            cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, x2.dtype, cfg.scaled_mm_row_scales)
+            cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, x2.dtype, cfg.row_scales)
         self.nonfinite_count.add_(bad_rows)
         return y
 

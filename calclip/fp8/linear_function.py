@@ -33,7 +33,7 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         fp8_backward = cfg.backward == "fp8"
         y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, need_dw and fp8_backward,
                                cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, out_dtype,
-                               cfg.scaled_mm_row_scales)
+                               cfg.row_scales)
         ctx.cfg, ctx.need = cfg, (need_dx, need_dw)
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         if fp8_backward:
@@ -51,7 +51,7 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         if cfg.backward == "fp8":
             qwt, swt, qxt, sxt = ctx.saved_tensors
             dx, dw = _backward(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, cfg.power_of_two_scales,
-                               cfg.fused_quantizer, cfg.gemm, ctx.x_dtype, ctx.w_dtype, cfg.scaled_mm_row_scales)
+                               cfg.fused_quantizer, cfg.gemm, ctx.x_dtype, ctx.w_dtype, cfg.row_scales)
         else:  # straight-through: plain matmuls in the input dtype
             qw, sw, x2 = ctx.saved_tensors
             dx = dw = None

@@ -38,12 +38,28 @@ def triton_kernels() -> ModuleType | None:
     return _triton_module  # type: ignore[return-value]
 
 
+QUANTIZER_NAMES = ("quantize_1x128", "quantize_128x1", "quantize_1x128_and_128x1", "quantize_128x128",
+                   "requantize_128x128_")
+# (device type, block) -> {quantizer name: its Triton kernel, or None where the torch reference serves it}
+_kernel_tables: dict[tuple[str, int], dict[str, object]] = {}
+
+
+def kernel_table(device_type: str, block: int) -> dict[str, object]:
+    """Which implementation serves each quantizer (``QUANTIZER_NAMES``) for tensors of ``device_type`` at ``block``:
+    the Triton kernel, or None for the torch reference. Chosen on the first call per (device type, block) and kept,
+    so a call does one dict lookup instead of re-deciding (and the kernels' import is tried once)."""
+    key = (device_type, block)
+    table = _kernel_tables.get(key)
+    if table is None:
+        module = triton_kernels() if device_type == "cuda" and block == BLOCK else None
+        table = _kernel_tables[key] = {name: getattr(module, name, None) if module is not None else None
+                                       for name in QUANTIZER_NAMES}
+    return table
+
+
 def _triton_impl(x: Tensor, name: str, block: int):
     """calclip.fp8.kernels' ``name`` for a CUDA ``x`` at the kernels' block size, or None."""
-    if x.is_cuda and block == BLOCK:
-        module = triton_kernels()
-        return getattr(module, name, None) if module is not None else None
-    return None
+    return kernel_table(x.device.type, block)[name]
 
 
 def _impl(x: Tensor, name: str, block: int):

@@ -229,6 +229,11 @@ def test_experimental_options_are_off_by_default_and_change_no_codes():
         return layer._fp8_qw.view(torch.uint8), y.detach(), weight_grad, x_grad
 
     reference = run(Fp8Config(keep_patterns=()))
+    # scaled_mm_row_scales left the list (on by default where it applies, measured): off changes no codes either
+    assert Fp8Config().row_scales and not Fp8Config(scaled_mm_row_scales=False).row_scales
+    for got, want, what in zip(run(Fp8Config(keep_patterns=(), scaled_mm_row_scales=False)), reference,
+                               ("codes", "output", "weight grad", "input grad")):
+        assert torch.equal(got, want), ("scaled_mm_row_scales", what)
     for name in EXPERIMENTAL_OPTIONS:
         for got, want, what in zip(run(Fp8Config(keep_patterns=(), **{name: True})), reference,
                                    ("codes", "output", "weight grad", "input grad")):

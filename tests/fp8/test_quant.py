@@ -21,3 +21,23 @@ def test_unimportable_kernels_fall_back_to_the_reference_with_one_warning(monkey
     assert "cannot be imported (ModuleNotFoundError: import of calclip.fp8.kernels halted" in messages[0]
     assert "torch reference" in messages[0]
     assert "triton>=3.4" in messages[0]
+
+
+def test_the_implementation_is_chosen_once_per_device_type_and_block(monkeypatch):
+    """kernel_table decides which implementation serves each quantizer once per (device type, block): CPU tensors
+    and non-128 blocks get the reference (None), CUDA the kernels' functions; later calls reuse the table."""
+    import types
+
+    import torch
+
+    fake = types.SimpleNamespace(**{name: object() for name in quant.QUANTIZER_NAMES})
+    asked = []
+    monkeypatch.setattr(quant, "_kernel_tables", {})
+    monkeypatch.setattr(quant, "triton_kernels", lambda: asked.append(1) or fake)
+    cuda = quant.kernel_table("cuda", 128)
+    assert cuda == {name: getattr(fake, name) for name in quant.QUANTIZER_NAMES}
+    assert quant.kernel_table("cuda", 128) is cuda and asked == [1]  # chosen once, the kernels not asked again
+    assert set(quant.kernel_table("cuda", 64).values()) == {None}  # the kernels serve block 128 only
+    assert set(quant.kernel_table("cpu", 128).values()) == {None} and asked == [1]
+    x = torch.zeros(2, 128)
+    assert quant._impl(x, "quantize_1x128", 128) is quant.reference.quantize_1x128
