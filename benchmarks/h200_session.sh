@@ -11,6 +11,7 @@
 #                                                                     (BF16 on two models, then FP8); decode if the
 #                                                                     BF16 control is sane, else BF16 with enforce_eager
 #   step 5: carry nothing                                   (~9 min)  vLLM GRPO step and HF decode, the vLLM GPU tests
+#   step 6: carry nothing, any machine                      (~5 min)  layer row, GPU linear/compile tests, quantizer sweep
 # Usage on the device: bash benchmarks/h200_session.sh STEP
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -67,6 +68,15 @@ case "${1:-}" in
     run 300 vllm_grpo.log python benchmarks/bench_vllm.py --parts grpo,hf_decode
     run 240 vllm_tests.log python -m pytest -q -rf --tb=short -p no:cacheprovider tests/trainers/test_gpu_vllm.py
     ;;
+6)  # a fresh machine, nothing carried: the FP8 layer after the row-scales default and the quantizer table
+    run 60 layer.log python benchmarks/bench_speed.py --only layer --layer-shapes 2048x4096x4096,8192x2048x2048 \
+        --repeats 3 --no-torchao
+    export CALCLIP_TRITON_AUTOTUNE=0
+    run 120 gpu_linear.log python -m pytest -q -rf --tb=short -p no:cacheprovider tests/fp8/test_gpu_linear.py \
+        tests/fp8/test_gpu_compile.py
+    unset CALCLIP_TRITON_AUTOTUNE
+    run 100 sweep.log python benchmarks/probes/sweep_quant.py
+    ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh 1|2|3|4|5"; exit 2 ;;
+    echo "usage: bash benchmarks/h200_session.sh 1|2|3|4|5|6"; exit 2 ;;
 esac
