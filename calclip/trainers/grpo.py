@@ -9,7 +9,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   one precision flow. The reference model (``beta > 0``) stays in its own dtype. With ``use_vllm`` the rollout engine
   runs the same FP8 codes (``calclip.trainers.vllm_sync``): TRL's generation object is built block-FP8, its colocated
   engine starts only after the quantization (its ``modules_to_not_convert`` are the quantized model's BF16 linears),
-  and every weight sync sends FP8 codes + ``weight_scale_inv`` for exactly the FP8 layers.
+  and every weight sync sends FP8 codes + ``weight_scale_inv`` for exactly the FP8 layers. With or without FP8, a
+  colocated engine of a policy without a loadable ``name_or_path`` starts from the config and tokenizer written
+  under ``output_dir`` and the weights TRL syncs before the first rollout.
 - ``__init__``: the policy's (and reference model's) backbone gets a pre-hook that gives TRL's log-prob forwards the
   positions ``generate`` used for left-padded rows (``calclip.trainers.positions``): with TRL's own positions the
   rollout's and the trainer's FP8 log-probs of the same tokens differed by over 1 nat on some tokens.
@@ -129,9 +131,11 @@ from calclip.trainers.positions import use_rollout_positions
 from calclip.trainers.rewards import checked_reward_function, exclude_nonfinite_rewards
 from calclip.trainers.ratio_histograms import attach_ratio_histograms
 from calclip.trainers.vllm_sync import (
+    ENGINE_MODEL_DIRNAME,
     check_vllm_compatible,
     fp8_engine_numerics_kwargs,
     use_fp8_vllm_generation,
+    use_vllm_generation,
 )
 
 BF16_OLD_LOGPS_KEY = "bf16_old_per_token_logps"
@@ -236,13 +240,21 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         if self._output_dir_lock is not None:
             weakref.finalize(self, self._output_dir_lock.release)
         fp8_vllm = args.use_vllm and args.fp8
-        # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
-        # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.
-        vllm_hook = use_fp8_vllm_generation(
-            defer_engine=True, check_vllm_shapes=False,
-            engine_kwargs=fp8_engine_numerics_kwargs(linear_backend=args.vllm_fp8_linear_backend,
-                                                     match_trainer=args.vllm_fp8_match_trainer_numerics))
-        with vllm_hook if fp8_vllm else contextlib.nullcontext():
+        # A colocated engine of a policy without a loadable name_or_path (built from a config) is started from its
+        # config and tokenizer written here, and the weights TRL syncs (calclip.trainers.vllm_sync).
+        engine_model_root = os.path.join(args.output_dir, ENGINE_MODEL_DIRNAME)
+        if fp8_vllm:
+            # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
+            # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.
+            vllm_hook = use_fp8_vllm_generation(
+                defer_engine=True, check_vllm_shapes=False, engine_model_root=engine_model_root,
+                engine_kwargs=fp8_engine_numerics_kwargs(linear_backend=args.vllm_fp8_linear_backend,
+                                                         match_trainer=args.vllm_fp8_match_trainer_numerics))
+        elif args.use_vllm:
+            vllm_hook = use_vllm_generation(engine_model_root=engine_model_root)
+        else:
+            vllm_hook = contextlib.nullcontext()
+        with vllm_hook:
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
         self._check_reward_outputs()
         # TRL's log-prob forwards number a left-padded row's positions as generate did (calclip.trainers.positions)

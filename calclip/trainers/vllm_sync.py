@@ -30,6 +30,11 @@ FP8 engine, fail to load them). Three small seams change that, and nothing of TR
    1/(448*512)), and Inductor emulates eager's BF16 rounding of intermediates (``emulate_precision_casts``), as
    the trainer's HF forward rounds them. docs/vllm.md lists each difference with its source.
 
+5. A policy without a loadable ``name_or_path`` (built from a config: ``''``), FP8 or not: TRL would hand vLLM
+   ``LLM(model='')``, which vLLM tries to download from the Hub. ``ColocateEngineMixin`` writes the policy's config
+   and tokenizer to ``<output_dir>/_vllm_engine_model/rank-<process index>`` and merges ``model=<that directory>``,
+   ``load_format="dummy"``: the weights come from TRL's first sync, as in 3. A hub id or an existing path is TRL's.
+
 Log-probs: TRL requests ``logprobs_mode="processed_logprobs"`` and returns them as ``sampling_per_token_logps``;
 they now come from the FP8 engine, so TIS / bypass corrections compare FP8 rollout and FP8 training forward.
 
@@ -40,7 +45,10 @@ Version notes and everything that has not run against a live engine: docs/vllm.m
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
+import os
+import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -235,8 +243,9 @@ def fp8_engine_kwargs(
 ) -> dict[str, Any]:
     """Extra ``vllm.LLM`` arguments that make the engine block-FP8 with calclip's layer split.
 
-    Without ``export_dir``: keep TRL's ``model=<name_or_path>`` (its config and tokenizer), override the HF
-    config's ``quantization_config`` and start from dummy weights; the first sync loads calclip's codes.
+    Without ``export_dir``: keep the engine's model directory (TRL's ``model=<name_or_path>``, or the one
+    ``engine_model_kwargs`` writes), override the HF config's ``quantization_config`` and start from dummy weights;
+    the first sync loads calclip's codes.
     With ``export_dir`` (a checkpoint from ``export_fp8_checkpoint`` + tokenizer files): load it as is.
     """
     if export_dir is not None:
@@ -246,6 +255,71 @@ def fp8_engine_kwargs(
         "hf_overrides": {"quantization_config": fp8_quantization_config(model, fp8_modules)},
         "load_format": "dummy",
     }
+
+
+# Under the trainer's output_dir; a leading "_" keeps it out of transformers' hub uploads (ignore_patterns "_*").
+ENGINE_MODEL_DIRNAME = "_vllm_engine_model"
+
+
+def loadable_model_name(name: Any) -> bool:
+    """Whether vLLM can take ``name`` as ``LLM(model=...)``: an existing local path, or a valid Hub repo id (which
+    vLLM downloads; whether that repo exists is not checked, TRL does not check it either)."""
+    if not isinstance(name, (str, os.PathLike)):
+        return False
+    name = os.fspath(name)
+    if os.path.exists(name):
+        return True
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def write_engine_model_dir(model: nn.Module, processing_class: Any, directory: str) -> str:
+    """Write what vLLM reads from a model directory besides the weights into ``directory`` (emptied first): the
+    policy's config with ``architectures`` and ``dtype`` filled in as ``save_pretrained`` does, its generation
+    config, and the processing class's files (tokenizer, processor). Returns ``directory``."""
+    model = unwrap_model(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the wrapped model
+    config = copy.deepcopy(base.config)
+    config.architectures = config.architectures or [type(base).__name__.removeprefix("FSDP")]
+    config.dtype = str(base.dtype).removeprefix("torch.")  # vLLM's dtype="auto" reads it
+    shutil.rmtree(directory, ignore_errors=True)  # no file of an earlier run's model is left for vLLM to read
+    os.makedirs(directory)
+    config.save_pretrained(directory)
+    generation_config = getattr(base, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(directory)
+    processing_class.save_pretrained(directory)
+    return directory
+
+
+def engine_model_kwargs(model: nn.Module, processing_class: Any, directory: str | None) -> dict[str, Any]:
+    """Extra ``vllm.LLM`` arguments for a colocated engine of ``model``, whose ``LLM(model=model.name_or_path)``
+    TRL builds: none when ``name_or_path`` is an existing path or a Hub id (TRL's engine, untouched); otherwise
+    (a policy built from a config has ``''``) ``model=<directory>`` written by ``write_engine_model_dir`` and
+    ``load_format="dummy"``: TRL syncs the policy's weights before the first rollout (``_last_loaded_step``
+    starts at -1). Raises ValueError naming ``model.name_or_path`` when there is nothing to write the directory
+    from, or nowhere to write it."""
+    name = getattr(model, "name_or_path", None)
+    if loadable_model_name(name):
+        return {}
+    if directory is None:
+        problem = "no directory was given to write its config and tokenizer to"
+    elif processing_class is None or not hasattr(processing_class, "save_pretrained"):
+        problem = "there is no processing class (tokenizer) to write next to its config for vLLM"
+    elif not hasattr(getattr(unwrap_model(model), "config", None), "save_pretrained"):
+        problem = "the policy has no transformers config to write for vLLM"
+    else:
+        return {"model": write_engine_model_dir(model, processing_class, directory), "load_format": "dummy"}
+    raise ValueError(
+        f"vLLM's colocated engine is built from model.name_or_path, which is {name!r} (neither an existing local path "
+        f"nor a Hub repo id), and {problem}. Save the policy and its tokenizer with save_pretrained(<dir>) and set "
+        "model.name_or_path = <dir> before building the trainer."
+    )
 
 
 @contextlib.contextmanager
@@ -279,10 +353,40 @@ def layerwise_reload_stream(
     end()
 
 
-class FP8VLLMGenerationMixin:
-    """Mix in before TRL's ``VLLMGeneration``: FP8 weights + scales in the sync, a block-FP8 engine.
+class ColocateEngineMixin:
+    """Mix in before TRL's ``VLLMGeneration``: the colocated engine starts for a policy without a loadable
+    ``name_or_path`` too (``engine_model_kwargs``); server mode and policies with a path get TRL's ``_init_vllm``.
 
     Attributes read (set them on the class or instance before ``__init__`` runs ``_init_vllm``):
+      engine_model_root: where a pathless policy's engine directory is written, one ``rank-<process index>``
+        folder per process (each colocated process builds its own engine); None: such a policy is refused.
+    """
+
+    engine_model_root: str | None = None
+
+    def _init_vllm(self):
+        return self._start_engine()
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """The extra ``vllm.LLM`` arguments of the colocated engine."""
+        root = self.engine_model_root
+        directory = None if root is None else os.path.join(root, f"rank-{self.accelerator.process_index}")
+        return engine_model_kwargs(self.model, self.processing_class, directory)
+
+    def _start_engine(self):
+        if self.mode != "colocate":
+            return super()._init_vllm()
+        import trl.generation.vllm_generation as trl_vllm_generation
+
+        with merged_call_kwargs(trl_vllm_generation, "LLM", self._engine_kwargs()):
+            return super()._init_vllm()  # TRL's: LLM(...), sleep mode, barrier
+
+
+class FP8VLLMGenerationMixin(ColocateEngineMixin):
+    """Mix in before TRL's ``VLLMGeneration``: FP8 weights + scales in the sync, a block-FP8 engine.
+
+    Attributes read (set them on the class or instance before ``__init__`` runs ``_init_vllm``), besides
+    ``ColocateEngineMixin``'s:
       fp8_export_dir: optional checkpoint directory for the engine (see ``fp8_engine_kwargs``).
       fp8_check_vllm_shapes: raise early when vLLM cannot serve an FP8 layer (default True).
       fp8_engine_extra: extra ``vllm.LLM`` arguments merged into the colocated engine's (default:
@@ -321,18 +425,17 @@ class FP8VLLMGenerationMixin:
             self._fp8_engine_pending = False
 
     def _start_engine(self):
-        if self.mode != "colocate":  # the server was started from the exported checkpoint (docs/vllm.md)
-            return super()._init_vllm()
-        if self.fp8_check_vllm_shapes:
-            check_vllm_compatible(self.model, tensor_parallel_size=self.tensor_parallel_size)
-        import trl.generation.vllm_generation as trl_vllm_generation
+        if self.mode == "colocate":  # a server was started from the exported checkpoint (docs/vllm.md)
+            if self.fp8_check_vllm_shapes:
+                check_vllm_compatible(self.model, tensor_parallel_size=self.tensor_parallel_size)
+            self._calclip_fp8_specs = None  # the model's layer split as it is now, for the engine and every sync
+        return super()._start_engine()
 
-        self._calclip_fp8_specs = None  # the model's layer split as it is now, for the engine and every sync
-        extra = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=self._fp8_specs())
+    def _engine_kwargs(self) -> dict[str, Any]:
+        fp8 = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=self._fp8_specs())
         numerics = fp8_engine_numerics_kwargs() if self.fp8_engine_extra is None else self.fp8_engine_extra
-        extra = {**numerics, **extra}
-        with merged_call_kwargs(trl_vllm_generation, "LLM", extra):
-            return super()._init_vllm()  # TRL's: LLM(...), sleep mode, barrier
+        model_dir = {} if self.fp8_export_dir is not None else super()._engine_kwargs()  # the export has its own
+        return {**model_dir, **numerics, **fp8}
 
     def sync_weights(self):
         if self._fp8_engine_pending:
@@ -355,6 +458,13 @@ class FP8VLLMGenerationMixin:
         )
 
 
+def vllm_generation_class(base: type | None = None) -> type:
+    """``CalclipVLLMGeneration``: ``ColocateEngineMixin`` over TRL's ``VLLMGeneration`` (BF16 rollouts)."""
+    if base is None:
+        from trl.generation.vllm_generation import VLLMGeneration as base
+    return type("CalclipVLLMGeneration", (ColocateEngineMixin, base), {})
+
+
 def fp8_vllm_generation_class(base: type | None = None) -> type:
     """``FP8VLLMGeneration``: the mixin over TRL's ``VLLMGeneration`` (imported lazily; TRL needs no vLLM)."""
     if base is None:
@@ -363,14 +473,37 @@ def fp8_vllm_generation_class(base: type | None = None) -> type:
 
 
 @contextlib.contextmanager
+def _grpo_generation_class(make: Callable[[type], type], **attributes):
+    """While active, ``GRPOTrainer.__init__`` builds ``make(TRL's VLLMGeneration)`` with ``attributes`` set on the
+    class. ``trl.trainer.grpo_trainer`` imports ``VLLMGeneration`` into its namespace and calls it once there."""
+    import trl.trainer.grpo_trainer as grpo_module
+
+    original = grpo_module.VLLMGeneration
+    cls = make(original)
+    for name, value in attributes.items():
+        setattr(cls, name, value)
+    grpo_module.VLLMGeneration = cls
+    try:
+        yield cls
+    finally:
+        grpo_module.VLLMGeneration = original
+
+
+def use_vllm_generation(*, engine_model_root: str | None = None):
+    """While active, ``GRPOTrainer.__init__`` builds a ``CalclipVLLMGeneration``: TRL's BF16 engine and sync, which
+    also starts for a policy without a loadable ``name_or_path`` (its directory written under
+    ``engine_model_root``, see ``ColocateEngineMixin``)."""
+    return _grpo_generation_class(vllm_generation_class, engine_model_root=engine_model_root)
+
+
 def use_fp8_vllm_generation(
     *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False,
-    engine_kwargs: Mapping[str, Any] | None = None,
+    engine_kwargs: Mapping[str, Any] | None = None, engine_model_root: str | None = None,
 ):
     """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
 
-    ``trl.trainer.grpo_trainer`` imports ``VLLMGeneration`` into its namespace and calls it once in __init__.
     ``engine_kwargs``: the colocated engine's extra ``vllm.LLM`` arguments (None: ``fp8_engine_numerics_kwargs()``).
+    ``engine_model_root``: see ``ColocateEngineMixin`` (a policy without a loadable ``name_or_path``).
     With ``defer_engine`` (what ``CalibratedGRPOTrainer`` uses, since it quantizes after ``super().__init__()``):
 
         with use_fp8_vllm_generation(defer_engine=True):
@@ -378,16 +511,8 @@ def use_fp8_vllm_generation(
         quantize_model(self.model, fp8_config)
         self.vllm_generation.start_fp8_engine()
     """
-    import trl.trainer.grpo_trainer as grpo_module
-
-    cls = fp8_vllm_generation_class(grpo_module.VLLMGeneration)
-    cls.fp8_export_dir = export_dir
-    cls.fp8_check_vllm_shapes = check_vllm_shapes
-    cls.fp8_defer_engine = defer_engine
-    cls.fp8_engine_extra = None if engine_kwargs is None else dict(engine_kwargs)
-    original = grpo_module.VLLMGeneration
-    grpo_module.VLLMGeneration = cls
-    try:
-        yield cls
-    finally:
-        grpo_module.VLLMGeneration = original
+    return _grpo_generation_class(
+        fp8_vllm_generation_class, fp8_export_dir=export_dir, fp8_check_vllm_shapes=check_vllm_shapes,
+        fp8_defer_engine=defer_engine, fp8_engine_extra=None if engine_kwargs is None else dict(engine_kwargs),
+        engine_model_root=engine_model_root,
+    )

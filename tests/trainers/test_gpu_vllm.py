@@ -1,5 +1,6 @@
 """vLLM rollouts on calclip's FP8 codes, live: a block-FP8 vLLM engine started and synced the way
-CalibratedGRPOTrainer does it, and the trainer itself with vLLM colocate rollouts (fp8 true and false).
+CalibratedGRPOTrainer does it, and the trainer itself with vLLM colocate rollouts (fp8 true and false, on a
+policy built from a config; fp8 true on a policy with a local path).
 Needs CUDA and vllm (0.22-0.31; written against 0.24.0); the trainer tests also need trl and datasets.
 Skipped otherwise.
 
@@ -130,14 +131,16 @@ TRAINER_SCRIPT = textwrap.dedent("""
     from calclip.trainers import CalibratedGRPOConfig, CalibratedGRPOTrainer
     from calclip.trainers.vllm_sync import engine_fp8_mismatches, vllm_engine_model
 
-    fp8 = sys.argv[1] == "fp8"
+    fp8, with_path = sys.argv[1].startswith("fp8"), sys.argv[1].endswith("-path")
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256, num_key_value_heads=4,
-                             dtype=torch.bfloat16)
-    model_dir = tempfile.mkdtemp()
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    model.config._name_or_path = model_dir  # TRL builds the colocated LLM from model.name_or_path
+                             dtype=torch.bfloat16)  # built from a config: name_or_path is ""
+    model_dir = None
+    if with_path:  # a policy with a local path, as from_pretrained gives it: TRL's LLM(model=<that path>)
+        model_dir = tempfile.mkdtemp()
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        model.name_or_path = model_dir
     args = CalibratedGRPOConfig(
         output_dir=tempfile.mkdtemp(), report_to="none", bf16=True, fp8=fp8, use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.2, per_device_train_batch_size=8, num_generations=4,
@@ -159,13 +162,17 @@ TRAINER_SCRIPT = textwrap.dedent("""
     fp8_tensors = sum(p.dtype == torch.float8_e4m3fn for p in engine_model.parameters())
     logs = [e for e in trainer.state.log_history if "loss" in e]
     print("RESULT " + json.dumps({"moved": moved, "mismatches": mismatches, "fp8_tensors": fp8_tensors,
+                                  "engine_model": generation.llm.llm_engine.model_config.model,
+                                  "model_dir": model_dir, "output_dir": args.output_dir,
                                   "loss": [e["loss"] for e in logs],
                                   "tmpe": [e.get("mismatch/token_mult_prob_error") for e in logs]}))
 """)
 
 
-@pytest.mark.parametrize("arm", ["fp8", "bf16"])
+@pytest.mark.parametrize("arm", ["fp8", "bf16", "fp8-path"])
 def test_trainer_trains_with_vllm_colocate_rollouts(arm):
+    """fp8 / bf16: a policy built from a config (no name_or_path), whose engine starts from the config and tokenizer
+    the trainer writes under output_dir; fp8-path: a policy saved to a directory, whose path the engine loads."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
     proc = subprocess.run([sys.executable, "-c", TRAINER_SCRIPT, arm], capture_output=True, text=True,
@@ -176,8 +183,10 @@ def test_trainer_trains_with_vllm_colocate_rollouts(arm):
     result = json.loads(lines[-1][len("RESULT "):])
     print(f"\n{arm}: {result}")
     assert result["moved"] > 0
+    engine_dir = os.path.join(result["output_dir"], "_vllm_engine_model", "rank-0")
+    assert result["engine_model"] == (result["model_dir"] or engine_dir), result["engine_model"]
     assert all(v == v and abs(v) < 1e6 for v in result["loss"])  # finite
-    if arm == "fp8":
+    if arm.startswith("fp8"):
         assert result["fp8_tensors"] > 0 and result["mismatches"] == []
         assert all(t is None or 1.0 <= t < 1.5 for t in result["tmpe"]), result["tmpe"]
     else:

@@ -12,6 +12,7 @@ Expected tensor spec = vLLM ``Fp8LinearMethod.create_weights`` with block quant
 """
 
 import ast
+import os
 import re
 import subprocess
 import warnings
@@ -27,10 +28,14 @@ trl_vllm_generation = pytest.importorskip("trl.generation.vllm_generation")
 
 from calclip.fp8 import Fp8Config, FP8BlockLinear, quantize_model  # noqa: E402
 from calclip.trainers.vllm_sync import (  # noqa: E402
+    ENGINE_MODEL_DIRNAME,
     check_vllm_compatible,
+    engine_model_kwargs,
     fp8_engine_kwargs,
     fp8_vllm_generation_class,
     use_fp8_vllm_generation,
+    use_vllm_generation,
+    vllm_generation_class,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -61,11 +66,12 @@ class Recorder:
         self.events = []
 
 
-def make_generation(model, mode, recorder):
-    """An FP8VLLMGeneration with TRL's __init__ skipped (it would start an engine) and fakes wired in."""
-    cls = fp8_vllm_generation_class()
+def make_generation(model, mode, recorder, cls=None):
+    """An FP8VLLMGeneration (or ``cls``) with TRL's __init__ skipped (it would start an engine) and fakes wired in."""
+    cls = cls or fp8_vllm_generation_class()
     gen = cls.__new__(cls)
     gen.model = model
+    gen.processing_class = None
     gen.mode = mode
     gen.enable_sleep_mode = False
     gen.tensor_parallel_size = 1
@@ -183,6 +189,10 @@ def test_use_fp8_vllm_generation_swaps_trl_class_only_inside():
         assert grpo_module.VLLMGeneration is cls and issubclass(cls, original)
         assert cls.fp8_export_dir == "/ckpt"
     assert grpo_module.VLLMGeneration is original
+    with use_vllm_generation(engine_model_root="/out/_vllm_engine_model") as cls:  # fp8 false
+        assert grpo_module.VLLMGeneration is cls and issubclass(cls, original)
+        assert cls.engine_model_root == "/out/_vllm_engine_model" and not hasattr(cls, "fp8_export_dir")
+    assert grpo_module.VLLMGeneration is original
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,10 +299,16 @@ def fake_vllm(monkeypatch, fake_reload, tokenizer):
     return fake
 
 
-def make_vllm_trainer(fake, tokenizer, tmp_path, *, num_key_value_heads=4, **overrides):
-    """hidden 128, 4 heads of 32, kv heads 4: every projection is a whole number of 128x128 blocks."""
+def make_vllm_trainer(fake, tokenizer, tmp_path, *, num_key_value_heads=4, model_path=None, **overrides):
+    """hidden 128, 4 heads of 32, kv heads 4: every projection is a whole number of 128x128 blocks. The policy is
+    built from a config (``name_or_path == ""``) unless ``model_path``: then it is saved there with the tokenizer
+    and carries that path, as ``from_pretrained`` gives it."""
     model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256,
                              num_key_value_heads=num_key_value_heads, dtype=torch.bfloat16)
+    if model_path is not None:
+        model.save_pretrained(model_path)
+        tokenizer.save_pretrained(model_path)
+        model.name_or_path = str(model_path)
     fake.holder["model"] = model
     options = dict(use_vllm=True, vllm_mode="colocate", fp8=True, fp8_keep_last_n_layers=1)
     return tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, **{**options, **overrides})
@@ -341,9 +357,11 @@ def test_bad_linear_backend_is_named(tmp_path, value):
 
 
 def test_bf16_vllm_trainer_keeps_trl_engine_untouched(fake_vllm, tokenizer, tmp_path):
-    """fp8 false: TRL's own VLLMGeneration, its own LLM(...) arguments and per-tensor BF16 sync."""
-    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=False, fp8_keep_last_n_layers=0)
+    """fp8 false, a policy with a local path: TRL's own LLM(...) arguments and per-tensor BF16 sync."""
+    path = str(tmp_path / "policy")
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=False, fp8_keep_last_n_layers=0, model_path=path)
     (kw,) = fake_vllm.engine_kwargs
+    assert kw["model"] == path and not (tmp_path / ENGINE_MODEL_DIRNAME).exists()
     assert "quantization" in kw and kw["quantization"] is None
     assert not {"hf_overrides", "load_format", "linear_backend", "compilation_config"} & set(kw)
     trainer.vllm_generation.sync_weights()
@@ -498,3 +516,139 @@ def test_expected_engine_tensors_stack_shards_in_vllms_fused_order_and_mismatche
     engine.get_parameter(f"{prefix}.qkv_proj.weight_scale_inv").data[2, 0] *= 2
     assert engine_fp8_mismatches(engine, model) == [
         f"{prefix}.qkv_proj.weight_scale_inv: engine torch.float32 (4, 2), trainer torch.float32 (4, 2)"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A policy without a loadable name_or_path (built from a config: ""): TRL 1.16 would build LLM(model=""), which
+# vLLM tries to download from the Hub (HFValidationError, seen on the H200). The engine starts from a directory
+# holding the policy's config and tokenizer, with dummy weights that TRL's first sync replaces.
+
+
+def sync_before_first_generate(events):
+    """{name: tensor} that reached the fake engine before its first generate call."""
+    first = [e[0] for e in events].index("generate")
+    return {name: t for kind, name, t in (e for e in events[:first] if e[0] == "load")}
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_pathless_policy_engine_starts_from_its_written_config_and_gets_the_weights_first(
+        fake_vllm, tokenizer, tmp_path, fp8):
+    options = {} if fp8 else {"fp8_keep_last_n_layers": 0}
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=fp8, **options)
+    model = trainer.model
+    assert model.name_or_path == ""
+    (kw,) = fake_vllm.engine_kwargs
+    assert kw["model"] == str(tmp_path / ENGINE_MODEL_DIRNAME / "rank-0") and kw["load_format"] == "dummy"
+    assert kw["quantization"] == ("fp8" if fp8 else None) and ("hf_overrides" in kw) == fp8
+    assert kw["logprobs_mode"] == "processed_logprobs"  # the rest of TRL's arguments stay
+    # what vLLM reads from the directory: the policy's config (with the architecture to build and the dtype), its
+    # tokenizer, no weights
+    config = transformers.AutoConfig.from_pretrained(kw["model"])
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert str(config.dtype).removeprefix("torch.") == str(model.dtype).removeprefix("torch.") == "bfloat16"
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads",
+                "max_position_embeddings", "eos_token_id", "tie_word_embeddings"):
+        assert getattr(config, key) == getattr(model.config, key), key
+    assert transformers.AutoTokenizer.from_pretrained(kw["model"]).get_vocab() == tokenizer.get_vocab()
+    assert not [f for f in os.listdir(kw["model"]) if f.endswith((".safetensors", ".bin"))]
+    assert model.config.architectures is None  # the policy's own config is not changed
+
+    # TRL's own rollout path pushes every policy weight before the engine generates
+    fake_vllm.recorder.events.clear()
+    model.train()
+    inputs = [row for row in tiny_prompt_dataset(1) for _ in range(trainer.num_generations)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer._generate_and_score_completions(inputs)
+    loads = sync_before_first_generate(fake_vllm.recorder.events)
+    assert {n for n, _ in model.named_parameters()} <= set(loads)
+    for name, param in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, FP8BlockLinear) and name.endswith(".weight"):
+            assert torch.equal(loads[name].view(torch.uint8), module.quantized_weight()[0].view(torch.uint8))
+        else:
+            assert torch.equal(loads[name], param), name
+    assert any(isinstance(m, FP8BlockLinear) for m in model.modules()) == fp8
+
+
+def test_pathless_policy_in_server_mode_writes_nothing(fake_vllm, tokenizer, tmp_path):
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=False, fp8_keep_last_n_layers=0,
+                                vllm_mode="server")
+    assert trainer.vllm_generation.vllm_client is not None
+    assert not fake_vllm.engine_kwargs and not (tmp_path / ENGINE_MODEL_DIRNAME).exists()
+
+
+@pytest.mark.parametrize("name", ["org/tiny-model", "tiny-model", "DIR", "FILE"])
+def test_loadable_name_or_path_passes_through(tokenizer, tmp_path, name):
+    """Hub ids (not checked for existence, as TRL does not) and existing local paths are TRL's to pass on."""
+    (tmp_path / "DIR").mkdir()
+    (tmp_path / "FILE").write_text("")
+    model = build_tiny_model(tokenizer)
+    model.name_or_path = str(tmp_path / name) if name.isupper() else name
+    assert engine_model_kwargs(model, tokenizer, str(tmp_path / "engine")) == {}
+    assert not (tmp_path / "engine").exists()
+
+
+@pytest.mark.parametrize("name", ["", "not a repo id", "/no/such/dir", "./missing", "a/b/c", None])
+def test_unloadable_name_or_path_gets_a_fresh_engine_directory(tokenizer, tmp_path, name):
+    model = build_tiny_model(tokenizer)
+    model.name_or_path = name
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "preprocessor_config.json").write_text("{}")  # an earlier run's file: vLLM must not read it
+    assert engine_model_kwargs(model, tokenizer, str(engine)) == {"model": str(engine), "load_format": "dummy"}
+    assert {"config.json", "generation_config.json", "tokenizer_config.json"} <= set(os.listdir(engine))
+    assert "preprocessor_config.json" not in os.listdir(engine)
+    assert transformers.AutoConfig.from_pretrained(engine).dtype == torch.float32  # build_tiny_model's default
+
+
+def test_pathless_policy_without_tokenizer_or_directory_is_refused_naming_name_or_path(tokenizer, tmp_path):
+    model = build_tiny_model(tokenizer)
+    with pytest.raises(ValueError, match=r"model\.name_or_path, which is '' .*no processing class"):
+        engine_model_kwargs(model, None, str(tmp_path / "engine"))
+    with pytest.raises(ValueError, match=r"model\.name_or_path, which is '' .*no directory"):
+        engine_model_kwargs(model, tokenizer, None)
+    assert not (tmp_path / "engine").exists()
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_each_colocated_process_writes_its_own_engine_directory(monkeypatch, tokenizer, tmp_path, fp8):
+    calls = []
+    monkeypatch.setattr(trl_vllm_generation, "LLM", lambda **kw: calls.append(kw) or "ENGINE", raising=False)
+    original_llm = trl_vllm_generation.LLM
+    monkeypatch.setattr(trl_vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(trl_vllm_generation, "ensure_master_addr_port", lambda: None)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(var, "0")
+    model = tiny_fp8_llama() if fp8 else build_tiny_model(tokenizer)
+    gen = make_generation(model, "colocate", Recorder(), cls=None if fp8 else vllm_generation_class())
+    gen.processing_class, gen.engine_model_root = tokenizer, str(tmp_path)
+    gen.gpu_memory_utilization, gen.max_model_length, gen.max_num_seqs = 0.3, 128, 8
+    gen.model_impl, gen.trust_remote_code = "vllm", False
+    gen.accelerator = types.SimpleNamespace(num_processes=2, process_index=1, local_process_index=1,
+                                            wait_for_everyone=lambda: None, is_main_process=False)
+    gen._init_vllm()
+    (kw,) = calls
+    assert gen.llm == "ENGINE" and trl_vllm_generation.LLM is original_llm
+    assert kw["model"] == str(tmp_path / "rank-1") and kw["load_format"] == "dummy"
+    assert os.path.isfile(tmp_path / "rank-1" / "config.json") and not (tmp_path / "rank-0").exists()
+    assert kw["quantization"] == ("fp8" if fp8 else None)
+
+
+def test_fp8_export_dir_is_the_engine_model_even_for_a_pathless_policy(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(trl_vllm_generation, "LLM", lambda **kw: calls.append(kw) or "ENGINE", raising=False)
+    monkeypatch.setattr(trl_vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(trl_vllm_generation, "ensure_master_addr_port", lambda: None)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(var, "0")
+    gen = make_generation(tiny_fp8_llama(), "colocate", Recorder())
+    gen.fp8_export_dir, gen.engine_model_root = str(tmp_path / "export"), str(tmp_path / "engine")
+    gen.gpu_memory_utilization, gen.max_model_length, gen.max_num_seqs = 0.3, 128, 8
+    gen.model_impl, gen.trust_remote_code = "vllm", False
+    gen.accelerator = types.SimpleNamespace(num_processes=1, process_index=0, local_process_index=0,
+                                            wait_for_everyone=lambda: None, is_main_process=True)
+    gen._init_vllm()
+    (kw,) = calls
+    assert kw["model"] == str(tmp_path / "export") and "load_format" not in kw  # the checkpoint's own weights
+    assert not (tmp_path / "engine").exists()
