@@ -3,7 +3,7 @@
     python benchmarks/bench_speed.py                          # every section, H200 (see benchmarks/README.md)
     python benchmarks/bench_speed.py --only layer,model       # some sections
     python benchmarks/bench_speed.py --tiny                   # CPU, tiny shapes: checks that every path runs
-    python benchmarks/bench_speed.py --only model --models qwen2.5-7b,llama3-8b:2 --fp8-options scaled_mm_row_scales=true
+    python benchmarks/bench_speed.py --only model --models qwen2.5-7b,llama3-8b:2 --fp8-options scaled_mm_row_scales=false
 
 Sections (``--only``), each printed (and flushed) as soon as it is done:
 
@@ -532,7 +532,7 @@ def torchao_copy(model: nn.Module, peer) -> nn.Module:
 
 
 # --model-arms keys -> column names. "FP8+": calclip FP8 with --fp8-options (the same arms with other Fp8Config
-# fields, e.g. scaled_mm_row_scales=true, to measure a speed lever on against off in one run).
+# fields, e.g. scaled_mm_row_scales=false, to measure a speed lever against the default in one run).
 MODEL_ARMS = {"bf16": "BF16", "bf16c": "BF16 compile", "fp8": "FP8 eager", "fp8c": "FP8 compile",
               "fp8x": "FP8+ eager", "fp8xc": "FP8+ compile", "torchao": "torchao", "torchaoc": "torchao compile"}
 
@@ -1075,8 +1075,8 @@ def parse_args(argv=None):
                         help=f"model section arms, comma-separated, of {list(MODEL_ARMS)} (default: bf16,bf16c,fp8,"
                         "fp8c,torchao; + fp8x,fp8xc with --fp8-options; + torchaoc with --compile-peers)")
     parser.add_argument("--fp8-options", default=None, metavar="KEY=VALUE,...",
-                        help="Fp8Config fields of the FP8+ arms (model section), e.g. scaled_mm_row_scales=true: the "
-                        "same model with a speed lever on, beside the default FP8 arms")
+                        help="Fp8Config fields of the FP8+ arms (model section), e.g. scaled_mm_row_scales=false: the "
+                        "same model with a speed lever changed, beside the default FP8 arms")
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode of the compiled arms, e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--no-torchao", action="store_true",

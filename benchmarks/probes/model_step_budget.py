@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="qwen2.5-1.5b,qwen2.5-7b,llama3-8b", help="bench_speed.py --models syntax")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--row-scales", action="store_true", help="with Fp8Config.scaled_mm_row_scales")
+    parser.add_argument("--row-scales", action=argparse.BooleanOptionalAction, default=True,
+                        help="with Fp8Config.scaled_mm_row_scales (on by default since 2026-12-02, as in Fp8Config)")
     parser.add_argument("--bf16-tflops", type=float, default=735.0, help="BF16 cuBLAS (H200: 676-794)")
     parser.add_argument("--fp8-tflops", type=float, default=1120.0, help="blockwise cuBLAS FP8 (H200: 1084-1155)")
     parser.add_argument("--triton-tflops", type=float, default=560.0,

@@ -6,7 +6,7 @@ names, so one GPU run tells which speed lever to pull (a quantizer share larger 
 
     python benchmarks/probes/profile_model_step.py --model qwen2.5-1.5b          # H200: BF16 compile vs FP8 compile
     python benchmarks/probes/profile_model_step.py --model qwen2.5-7b --arms bf16c,fp8c,fp8xc \\
-        --fp8-options scaled_mm_row_scales=true                                  # and a lever on
+        --fp8-options scaled_mm_row_scales=false                                 # and a lever off
     python benchmarks/probes/profile_model_step.py --tiny                        # CPU check that it runs (no kernels)
 
 The model is bench_speed.py's row (random-weight Llama with the architecture's dims, bf16 weights, KV cache off,
