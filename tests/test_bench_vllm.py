@@ -455,6 +455,12 @@ def test_enforce_eager_reaches_every_engine(monkeypatch):
         opts = bench_vllm.parse_args(argv)
         bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1)
         assert seen[-1].get("enforce_eager") is expected
+    for argv, expected in ((["--model-impl", "transformers"], "transformers"), ([], None)):
+        opts = bench_vllm.parse_args(argv)
+        bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1)
+        assert seen[-1].get("model_impl") == expected
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--model-impl", "hf"])
 
 
 def _fused_engine_model(base):
