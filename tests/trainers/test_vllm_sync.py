@@ -150,21 +150,29 @@ def test_server_sync_announces_fp8_metadata_matching_the_stream(fake_reload):
     assert events[-1] == ("reset",)
 
 
-def test_init_vllm_builds_a_block_fp8_engine_and_restores_trl(monkeypatch, tmp_path):
-    model = tiny_fp8_llama()
+def colocate_init(monkeypatch, model, *, cls=None, process_index=0, num_processes=1):
+    """A colocate-mode generation over ``model`` whose TRL ``_init_vllm`` builds a recorded fake ``LLM``: returns
+    (generation, the kwargs of each ``LLM(...)`` call, TRL's ``LLM`` to check it is restored). Call
+    ``gen._init_vllm()`` after setting what the test varies."""
     calls = []
     monkeypatch.setattr(trl_vllm_generation, "LLM", lambda **kw: calls.append(kw) or "ENGINE", raising=False)
-    original_llm = trl_vllm_generation.LLM
     monkeypatch.setattr(trl_vllm_generation, "is_vllm_available", lambda *a, **k: True)
     monkeypatch.setattr(trl_vllm_generation, "ensure_master_addr_port", lambda: None)
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.setenv(var, "0")
-    gen = make_generation(model, "colocate", Recorder())
-    model.name_or_path = "base-model"
+    gen = make_generation(model, "colocate", Recorder(), cls=cls)
     gen.gpu_memory_utilization, gen.max_model_length, gen.max_num_seqs = 0.3, 128, 8
     gen.model_impl, gen.trust_remote_code = "vllm", False
-    gen.accelerator = types.SimpleNamespace(num_processes=1, process_index=0, local_process_index=0,
-                                            wait_for_everyone=lambda: None, is_main_process=True)
+    gen.accelerator = types.SimpleNamespace(num_processes=num_processes, process_index=process_index,
+                                            local_process_index=process_index, wait_for_everyone=lambda: None,
+                                            is_main_process=process_index == 0)
+    return gen, calls, trl_vllm_generation.LLM
+
+
+def test_init_vllm_builds_a_block_fp8_engine_and_restores_trl(monkeypatch, tmp_path):
+    model = tiny_fp8_llama()
+    gen, calls, original_llm = colocate_init(monkeypatch, model)
+    model.name_or_path = "base-model"
     gen._init_vllm()
     (kw,) = calls
     assert gen.llm == "ENGINE" and trl_vllm_generation.LLM is original_llm
@@ -613,20 +621,10 @@ def test_pathless_policy_without_tokenizer_or_directory_is_refused_naming_name_o
 
 @pytest.mark.parametrize("fp8", [True, False])
 def test_each_colocated_process_writes_its_own_engine_directory(monkeypatch, tokenizer, tmp_path, fp8):
-    calls = []
-    monkeypatch.setattr(trl_vllm_generation, "LLM", lambda **kw: calls.append(kw) or "ENGINE", raising=False)
-    original_llm = trl_vllm_generation.LLM
-    monkeypatch.setattr(trl_vllm_generation, "is_vllm_available", lambda *a, **k: True)
-    monkeypatch.setattr(trl_vllm_generation, "ensure_master_addr_port", lambda: None)
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.setenv(var, "0")
     model = tiny_fp8_llama() if fp8 else build_tiny_model(tokenizer)
-    gen = make_generation(model, "colocate", Recorder(), cls=None if fp8 else vllm_generation_class())
+    gen, calls, original_llm = colocate_init(monkeypatch, model, cls=None if fp8 else vllm_generation_class(),
+                                             process_index=1, num_processes=2)
     gen.processing_class, gen.engine_model_root = tokenizer, str(tmp_path)
-    gen.gpu_memory_utilization, gen.max_model_length, gen.max_num_seqs = 0.3, 128, 8
-    gen.model_impl, gen.trust_remote_code = "vllm", False
-    gen.accelerator = types.SimpleNamespace(num_processes=2, process_index=1, local_process_index=1,
-                                            wait_for_everyone=lambda: None, is_main_process=False)
     gen._init_vllm()
     (kw,) = calls
     assert gen.llm == "ENGINE" and trl_vllm_generation.LLM is original_llm
@@ -636,18 +634,8 @@ def test_each_colocated_process_writes_its_own_engine_directory(monkeypatch, tok
 
 
 def test_fp8_export_dir_is_the_engine_model_even_for_a_pathless_policy(monkeypatch, tmp_path):
-    calls = []
-    monkeypatch.setattr(trl_vllm_generation, "LLM", lambda **kw: calls.append(kw) or "ENGINE", raising=False)
-    monkeypatch.setattr(trl_vllm_generation, "is_vllm_available", lambda *a, **k: True)
-    monkeypatch.setattr(trl_vllm_generation, "ensure_master_addr_port", lambda: None)
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.setenv(var, "0")
-    gen = make_generation(tiny_fp8_llama(), "colocate", Recorder())
+    gen, calls, _ = colocate_init(monkeypatch, tiny_fp8_llama())
     gen.fp8_export_dir, gen.engine_model_root = str(tmp_path / "export"), str(tmp_path / "engine")
-    gen.gpu_memory_utilization, gen.max_model_length, gen.max_num_seqs = 0.3, 128, 8
-    gen.model_impl, gen.trust_remote_code = "vllm", False
-    gen.accelerator = types.SimpleNamespace(num_processes=1, process_index=0, local_process_index=0,
-                                            wait_for_everyone=lambda: None, is_main_process=True)
     gen._init_vllm()
     (kw,) = calls
     assert kw["model"] == str(tmp_path / "export") and "load_format" not in kw  # the checkpoint's own weights
