@@ -672,11 +672,7 @@ def part_mismatch(opts) -> None:
                 rows.append([name, stage, arm, fmt(stats["tmpe"], 4), fmt(stats["max_abs"]), fmt(stats["over_1p1"]),
                              fmt(floor.get("tmpe"), 4), codes[:40], fmt(sync_ms.get(arm), 0)])
                 print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
-            control = next((r["tmpe"] for r in results[::-1] if r.get("model") == name and r.get("stage") == stage
-                            and r.get("arm") == "BF16"), None)
-            for r in results:
-                if r.get("model") == name and r.get("stage") == stage and r.get("arm", "").startswith("FP8"):
-                    r["minus_bf16_control"] = None if control is None else r["tmpe"] - control
+            add_control_differences(RESULTS)
             save_results(opts)
         for llm in list(engines.values()):
             shutdown(llm)
