@@ -63,9 +63,9 @@ def cut_sizes(total: int, first_room: int, room: int, last_extra: int) -> list[i
     return sizes
 
 
-def plan(root: Path = ROOT) -> dict:
+def plan(root: Path = ROOT, margin: int = MARGIN) -> dict:
     checkout = checkout_bytes(root)
-    room = LIMIT - checkout - MARGIN
+    room = LIMIT - checkout - margin
     gguf_half = path_bytes(root / ".gguf" / "part00")
     whl = path_bytes(root / ".whl")
     init = path_bytes(root / ".gguf" / "init.py")
@@ -98,10 +98,14 @@ def cut(root: Path, sizes: list[int]) -> list[Path]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cut", action="store_true", help="re-cut .vchunks/ to the plan")
+    parser.add_argument("--margin-kib", type=int, default=MARGIN // 1024,
+                        help="room kept free in every call for files written after the cut (a bundle a few hundred "
+                        "KiB over a multiple of the room saves a whole call with a smaller margin)")
     opts = parser.parse_args(argv)
-    p = plan()
+    p = plan(margin=opts.margin_kib * 1024)
     mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
-    print(f"checkout {mib(p['checkout'])}; room per call {mib(p['room'])} (64 MiB - checkout - 512 KiB margin)")
+    print(f"checkout {mib(p['checkout'])}; room per call {mib(p['room'])} (64 MiB - checkout - {opts.margin_kib} KiB "
+          "margin)")
     print(f"call 1: .gguf/part00 + .whl = {mib(p['call1'])} ({'fits' if p['fits_call1'] else 'DOES NOT FIT'})")
     if not p["chunks"]:
         print("no .vllm/p1 + p2 here: build them with ../shared/vllm/make-bundle.sh .vllm")
