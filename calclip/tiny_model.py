@@ -70,6 +70,8 @@ def build_tiny_model(
     """
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+    from calclip.model_dtype import cast_model_dtype
+
     tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -86,7 +88,7 @@ def build_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(dtype)
+        model = cast_model_dtype(LlamaForCausalLM(config), dtype)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
