@@ -88,6 +88,8 @@ BAD = [
     (dict(clip_mode="calibrated", importance_sampling_level="sequence"), "importance_sampling_level"),
     # bypass with vLLM: TRL's own correction would weight the loss by pi_old/pi_rollout a second time
     (dict(old_logps_source="rollout", use_vllm=True), "vllm_importance_sampling_correction"),
+    # colocated vLLM with its Transformers backend patches the policy's own model class (H200, vLLM 0.24.0)
+    (dict(use_vllm=True, vllm_mode="colocate", vllm_model_impl="transformers"), "vllm_model_impl"),
 ]
 
 
@@ -198,3 +200,11 @@ def _as_trainer_fields(text):
 
     names = ("backward", "gemm", "decode_fused_max_m", "decode_group_siblings", "recipe", "block_size")
     return re.sub(rf"(?<![\w.])({'|'.join(names)})(?==)", r"fp8_\1", text)
+
+
+def test_vllm_transformers_backend_is_refused_only_where_it_shares_the_policys_process():
+    with pytest.raises(ValueError, match=r"vllm_model_impl='transformers' cannot run with vllm_mode='colocate'"):
+        make(use_vllm=True, vllm_mode="colocate", vllm_model_impl="Transformers")
+    assert make(use_vllm=True, vllm_mode="server", vllm_model_impl="transformers").vllm_model_impl == "transformers"
+    assert make(use_vllm=True, vllm_mode="colocate", vllm_model_impl="vllm").vllm_model_impl == "vllm"
+    assert make(use_vllm=False, vllm_model_impl="transformers").use_vllm is False  # no engine: nothing to refuse
