@@ -248,6 +248,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.
             vllm_hook = use_fp8_vllm_generation(
                 defer_engine=True, check_vllm_shapes=False, engine_model_root=engine_model_root,
+                direct_sync=args.vllm_fp8_direct_sync,
                 engine_kwargs=fp8_engine_numerics_kwargs(linear_backend=args.vllm_fp8_linear_backend,
                                                          match_trainer=args.vllm_fp8_match_trainer_numerics))
         elif args.use_vllm:

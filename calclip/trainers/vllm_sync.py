@@ -69,10 +69,12 @@ from calclip.fp8.export import (
     vllm_block_fp8_problems,
     vllm_keep_patterns,
 )
+from calclip.trainers.vllm_direct_sync import DirectSync
 
 # The two hooks of vLLM's layerwise reload (vllm/model_executor/model_loader/reload/__init__.py, the releases
 # TRL 1.16 supports: vllm>=0.22,<=0.31).
 _RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
+_logger = logging.getLogger(__name__)
 
 
 # What the engine must run so that its FP8 linears compute what FP8BlockLinear computes (docs/vllm.md, "Numerics").
@@ -395,13 +397,18 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
         once the policy has been quantized (default False). TRL constructs the generation object inside
         ``GRPOTrainer.__init__``, before a trainer can quantize its policy; the engine's layer split
         (``modules_to_not_convert``) must come from the quantized model, not be predicted from a config.
+      fp8_direct_sync: colocate mode only: after the first sync (through vLLM's layerwise reload), check the
+        engine's layout and, where it holds every tensor as loaded, do the later syncs as in-place copies
+        (``calclip.trainers.vllm_direct_sync``; default True). False: every sync goes through the reload.
     """
 
     fp8_export_dir: str | None = None
     fp8_check_vllm_shapes: bool = True
     fp8_defer_engine: bool = False
     fp8_engine_extra: Mapping[str, Any] | None = None
+    fp8_direct_sync: bool = True
     _fp8_engine_pending: bool = False
+    _direct_sync: DirectSync | None = None
 
     def _fp8_specs(self) -> dict[str, Fp8WeightSpec]:
         specs = getattr(self, "_calclip_fp8_specs", None)
@@ -429,6 +436,7 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
             if self.fp8_check_vllm_shapes:
                 check_vllm_compatible(self.model, tensor_parallel_size=self.tensor_parallel_size)
             self._calclip_fp8_specs = None  # the model's layer split as it is now, for the engine and every sync
+            self._direct_sync = None  # a new engine: its layout is checked again after its first sync
         return super()._start_engine()
 
     def _engine_kwargs(self) -> dict[str, Any]:
@@ -445,17 +453,41 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
     def _vllm_model_and_config(self):
         return vllm_engine_model(self.llm)
 
+    def _checkpoint_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """TRL's parameter stream with every FP8 linear's weight as codes + ``weight_scale_inv``."""
+        return quantize_named_params(super()._iter_named_params(), self._fp8_specs(), scale_name=SCALE_NAME)
+
     def _iter_named_params(self):
-        stream = quantize_named_params(super()._iter_named_params(), self._fp8_specs(), scale_name=SCALE_NAME)
+        stream = self._checkpoint_stream()
         if self.mode != "colocate":
             return stream
-        reload = __import__(_RELOAD_MODULE, fromlist=["initialize_layerwise_reload"])
         model, model_config = self._vllm_model_and_config()
-        return layerwise_reload_stream(
-            stream,
-            begin=lambda: reload.initialize_layerwise_reload(model),
-            end=lambda: reload.finalize_layerwise_reload(model, model_config),
-        )
+        if self.fp8_direct_sync and self._direct_sync is None:
+            self._direct_sync = DirectSync(LLAMA_PACKED_MODULES)
+        direct = self._direct_sync if self.fp8_direct_sync else None
+        if direct is not None and direct.verified:
+            return _consume(lambda: direct.copy(dict(model.named_parameters()), stream))
+        reload = __import__(_RELOAD_MODULE, fromlist=["initialize_layerwise_reload"])
+
+        def end() -> None:
+            reload.finalize_layerwise_reload(model, model_config)
+            if direct is not None and not direct.checked:
+                self._check_direct_sync(direct, model)
+
+        return layerwise_reload_stream(stream, begin=lambda: reload.initialize_layerwise_reload(model), end=end)
+
+    def _check_direct_sync(self, direct: DirectSync, model: nn.Module) -> None:
+        """After the engine's first reload: compare it with a second pass of the stream (``DirectSync.verify``)."""
+        if direct.verify(dict(model.named_parameters()), self._checkpoint_stream()):
+            _logger.info("vLLM weight sync: the engine holds every tensor as loaded; later syncs copy in place")
+        else:
+            _logger.warning("vLLM weight sync stays on vLLM's layerwise reload (slower): %s", direct.reason)
+
+
+def _consume(work: Callable[[], Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An empty stream that runs ``work`` when iterated: TRL's colocate loop then loads nothing itself."""
+    work()
+    yield from ()
 
 
 def vllm_generation_class(base: type | None = None) -> type:
@@ -498,12 +530,13 @@ def use_vllm_generation(*, engine_model_root: str | None = None):
 
 def use_fp8_vllm_generation(
     *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False,
-    engine_kwargs: Mapping[str, Any] | None = None, engine_model_root: str | None = None,
+    engine_kwargs: Mapping[str, Any] | None = None, engine_model_root: str | None = None, direct_sync: bool = True,
 ):
     """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
 
     ``engine_kwargs``: the colocated engine's extra ``vllm.LLM`` arguments (None: ``fp8_engine_numerics_kwargs()``).
     ``engine_model_root``: see ``ColocateEngineMixin`` (a policy without a loadable ``name_or_path``).
+    ``direct_sync``: ``FP8VLLMGenerationMixin.fp8_direct_sync`` (in-place syncs once the engine's layout is checked).
     With ``defer_engine`` (what ``CalibratedGRPOTrainer`` uses, since it quantizes after ``super().__init__()``):
 
         with use_fp8_vllm_generation(defer_engine=True):
@@ -514,5 +547,5 @@ def use_fp8_vllm_generation(
     return _grpo_generation_class(
         fp8_vllm_generation_class, fp8_export_dir=export_dir, fp8_check_vllm_shapes=check_vllm_shapes,
         fp8_defer_engine=defer_engine, fp8_engine_extra=None if engine_kwargs is None else dict(engine_kwargs),
-        engine_model_root=engine_model_root,
+        engine_model_root=engine_model_root, fp8_direct_sync=direct_sync,
     )

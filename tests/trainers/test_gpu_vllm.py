@@ -160,11 +160,13 @@ TRAINER_SCRIPT = textwrap.dedent("""
     engine_model = vllm_engine_model(generation.llm)[0]
     mismatches = engine_fp8_mismatches(engine_model, trainer.model) if fp8 else []
     fp8_tensors = sum(p.dtype == torch.float8_e4m3fn for p in engine_model.parameters())
+    direct = getattr(generation, "_direct_sync", None)  # the FP8 engine's in-place syncs after the first reload
     logs = [e for e in trainer.state.log_history if "loss" in e]
     print("RESULT " + json.dumps({"moved": moved, "mismatches": mismatches, "fp8_tensors": fp8_tensors,
                                   "engine_model": generation.llm.llm_engine.model_config.model,
                                   "model_dir": model_dir, "output_dir": args.output_dir,
                                   "loss": [e["loss"] for e in logs],
+                                  "direct_sync": None if direct is None else [direct.verified, direct.reason],
                                   "tmpe": [e.get("mismatch/token_mult_prob_error") for e in logs]}))
 """)
 
@@ -188,6 +190,8 @@ def test_trainer_trains_with_vllm_colocate_rollouts(arm):
     assert all(v == v and abs(v) < 1e6 for v in result["loss"])  # finite
     if arm.startswith("fp8"):
         assert result["fp8_tensors"] > 0 and result["mismatches"] == []
+        # CUTLASS leaves every tensor as loaded: the layout check passes and the last sync above was in place
+        assert result["direct_sync"] == [True, None], result["direct_sync"]
         assert all(t is None or 1.0 <= t < 1.5 for t in result["tmpe"]), result["tmpe"]
     else:
         assert result["fp8_tensors"] == 0

@@ -79,8 +79,9 @@ def make_generation(model, mode, recorder, cls=None):
     gen.accelerator = types.SimpleNamespace(is_main_process=True)
     gen._dist = types.SimpleNamespace(is_fsdp=False, gather_params=lambda params: nullcontext())
 
-    vllm_model = types.SimpleNamespace(
-        load_weights=lambda weights: recorder.events.extend(("load", n, t) for n, t in weights))
+    vllm_model = types.SimpleNamespace(  # no parameters: the direct-sync check after the first reload refuses
+        load_weights=lambda weights: recorder.events.extend(("load", n, t) for n, t in weights),
+        named_parameters=lambda: iter(()))
     engine = types.SimpleNamespace(
         model_executor=types.SimpleNamespace(
             driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=vllm_model))),
@@ -239,7 +240,7 @@ class FakeVLLM:
                 fake.fp8_modules_at_engine_start = sorted(
                     n for n, m in model_of().named_modules() if isinstance(m, FP8BlockLinear))
                 vllm_model = types.SimpleNamespace(load_weights=lambda weights: fake.recorder.events.extend(
-                    ("load", n, t) for n, t in weights))
+                    ("load", n, t) for n, t in weights), named_parameters=lambda: iter(()))
                 self.vllm_model = vllm_model
                 self.llm_engine = types.SimpleNamespace(
                     model_executor=types.SimpleNamespace(
