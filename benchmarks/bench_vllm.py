@@ -159,10 +159,12 @@ def random_llama(name: str, layers: int | None, device, logit_std: float, seed: 
 
 
 def smollm2(gguf_path: str, device):
-    from transformers import AutoModelForCausalLM
+    """SmolLM2 from its GGUF file, through calclip's loader: transformers alone leaves the de-quantized model tagged
+    as GGUF-quantized, and ``save_pretrained`` (``save_for_vllm``) refuses it (H200, 2026-12-02)."""
+    from calclip.models import load_gguf_model
 
     path = Path(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16)
+    model, _ = load_gguf_model(path.parent, path.name, dtype=torch.bfloat16)
     return model.to(device).eval()
 
 
@@ -662,14 +664,21 @@ def part_mismatch(opts) -> None:
                 except Exception as err:  # noqa: BLE001 — the row stands without its diagnostics
                     diag = {"error": _short(err)}
                     print(f"   !! diagnostics {arm}: {diag['error']}", flush=True)
+                degenerate = is_degenerate(diag)
+                if degenerate:
+                    print(f"   !! {arm} {stage}: degenerate row (the policy puts ~all its mass on its own samples: "
+                          f"mean completion log-prob {diag['mean_logp']['trainer_completion']:.3f}); lower --lr",
+                          flush=True)
                 row = {"model": name, "stage": stage, "arm": arm, "model_impl": opts.model_impl, **stats,
+                       "degenerate": degenerate,
                        "floor_tmpe": floor.get("tmpe"),
                        "floor_max_abs": floor.get("max_abs"), "engine_holds_trainer_codes": codes,
                        "sync_ms": sync_ms.get(arm), "diag": diag}
                 results.append(row)
                 diag_rows.append(diagnostic_row(name, stage, arm, diag))
                 print("diag: | " + " | ".join(diag_rows[-1]) + " |", flush=True)
-                rows.append([name, stage, arm, fmt(stats["tmpe"], 4), fmt(stats["max_abs"]), fmt(stats["over_1p1"]),
+                rows.append([name, stage + (" (degenerate)" if degenerate else ""), arm, fmt(stats["tmpe"], 4),
+                             fmt(stats["max_abs"]), fmt(stats["over_1p1"]),
                              fmt(floor.get("tmpe"), 4), codes[:40], fmt(sync_ms.get(arm), 0)])
                 print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
             add_control_differences(RESULTS)
@@ -898,8 +907,8 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     completions = opts.grpo_completions
     on_gpu = device.type == "cuda"
     args = CalibratedGRPOConfig(
-        output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm == "fp8",
-        use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
+        output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm.startswith("fp8"),
+        vllm_fp8_direct_sync=arm != "fp8_reload", use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
         per_device_train_batch_size=completions, num_generations=8, gradient_accumulation_steps=1,
         steps_per_generation=1, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
         learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False,
@@ -940,12 +949,17 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
 
         setattr(generation, method, timed)
     trainer.train()
+    direct = getattr(generation, "_direct_sync", None)  # FP8: whether the syncs after the first were in place
+    timings["direct_sync"] = None if direct is None else {"verified": direct.verified, "reason": direct.reason}
     return timings
+
+
+GRPO_ARMS = ("fp8", "fp8_reload", "bf16")
 
 
 def part_grpo(opts) -> None:
     rows, results = [], RESULTS.setdefault("grpo", {})
-    for arm in ("fp8", "bf16"):
+    for arm in opts.grpo_arms:
         out = Path(tempfile.mkdtemp()) / f"grpo_{arm}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--grpo-worker", arm, "--grpo-json", str(out),
                "--grpo-layers", str(opts.grpo_layers), "--grpo-steps", str(opts.grpo_steps),
@@ -967,16 +981,18 @@ def part_grpo(opts) -> None:
         sync = median_after_first(t["sync_s"])
         results[arm] = {**t, "step_median_s": step, "generate_median_s": gen, "sync_median_s": sync,
                         "sync_share": sync / step if step else math.nan}
-        rows.append([arm, fmt(step), fmt(gen), fmt(sync * 1e3, 0), f"{100 * sync / step:.1f}%"])
+        direct = t.get("direct_sync")
+        path = "-" if direct is None else "in place" if direct["verified"] else f"reload ({direct['reason'] or 'off'})"
+        rows.append([arm, fmt(step), fmt(gen), fmt(sync * 1e3, 0), f"{100 * sync / step:.1f}%", path[:60]])
         save_results(opts)
     if "fp8" in results and "bf16" in results and "step_median_s" in results["fp8"] and \
             "step_median_s" in results["bf16"]:
         ratio = results["bf16"]["step_median_s"] / results["fp8"]["step_median_s"]
         results["bf16_over_fp8_step"] = ratio
-        rows.append(["BF16/FP8 step time", f"{ratio:.2f}x", "", "", ""])
+        rows.append(["BF16/FP8 step time", f"{ratio:.2f}x", "", "", "", ""])
     print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
           f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step (median of steps 2..)")
-    _common.table(["arm", "step s", "rollout s", "weight sync ms", "sync share of step"], rows)
+    _common.table(["arm", "step s", "rollout s", "weight sync ms", "sync share of step", "FP8 sync path"], rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -997,11 +1013,13 @@ def parse_args(argv=None):
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--mismatch-prompts", type=int, default=32)
     parser.add_argument("--mismatch-tokens", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3, help="mismatch: AdamW steps before the second measurement")
-    parser.add_argument("--lr", type=float, default=1e-4,
-                        help="mismatch: AdamW lr (BF16 masters: smaller steps round away in many weights; on the "
-                             "H200 1e-4 collapsed the 4-layer llama3_8b policy onto its own samples in 3 steps, NLL "
-                             "5.1 -> 0.000, so its after-sync row is trivially 1.0: read that row with --steps 1)")
+    parser.add_argument("--steps", type=int, default=1, help="mismatch: AdamW steps before the second measurement")
+    parser.add_argument("--lr", type=float, default=1e-5,
+                        help="mismatch: AdamW lr. 1e-4 collapsed the 4-layer llama3_8b policy onto its own samples "
+                             "in one step on the H200 (completion log-probs ~0 on both sides, so the after-sync row "
+                             "read a trivial 1.0; such rows are now flagged 'degenerate'); on CPU, issue_probe dims, "
+                             "one step moved the mean log-prob of the policy's own samples -3.84 -> -1.25 at 1e-4, "
+                             "-> -3.74 at 1e-5, and not measurably at 1e-6 (BF16 masters round small steps away)")
     parser.add_argument("--no-vllm-default-arm", dest="vllm_default_arm", action="store_false",
                         help="mismatch: leave out the FP8 engine with vLLM's default settings")
     parser.add_argument("--mismatch-arms", default=",".join(MISMATCH_ARMS),
@@ -1031,7 +1049,10 @@ def parse_args(argv=None):
     parser.add_argument("--grpo-tokens", type=int, default=128)
     parser.add_argument("--grpo-completions", type=int, default=64)
     parser.add_argument("--grpo-timeout", type=int, default=280)
-    parser.add_argument("--grpo-worker", choices=("fp8", "bf16"), help=argparse.SUPPRESS)
+    parser.add_argument("--grpo-arms", default="fp8,bf16",
+                        help=f"grpo: arms, comma-separated, of {GRPO_ARMS} (fp8_reload: FP8 with vllm_fp8_direct_sync "
+                             "off, every sync through vLLM's layerwise reload)")
+    parser.add_argument("--grpo-worker", choices=GRPO_ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--grpo-json", help=argparse.SUPPRESS)
     parser.add_argument("--child-json", help=argparse.SUPPRESS)
     parser.add_argument("--in-process", action="store_true",
@@ -1045,12 +1066,22 @@ def parse_args(argv=None):
     unknown = set(opts.models) - {*MODEL_SPECS, "smollm2"}
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; choose from {sorted({*MODEL_SPECS, 'smollm2'})}")
+    opts.grpo_arms = [a for a in opts.grpo_arms.split(",") if a]
+    if not opts.grpo_arms or set(opts.grpo_arms) - set(GRPO_ARMS):
+        parser.error(f"--grpo-arms: unknown or none {sorted(set(opts.grpo_arms) - set(GRPO_ARMS))}; choose from "
+                     f"{list(GRPO_ARMS)}")
     opts.mismatch_arms = [a for a in opts.mismatch_arms.split(",") if a]
     unknown = set(opts.mismatch_arms) - set(MISMATCH_ARMS)
     if unknown or not opts.mismatch_arms:
         parser.error(f"--mismatch-arms: unknown or none {sorted(unknown)}; choose from {list(MISMATCH_ARMS)}")
     if not opts.vllm_default_arm:
         opts.mismatch_arms = [a for a in opts.mismatch_arms if a != "vllm"]
+    if opts.model_impl == "transformers" and {"mismatch", "grpo"} & set(opts.parts):
+        parser.error("--model-impl transformers cannot run the mismatch or grpo parts: vLLM's Transformers backend "
+                     "patches the transformers model class in this process, and the trainer-side model built from "
+                     "that class then fails (H200, vLLM 0.24.0: 'LlamaModel' object has no attribute "
+                     "'do_not_compile'); CalibratedGRPOConfig refuses vllm_model_impl='transformers' in colocate mode "
+                     "for the same reason")
     opts.dummy_bf16 = False
     opts.device = "cuda"  # tests/test_bench_vllm.py runs the mismatch part on CPU against a stand-in engine
     return opts
@@ -1092,16 +1123,28 @@ def child_runs(opts) -> list[tuple[str, str | None, str | None]]:
     return runs
 
 
+DEGENERATE_LOGP = -0.05  # mean completion log-prob above this: the policy samples ~deterministically
+
+
+def is_degenerate(diag: dict) -> bool:
+    """A row whose policy puts almost all its mass on its own samples (mean completion log-prob > -0.05 on the
+    trainer side): every log-prob is ~0 on both sides and the tmpe is a trivial ~1.0, not a measurement."""
+    logp = diag.get("mean_logp", {}).get("trainer_completion") if isinstance(diag, dict) else None
+    return logp is not None and logp > DEGENERATE_LOGP
+
+
 def add_control_differences(results: dict) -> None:
     """``minus_bf16_control`` of every FP8 mismatch row: its tmpe minus the BF16 row's of the same model and stage
-    (rows from separate child processes, so filled in after they merge); None without such a BF16 row."""
+    (rows from separate child processes, so filled in after they merge); None without such a BF16 row, or where
+    either row is degenerate (``is_degenerate``)."""
     rows = results.get("mismatch", [])
-    control = {(r.get("model"), r.get("stage")): r["tmpe"] for r in rows
+    control = {(r.get("model"), r.get("stage")): r for r in rows
                if r.get("arm") == "BF16" and r.get("tmpe") is not None}
     for r in rows:
         if r.get("arm", "").startswith("FP8") and r.get("tmpe") is not None:
             base = control.get((r.get("model"), r.get("stage")))
-            r["minus_bf16_control"] = None if base is None else r["tmpe"] - base
+            usable = base is not None and not base.get("degenerate") and not r.get("degenerate")
+            r["minus_bf16_control"] = r["tmpe"] - base["tmpe"] if usable else None
 
 
 def merge(into: dict, child: dict) -> None:

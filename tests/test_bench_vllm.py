@@ -150,7 +150,8 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
     class LLM:
         def __init__(self, **kwargs):
             engine_kwargs.append(kwargs)
-            model = types.SimpleNamespace(load_weights=lambda weights: events.extend("load" for _ in weights))
+            model = types.SimpleNamespace(load_weights=lambda weights: events.extend("load" for _ in weights),
+                                          named_parameters=lambda: iter(()))  # direct sync: refused, reloads
             self.llm_engine = types.SimpleNamespace(model_config="CFG", model_executor=types.SimpleNamespace(
                 driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))))
 
@@ -174,16 +175,23 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         monkeypatch.delenv(var)
     opts = argparse.Namespace(grpo_layers=1, logit_std=4.0, grpo_completions=8, gpu_util=0.2, grpo_tokens=6,
                               grpo_steps=2, attention_backend="TRITON_ATTN")
-    for arm in ("fp8", "bf16"):  # (the bench runs each arm in its own process)
+    for arm in ("fp8", "fp8_reload", "bf16"):  # (the bench runs each arm in its own process)
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
             monkeypatch.delenv(var, raising=False)
         events.clear()
         timings = bench_vllm.grpo_worker(arm, opts, device="cpu", dims=(128, 256, 4, 4))
         assert len(timings["step_s"]) == 2 and len(timings["generate_s"]) == 2 and len(timings["sync_s"]) == 2
-        assert all(t > 0 for values in timings.values() for t in values)
+        assert all(t > 0 for key in ("step_s", "generate_s", "sync_s") for t in timings[key])
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
-        assert (engine_kwargs[-1].get("quantization") == "fp8") == (arm == "fp8")
-        assert ("init" in events and "finalize" in events) == (arm == "fp8")
+        fp8 = arm.startswith("fp8")
+        assert (engine_kwargs[-1].get("quantization") == "fp8") == fp8
+        assert ("init" in events and "finalize" in events) == fp8
+        if arm == "fp8":  # the stand-in engine lists no parameters: the layout check refuses, every sync reloads
+            assert timings["direct_sync"]["verified"] is False
+            assert "no such engine parameter" in timings["direct_sync"]["reason"]
+            assert events.count("init") == 2
+        else:
+            assert timings["direct_sync"] is None
 
 
 class StandInEngine:
@@ -455,7 +463,7 @@ def test_enforce_eager_reaches_every_engine(monkeypatch):
         opts = bench_vllm.parse_args(argv)
         bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1)
         assert seen[-1].get("enforce_eager") is expected
-    for argv, expected in ((["--model-impl", "transformers"], "transformers"), ([], None)):
+    for argv, expected in ((["--parts", "decode", "--model-impl", "transformers"], "transformers"), ([], None)):
         opts = bench_vllm.parse_args(argv)
         bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1)
         assert seen[-1].get("model_impl") == expected
@@ -536,3 +544,40 @@ def test_mismatch_runs_one_child_per_model_and_engine_and_the_control_difference
     assert rows[0]["minus_bf16_control"] == pytest.approx(0.37, abs=1e-12)
     assert rows[2]["minus_bf16_control"] is None and rows[3]["minus_bf16_control"] is None
     assert "minus_bf16_control" not in rows[1]
+
+
+@pytest.mark.parametrize("parts", ["mismatch", "grpo", "ops,mismatch,decode"])
+def test_transformers_backend_is_refused_where_a_trainer_model_shares_the_process(parts, capsys):
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--parts", parts, "--model-impl", "transformers"])
+    assert "patches the transformers model class" in capsys.readouterr().err
+    assert bench_vllm.parse_args(["--parts", "decode", "--model-impl", "transformers"]).model_impl == "transformers"
+
+
+def test_degenerate_rows_are_flagged_and_get_no_control_difference():
+    diag = lambda logp: {"mean_logp": {"trainer_completion": logp}}  # noqa: E731
+    assert bench_vllm.is_degenerate(diag(-0.001)) and not bench_vllm.is_degenerate(diag(-5.1))
+    assert not bench_vllm.is_degenerate({"error": "RuntimeError: x"}) and not bench_vllm.is_degenerate(diag(None))
+    results = {"mismatch": [
+        {"model": "a", "stage": "after", "arm": "FP8 calclip", "tmpe": 1.0000, "degenerate": True},
+        {"model": "a", "stage": "after", "arm": "BF16", "tmpe": 1.0000, "degenerate": True},
+        {"model": "a", "stage": "initial", "arm": "FP8 calclip", "tmpe": 1.45, "degenerate": False},
+        {"model": "a", "stage": "initial", "arm": "BF16", "tmpe": 1.07, "degenerate": True},
+        {"model": "b", "stage": "initial", "arm": "FP8 calclip", "tmpe": 1.2, "degenerate": False},
+        {"model": "b", "stage": "initial", "arm": "BF16", "tmpe": 1.1, "degenerate": False}]}
+    bench_vllm.add_control_differences(results)
+    rows = results["mismatch"]
+    assert rows[0]["minus_bf16_control"] is None and rows[2]["minus_bf16_control"] is None
+    assert rows[4]["minus_bf16_control"] == pytest.approx(0.1, abs=1e-12)
+
+
+def test_mismatch_defaults_take_one_small_step():
+    opts = bench_vllm.parse_args([])
+    assert opts.steps == 1 and opts.lr == pytest.approx(1e-5)
+
+
+def test_grpo_arms_are_checked():
+    assert bench_vllm.parse_args(["--grpo-arms", "fp8,fp8_reload,bf16"]).grpo_arms == ["fp8", "fp8_reload", "bf16"]
+    assert bench_vllm.parse_args([]).grpo_arms == ["fp8", "bf16"]
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--grpo-arms", "fp16"])
