@@ -32,3 +32,25 @@ def test_cut_sizes_refuse_a_call_without_room():
 def test_checkout_bytes_counts_the_tracked_files():
     readme = (ROOT / "README.md").stat().st_size
     assert h200_pack.checkout_bytes() > readme > 0
+
+
+def test_plan_cuts_the_gguf_so_call_one_fits_beside_the_wheels(tmp_path, monkeypatch):
+    (tmp_path / ".gguf").mkdir()
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".vllm").mkdir()
+    (tmp_path / ".gguf" / "part00").write_bytes(b"a" * 700)
+    (tmp_path / ".gguf" / "part01").write_bytes(b"b" * 500)
+    (tmp_path / ".gguf" / "init.py").write_bytes(b"x" * 3)
+    (tmp_path / ".whl" / "w.whl").write_bytes(b"w" * 100)
+    (tmp_path / ".vllm" / "p1").write_bytes(b"1" * 900)
+    (tmp_path / ".vllm" / "p2").write_bytes(b"2" * 400)
+    (tmp_path / ".vllm" / "install.sh").write_bytes(b"i" * 5)
+    monkeypatch.setattr(h200_pack, "checkout_bytes", lambda root: 200)
+    monkeypatch.setattr(h200_pack, "LIMIT", 1000)
+    p = h200_pack.plan(tmp_path, margin=100)  # room 700 a call
+    assert p["room"] == 700 and p["gguf_parts"] == [600, 600] and p["call1"] == 700 and p["fits_call1"]
+    assert p["chunks"][0] == 700 - 600 - 3 and sum(p["chunks"]) == 1300
+    assert all(c <= 700 for c in p["chunks"]) and p["chunks"][-1] + 5 <= 700
+    h200_pack.cut_gguf(tmp_path, p["gguf_parts"])
+    assert (tmp_path / ".gguf" / "part00").read_bytes() == b"a" * 600
+    assert (tmp_path / ".gguf" / "part01").read_bytes() == b"a" * 100 + b"b" * 500

@@ -28,10 +28,13 @@ def _commands() -> list[list[str]]:
 
 def test_script_is_valid_bash_and_names_its_steps():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
-    bad = subprocess.run(["bash", str(SCRIPT), "9"], capture_output=True, text=True, env={"OUT": "/tmp/h200_session_test",
+    bad = subprocess.run(["bash", str(SCRIPT), "99"], capture_output=True, text=True, env={"OUT": "/tmp/h200_session_test",
                                                                                        "PATH": "/usr/bin:/bin"})
     assert bad.returncode == 2 and "usage" in bad.stdout
-    assert len(_commands()) >= 9
+    assert len(_commands()) >= 8
+    text = SCRIPT.read_text()
+    steps = re.search(r"usage: bash benchmarks/h200_session.sh ([\d|]+)", text).group(1).split("|")
+    assert all(re.search(rf"^{n}\)", text, re.M) for n in steps), steps  # every step named has its branch
 
 
 @pytest.mark.parametrize("argv", _commands(), ids=lambda a: " ".join(a[:3]))
@@ -56,6 +59,9 @@ def test_every_command_parses(argv, capsys):
         import profile_model_step
         assert profile_model_step.main(args) == 2  # arguments accepted; then it stops for want of CUDA
         assert "no CUDA device" in capsys.readouterr().out
+    elif script.name == "quant_in_situ.py":
+        import quant_in_situ
+        assert quant_in_situ.main(args) == 2  # arguments accepted; nothing timed without CUDA
     else:
         assert args == [] or script.name == "sweep_quant.py"
 
