@@ -21,6 +21,10 @@ block-FP8 kernel class is CutlassFp8BlockScaledMMKernel with its CUDA-capability
 needs AMX). Nothing runs a GEMM; the loading and post-processing code is the CUDA path's (the CUTLASS kernel's
 process_weights_after_loading keeps weight and weight_scale_inv as they are on NVIDIA GPUs).
 
+``--direct N``: then calclip's direct sync (``calclip.trainers.vllm_direct_sync``) against this real model: its
+layout check after the reloads, and N steps of in-place copies, each compared byte for byte with what vLLM's
+layerwise reload writes for the same weights.
+
 Shapes: ``llama`` (h256, 4 heads of 64, 2 kv heads: every shard whole blocks), ``straddle`` (h384, 6 heads, 3 kv
 heads: q/k/v 384/192/192), ``smollm2`` (SmolLM2-135M's h576, 9 heads, 3 kv heads, i1536).
 
@@ -31,6 +35,11 @@ Seen 2026-12-02 with the vLLM 0.24.0 wheel's Python files, torch 2.13 CPU:
             the scale loader fails: "start (5) + length (2) exceeds dimension size (6)"
   smollm2:  loads without an error, but qkv_proj.weight_scale_inv has 8 rows where the shards sent 9: a
             scale row is overwritten (calclip refuses these layers: vllm_block_fp8_problems)
+Seen 2026-12-02 (fourteenth session) with ``--reloads 1 --direct 2``:
+  llama:    DirectSync verified; 2 steps of 35 in-place copies each, byte for byte what vLLM's reload then wrote
+            for the same weights; no tensor moved
+  smollm2:  DirectSync refused: "model.layers.0.self_attn.k_proj.weight_scale_inv -> ...qkv_proj.weight_scale_inv:
+            the engine holds other values than the ones just synced" (the overwritten scale row above)
 """
 
 from __future__ import annotations
@@ -141,10 +150,50 @@ def mismatches(cfg, model, policy) -> list[str]:
     return bad
 
 
+def engine_bits(model) -> dict[str, torch.Tensor]:
+    """A copy of every parameter's bytes (FP8 codes as uint8), to compare two ways of loading the same weights."""
+    return {n: (p.data.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p.data).clone()
+            for n, p in model.named_parameters()}
+
+
+def check_direct_sync(cfg, model, vllm_config, policy, steps: int, label: str) -> None:
+    """calclip's direct sync against vLLM's real model: ``DirectSync.verify`` after a reload; then, per step, the
+    in-place copies of a perturbed policy, compared byte for byte with what vLLM's layerwise reload writes for the
+    same weights, and no parameter moved."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    from calclip.fp8.export import LLAMA_PACKED_MODULES, fp8_weight_sync_tensors
+    from calclip.trainers.vllm_direct_sync import DirectSync
+
+    direct = DirectSync(LLAMA_PACKED_MODULES)
+    ok = direct.verify(dict(model.named_parameters()), fp8_weight_sync_tensors(policy))
+    print(f"{label} direct sync check after the reload: verified {ok}; reason {direct.reason}")
+    if not ok:
+        return
+    before = layer_tensors(model)
+    for step in range(steps):
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 1e-2)
+        count = direct.copy(dict(model.named_parameters()), fp8_weight_sync_tensors(policy))
+        copied = engine_bits(model)
+        initialize_layerwise_reload(model)
+        for name, tensor in fp8_weight_sync_tensors(policy):
+            model.load_weights([(name, tensor)])
+        finalize_layerwise_reload(model, vllm_config.model_config)
+        reloaded = engine_bits(model)
+        differ = [n for n in copied if not torch.equal(copied[n], reloaded[n])]
+        moved = [k for k in before if before[k] != layer_tensors(model).get(k)]
+        print(f"{label} direct step {step}: {count} tensors copied; differ from vLLM's reload {differ}; "
+              f"mismatching {mismatches(cfg, model, policy)}; moved/changed {moved}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama")
     parser.add_argument("--reloads", type=int, default=3)
+    parser.add_argument("--direct", type=int, default=0, metavar="STEPS",
+                        help="then check calclip's direct sync (DirectSync) on this model for STEPS steps")
     opts = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     select_cpu_platform()
@@ -171,6 +220,8 @@ def main(argv=None) -> int:
         after = layer_tensors(model)
         moved = [k for k in before if before[k] != after.get(k)]
         print(f"{opts.shape} reload {step}: mismatching {mismatches(cfg, model, policy)}; moved/changed {moved}")
+    if opts.direct:
+        check_direct_sync(cfg, model, vllm_config, policy, opts.direct, opts.shape)
     return 0
 
 
