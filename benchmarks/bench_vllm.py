@@ -28,6 +28,9 @@ decode     generate tokens/s (prompt ``--prompt-len`` random tokens, ignore_eos,
            ``--batches`` x ``--new-tokens``; CUDA graphs on (vLLM's default compile + graph capture); one engine
            alive at a time (a later in-process engine deletes an earlier one's CUDA graphs: ``part_decode``),
            ``--repeats`` rounds per cell after a warm-up; medians [min-max], ratios of round i to round i.
+decode_profile  where a decode step's GPU time goes, FP8 engine vs BF16 engine (``--decode-layers``, the first of
+           ``--batches``, eager engines so torch.profiler sees every kernel): FP8 GEMM, activation quantizer,
+           attention, BF16 GEMM, sampling, norms, other (``DECODE_CATEGORIES``), and each engine's top kernels.
 hf_decode  the same tokens/s for HF ``generate`` (static cache: transformers compiles the decode step with CUDA
            graphs) of calclip's FP8 policy (inside ``frozen_fp8_weights``, as the trainer runs it) and BF16, on
            ``--hf-layers`` layers (compiles once per batch size: ~1 min each).
@@ -80,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
 import _common  # noqa: E402  (puts the repository root on sys.path)
 from bench_speed import Arm, build_llama, cell, interleave, paired_ratio, setup_arm, sharing_copy  # noqa: E402
 
-PARTS = ("ops", "mismatch", "decode", "hf_decode", "grpo")
+PARTS = ("ops", "mismatch", "decode", "decode_profile", "hf_decode", "grpo")
 DEFAULT_PARTS = ("ops", "mismatch", "decode")
 MODEL_SPECS = {  # hidden, intermediate, heads, kv heads, vocab, default layers
     "llama3_8b": (4096, 14336, 32, 8, 128256, None),
@@ -834,6 +837,90 @@ def part_decode(opts) -> None:
     _common.table(columns, rows)
 
 
+# (category, pattern on a CUDA kernel's name), first match wins: vLLM 0.24's block-FP8 linear on Hopper is CUTLASS
+# (``cutlass_scaled_mm``, kernels named cutlass*/sm90*), its activation quantizer ``per_token_group_quant_fp8``
+# (Triton ``_per_token_group_quant_fp8``, or the CUDA op); BF16 linears are cuBLAS (nvjet_*, *gemm*, *xmma*).
+DECODE_CATEGORIES = (
+    ("FP8 activation quantizer", r"per_token_group|quant_fp8|_quant_|dynamic_.*quant|scaled_fp8_quant"),
+    ("FP8 GEMM (CUTLASS)", r"cutlass|scaled_mm|blockwise|fp8"),
+    ("attention", r"attn|attention|flash|paged|reshape_and_cache|kv_cache|unified"),
+    ("BF16 GEMM", r"nvjet|gemm|xmma|cublas|sm90_|ampere_|splitk"),
+    ("sampling / softmax", r"softmax|topk|top_k|sample|argmax|log_softmax|gumbel|exponential"),
+    ("norms and activation", r"rms_norm|rmsnorm|silu|act_and_mul|rotary|rope"),
+)
+
+
+def decode_category(kernel: str) -> str:
+    """The ``DECODE_CATEGORIES`` entry a CUDA kernel's name falls in ("other" when none)."""
+    import re
+
+    for category, pattern in DECODE_CATEGORIES:
+        if re.search(pattern, kernel, re.IGNORECASE):
+            return category
+    return "other"
+
+
+def kernel_split(kernels: list[tuple[str, float, int]], steps: int) -> dict[str, float]:
+    """(name, total CUDA ms, launches) of a profile -> ms per decode step by category, and "total"."""
+    split: dict[str, float] = {}
+    for name, ms, _ in kernels:
+        category = decode_category(name)
+        split[category] = split.get(category, 0.0) + ms / steps
+    split["total"] = sum(ms for _, ms, _ in kernels) / steps
+    return split
+
+
+def part_decode_profile(opts) -> None:
+    """Where a decode step's GPU time goes in the FP8 and in the BF16 engine (Llama-3-8B dims, ``--decode-layers``
+    layers, the first of ``--batches``): each engine alone, without CUDA graphs (``enforce_eager``, so the profiler
+    sees every kernel; the kernels are the graphed engine's), one generate of 32 tokens under torch.profiler after a
+    warm-up. Tells whether the FP8 engine's small-batch decode (1.02x of BF16 at batch 64, fourteenth session) loses
+    in its GEMMs, its activation quantizer or elsewhere."""
+    from calclip.fp8.export import block_fp8_quantization_config
+
+    layers, batch, new_tokens = opts.decode_layers, opts.batches[0], 32
+    model_dir = config_only_dir("llama3_8b", layers, tempfile.mkdtemp(prefix="bench_vllm_profile_"))
+    qc = block_fp8_quantization_config(modules_to_not_convert=["lm_head"])
+    specs = [("vLLM FP8", dict(quantization_config=qc, numerics="calclip")), ("vLLM BF16", {})]
+    opts_eager = argparse.Namespace(**{**vars(opts), "dummy_bf16": True, "enforce_eager": True})
+    prompts = torch.randint(3, 128256, (batch, opts.prompt_len), generator=torch.Generator().manual_seed(batch))
+    requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
+    splits, tops, results = {}, {}, RESULTS.setdefault("decode_profile", {})
+    for name, kwargs in specs:
+        try:
+            llm = make_llm(model_dir, opts_eager, max_model_len=opts.prompt_len + new_tokens + 8, max_num_seqs=batch,
+                           batches=[batch], gpu_util=opts.decode_gpu_util or 0.4, **kwargs)
+        except Exception as err:  # noqa: BLE001
+            print(f"   !! engine {name}: {_short(err)}", flush=True)
+            results[name] = {"error": _short(err)}
+            continue
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
+                                detokenize=False)
+        llm.generate(requests, params, use_tqdm=False)  # warm-up
+        activity = torch.profiler.ProfilerActivity  # CPU only where there is no CUDA (tests: no kernel rows)
+        with torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU]) as prof:
+            llm.generate(requests, params, use_tqdm=False)
+        cuda_sync()
+        kernels = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                   if e.device_time_total > 0]
+        splits[name] = kernel_split(kernels, new_tokens)
+        tops[name] = sorted(kernels, key=lambda k: -k[1])[:10]
+        results[name] = {"split_ms_per_step": splits[name], "top": tops[name]}
+        save_results(opts)
+        shutdown(llm)
+        del llm
+    categories = [c for c, _ in DECODE_CATEGORIES] + ["other", "total"]
+    print(f"\n### decode_profile: GPU ms per decode step (one step = {batch} sequences x 1 token), {layers} layers of "
+          f"Llama-3-8B dims, batch {batch}, eager engine (no CUDA graphs), {new_tokens} tokens incl. the prefill")
+    rows = [[c, *[fmt(splits.get(n, {}).get(c, 0.0), 3) for n, _ in specs]] for c in categories]
+    _common.table(["category", *[n for n, _ in specs]], rows)
+    for name, top in tops.items():
+        print(f"\n#### {name}: top kernels (ms over the {new_tokens}-token generate, launches)")
+        _common.table(["kernel", "ms", "launches"], [[k[:90], fmt(ms, 3), str(n)] for k, ms, n in top])
+
+
 def part_hf_decode(opts) -> None:
     from calclip.fp8 import Fp8Config, frozen_fp8_weights, quantize_model
 
@@ -1160,8 +1247,8 @@ def merge(into: dict, child: dict) -> None:
 
 
 def run_in_process(opts) -> None:
-    parts = {"ops": part_ops, "mismatch": part_mismatch, "decode": part_decode, "hf_decode": part_hf_decode,
-             "grpo": part_grpo}
+    parts = {"ops": part_ops, "mismatch": part_mismatch, "decode": part_decode,
+             "decode_profile": part_decode_profile, "hf_decode": part_hf_decode, "grpo": part_grpo}
     for part in opts.parts:
         try:
             parts[part](opts)

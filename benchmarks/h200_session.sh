@@ -16,6 +16,7 @@
 #                                                                     after one step at lr 1e-5 (not degenerate)
 #   step 8: carry nothing                                   (~4 min)  SmolLM2 mismatch, BF16 and FP8
 #   step 9: carry nothing, if time is left                  (~5 min)  vLLM decode, 32 layers, 512 new tokens
+#   step 10: carry nothing, if time is left                 (~3 min)  where an FP8 decode step's time goes (batch 64)
 # Usage on the device: bash benchmarks/h200_session.sh STEP
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -76,6 +77,11 @@ case "${1:-}" in
     run 300 vllm_decode.log python benchmarks/bench_vllm.py --parts decode --decode-layers 32 --new-tokens 512 \
         --batches 64,128,256 --repeats 2
     ;;
+10) # the batch-64 decode row (1.02x): FP8 GEMM, activation quantizer, attention or other, against BF16's step
+    export PYTHONPATH=/tmp/vsite:/tmp/site VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0
+    run 240 vllm_decode_profile.log python benchmarks/bench_vllm.py --parts decode_profile --decode-layers 32 \
+        --batches 64
+    ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh 1|2|3|4|5|6|7|8|9"; exit 2 ;;
+    echo "usage: bash benchmarks/h200_session.sh 1|2|3|4|5|6|7|8|9|10"; exit 2 ;;
 esac

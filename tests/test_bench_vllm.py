@@ -581,3 +581,45 @@ def test_grpo_arms_are_checked():
     assert bench_vllm.parse_args([]).grpo_arms == ["fp8", "bf16"]
     with pytest.raises(SystemExit):
         bench_vllm.parse_args(["--grpo-arms", "fp16"])
+
+
+def test_decode_kernels_fall_in_their_categories_and_split_per_step():
+    cat = bench_vllm.decode_category
+    assert cat("void vllm::per_token_group_quant_8bit_kernel<__nv_bfloat16>") == "FP8 activation quantizer"
+    assert cat("_per_token_group_quant_fp8") == "FP8 activation quantizer"
+    assert cat("void cutlass::device_kernel<vllm::cutlass_3x_gemm_fp8_blockwise<...>>") == "FP8 GEMM (CUTLASS)"
+    assert cat("kernel_unified_attention_2d") == "attention"
+    assert cat("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "BF16 GEMM"
+    assert cat("void vllm::rms_norm_kernel<c10::BFloat16>") == "norms and activation"
+    assert cat("_topk_log_softmax_kernel") == "sampling / softmax"
+    assert cat("void at::native::elementwise_kernel<...>") == "other"
+    split = bench_vllm.kernel_split([("nvjet_sm90_a", 6.0, 3), ("cutlass_x", 4.0, 2), ("foo", 2.0, 1)], steps=4)
+    assert split == {"BF16 GEMM": 1.5, "FP8 GEMM (CUTLASS)": 1.0, "other": 0.5, "total": 3.0}
+
+
+def test_decode_profile_profiles_each_engine_alone_without_graphs(monkeypatch, capsys):
+    import types
+
+    built = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
+        def generate(self, requests, params, use_tqdm):
+            torch.ones(64, 64) @ torch.ones(64, 64)  # something for the profiler (no CUDA kernels on CPU)
+            return []
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = LLM, lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setattr(bench_vllm, "shutdown", lambda llm: None)
+    monkeypatch.setattr(bench_vllm, "cuda_sync", lambda: None)
+    bench_vllm.RESULTS.clear()
+    opts = bench_vllm.parse_args(["--parts", "decode_profile", "--decode-layers", "1", "--batches", "2"])
+    bench_vllm.part_decode_profile(opts)
+    assert len(built) == 2 and all(k["enforce_eager"] for k in built)
+    assert built[0]["quantization"] == "fp8" and "quantization" not in built[1]
+    out = capsys.readouterr().out
+    assert "### decode_profile" in out and "FP8 activation quantizer" in out
+    assert set(bench_vllm.RESULTS["decode_profile"]) == {"vLLM FP8", "vLLM BF16"}
