@@ -13,7 +13,9 @@ FP8 engine, fail to load them). Three small seams change that, and nothing of TR
    ``initialize_layerwise_reload(model)`` before its first tensor and ``finalize_layerwise_reload(model,
    model_config)`` after its last one — exactly what vLLM's own weight-transfer engine does on
    ``start_weight_update`` / ``finish_weight_update``. Server mode needs nothing: TRL 1.16's client already wraps
-   every ``update_named_params`` in ``/start_weight_update`` ... ``/finish_weight_update``.
+   every ``update_named_params`` in ``/start_weight_update`` ... ``/finish_weight_update``. After the first reload
+   the engine's layout is checked byte for byte; where it holds every tensor as loaded, later colocate syncs are
+   in-place copies instead (``calclip.trainers.vllm_direct_sync``, ``fp8_direct_sync``).
 3. ``_init_vllm``: the engine is built block-FP8: ``quantization="fp8"`` plus ``hf_overrides`` carrying the
    checkpoint's ``quantization_config`` (weight_block_size [128, 128], ignored layers) and ``load_format="dummy"``
    (TRL syncs the real weights before the first rollout: ``_last_loaded_step`` starts at -1), or, with
