@@ -36,6 +36,18 @@ class Slot:
     start: int
 
 
+def engine_name(name: str, packed_modules: Mapping[str, tuple[str, ...]]) -> tuple[str, str | None, int]:
+    """vLLM's parameter name for checkpoint tensor ``name``, the fused layer it is a shard of (None: not a shard) and
+    its index among that layer's shards (``packed_modules``: fused name -> shard names in vLLM's order):
+    ``model.layers.0.self_attn.k_proj.weight`` -> ``(model.layers.0.self_attn.qkv_proj.weight, "qkv_proj", 1)``."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, short = module.rpartition(".")
+    for fused, shards in packed_modules.items():
+        if short in shards:
+            return (f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}"), fused, shards.index(short)
+    return name, None, 0
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 
@@ -62,9 +74,8 @@ class DirectSync:
         at a time (a shard waits only until the shards before it in the fused order have passed: in HF's parameter order,
         never). Sets and returns ``verified``; on a difference, ``reason`` names the first tensor and how."""
         self.slots, self.verified, self.reason = None, False, None
-        shard_of = {shard: (fused, i) for fused, shards in self.packed_modules.items() for i, shard in enumerate(shards)}
         slots: dict[str, Slot] = {}
-        fused_rows: dict[str, list[int | None]] = {}  # target -> rows of each shard seen so far (None: not yet)
+        fused_rows: dict[str, tuple[str, list[int | None]]] = {}  # target -> (fused name, rows of each shard seen)
         waiting: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
 
         def place(name: str, tensor: torch.Tensor, slot: Slot) -> bool:
@@ -76,15 +87,12 @@ class DirectSync:
             return True
 
         for name, tensor in named_tensors:
-            module, _, leaf = name.rpartition(".")
-            parent, _, short = module.rpartition(".")
-            if short not in shard_of:
+            target, fused, index = engine_name(name, self.packed_modules)
+            if fused is None:
                 if not place(name, tensor, Slot(name, 0)):
                     return False
                 continue
-            fused, index = shard_of[short]
-            target = f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}"
-            rows = fused_rows.setdefault(target, [None] * len(self.packed_modules[fused]))
+            rows = fused_rows.setdefault(target, (fused, [None] * len(self.packed_modules[fused])))[1]
             pending = waiting.setdefault(target, {})
             pending[index] = (name, tensor)
             while True:  # place every shard whose predecessors have all been seen
@@ -93,13 +101,11 @@ class DirectSync:
                     break
                 i = ready[0]
                 shard_name, shard = pending.pop(i)
-                if shard.dim() == 0 or not place(shard_name, shard, Slot(target, sum(rows[:i]))):
-                    self.reason = self.reason or f"{shard_name}: a 0-d shard of {target}"
+                if not place(shard_name, shard, Slot(target, sum(rows[:i]))):  # (a 0-d shard fails there too)
                     return False
                 rows[i] = shard.shape[0]
-        for target, rows in fused_rows.items():
+        for target, (fused, rows) in fused_rows.items():
             if any(r is None for r in rows):
-                fused = target.rpartition(".")[0].rpartition(".")[2]
                 missing = [s for s, r in zip(self.packed_modules[fused], rows) if r is None]
                 self.reason = f"{target}: shards {missing} are not in the sync"
                 return False

@@ -71,7 +71,7 @@ from calclip.fp8.export import (
     vllm_block_fp8_problems,
     vllm_keep_patterns,
 )
-from calclip.trainers.vllm_direct_sync import DirectSync
+from calclip.trainers.vllm_direct_sync import DirectSync, engine_name
 
 # The two hooks of vLLM's layerwise reload (vllm/model_executor/model_loader/reload/__init__.py, the releases
 # TRL 1.16 supports: vllm>=0.22,<=0.31).
@@ -172,15 +172,12 @@ def expected_engine_fp8_tensors(policy: nn.Module, packed_modules: Mapping[str, 
     layer's ``weight`` (codes viewed as uint8) and ``weight_scale_inv`` are its shards' stacked along dim 0 in
     ``packed_modules`` order (q, k, v; gate, up); unfused FP8 linears keep their own."""
     policy = unwrap_model(policy)
-    shard_to_fused = {shard: (fused, i) for fused, shards in packed_modules.items() for i, shard in enumerate(shards)}
     groups: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in fp8_weight_sync_tensors(policy, fp8_modules=fp8_modules):
-        module_name, _, leaf = name.rpartition(".")
+        leaf = name.rpartition(".")[2]
         if leaf not in ("weight", SCALE_NAME) or (leaf == "weight" and tensor.dtype != torch.float8_e4m3fn):
             continue
-        parent, _, short = module_name.rpartition(".")
-        fused, index = shard_to_fused.get(short, (short, 0))
-        target = f"{parent}.{fused}.{leaf}" if parent else f"{fused}.{leaf}"
+        target, _, index = engine_name(name, packed_modules)
         groups.setdefault(target, {})[index] = tensor.view(torch.uint8) if leaf == "weight" else tensor
     return {name: torch.cat([parts[i] for i in sorted(parts)]) for name, parts in groups.items()}
 

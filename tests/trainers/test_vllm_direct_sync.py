@@ -199,3 +199,16 @@ def test_verify_places_shards_that_arrive_before_their_predecessors():
     wrong_dtype = DirectSync(PACKED)
     assert not wrong_dtype.verify({"w": torch.zeros(2, 2, dtype=torch.bfloat16)}, [("w", torch.zeros(2, 2))])
     assert "engine dtype torch.bfloat16, sync dtype torch.float32" in wrong_dtype.reason
+
+
+def test_engine_name_maps_shards_to_their_fused_layer_and_leaves_the_rest():
+    from calclip.trainers.vllm_direct_sync import engine_name
+
+    assert engine_name("model.layers.0.self_attn.k_proj.weight", PACKED) == (
+        "model.layers.0.self_attn.qkv_proj.weight", "qkv_proj", 1)
+    assert engine_name("model.layers.3.mlp.up_proj.weight_scale_inv", PACKED) == (
+        "model.layers.3.mlp.gate_up_proj.weight_scale_inv", "gate_up_proj", 1)
+    assert engine_name("model.layers.0.self_attn.o_proj.weight", PACKED) == (
+        "model.layers.0.self_attn.o_proj.weight", None, 0)
+    assert engine_name("q_proj.weight", PACKED) == ("qkv_proj.weight", "qkv_proj", 0)
+    assert engine_name("model.norm.weight", PACKED) == ("model.norm.weight", None, 0)
