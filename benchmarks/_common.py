@@ -134,3 +134,39 @@ def scaled_mm_forward(qx, sx, qw, sw, out_dtype=torch.bfloat16):
     docs/scaled_mm_layouts.md: 1x128 scales column-major (M, K/128); weight scales sw.t() of contiguous
     (N/128, K/128). Correct only when K/128 is a multiple of 4."""
     return torch._scaled_mm(qx, qw.t(), scale_a=sx.t().contiguous().t(), scale_b=sw.t(), out_dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel profiles: a profiler's CUDA kernels by category (probes/profile_model_step.py, bench_vllm.py decode_profile)
+
+
+def kernel_category(kernel: str, categories) -> str:
+    """The first (category, regex) of ``categories`` whose pattern is found in a CUDA kernel's name (case
+    insensitive); "other" when none is."""
+    import re
+
+    for name, pattern in categories:
+        if re.search(pattern, kernel, re.IGNORECASE):
+            return name
+    return "other"
+
+
+def kernel_times(prof) -> dict[str, tuple[float, int]]:
+    """kernel name -> (summed device us, launches) over a finished profiler's CUDA events."""
+    import collections
+
+    times: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = times[event.name]
+            entry[0] += event.device_time
+            entry[1] += 1
+    return {name: (us, n) for name, (us, n) in times.items()}
+
+
+def split_by_category(times: dict[str, tuple[float, int]], steps: int, categories) -> dict[str, float]:
+    """category -> ms per step, every category of ``categories`` (and "other") present."""
+    split = dict.fromkeys([*(name for name, _ in categories), "other"], 0.0)
+    for kernel, (us, _) in times.items():
+        split[kernel_category(kernel, categories)] += us / steps / 1e3
+    return split

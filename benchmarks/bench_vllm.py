@@ -850,23 +850,10 @@ DECODE_CATEGORIES = (
 )
 
 
-def decode_category(kernel: str) -> str:
-    """The ``DECODE_CATEGORIES`` entry a CUDA kernel's name falls in ("other" when none)."""
-    import re
-
-    for category, pattern in DECODE_CATEGORIES:
-        if re.search(pattern, kernel, re.IGNORECASE):
-            return category
-    return "other"
-
-
-def kernel_split(kernels: list[tuple[str, float, int]], steps: int) -> dict[str, float]:
-    """(name, total CUDA ms, launches) of a profile -> ms per decode step by category, and "total"."""
-    split: dict[str, float] = {}
-    for name, ms, _ in kernels:
-        category = decode_category(name)
-        split[category] = split.get(category, 0.0) + ms / steps
-    split["total"] = sum(ms for _, ms, _ in kernels) / steps
+def decode_split(times: dict[str, tuple[float, int]], steps: int) -> dict[str, float]:
+    """``_common.kernel_times`` of a profile -> ms per decode step by ``DECODE_CATEGORIES``, and "total"."""
+    split = _common.split_by_category(times, steps, DECODE_CATEGORIES)
+    split["total"] = sum(us for us, _ in times.values()) / steps / 1e3
     return split
 
 
@@ -903,10 +890,9 @@ def part_decode_profile(opts) -> None:
         with torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU]) as prof:
             llm.generate(requests, params, use_tqdm=False)
         cuda_sync()
-        kernels = [(e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
-                   if e.device_time_total > 0]
-        splits[name] = kernel_split(kernels, new_tokens)
-        tops[name] = sorted(kernels, key=lambda k: -k[1])[:10]
+        times = _common.kernel_times(prof)
+        splits[name] = decode_split(times, new_tokens)
+        tops[name] = sorted(((k, us / 1e3, n) for k, (us, n) in times.items()), key=lambda k: -k[1])[:10]
         results[name] = {"split_ms_per_step": splits[name], "top": tops[name]}
         save_results(opts)
         shutdown(llm)

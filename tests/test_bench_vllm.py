@@ -584,7 +584,9 @@ def test_grpo_arms_are_checked():
 
 
 def test_decode_kernels_fall_in_their_categories_and_split_per_step():
-    cat = bench_vllm.decode_category
+    import _common
+
+    cat = lambda name: _common.kernel_category(name, bench_vllm.DECODE_CATEGORIES)  # noqa: E731
     assert cat("void vllm::per_token_group_quant_8bit_kernel<__nv_bfloat16>") == "FP8 activation quantizer"
     assert cat("_per_token_group_quant_fp8") == "FP8 activation quantizer"
     assert cat("void cutlass::device_kernel<vllm::cutlass_3x_gemm_fp8_blockwise<...>>") == "FP8 GEMM (CUTLASS)"
@@ -593,8 +595,11 @@ def test_decode_kernels_fall_in_their_categories_and_split_per_step():
     assert cat("void vllm::rms_norm_kernel<c10::BFloat16>") == "norms and activation"
     assert cat("_topk_log_softmax_kernel") == "sampling / softmax"
     assert cat("void at::native::elementwise_kernel<...>") == "other"
-    split = bench_vllm.kernel_split([("nvjet_sm90_a", 6.0, 3), ("cutlass_x", 4.0, 2), ("foo", 2.0, 1)], steps=4)
-    assert split == {"BF16 GEMM": 1.5, "FP8 GEMM (CUTLASS)": 1.0, "other": 0.5, "total": 3.0}
+    split = bench_vllm.decode_split({"nvjet_sm90_a": (6000.0, 3), "cutlass_x": (4000.0, 2), "foo": (2000.0, 1)},
+                                    steps=4)
+    assert {k: v for k, v in split.items() if v} == {"BF16 GEMM": 1.5, "FP8 GEMM (CUTLASS)": 1.0, "other": 0.5,
+                                                       "total": 3.0}
+    assert set(split) == {*(c for c, _ in bench_vllm.DECODE_CATEGORIES), "other", "total"}
 
 
 def test_decode_profile_profiles_each_engine_alone_without_graphs(monkeypatch, capsys):

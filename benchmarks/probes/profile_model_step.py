@@ -19,8 +19,6 @@ arm's top kernels. A probe, not a benchmark: one round, arms not interleaved.
 from __future__ import annotations
 
 import argparse
-import collections
-import re
 import sys
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (ben
 import torch  # noqa: E402
 
 import _common  # noqa: E402,F401  (puts the repository root on sys.path)
-from _common import table  # noqa: E402
+from _common import kernel_category, kernel_times, table  # noqa: E402
 
 # (category, pattern on the kernel name), first match wins. cuBLAS' FP8 kernels carry "qq" in their nvjet names
 # (docs/benchmarks-log.md's profiles: nvjet_sm90_qqtst_... for FP8, nvjet_sm90_tst_... for BF16).
@@ -45,34 +43,16 @@ CATEGORIES = (
     ("copy / fill", r"memcpy|memset|copy|fill|cat_|CatArray"),
     ("other", r""),
 )
-_COMPILED = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in CATEGORIES]
 
 
 def category(kernel: str) -> str:
     """The CATEGORIES entry of a CUDA kernel name."""
-    for name, pattern in _COMPILED:
-        if pattern.search(kernel):
-            return name
-    return "other"
-
-
-def kernel_times(prof) -> dict[str, tuple[float, int]]:
-    """kernel name -> (summed device us, launches) over a finished profiler's CUDA events."""
-    times: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = times[event.name]
-            entry[0] += event.device_time
-            entry[1] += 1
-    return {name: (us, n) for name, (us, n) in times.items()}
+    return kernel_category(kernel, CATEGORIES)
 
 
 def split_by_category(times: dict[str, tuple[float, int]], steps: int) -> dict[str, float]:
     """category -> ms per step."""
-    split = dict.fromkeys((name for name, _ in CATEGORIES), 0.0)
-    for kernel, (us, _) in times.items():
-        split[category(kernel)] += us / steps / 1e3
-    return split
+    return _common.split_by_category(times, steps, CATEGORIES)
 
 
 def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str, tuple[float, int]]]:
