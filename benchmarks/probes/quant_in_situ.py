@@ -30,9 +30,7 @@ import torch  # noqa: E402
 
 import _common  # noqa: E402,F401  (puts the repository root on sys.path)
 from _common import fmt_ms, table  # noqa: E402
-
-BLOCK = 128
-
+from bench_quant import traffic_bytes  # noqa: E402
 
 @dataclass(frozen=True)
 class Call:
@@ -64,9 +62,8 @@ def step_calls(hidden: int, intermediate: int, heads: int, kv_heads: int, head_d
 
 
 def traffic(kind: str, tokens: int, width: int) -> int:
-    """Bytes one call moves: bf16 in, e4m3 codes out, fp32 scales out."""
-    scales = tokens * -(-width // BLOCK) if kind == "1x128" else -(-tokens // BLOCK) * width
-    return tokens * width * 3 + 4 * scales
+    """Bytes one call moves: bf16 in, e4m3 codes out, fp32 scales out (``bench_quant.traffic_bytes``)."""
+    return traffic_bytes(kind, (tokens, width), in_bytes=2)
 
 
 def main(argv=None) -> int:
