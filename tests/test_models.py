@@ -93,10 +93,8 @@ def test_a_gguf_model_loads_untagged_and_saves_as_a_plain_float_model(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    bench_vllm = pytest.importorskip("bench_vllm") if str(ROOT / "benchmarks") in sys.path else None
-    if bench_vllm is None:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        import bench_vllm
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_vllm
     model = bench_vllm.smollm2(str(models.default_model_dir() / models.DEFAULT_GGUF_FILE), "cpu")
     assert model.hf_quantizer is None and not getattr(model.config, "quantization_config", None)
     assert next(model.parameters()).dtype == torch.bfloat16
