@@ -981,7 +981,8 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     on_gpu = device.type == "cuda"
     args = CalibratedGRPOConfig(
         output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm.startswith("fp8"),
-        vllm_fp8_direct_sync=arm != "fp8_reload", use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
+        vllm_fp8_direct_sync=arm != "fp8_reload", use_vllm=True, vllm_mode="colocate",
+        vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
         per_device_train_batch_size=completions, num_generations=8, gradient_accumulation_steps=1,
         steps_per_generation=1, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
         learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False,
@@ -1114,9 +1115,9 @@ def parse_args(argv=None):
                         help="engines without torch.compile and CUDA graphs (vLLM's enforce_eager): with --parts "
                              "mismatch, tells a graph or compile problem from a model one")
     parser.add_argument("--model-impl", default="auto", choices=("auto", "vllm", "transformers"),
-                        help="vLLM's model_impl for the mismatch/decode engines (TRL: vllm_model_impl). 'transformers' "
-                             "runs HF's modeling code (its RMSNorm, RoPE, SiLU*up, unfused q/k/v) with vLLM's linears "
-                             "and attention: the candidate lever for an engine that rounds like the trainer")
+                        help="vLLM's model_impl for the engines (TRL: vllm_model_impl). 'transformers' runs HF's "
+                             "modeling code with vLLM's linears and attention; decode parts only: it patches the "
+                             "transformers class in-process, which breaks the trainer-side model of mismatch and grpo")
     parser.add_argument("--grpo-layers", type=int, default=4)
     parser.add_argument("--grpo-steps", type=int, default=4)
     parser.add_argument("--grpo-tokens", type=int, default=128)
