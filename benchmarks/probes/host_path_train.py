@@ -79,17 +79,9 @@ def stub_launches() -> object:
         def get(self, key, default=None):
             return self.tuned._default_launch
 
-    for value in [v for module in modules for v in vars(module).values()] + list(quantize._count_tuned.values()):
+    for value in [v for module in modules for v in vars(module).values()]:
         if isinstance(value, launch._Tuned):
             value.chosen = DefaultChoice(value)
-    real_count = quantize._counting_kernel
-
-    def counting_kernel(groups):
-        tuned = real_count(groups)
-        tuned.chosen = DefaultChoice(tuned)
-        return tuned
-
-    quantize._counting_kernel = counting_kernel
 
     def impl(x, name, block):  # every tensor takes the Triton wrapper, as CUDA tensors do
         return getattr(tk, name, None) or getattr(reference, name)

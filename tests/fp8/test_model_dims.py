@@ -102,25 +102,18 @@ def test_family_table_is_consistent():
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_counting_quantizer_has_configs_for_every_family_width():
-    """The training forward's 1x128 quantizer counts non-finite rows in whole-row programs; every row width of every
-    family (and every power of two up to 2**12 groups, K = 512K) gets a non-empty config table, one-pass tiles hold
-    the whole row, and no tile exceeds 16K elements (the register budget the chunked table exists for)."""
-    launch = pytest.importorskip("calclip.fp8.kernels.launch")
+def test_counting_quantizer_shares_the_plain_launch():
+    """The training forward's 1x128 quantizer counts non-finite rows on the plain launch's grid (row tiles x chunks
+    of GROUPS groups; tests/fp8/test_triton.py counts rows spanning many chunks), so no width needs a table of its
+    own: both tables keep tiles within 16K elements and start from the same default, and they differ only where the
+    counting code spills registers (test_kernels_compile_for_sm90_without_a_gpu)."""
     quantize = pytest.importorskip("calclip.fp8.kernels.quantize")
-    widths = {k for k, _ in _distinct_linears()} | {n for _, n in _distinct_linears()}
-    for k in sorted(widths) + [1 << e for e in range(7, 20)]:
-        nb = -(-k // BLOCK)
-        groups = launch._next_pow2(nb)
-        configs = quantize._counting_configs(groups)
-        assert configs, k
-        for config in configs:
-            tile = config.kwargs["BLOCK_R"] * config.kwargs["GROUPS"] * BLOCK
-            assert tile <= 16384, (k, config.kwargs)
-            if groups <= quantize._COUNT_ONE_PASS_GROUPS:
-                assert config.kwargs["GROUPS"] >= nb, (k, config.kwargs)  # one pass covers the row
-        default = quantize._counting_kernel(groups).default
-        assert (default.kwargs, default.num_warps) == (configs[0].kwargs, configs[0].num_warps)
+    for config in quantize._QUANT_1X128_CONFIGS + quantize._QUANT_1X128_COUNT_CONFIGS:
+        assert config.kwargs["BLOCK_R"] * config.kwargs["GROUPS"] * BLOCK <= 16384, config.kwargs
+    assert quantize._quantize_1x128_counting_tuned.default is quantize._quantize_1x128_tuned.default
+    differ = {(c.kwargs["BLOCK_R"], c.kwargs["GROUPS"], c.num_warps) for c in quantize._QUANT_1X128_CONFIGS} ^ \
+        {(c.kwargs["BLOCK_R"], c.kwargs["GROUPS"], c.num_warps) for c in quantize._QUANT_1X128_COUNT_CONFIGS}
+    assert differ == {(8, 4, 4), (16, 8, 8), (8, 4, 8), (8, 8, 8)}
 
 
 def test_autotune_buckets_are_capped_powers_of_two():
@@ -190,7 +183,6 @@ with FakeTensorMode(allow_non_fake_inputs=True):
 choices = [[key[0], key[1], key[2], key[3], key[4], key[5], str(key[6]), key[8], chosen]
            for key, chosen in linear_math._gemm_choice.items()]
 print("RESULT " + json.dumps({"choices": choices, "splits": splits,
-                              "count_tables": sorted(quantize._count_tuned),
                               "splitk_tables": sorted(splitk_gemm._splitk_tuned)}))
 """
 
@@ -249,7 +241,6 @@ def test_every_family_dispatches_like_the_layout_rules(sweep):
                 assert ("1x128", "128x128", m, k, n, "torch.bfloat16", row_scales) in seen  # dgrad
             for w_dtype in ("torch.bfloat16", "torch.float32"):  # wgrad (row scales do not apply: no 128x128 operand)
                 assert ("1x128", "1x128", n, k, m, w_dtype, False) in seen
-    assert 0 in sweep["count_tables"]  # the chunked counting table was built (K > 16384)
     for m, n, k, split in sweep["splits"]:
         assert 1 <= split <= 16 and (split == 1 or -(-k // BLOCK) >= 4 * (split // 2)), (m, n, k, split)
         if split > 1:

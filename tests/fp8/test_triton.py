@@ -152,14 +152,13 @@ def _reference_bad_rows(x, weight_bad):
 
 
 @pytest.mark.parametrize("weight_bad", [False, True])
-# K = 16384: the widest one-pass row; 18944 (Qwen2.5-7B's down projection) and 32769 (past the old 32768 limit,
-# ragged last group) walk their groups in chunks.
+# K = 18944 (Qwen2.5-7B's down projection) and 32769 (ragged last group): rows of many chunks of groups.
 @pytest.mark.parametrize("shape", [(1, 1), (3, 200), (2, 5, 576), (33, 1536), (70, 128 * 17), (3, 16384), (5, 18944),
                                    (2, 256 * 128 + 1)])
 def test_quantize_1x128_counts_nonfinite_rows_in_kernel(shape, weight_bad):
-    """The counting launch (whole rows per program, in one pass or walked in chunks) gives the plain kernel's codes
+    """The counting launch (the plain launch's grid of row tiles x chunks of groups) gives the plain kernel's codes
     and scales bit for bit, and adds exactly the number of rows holding a NaN/Inf (all rows when the weight is bad)
-    to the counter."""
+    to the counter: a row with non-finite values in several chunks counts once."""
     x = _wide_range(shape, torch.bfloat16, seed=sum(shape))
     flat = x.view(-1, shape[-1])
     g = torch.Generator().manual_seed(len(shape))
@@ -167,6 +166,7 @@ def test_quantize_1x128_counts_nonfinite_rows_in_kernel(shape, weight_bad):
         flat[i, int(torch.randint(shape[-1], (1,), generator=g))] = [NAN, INF, -INF][i % 3]
     if flat.shape[0] > 1:
         flat[0, :] = NAN  # several bad groups in one row count once
+        flat[1, -1], flat[1, shape[-1] // 2] = INF, NAN  # bad in a late chunk and a middle one, not the first
     counter = torch.full((), 5, dtype=torch.int64, device=DEVICE)  # accumulates onto what was there
     bad = torch.tensor(weight_bad, device=DEVICE)
     q, s = tk.quantize_1x128(x, nonfinite_count=counter, weight_bad=bad)
@@ -498,21 +498,21 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     count_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32, "K": i32, "NB": i32,
                    "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32, "count_ptr": "*i64",
                    "weight_bad_ptr": "*i1"}
-    # SmolLM2's 576/1536, K=4096, K=14336: whole rows in one pass; K=18944 (Qwen2.5-7B's down projection): chunks
-    for groups in (8, 32, 128, 256):
-        tuned = quantize._counting_kernel(groups)
-        ptx = compile_ptx(quantize._quantize_1x128_kernel, count_types, {**quant, "COUNT": True, "GROUPS": groups},
-                          tuned.default)
-        assert "atom.global" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    # the counting launch: the plain table's tiles, plus the rare re-read of earlier groups and the atomic add; no
+    # config may spill registers (the whole-row tiles it replaced did, at K = 18944)
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if ptxas.exists():  # the chunked configs exist so that no program spills registers: keep it so
-        for config in quantize._COUNT_CHUNK_CONFIGS:
-            ptx = compile_ptx(quantize._quantize_1x128_kernel, count_types, {**quant, "COUNT": True}, config)
-            with tempfile.TemporaryDirectory() as tmp:
-                (Path(tmp) / "k.ptx").write_text(ptx)
-                info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(tmp) / "k.ptx"), "-o",
-                                       str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True).stderr
-            assert " 0 bytes spill stores" in info, (config, info)
+    for config in quantize._QUANT_1X128_COUNT_CONFIGS:
+        for pow2 in (False, True):
+            ptx = compile_ptx(quantize._quantize_1x128_kernel, count_types, {**quant, "POW2": pow2, "COUNT": True},
+                              config)
+            assert "atom.global" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+            if ptxas.exists():
+                with tempfile.TemporaryDirectory() as tmp:
+                    (Path(tmp) / "k.ptx").write_text(ptx)
+                    info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(tmp) / "k.ptx"), "-o",
+                                           str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
+                                          check=True).stderr
+                assert " 0 bytes spill stores" in info, (config, info)
     compile_ptx(quantize._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
                 "K": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
                 quant, quantize._QUANT_128X1_DEFAULT)

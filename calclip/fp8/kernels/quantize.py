@@ -22,7 +22,7 @@ from torch import Tensor
 from calclip.fp8.config import BLOCK, FP8_DTYPE
 from calclip.fp8.kernels.launch import (
     _as_float_input, _bucket, _ceil_div, _check_2d, _check_block, _check_device, _codes_out, _counter_operands,
-    _next_pow2, _Tuned,
+    _Tuned,
 )
 from calclip.fp8.kernels.numerics import _abs_max, _block_scale, _scaled_codes, _store_codes
 
@@ -52,6 +52,21 @@ def _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, first_group, R, K, NB, str
 
 
 @triton.jit
+def _nonfinite_rows_before(x_ptr, rows, wanted, end_group, R, K, stride_xr, GROUP: tl.constexpr):
+    """int32 [BLOCK_R]: 1 where a ``wanted`` row has a non-finite element in its groups [0, end_group). Only wanted
+    rows are read (masked loads), one group at a time: a small tile, so the rare path adds few registers."""
+    found = tl.zeros_like(wanted)
+    col0 = end_group * 0
+    while col0 < end_group * GROUP:
+        cols = col0 + tl.arange(0, GROUP)[None, :]
+        mask = (wanted[:, None] != 0) & (rows[:, None] < R) & (cols < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
+        found = tl.maximum(found, (_abs_max(x, 1) == float("inf")).to(tl.int32))
+        col0 += GROUP
+    return found
+
+
+@triton.jit
 def _quantize_1x128_kernel(
     x_ptr, q_ptr, s_ptr,  # x [R, K] (last dim contiguous), q [R, K] contiguous, s [R, NB] any strides
     R, K, NB, stride_xr, stride_sr, stride_sg,
@@ -60,34 +75,27 @@ def _quantize_1x128_kernel(
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
 ):
-    """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile.
+    """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile;
+    the grid covers rows (axis 0) and chunks of GROUPS groups (axis 1).
 
-    COUNT (launched with one program per BLOCK_R rows): the program walks its rows' groups GROUPS at a time, so it
-    holds whole rows however wide they are, and adds to ``count_ptr`` the number of its rows that have a non-finite
-    group (every valid row when ``weight_bad_ptr`` is set) — the FP8BlockLinear non-finite token count, from
-    registers this kernel already holds, one atomic per program with bad rows."""
+    COUNT: also add to ``count_ptr`` the number of rows with a non-finite group (every valid row, once, when
+    ``weight_bad_ptr`` is set): the FP8BlockLinear non-finite token count, from registers the program already holds.
+    A row is counted by the program of its first chunk with a non-finite group: a program that finds such rows (rare:
+    never in a healthy run) reads those rows' earlier groups to drop the ones an earlier chunk counts. So counting
+    launches the same grid and tiles as plain quantization and costs nothing while every value is finite."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    first_group = tl.program_id(1) * GROUPS
+    row_bad = _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, first_group, R, K, NB, stride_xr, stride_sr,
+                                     stride_sg, POW2, SOFT_FP8, GROUPS, GROUP)
     if COUNT:
-        row_bad = tl.zeros((BLOCK_R,), dtype=tl.int32)
-        if SOFT_FP8:  # the interpreter passes NB as a 1-element array (see _fp8_block_gemm_kernel)
-            g0 = 0
-            while g0 < NB:
-                row_bad = tl.maximum(row_bad, _quantize_1x128_groups(
-                    x_ptr, q_ptr, s_ptr, rows, g0, R, K, NB, stride_xr, stride_sr, stride_sg,
-                    POW2, SOFT_FP8, GROUPS, GROUP))
-                g0 += GROUPS
+        if tl.load(weight_bad_ptr).to(tl.int32) != 0:
+            n_bad = tl.sum((rows < R).to(tl.int32), axis=0) * (first_group == 0).to(tl.int32)
         else:
-            for g0 in range(0, NB, GROUPS):
-                row_bad = tl.maximum(row_bad, _quantize_1x128_groups(
-                    x_ptr, q_ptr, s_ptr, rows, g0, R, K, NB, stride_xr, stride_sr, stride_sg,
-                    POW2, SOFT_FP8, GROUPS, GROUP))
-        valid = rows < R
-        weight_bad = tl.load(weight_bad_ptr).to(tl.int32)
-        n_bad = tl.where(weight_bad != 0, tl.sum(valid.to(tl.int32), axis=0), tl.sum(row_bad, axis=0))
+            n_bad = tl.sum(row_bad, axis=0)
+            if n_bad > 0:
+                earlier = _nonfinite_rows_before(x_ptr, rows, row_bad, first_group, R, K, stride_xr, GROUP)
+                n_bad = tl.sum(row_bad * (1 - earlier), axis=0)
         tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=n_bad > 0)
-    else:
-        _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, tl.program_id(1) * GROUPS, R, K, NB, stride_xr, stride_sr,
-                               stride_sg, POW2, SOFT_FP8, GROUPS, GROUP)
 
 
 _QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4}, num_warps=8)
@@ -100,6 +108,21 @@ _QUANT_1X128_CONFIGS = [
     triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
 ]
 _quantize_1x128_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_CONFIGS, key=["K", "R_BUCKET"])
+# Counting launches: the same tiles, and the counter restored after each autotune timing run. Until 2026-12-02 they
+# took whole rows per program (one pass up to K = 16384, chunked beyond); at the Qwen2.5-1.5B row's K = 8960 that
+# ran at 19% of copy bandwidth against 79% without counting (probes/quant_in_situ.py, fifteenth session).
+# Its table is the plain one less the two configs whose counting code spills registers on sm_90 (ptxas: 8 x 4 at 4
+# warps, 16 x 8 at 8 warps with power-of-two scales), replaced by 8 x 4 and 8 x 8 at 8 warps.
+_QUANT_1X128_COUNT_CONFIGS = [
+    _QUANT_1X128_DEFAULT,
+    triton.Config({"BLOCK_R": 8, "GROUPS": 4}, num_warps=8),
+    triton.Config({"BLOCK_R": 32, "GROUPS": 2}, num_warps=8),
+    triton.Config({"BLOCK_R": 8, "GROUPS": 8}, num_warps=8),
+    triton.Config({"BLOCK_R": 4, "GROUPS": 8}, num_warps=4),
+    triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
+]
+_quantize_1x128_counting_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_COUNT_CONFIGS, key=["K", "R_BUCKET"],
+                                        restore_value=["count_ptr"])
 
 
 def _scales_out(rows: int, nb: int, column_major: bool, device: torch.device) -> Tensor:
@@ -107,55 +130,6 @@ def _scales_out(rows: int, nb: int, column_major: bool, device: torch.device) ->
     if column_major:
         return torch.empty(nb, rows, dtype=torch.float32, device=device).t()
     return torch.empty(rows, nb, dtype=torch.float32, device=device)
-
-
-# Counting launches: one program per BLOCK_R rows, which walks its rows' groups GROUPS at a time (the kernel's
-# loop), so it holds whole rows at any K. Rows of up to _COUNT_ONE_PASS_GROUPS groups (K <= 16384) take one pass:
-# GROUPS = next_pow2(NB), tiles of about 2K-16K elements (the configs the H200 ran since counting moved into the
-# kernel). Wider rows (Qwen2.5-7B's down projection, K = 18944; Llama-3-70B's, K = 28672) walk chunks: a whole
-# row of next_pow2(NB) = 256 groups in one tile spills registers on sm_90 (ptxas: 2 KB of spill stores at 16 warps,
-# 312 bytes at 32) and, at NB = 148, leaves 42% of its lanes masked; a chunk of 16-64 groups does neither (ptxas:
-# 101-216 registers, no spills, for every config of _COUNT_CHUNK_CONFIGS with and without POW2; 2 rows x 64 groups at
-# 16 warps spilled, so it is not one of them).
-_COUNT_ELEMENTS = (2048, 16384)
-_COUNT_ONE_PASS_GROUPS = _COUNT_ELEMENTS[1] // BLOCK
-_COUNT_CHUNK_DEFAULT = triton.Config({"BLOCK_R": 1, "GROUPS": 32}, num_warps=8)
-_COUNT_CHUNK_CONFIGS = [
-    _COUNT_CHUNK_DEFAULT,
-    triton.Config({"BLOCK_R": 1, "GROUPS": 32}, num_warps=4),
-    triton.Config({"BLOCK_R": 2, "GROUPS": 32}, num_warps=8),
-    triton.Config({"BLOCK_R": 4, "GROUPS": 16}, num_warps=8),
-    triton.Config({"BLOCK_R": 1, "GROUPS": 64}, num_warps=8),
-    triton.Config({"BLOCK_R": 1, "GROUPS": 64}, num_warps=16),
-    triton.Config({"BLOCK_R": 4, "GROUPS": 32}, num_warps=16),
-]
-_count_tuned: dict[int, _Tuned] = {}  # one per one-pass group count; key 0: the chunked launches
-
-
-def _counting_configs(groups: int) -> list[triton.Config]:
-    """Autotune configs of the counting launch for rows of NB <= ``groups`` groups (``groups`` = next_pow2(NB)).
-    Never empty: a one-pass table always holds a single-row config, and wider rows take the chunked table."""
-    if groups > _COUNT_ONE_PASS_GROUPS:
-        return list(_COUNT_CHUNK_CONFIGS)
-    configs = []
-    for block_r in (max(1, 4096 // (groups * BLOCK)), 1, 2, 4, 8, 16, 32):
-        elements = block_r * groups * BLOCK
-        if elements <= _COUNT_ELEMENTS[1] and (elements >= _COUNT_ELEMENTS[0] or block_r == 1):
-            for warps in (4, 8) if elements <= 4096 else (8, 16):
-                config = triton.Config({"BLOCK_R": block_r, "GROUPS": groups}, num_warps=warps)
-                if all(c.kwargs != config.kwargs or c.num_warps != warps for c in configs):
-                    configs.append(config)
-    return configs
-
-
-def _counting_kernel(groups: int) -> _Tuned:
-    """The 1x128 kernel tuned for counting launches over rows of NB <= ``groups`` = next_pow2(NB) groups."""
-    table = groups if groups <= _COUNT_ONE_PASS_GROUPS else 0
-    tuned = _count_tuned.get(table)
-    if tuned is None:
-        tuned = _count_tuned[table] = _Tuned(_quantize_1x128_kernel, _counting_configs(groups), key=["K", "R_BUCKET"],
-                                             restore_value=["count_ptr"])
-    return tuned
 
 
 def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
@@ -187,18 +161,13 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     x2 = x.reshape(r, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if count:
-        groups = _next_pow2(nb)
-        _counting_kernel(groups).launch(
-            lambda meta: (_ceil_div(r, meta["BLOCK_R"]), 1), (k, _bucket(r), x2.dtype, groups), soft_fp8,
-            x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
-            nonfinite_count, weight_bad, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=True, GROUP=block)
-        return q, s
-    _quantize_1x128_tuned.launch(
+    tuned, counter = (_quantize_1x128_counting_tuned, (nonfinite_count, weight_bad)) if count else \
+        (_quantize_1x128_tuned, (s2, s2))  # unused pointers when not counting
+    tuned.launch(
         lambda meta: (_ceil_div(r, meta["BLOCK_R"]), _ceil_div(nb, meta["GROUPS"])),
         (k, _bucket(r), x2.dtype), soft_fp8,
         x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
-        s2, s2, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=False, GROUP=block)
+        *counter, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=count, GROUP=block)
     return q, s
 
 
