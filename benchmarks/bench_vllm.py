@@ -120,10 +120,10 @@ def fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def median_after_first(values: list[float]) -> float:
-    """Median of the measurements after the first (which includes compilation / graph capture)."""
-    rest = values[1:] if len(values) > 1 else values
-    return statistics.median(rest) if rest else math.nan
+def pooled_after(runs: list[dict], key: str, skip: int) -> list[float]:
+    """Every run's ``key`` measurements after its first ``skip`` (compilation, graph capture, autotuning), pooled;
+    all of a run's when it has no more."""
+    return [v for run in runs for v in (run[key][skip:] if len(run[key]) > skip else run[key])]
 
 
 def capture_sizes(batches: list[int]) -> list[int]:
@@ -1032,41 +1032,57 @@ GRPO_ARMS = ("fp8", "fp8_reload", "bf16")
 
 
 def part_grpo(opts) -> None:
-    rows, results = [], RESULTS.setdefault("grpo", {})
-    for arm in opts.grpo_arms:
-        out = Path(tempfile.mkdtemp()) / f"grpo_{arm}.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--grpo-worker", arm, "--grpo-json", str(out),
-               "--grpo-layers", str(opts.grpo_layers), "--grpo-steps", str(opts.grpo_steps),
-               "--grpo-tokens", str(opts.grpo_tokens), "--grpo-completions", str(opts.grpo_completions),
-               "--gpu-util", str(opts.gpu_util), "--logit-std", str(opts.logit_std),
-               "--attention-backend", opts.attention_backend]
-        print(f"-- grpo {arm}: {' '.join(cmd[2:])}", flush=True)
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.grpo_timeout)
-        print(f"   exit {proc.returncode} after {time.perf_counter() - start:.0f} s", flush=True)
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stdout + proc.stderr)[-3000:]
-            print(f"   !! grpo {arm} failed; last output:\n{tail}", flush=True)
-            results[arm] = {"error": tail[-500:]}
+    """Each arm in its own process (one engine per process, as TRL's colocate mode), the arm list run
+    ``--grpo-rounds`` times in turn (A B A B), every arm's steps after its ``--grpo-warmup`` first ones pooled over the
+    rounds (FP8's second step still autotunes the backward's kernels)."""
+    results = RESULTS.setdefault("grpo", {})
+    runs: dict[str, list[dict]] = {arm: [] for arm in opts.grpo_arms}
+    for round_index in range(opts.grpo_rounds):
+        for arm in opts.grpo_arms:
+            out = Path(tempfile.mkdtemp()) / f"grpo_{arm}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--grpo-worker", arm, "--grpo-json", str(out),
+                   "--grpo-layers", str(opts.grpo_layers), "--grpo-steps", str(opts.grpo_steps),
+                   "--grpo-tokens", str(opts.grpo_tokens), "--grpo-completions", str(opts.grpo_completions),
+                   "--gpu-util", str(opts.gpu_util), "--logit-std", str(opts.logit_std),
+                   "--attention-backend", opts.attention_backend]
+            print(f"-- grpo {arm}, round {round_index + 1}/{opts.grpo_rounds}: {' '.join(cmd[2:])}", flush=True)
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.grpo_timeout)
+            print(f"   exit {proc.returncode} after {time.perf_counter() - start:.0f} s", flush=True)
+            if proc.returncode != 0 or not out.exists():
+                tail = (proc.stdout + proc.stderr)[-3000:]
+                print(f"   !! grpo {arm} failed; last output:\n{tail}", flush=True)
+                runs[arm].append({"error": tail[-500:]})
+                continue
+            runs[arm].append(json.loads(out.read_text()))
+    rows = []
+    for arm, arm_runs in runs.items():
+        ok = [r for r in arm_runs if "error" not in r]
+        if not ok:
+            results[arm] = {"error": arm_runs[-1]["error"] if arm_runs else "not run", "runs": arm_runs}
             continue
-        t = json.loads(out.read_text())
-        step = median_after_first(t["step_s"])
-        gen = median_after_first(t["generate_s"])
-        sync = median_after_first(t["sync_s"])
-        results[arm] = {**t, "step_median_s": step, "generate_median_s": gen, "sync_median_s": sync,
-                        "sync_share": sync / step if step else math.nan}
-        direct = t.get("direct_sync")
-        path = "-" if direct is None else "in place" if direct["verified"] else f"reload ({direct['reason'] or 'off'})"
-        rows.append([arm, fmt(step), fmt(gen), fmt(sync * 1e3, 0), f"{100 * sync / step:.1f}%", path[:60]])
+        step, gen, sync = (pooled_after(ok, key, opts.grpo_warmup) for key in ("step_s", "generate_s", "sync_s"))
+        step_median, gen_median, sync_median = (statistics.median(v) for v in (step, gen, sync))
+        results[arm] = {"runs": arm_runs, "timed_steps": len(step), "step_median_s": step_median,
+                        "step_range_s": [min(step), max(step)], "generate_median_s": gen_median,
+                        "sync_median_s": sync_median, "sync_share": sync_median / step_median}
+        directs = [r.get("direct_sync") for r in ok]
+        paths = {"-" if d is None else "in place" if d["verified"] else f"reload ({d['reason'] or 'off'})"
+                 for d in directs}
+        rows.append([arm, f"{fmt(step_median)} [{fmt(min(step))}-{fmt(max(step))}]", fmt(gen_median),
+                     fmt(sync_median * 1e3, 0), f"{100 * sync_median / step_median:.1f}%", ", ".join(sorted(paths))[:60],
+                     str(len(step))])
         save_results(opts)
-    if "fp8" in results and "bf16" in results and "step_median_s" in results["fp8"] and \
-            "step_median_s" in results["bf16"]:
+    if "step_median_s" in results.get("fp8", {}) and "step_median_s" in results.get("bf16", {}):
         ratio = results["bf16"]["step_median_s"] / results["fp8"]["step_median_s"]
         results["bf16_over_fp8_step"] = ratio
-        rows.append(["BF16/FP8 step time", f"{ratio:.2f}x", "", "", "", ""])
+        rows.append(["BF16/FP8 step time", f"{ratio:.2f}x", "", "", "", "", ""])
+    save_results(opts)
     print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
-          f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step (median of steps 2..)")
-    _common.table(["arm", "step s", "rollout s", "weight sync ms", "sync share of step", "FP8 sync path"], rows)
+          f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step (median [min-max] of the steps after "
+          f"the first {opts.grpo_warmup} of each run, {opts.grpo_rounds} round(s) of the arms in turn)")
+    _common.table(["arm", "step s", "rollout s", "weight sync ms", "sync share of step", "FP8 sync path",
+                   "steps timed"], rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1119,7 +1135,10 @@ def parse_args(argv=None):
                              "modeling code with vLLM's linears and attention; decode parts only: it patches the "
                              "transformers class in-process, which breaks the trainer-side model of mismatch and grpo")
     parser.add_argument("--grpo-layers", type=int, default=4)
-    parser.add_argument("--grpo-steps", type=int, default=4)
+    parser.add_argument("--grpo-steps", type=int, default=6)
+    parser.add_argument("--grpo-warmup", type=int, default=2,
+                        help="grpo: first steps of each run left out of the medians (FP8's second still autotunes)")
+    parser.add_argument("--grpo-rounds", type=int, default=1, help="grpo: times the arm list runs, in turn (A B A B)")
     parser.add_argument("--grpo-tokens", type=int, default=128)
     parser.add_argument("--grpo-completions", type=int, default=64)
     parser.add_argument("--grpo-timeout", type=int, default=280)

@@ -5,8 +5,10 @@ per-sequence forward, the training steps move the FP8 policy's codes, the FP8 po
 serve, and the argument checks name what is wrong.
 """
 
+import json
 import math
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -38,8 +40,8 @@ def test_over_threshold_counts_exp_diff_strictly_above_1p1():
 
 
 def test_helpers():
-    assert bench_vllm.median_after_first([10.0, 1.0, 3.0, 2.0]) == 2.0
-    assert bench_vllm.median_after_first([5.0]) == 5.0
+    runs = [{"s": [10.0, 8.0, 1.0, 3.0]}, {"s": [9.0, 7.0, 2.0]}, {"s": [5.0]}]
+    assert bench_vllm.pooled_after(runs, "s", 2) == [1.0, 3.0, 2.0, 5.0]  # a run without more keeps its own
     assert bench_vllm.capture_sizes([256, 64, 128]) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert bench_vllm.fmt(None) == "-" and bench_vllm.fmt(math.nan) == "-" and bench_vllm.fmt(1.23456, 2) == "1.23"
 
@@ -192,6 +194,37 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
             assert events.count("init") == 2
         else:
             assert timings["direct_sync"] is None
+
+
+def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monkeypatch, tmp_path):
+    """--grpo-rounds 2 runs fp8, bf16, fp8, bf16 (each its own process), leaves each run's first --grpo-warmup steps
+    out, and takes the medians over the pooled rest; a failed run is recorded and the others still count."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    order = []
+    step_times = {"fp8": [[9.0, 5.0, 1.0, 1.2], [9.0, 5.0, 1.1, 0.9]], "bf16": [[2.0, 1.4, 1.3, 1.5], None]}
+
+    def run(cmd, capture_output, text, timeout):
+        arm = cmd[cmd.index("--grpo-worker") + 1]
+        out = Path(cmd[cmd.index("--grpo-json") + 1])
+        steps = step_times[arm][sum(a == arm for a in order)]
+        order.append(arm)
+        if steps is None:
+            return types.SimpleNamespace(returncode=1, stdout="", stderr="CUDA out of memory")
+        out.write_text(json.dumps({"step_s": steps, "generate_s": [s / 2 for s in steps],
+                                   "sync_s": [0.05] * len(steps), "direct_sync": None}))
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-rounds", "2", "--grpo-warmup", "2"]))
+    assert order == ["fp8", "bf16", "fp8", "bf16"]
+    grpo = bench_vllm.RESULTS["grpo"]
+    assert grpo["fp8"]["timed_steps"] == 4 and grpo["fp8"]["step_median_s"] == pytest.approx(1.05)
+    assert grpo["fp8"]["step_range_s"] == [0.9, 1.2]
+    assert grpo["bf16"]["timed_steps"] == 2 and grpo["bf16"]["step_median_s"] == pytest.approx(1.4)
+    assert "CUDA out of memory" in grpo["bf16"]["runs"][1]["error"]
+    assert grpo["bf16_over_fp8_step"] == pytest.approx(1.4 / 1.05)
+    assert grpo["fp8"]["sync_share"] == pytest.approx(0.05 / 1.05)
 
 
 class StandInEngine:
