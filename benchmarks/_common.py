@@ -164,6 +164,22 @@ def kernel_times(prof) -> dict[str, tuple[float, int]]:
     return {name: (us, n) for name, (us, n) in times.items()}
 
 
+# CUDA runtime / driver calls that launch a kernel, as torch.profiler names them on the CPU side.
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def host_times(prof, names) -> dict[str, tuple[float, int]]:
+    """name -> (summed CPU us, calls) of a finished profiler's CPU events named in ``names`` (record_function
+    ranges, CUDA runtime calls); every name present, (0.0, 0) when it never ran."""
+    times = {name: [0.0, 0] for name in names}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CPU and event.name in times:
+            entry = times[event.name]
+            entry[0] += event.cpu_time_total
+            entry[1] += 1
+    return {name: (us, n) for name, (us, n) in times.items()}
+
+
 def split_by_category(times: dict[str, tuple[float, int]], steps: int, categories) -> dict[str, float]:
     """category -> ms per step, every category of ``categories`` (and "other") present."""
     split = dict.fromkeys([*(name for name, _ in categories), "other"], 0.0)

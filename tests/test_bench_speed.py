@@ -269,3 +269,20 @@ def test_profile_probe_sorts_kernels_into_categories():
     assert probe.category("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>") == "other"
     split = probe.split_by_category({"_quantize_1x128_kernel": (3000.0, 6), "nvjet_sm90_tst_x": (9000.0, 3)}, 3)
     assert split["FP8 quantize"] == 1.0 and split["GEMM BF16"] == 3.0 and split["other"] == 0.0
+
+
+def test_profile_probe_reports_the_host_side_with_the_weight_refresh(capsys):
+    """--tiny on CPU (aot_eager): the host table names each arm; the compiled FP8 arm refreshes its weight codes
+    outside the graph once per step (the profiler range the probe times), the compiled BF16 arm never."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
+    import profile_model_step as probe
+
+    assert probe.main(["--tiny", "--arms", "bf16c,fp8c", "--steps", "2", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    host = out[out.index("### the host side, per step"):]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in host.splitlines() if line.startswith("| BF16") or line.startswith("| FP8")}
+    assert set(rows) == {"BF16 compile", "FP8 compile"}
+    assert rows["BF16 compile"][3] == "0.00 (0)"
+    refresh_ms, refresh_calls = rows["FP8 compile"][3].split()
+    assert refresh_calls == "(1)" and float(refresh_ms) > 0

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (ben
 import torch  # noqa: E402
 
 import _common  # noqa: E402,F401  (puts the repository root on sys.path)
-from _common import kernel_category, kernel_times, table  # noqa: E402
+from _common import LAUNCH_CALLS, host_times, kernel_category, kernel_times, table  # noqa: E402
 
 # (category, pattern on the kernel name), first match wins. cuBLAS' FP8 kernels carry "qq" in their nvjet names
 # (docs/benchmarks-log.md's profiles: nvjet_sm90_qqtst_... for FP8, nvjet_sm90_tst_... for BF16).
@@ -55,9 +55,12 @@ def split_by_category(times: dict[str, tuple[float, int]], steps: int) -> dict[s
     return _common.split_by_category(times, steps, CATEGORIES)
 
 
-def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str, tuple[float, int]]]:
-    """(wall ms per step, kernel times) of ``steps`` calls of ``step`` under torch.profiler."""
+def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str, tuple[float, int]], dict]:
+    """(wall ms per step, kernel times, host times) of ``steps`` calls of ``step`` under torch.profiler; host times:
+    the CUDA launch calls and calclip's weight refresh before a compiled call (``host_times``)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from calclip.fp8.weight_codes import REFRESH_RANGE
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -68,12 +71,28 @@ def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str
             step()
         sync()
         wall = (time.perf_counter() - t0) / steps * 1e3
-    return wall, kernel_times(prof)
+    return wall, kernel_times(prof), host_times(prof, (*LAUNCH_CALLS, REFRESH_RANGE))
+
+
+def host_rows(results: dict[str, tuple], steps: int) -> list[list[str]]:
+    """Per arm, per step: kernels launched (GPU side), launch calls and their CPU ms, and the weight refresh's
+    CPU ms (calls): where a compiled FP8 step's wall exceeds its kernels' time, how much of it is the host's."""
+    from calclip.fp8.weight_codes import REFRESH_RANGE
+
+    rows = []
+    for name, (_, kernels, host) in results.items():
+        launched = sum(n for _, n in kernels.values()) / steps
+        calls = sum(host[c][1] for c in LAUNCH_CALLS) / steps
+        launch_ms = sum(host[c][0] for c in LAUNCH_CALLS) / steps / 1e3
+        refresh_us, refresh_n = host[REFRESH_RANGE]
+        rows.append([name, f"{launched:.0f}", f"{calls:.0f}", f"{launch_ms:.2f}",
+                     f"{refresh_us / steps / 1e3:.2f} ({refresh_n / steps:.0f})"])
+    return rows
 
 
 def print_report(results: dict[str, tuple[float, dict]], steps: int, top: int) -> None:
     names = list(results)
-    splits = {name: split_by_category(times, steps) for name, (_, times) in results.items()}
+    splits = {name: split_by_category(times, steps) for name, (_, times, _) in results.items()}
     totals = {name: sum(split.values()) for name, split in splits.items()}
     header = ["per step"] + [f"{n} ms (share)" for n in names] + [f"{n} - {names[0]} ms" for n in names[1:]]
     rows = [["wall"] + [f"{results[n][0]:.2f}" for n in names] + [f"{results[n][0] - results[names[0]][0]:+.2f}"
@@ -88,7 +107,10 @@ def print_report(results: dict[str, tuple[float, dict]], steps: int, top: int) -
     print("\n### where a step's GPU time goes (ms per step; share of the arm's kernel time)")
     table(header, rows)
     print("wall - GPU kernels: time the GPU waited for the host (launches, syncs, Python), when positive.")
-    for name, (_, times) in results.items():
+    print("\n### the host side, per step")
+    table(["arm", "kernels run", "launch calls", "launch calls' CPU ms", "weight refresh CPU ms (calls)"],
+          host_rows(results, steps))
+    for name, (_, times, _) in results.items():
         ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
         print(f"\n#### {name}: top {len(ranked)} kernels")
         table(["kernel", "category", "launches/step", "ms/step"],
