@@ -40,7 +40,7 @@ pytestmark = pytest.mark.gpu
 # 2 x 256 tokens: 512 rows, a multiple of 128, so every weight gradient runs on cuBLAS as in training; a layer's
 # forward + backward takes milliseconds at every family's dims.
 TOKENS = (2, 256)
-# Compiled (Inductor, ~20-30 s each): the family that crashed (K = 18944, the chunked counting quantizer), the one whose
+# Compiled (Inductor, ~20-30 s each): the family that crashed (K = 18944, then the chunked counting quantizer), the one whose
 # down projection runs the Triton GEMM (K = 8960), and SmolLM2's ragged 576.
 COMPILED = ("qwen2.5-7b", "qwen2.5-1.5b", "smollm2-135m")
 IS_SM90 = torch.cuda.get_device_capability()[0] == 9
@@ -137,17 +137,19 @@ def _row_widths() -> list[int]:
 
 @pytest.mark.parametrize("k", _row_widths())
 def test_quantizers_bit_exact_at_family_widths(k):
-    """Every input width a family's linears see (the 1x128 counting launch: one pass up to K = 16384, chunks above),
-    and the 128x1 quantizer over 300 tokens: codes and scales equal the reference bit for bit, and the count is the
-    number of rows holding a NaN/Inf."""
+    """Every input width a family's linears see (the 1x128 counting launch: row tiles x chunks of groups, a row counted
+    by its first chunk with a non-finite group), and the 128x1 quantizer over 300 tokens: codes and scales equal the
+    reference bit for bit, and the count is the number of rows holding a NaN/Inf, once per row."""
     g = torch.Generator(device="cuda").manual_seed(k)
     x = (torch.randn(300, k, generator=g, device="cuda") * torch.logspace(-4, 2, k, device="cuda")).to(torch.bfloat16)
     x[7, k - 1] = float("nan")  # the last (possibly ragged) group of a row
     x[123, 0] = float("inf")
+    x[200, 0], x[200, k // 2], x[200, k - 1] = float("nan"), float("inf"), float("nan")  # first, middle, last chunk
+    x[250, k // 2] = float("-inf")  # a middle chunk only
     counter = torch.zeros((), dtype=torch.int64, device="cuda")
     q, s = tk.quantize_1x128(x, nonfinite_count=counter)
     assert _same_scales(s, ref.quantize_1x128(x)[1]) and _same_codes(q, ref.quantize_1x128(x)[0])
-    assert int(counter) == 2
+    assert int(counter) == 4
     qt, st = tk.quantize_128x1(x)
     qt_ref, st_ref = ref.quantize_128x1(x)
     assert _same_scales(st, st_ref) and _same_codes(qt, qt_ref)
