@@ -241,8 +241,9 @@ class CalibratedGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "With use_vllm, fp8 and vllm_mode colocate: after the first weight sync (through vLLM's "
                   "layerwise reload) compare the engine with the synced tensors byte for byte; where it holds each "
-                  "one as loaded, later syncs are in-place copies into the same storage (the reload took 54 ms of a "
-                  "0.67 s step on the H200, 4 Llama-3-8B-dims layers). Any difference keeps the reload, with a "
+                  "one as loaded, later syncs are in-place copies into the same storage (on the H200, 4 Llama-3-8B-dims "
+                  "layers: 28 ms in place against 55 ms for the reload, 3.1% against 6.5% of a GRPO step). Any "
+                  "difference keeps the reload, with a "
                   "warning naming it. False: every sync through the reload."},
     )
 
