@@ -19,6 +19,7 @@ arm's top kernels. A probe, not a benchmark: one round, arms not interleaved.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -55,17 +56,39 @@ def split_by_category(times: dict[str, tuple[float, int]], steps: int) -> dict[s
     return _common.split_by_category(times, steps, CATEGORIES)
 
 
+# The profiler range this probe puts around the weights' refresh before a compiled call (the pre-hook's eager
+# ``refresh_fp8_weights``, the compiled step's one graph break), while it profiles: the product carries no range.
+REFRESH_RANGE = "calclip::refresh_fp8_weights"
+
+
+@contextlib.contextmanager
+def refresh_range():
+    """While active, calclip's pre-graph refresh runs inside the ``REFRESH_RANGE`` profiler range
+    (``weight_codes._refresh_outside_graph`` looks ``refresh_fp8_weights`` up at each call)."""
+    from calclip.fp8 import weight_codes
+
+    real = weight_codes.refresh_fp8_weights
+
+    def ranged(*args, **kwargs):
+        with torch.profiler.record_function(REFRESH_RANGE):
+            return real(*args, **kwargs)
+
+    weight_codes.refresh_fp8_weights = ranged
+    try:
+        yield
+    finally:
+        weight_codes.refresh_fp8_weights = real
+
+
 def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str, tuple[float, int]], dict]:
     """(wall ms per step, kernel times, host times) of ``steps`` calls of ``step`` under torch.profiler; host times:
     the CUDA launch calls and calclip's weight refresh before a compiled call (``host_times``)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from calclip.fp8.weight_codes import REFRESH_RANGE
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    with profile(activities=activities) as prof:
+    with refresh_range(), profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
@@ -77,8 +100,6 @@ def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str
 def host_rows(results: dict[str, tuple], steps: int) -> list[list[str]]:
     """Per arm, per step: kernels launched (GPU side), launch calls and their CPU ms, and the weight refresh's
     CPU ms (calls): where a compiled FP8 step's wall exceeds its kernels' time, how much of it is the host's."""
-    from calclip.fp8.weight_codes import REFRESH_RANGE
-
     rows = []
     for name, (_, kernels, host) in results.items():
         launched = sum(n for _, n in kernels.values()) / steps

@@ -168,10 +168,6 @@ class Fp8WeightCodes:
             self._dgrad_codes()
 
 
-# The profiler range of the weights' refresh before a compiled call (eager, outside the graph).
-REFRESH_RANGE = "calclip::refresh_fp8_weights"
-
-
 @torch.compiler.disable  # allocation-time only; if a traced call ever reaches it, a graph break, not an error
 def _mark_static(*tensors: Tensor) -> None:
     """Tell torch.compile's CUDA-graph trees these long-lived tensors keep their address (like parameters), so
@@ -228,9 +224,7 @@ def _all_codes_key(layers: list[Fp8WeightCodes], for_backward: bool) -> tuple | 
 
 @torch.compiler.disable
 def _refresh_outside_graph(model: nn.Module) -> None:
-    # named in profiles (benchmarks/probes/profile_model_step.py times it): the compiled step's one graph break
-    with torch.profiler.record_function(REFRESH_RANGE):
-        refresh_fp8_weights(model)
+    refresh_fp8_weights(model)
 
 
 def _refresh_layer_before_compiled_call(layer: Fp8WeightCodes, args) -> None:
