@@ -243,8 +243,7 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "layerwise reload) compare the engine with the synced tensors byte for byte; where it holds each "
                   "one as loaded, later syncs are in-place copies into the same storage (on the H200, 4 Llama-3-8B-dims "
                   "layers: 28 ms in place against 55 ms for the reload, 3.1% against 6.5% of a GRPO step). Any "
-                  "difference keeps the reload, with a "
-                  "warning naming it. False: every sync through the reload."},
+                  "difference keeps the reload, with a warning naming it. False: every sync through the reload."},
     )
 
     # ---- data ----
