@@ -142,6 +142,7 @@ class Fp8WeightCodes:
         with torch.inference_mode(False), torch.no_grad():
             if not qw.is_cuda:
                 self._fp8_qwt, self._fp8_swt = qw.t(), sw.t()
+                _mark_static(self._fp8_qwt, self._fp8_swt)
             elif self._fp8_qwt is None or self._fp8_qwt.shape != qw.t().shape or self._fp8_qwt.device != qw.device:
                 self._fp8_qwt, self._fp8_swt = qw.t().contiguous(), sw.t().contiguous()
                 _mark_static(self._fp8_qwt, self._fp8_swt)
@@ -170,11 +171,16 @@ class Fp8WeightCodes:
 
 @torch.compiler.disable  # allocation-time only; if a traced call ever reaches it, a graph break, not an error
 def _mark_static(*tensors: Tensor) -> None:
-    """Tell torch.compile's CUDA-graph trees these long-lived tensors keep their address (like parameters), so
-    replays read them in place instead of copying them into the graph's own inputs."""
+    """Tell torch.compile these long-lived tensors are like parameters: their shapes are static (with dynamic=True
+    they would get symbols, and duck sizing shares a symbol between a token count and a scale dim of the same size,
+    specializing the token count), and on CUDA their address is fixed, so CUDA-graph replays read them in place
+    instead of copying them into the graph's own inputs."""
     for t in tensors:
         if t.is_cuda:
             torch._dynamo.mark_static_address(t)
+        for view in (t, t._base):  # Dynamo wraps a view's base on its own (the uint8 buffer under e4m3fn codes)
+            if view is not None:
+                torch._dynamo.mark_static(view)
 
 
 def fp8_layers(model: nn.Module) -> list[Fp8WeightCodes]:

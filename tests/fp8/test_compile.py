@@ -158,6 +158,25 @@ def test_dynamic_shapes_compile_once_and_equal_eager():
     assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 2, graphs  # the later sizes reuse the first graphs
 
 
+def test_dynamic_batch_equal_to_a_scale_dim_is_not_specialized():
+    """[batch, tokens, K] inputs whose batch equals a weight-scale dim (K / 128 = 3 here): the weight codes are
+    static like parameters, so duck sizing cannot give the batch the scale dim's symbol, which the first graph
+    then specialized (batch 3 compiled static, and compiled again at batch 4)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(384, 384), nn.Linear(384, 128))
+    quantize_model(model, Fp8Config(keep_patterns=()))
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    counts = torch._dynamo.utils.counters
+    graphs = []
+    for batch, tokens in ((3, 160), (4, 210), (5, 330)):
+        x = torch.randn(batch, tokens, 384, requires_grad=True)
+        y = compiled(x)
+        assert torch.equal(y, model(x)), batch
+        y.sum().backward()
+        graphs.append(counts["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 2, graphs
+
+
 def test_layers_inside_a_converted_model_carry_no_hook_of_their_own():
     """The root's pre-hook refreshes every layer before compiled calls, so a converted model's layers drop their
     own (a no-op for them) and take nn.Module's hook-free call path; a bare layer keeps its hook; copies keep
