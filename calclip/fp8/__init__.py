@@ -8,12 +8,14 @@ from calclip.fp8.gemm import fp8_block_gemm
 from calclip.fp8.linear import FP8BlockLinear
 from calclip.fp8.quant import quantize_1x128, quantize_128x1, quantize_128x128
 from calclip.fp8.recipes import is_fp8_linear, pop_nonfinite_count
+from calclip.fp8.regional_compile import compile_repeated_blocks
 from calclip.fp8.reference import dequantize_1x128, dequantize_128x1, dequantize_128x128
 from calclip.fp8.shadow import bf16_shadow, in_bf16_shadow
 from calclip.fp8.weight_codes import frozen_fp8_weights, invalidate_fp8_weight_caches, refresh_fp8_weights
 
 __all__ = [
-    "BLOCK", "FP8_E4M3_MAX", "Fp8Config", "Fp8Recipe", "FP8BlockLinear", "fp8_recipe_names", "get_fp8_recipe",
+    "BLOCK", "FP8_E4M3_MAX", "Fp8Config", "Fp8Recipe", "FP8BlockLinear", "compile_repeated_blocks", "fp8_recipe_names",
+    "get_fp8_recipe",
     "is_fp8_linear", "bf16_shadow", "decoder_layer_index",
     "dequantize_1x128", "dequantize_128x1", "dequantize_128x128", "dequantize_model", "fp8_block_gemm",
     "frozen_fp8_weights", "in_bf16_shadow", "invalidate_fp8_weight_caches", "pop_nonfinite_count", "quantize_1x128",

@@ -139,6 +139,8 @@ def _track_fp8_layers(model: nn.Module) -> None:
     for layer in layers:
         layer._set_refreshed_by_root(layer is not model)
     model._calclip_frozen = False  # frozen_fp8_weights: compiled calls skip the refresh (read by the pre-hook)
+    # compiled blocks inside the eager root (regional compilation): the pre-hook refreshes on eager calls too
+    model._calclip_compiled_blocks = model.__dict__.get("_calclip_compiled_blocks", False)
     if layers:
         model._calclip_fp8_layers = layers
         model._calclip_fp8_hook = model.register_forward_pre_hook(refresh_before_compiled_call)

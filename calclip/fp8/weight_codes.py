@@ -241,10 +241,20 @@ def _refresh_layer_before_compiled_call(layer: Fp8WeightCodes, args) -> None:
 def refresh_before_compiled_call(model: nn.Module, args) -> None:
     """Forward pre-hook that quantize_model registers on the converted root module: under torch.compile it
     refreshes every layer's codes eagerly (one graph break, before the model's graph); eager calls skip it,
-    since each layer checks its own weight. Inside ``frozen_fp8_weights(model)`` compiled calls skip it too
-    (no graph break): the codes were refreshed on entry."""
-    if torch.compiler.is_compiling() and not model._calclip_frozen:
+    since each layer checks its own weight, unless compiled blocks sit inside the eager root (``compiled_blocks``:
+    regional compilation), whose layers leave the refresh to this hook. Inside ``frozen_fp8_weights(model)``
+    compiled calls skip it too (no graph break): the codes were refreshed on entry."""
+    if (torch.compiler.is_compiling() or model._calclip_compiled_blocks) and not model._calclip_frozen:
         _refresh_outside_graph(model)
+
+
+def refresh_for_compiled_blocks(model: nn.Module) -> None:
+    """Make the converted root's pre-hook refresh every layer's codes on eager calls too, as compiled blocks inside
+    an eager root (regional compilation, ``calclip.fp8.compile_repeated_blocks``) need: their layers refresh
+    nothing themselves, and the root itself is not compiled. ~30 us a call when no weight changed."""
+    if "_calclip_compiled_blocks" not in model.__dict__:
+        raise ValueError(f"{type(model).__name__} was not converted by quantize_model (no FP8 root pre-hook)")
+    model._calclip_compiled_blocks = True
 
 
 @contextlib.contextmanager
