@@ -214,6 +214,20 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "Needs a static cache: sets cache_implementation='static' when none is given. On CUDA the master "
                   "weights must be in the autocast dtype (model_dtype bfloat16 with bf16)."},
     )
+    compile_layers: bool | None = field(
+        default=None,
+        metadata={"help": "Compile the policy's decoder layers one by one (torch.compile per repeated block, "
+                  "calclip.fp8.compile_repeated_blocks) for the training forwards and backwards; rollouts and BF16 "
+                  "shadow forwards run eager. null (default): on for an FP8 policy on CUDA, unless torch_compile, "
+                  "compile_generation, gradient checkpointing or sharded parameters (FSDP, ZeRO-3) are set. The "
+                  "first steps compile one layer (Inductor and Triton keep it on disk for the next run; "
+                  "docs/usage.md, Compiled layers)."},
+    )
+    compile_layers_backend: str = field(
+        default="inductor",
+        metadata={"help": "torch.compile backend of compile_layers ('inductor'; 'aot_eager' traces without "
+                  "generating kernels)."},
+    )
     keep_generation_cache: bool = field(
         default=True,
         metadata={"help": "With compile_generation: pass one static KV cache, reset in place, to every rollout instead "
@@ -399,6 +413,9 @@ class CalibratedGRPOConfig(GRPOConfig):
                      "vllm_fp8_direct_sync"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.compile_layers_backend, str) or not self.compile_layers_backend.strip():
+            raise ValueError("compile_layers_backend must be a torch.compile backend name (e.g. 'inductor'), got "
+                             f"{self.compile_layers_backend!r}")
         if self.mismatch_dump_threshold is not None and (
             not _is_number(self.mismatch_dump_threshold) or not self.mismatch_dump_threshold > 0
         ):

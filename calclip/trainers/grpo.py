@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import os
 import time
@@ -101,7 +102,8 @@ from trl.trainer.utils import is_async_callable, nanmax, nanmin
 
 from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, oracle_bounds, torch_distributed_all_gather
 from calclip.calibration.state import FIT_SETTINGS
-from calclip.fp8 import Fp8Config, bf16_shadow, frozen_fp8_weights, pop_nonfinite_count, quantize_model
+from calclip.fp8 import (Fp8Config, bf16_shadow, compile_repeated_blocks, frozen_fp8_weights, pop_nonfinite_count,
+                         quantize_model)
 from calclip.losses import (
     aggregate,
     clipped_surrogate,
@@ -122,6 +124,8 @@ from calclip.trainers.checkpoint import (
     load_calclip_state,
     save_calclip_state,
 )
+from calclip.fp8.regional_compile import repeated_blocks
+from calclip.trainers.compiled_layers import eager_calls, inductor_options, resolve_compile_layers
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
 from calclip.trainers.generation_cache import KeptStaticCache, generate_wrapped
@@ -137,6 +141,8 @@ from calclip.trainers.vllm_sync import (
     use_fp8_vllm_generation,
     use_vllm_generation,
 )
+
+logger = logging.getLogger(__name__)
 
 BF16_OLD_LOGPS_KEY = "bf16_old_per_token_logps"
 
@@ -271,6 +277,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         self._generation_cache: KeptStaticCache | None = None
         if args.compile_generation:
             self._allow_compiled_generation()
+        self._layers_compiled = self._compile_policy_layers()
         if fp8_vllm:
             self._start_fp8_vllm()
         self.calibrator = self._build_calibrator()
@@ -456,6 +463,26 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         if self.args.keep_generation_cache:
             self._generation_cache = KeptStaticCache()  # addresses the CUDA graphs replay with (generation_cache.py)
 
+    def _compile_policy_layers(self) -> bool:
+        """Compile the policy's decoder layers for the training forwards (``compile_layers``; null chooses,
+        calclip.trainers.compiled_layers); return whether they are."""
+        args = self.args
+        on, why = resolve_compile_layers(
+            args.compile_layers, device_type=self.accelerator.device.type, fp8=args.fp8,
+            torch_compile=args.torch_compile, compile_generation=args.compile_generation,
+            # transformers 5.2x renamed it activation_checkpointing (and keeps both names in step)
+            gradient_checkpointing=bool(getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing),
+            sharded=self._params_sharded())
+        policy = self.accelerator.unwrap_model(self.model)
+        if on and args.compile_layers is None and not repeated_blocks(policy):
+            on, why = False, f"compile_layers auto: off, {type(policy).__name__} has no decoder layer list"
+        if on:  # an explicit true on a model without layers raises here, naming the model's class
+            count = compile_repeated_blocks(policy, backend=args.compile_layers_backend,
+                                            options=inductor_options(args.compile_layers_backend))
+            why += f": {count} layers, backend {args.compile_layers_backend}"
+        logger.info(why)
+        return on
+
     def _start_fp8_vllm(self) -> None:
         """Refuse FP8 layers vLLM's block-FP8 linear cannot serve, then start the deferred colocated engine.
 
@@ -531,7 +558,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         # (compile_generation) runs without the refresh check's graph break in front of it.
         cache = self._generation_cache
         kept = cache.attached(policy) if cache is not None else contextlib.nullcontext()
-        with kept, recorder.attached(policy), frozen_fp8_weights(policy):
+        # Rollouts run the layers eager (compile_layers): one token per call, a new shape every decode step.
+        with kept, recorder.attached(policy), frozen_fp8_weights(policy), eager_calls(self._layers_compiled):
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -578,7 +606,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
         sync()
         start = time.perf_counter()
-        with torch.no_grad(), self._bf16_shadow():
+        with torch.no_grad(), self._bf16_shadow(), eager_calls(self._layers_compiled):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model,
                 input_ids,

@@ -1,0 +1,66 @@
+"""The policy's decoder layers compiled one by one for the training forwards and backwards (``compile_layers``).
+
+A converted FP8 policy runs eager at ~0.7x of its compiled speed at real model dims (H200, Qwen2.5-1.5B dims, 8 x
+2048 tokens: 140 ms eager, 101 ms compiled; docs/benchmarks.md): each FP8 linear's quantizer and GEMM launches cost
+host time, and Inductor fuses the norms, rotary and activations around them. TRL's own switch,
+``TrainingArguments.torch_compile``, compiles the whole model, generation included, and its first steps did not end
+inside a 450 s call on the H200. Here each repeated block (the decoder layers: every ``nn.ModuleList`` of two or more
+modules of one class) is compiled in place with ``nn.Module.compile`` (regional compilation): the layers share one
+traced graph (Dynamo treats their parameters as inputs), so the compile cost is one layer's, however deep the model;
+the state dict, the parameter names and the checkpoints stay those of the eager model.
+
+Only the trainer's own forwards run compiled. Rollouts (HF ``generate``: one token per call, a new shape every step)
+and the BF16 shadow forwards (their FP8 layers switched off; a second graph for an occasional call) run eager inside
+``eager_calls()``. Shapes are compiled dynamic from the start: every generation batch has its own sequence length.
+Inductor and Triton keep their compiled kernels and autotune results on disk (Inductor's FX graph and AOTAutograd
+caches, under ``TORCHINDUCTOR_CACHE_DIR``, by default /tmp/torchinductor_<user>; calclip's kernels' timings in
+Triton's cache), so a second run on the machine skips most of the first step's cost.
+
+``None`` (the default) turns it on where it pays and is known to run: an FP8 policy on CUDA, trained without
+TrainingArguments.torch_compile, compile_generation, gradient checkpointing or sharded parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def resolve_compile_layers(setting: bool | None, *, device_type: str, fp8: bool, torch_compile: bool,
+                           compile_generation: bool, gradient_checkpointing: bool, sharded: bool) -> tuple[bool, str]:
+    """(whether to compile the policy's layers, why). ``setting`` True/False is the user's; None chooses: on for an
+    FP8 policy on CUDA unless another setting rules it out. An explicit True that cannot work raises, naming both
+    fields."""
+    if setting is True:
+        if torch_compile:
+            raise ValueError("compile_layers and torch_compile both set: torch_compile already compiles the whole "
+                             "policy; set one of them")
+        if compile_generation:
+            raise ValueError("compile_layers with compile_generation: the CUDA-graphed decode step would trace the "
+                             "compiled layers inside its own graph, which is not supported; set one of them")
+        return True, "compile_layers: true"
+    if setting is False:
+        return False, "compile_layers: false"
+    reasons = [(not fp8, "fp8 is off"), (device_type != "cuda", f"the device is {device_type}, not cuda"),
+               (torch_compile, "torch_compile compiles the whole model"),
+               (compile_generation, "compile_generation compiles the decode step"),
+               (gradient_checkpointing, "gradient checkpointing is on"),
+               (sharded, "the parameters are sharded (FSDP / ZeRO-3)")]
+    off = [why for ruled_out, why in reasons if ruled_out]
+    if off:
+        return False, "compile_layers auto: off, " + "; ".join(off)
+    return True, "compile_layers auto: on (FP8 policy on CUDA)"
+
+
+def inductor_options(backend: str) -> dict | None:
+    """torch.compile options of the compiled layers: with Inductor, round every BF16 intermediate as eager PyTorch
+    does (``emulate_precision_casts``), so the trainer's compiled log-prob forwards stay close to the eager rollout's
+    (block FP8 turns a last-bit difference in an activation into other codes downstream)."""
+    return {"emulate_precision_casts": True} if backend == "inductor" else None
+
+
+def eager_calls(active: bool):
+    """Context in which compiled modules run eager (``torch.compiler.set_stance("force_eager")``) when ``active``:
+    rollouts and BF16 shadow forwards."""
+    return torch.compiler.set_stance("force_eager") if active else contextlib.nullcontext()
