@@ -320,6 +320,17 @@ def compile_module(module: nn.Module, opts) -> nn.Module:
     return torch.compile(module, backend=opts.compile_backend, mode=opts.compile_mode)
 
 
+def compile_by_layer(module: nn.Module, opts) -> nn.Module:
+    """Each decoder layer compiled in place as the trainer's compile_layers does (calclip.fp8.compile_repeated_blocks,
+    dynamic shapes, its Inductor options), with the run's --compile-backend and --compile-mode."""
+    from calclip.fp8 import compile_repeated_blocks
+    from calclip.trainers.compiled_layers import inductor_options
+
+    backend = opts.compile_backend or "inductor"
+    compile_repeated_blocks(module, backend=backend, mode=opts.compile_mode, options=inductor_options(backend))
+    return module
+
+
 def torchao_blockwise():
     """(Float8BlockwiseLinear, Float8BlockwiseLinearConfig, quantize_) from torchao, or None with the reason."""
     try:
@@ -533,8 +544,10 @@ def torchao_copy(model: nn.Module, peer) -> nn.Module:
 
 # --model-arms keys -> column names. "FP8+": calclip FP8 with --fp8-options (the same arms with other Fp8Config
 # fields, e.g. scaled_mm_row_scales=false, to measure a speed lever against the default in one run).
+# "r" arms: each decoder layer compiled on its own (regional compilation, the trainer's compile_layers).
 MODEL_ARMS = {"bf16": "BF16", "bf16c": "BF16 compile", "fp8": "FP8 eager", "fp8c": "FP8 compile",
-              "fp8x": "FP8+ eager", "fp8xc": "FP8+ compile", "torchao": "torchao", "torchaoc": "torchao compile"}
+              "fp8x": "FP8+ eager", "fp8xc": "FP8+ compile", "torchao": "torchao", "torchaoc": "torchao compile",
+              "bf16r": "BF16 by layer", "fp8r": "FP8 by layer"}
 
 
 def model_arm_keys(opts) -> list[str]:
@@ -672,6 +685,8 @@ def model_section(opts, sizes: Sizes) -> None:
             "fp8xc": lambda: compile_module(calclip_fp8_copy(base, opts.fp8_options), opts),
             "torchao": lambda: torchao_copy(base, peer),
             "torchaoc": lambda: compile_module(torchao_copy(base, peer), opts),
+            "bf16r": lambda: compile_by_layer(sharing_copy(base), opts),
+            "fp8r": lambda: compile_by_layer(calclip_fp8_copy(base), opts),
         }
         arms: dict[str, Arm] = {"BF16": setup_arm("BF16", arm_of("BF16", base, compiled=False, first=True))}
         # weights + optimizer state, common to every arm (the BF16 arm's warm-up created the optimizer state)
@@ -683,7 +698,7 @@ def model_section(opts, sizes: Sizes) -> None:
                 continue
             make = makers[key]
             arms[name] = setup_arm(name, lambda make=make, name=name, key=key: arm_of(
-                name, make(), compiled=key.endswith("c"))())
+                name, make(), compiled=key.endswith(("c", "r")))())
         interleave(list(arms.values()), opts.repeats)
         print_model_row(row, batch, sizes, arms, info, names)
         results.append((row, arms, info))
@@ -724,6 +739,9 @@ SUMMARY_COLUMNS = (
     ("BF16c vs BF16e", "BF16 compile", "BF16", "ms"),
     ("FP8+c vs FP8c", "FP8+ compile", "FP8 compile", "ms"),
     ("FP8+e vs FP8e", "FP8+ eager", "FP8 eager", "ms"),
+    ("FP8r vs BF16c", "FP8 by layer", "BF16 compile", "ms"),
+    ("FP8r vs BF16r", "FP8 by layer", "BF16 by layer", "ms"),
+    ("FP8r vs FP8c", "FP8 by layer", "FP8 compile", "ms"),
     ("peak FP8c / BF16c", "FP8 compile", "BF16 compile", "peak"),
     ("peak FP8e / BF16e", "FP8 eager", "BF16", "peak"),
 )
@@ -733,14 +751,16 @@ def summary_rows(results, names: list[str]) -> tuple[list[str], list[list[str]]]
     """The columns of SUMMARY_COLUMNS whose arms ran, and one row per model: paired per-round ratios, then the
     first-step seconds of the compiled BF16 and FP8 arms."""
     columns = [c for c in SUMMARY_COLUMNS if c[1] in names and c[2] in names]
-    header = ["model"] + [c[0] for c in columns] + ["first step s BF16c / FP8c"]
+    compiled = [n for n in ("BF16 compile", "FP8 compile", "BF16 by layer", "FP8 by layer") if n in names]
+    short = {"BF16 compile": "BF16c", "FP8 compile": "FP8c", "BF16 by layer": "BF16r", "FP8 by layer": "FP8r"}
+    header = ["model"] + [c[0] for c in columns] + [f"first step s {' / '.join(short[n] for n in compiled)}"]
     rows = []
     for row, arms, info in results:
         cells = [row.label]
         for _, num, den, metric in columns:
             cells.append(paired_ratio(arms.get(den), arms.get(num), metric) if metric == "ms"
                          else paired_ratio(arms.get(num), arms.get(den), metric))
-        first = [info.get(n, {}).get("first_s") for n in ("BF16 compile", "FP8 compile")]
+        first = [info.get(n, {}).get("first_s") for n in compiled]
         cells.append(" / ".join("-" if f is None else f"{f:.1f}" for f in first))
         rows.append(cells)
     return header, rows
@@ -907,6 +927,9 @@ def trainer_runs(bts) -> dict[str, dict]:
         # transformers' own new static cache per rollout (its moved addresses re-record the CUDA graphs)
         runs[f"{precision}_graphed_gen_fresh"] = {**base, "compile_generation": True, "keep_generation_cache": False}
         runs[f"{precision}_compile_all"] = {**base, "torch_compile": True, "compile_generation": True}
+        # compile_layers: the decoder layers compiled one by one for training (default on for FP8 on CUDA)
+        runs[f"{precision}_eager"] = {**base, "compile_layers": False}
+        runs[f"{precision}_layers"] = {**base, "compile_layers": True}
     return runs
 
 
@@ -931,12 +954,15 @@ def trainer_section(opts, sizes: Sizes) -> None:
             print(f"-- trainer {name}, round {rnd + 1}/{opts.run_rounds}", flush=True)
             try:
                 with quiet(f"trainer {name}"):
+                    warmup_times: list[float] = []
                     step_times, _, model = bts.timed_steps(
                         CalibratedGRPOTrainer, CalibratedGRPOConfig, model_fn=model_fn, tokenizer=tokenizer,
                         dataset=dataset, reward=digit_share_reward, overrides={**known[name], **cpu},
                         steps=opts.trainer_steps, warmup=opts.trainer_warmup,
-                        completion_length=sizes.completion_length)
+                        completion_length=sizes.completion_length, warmup_times=warmup_times)
                 times[name] += step_times
+                # the first step pays compile and autotuning (less on a warm Inductor/Triton cache: a second process)
+                print(f"   warm-up steps (s): {' '.join(f'{t:.3f}' for t in warmup_times)}", flush=True)
                 print(f"   steps (s): {' '.join(f'{t:.3f}' for t in step_times)}", flush=True)
                 del model
             except Exception as err:  # noqa: BLE001

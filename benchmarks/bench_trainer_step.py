@@ -74,9 +74,11 @@ def model_builder(tokenizer, *, layers: int, hidden: int, intermediate: int):
     return model_fn
 
 
-def timed_steps(trainer_cls, config_cls, *, model_fn, tokenizer, dataset, reward, overrides, steps, warmup, completion_length):
+def timed_steps(trainer_cls, config_cls, *, model_fn, tokenizer, dataset, reward, overrides, steps, warmup, completion_length,
+                warmup_times: list[float] | None = None):
     """Train ``steps + warmup`` optimizer steps; return (the last ``steps`` step times, last logged metrics, model).
-    ``overrides`` are config fields and win over the defaults below (e.g. ``bf16=False`` on CPU)."""
+    ``overrides`` are config fields and win over the defaults below (e.g. ``bf16=False`` on CPU); the warm-up steps'
+    times are appended to ``warmup_times`` when given."""
     times: list[float] = []
     with tempfile.TemporaryDirectory() as out:
         fields = dict(
@@ -107,6 +109,8 @@ def timed_steps(trainer_cls, config_cls, *, model_fn, tokenizer, dataset, reward
         trainer.train()
         step_logs = [log for log in trainer.state.log_history if "entropy" in log]
         metrics = {k: v for k, v in step_logs[-1].items() if isinstance(v, (int, float))}
+    if warmup_times is not None:
+        warmup_times.extend(times[:warmup])
     return times[warmup:], metrics, trainer.model
 
 

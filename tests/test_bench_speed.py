@@ -87,7 +87,7 @@ def test_tiny_run_prints_layer_model_and_decode_tables_with_numbers():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_speed.py"), "--tiny", "--only", "layer,model,decode",
          "--repeats", "1", "--decode-repeats", "1", "--layer-calls", "1", "--warmup", "1",
-         "--models", "256:512:4:2:1", "--model-arms", "bf16,bf16c,fp8,fp8c", "--no-torchao"],
+         "--models", "256:512:4:2:1", "--model-arms", "bf16,bf16c,fp8,fp8c,fp8r", "--no-torchao"],
         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT,
     )
     out = proc.stdout
@@ -105,15 +105,18 @@ def test_tiny_run_prints_layer_model_and_decode_tables_with_numbers():
         for name in ("BF16 ms", "FP8 eager ms", "BF16/FP8 eager"):
             assert re.fullmatch(r"\d+\.\d+x?", row[columns.index(name)]), (name, row)
     arms = next(i for i, line in enumerate(lines) if line.startswith("| arm ") and "ms per step" in line)
-    arm_rows = {r[0]: r for r in (_cells(line) for line in lines[arms + 2: arms + 6])}
-    assert list(arm_rows) == ["BF16", "BF16 compile", "FP8 eager", "FP8 compile"]
+    arm_rows = {r[0]: r for r in (_cells(line) for line in lines[arms + 2: arms + 7])}
+    assert list(arm_rows) == ["BF16", "BF16 compile", "FP8 eager", "FP8 compile", "FP8 by layer"]
     for name, row in arm_rows.items():
         assert re.fullmatch(r"\d+\.\d", row[1]) and re.fullmatch(r"\d+\.\d", row[4]), row  # ms, first step s
     assert arm_rows["BF16 compile"][6].endswith("/ 0 / 0")  # one graph, no break, nothing compiled while timed
     assert arm_rows["FP8 compile"][6].endswith(" / 0")  # (its one break: the root pre-hook's weight refresh)
+    assert arm_rows["FP8 by layer"][6] == "1 / 0 / 0"  # the layer's graph, refreshed by the eager root's hook
     summary = next(i for i, line in enumerate(lines) if line.startswith("| model ") and "FP8c vs BF16c" in line)
     summary_columns = _cells(lines[summary])
-    assert summary_columns[:5] == ["model", "FP8c vs BF16c", "FP8e vs BF16e", "BF16c vs BF16e", "peak FP8c / BF16c"]
+    assert summary_columns[:7] == ["model", "FP8c vs BF16c", "FP8e vs BF16e", "BF16c vs BF16e", "FP8r vs BF16c",
+                                   "FP8r vs FP8c", "peak FP8c / BF16c"]
+    assert summary_columns[-1] == "first step s BF16c / FP8c / FP8r"
     assert re.fullmatch(r"\d+\.\d\dx", _cells(lines[summary + 2])[1])
     decode = next(i for i, line in enumerate(lines) if line.startswith("| batch "))
     decode_rows = [_cells(line) for line in lines[decode + 2: decode + 6]]
@@ -249,6 +252,21 @@ def test_summary_ratios_point_the_documented_way():
     assert cells["FP8e vs BF16e"] == "0.80 [0.80-0.80]x"
     assert cells["peak FP8c / BF16c"] == "0.75 [0.75-0.75]x"
     assert cells["first step s BF16c / FP8c"] == "12.0 / 30.5"
+
+
+def test_summary_has_the_by_layer_columns_when_those_arms_ran():
+    arms = {
+        "BF16": bench_speed.Arm("BF16", samples={"ms": [100.0], "peak": [10.0]}),
+        "BF16 compile": bench_speed.Arm("BF16 compile", samples={"ms": [80.0], "peak": [8.0]}),
+        "FP8 by layer": bench_speed.Arm("FP8 by layer", samples={"ms": [64.0], "peak": [6.0]}),
+    }
+    row = bench_speed.ModelRow("toy", 256, 512, 4, 2, 1)
+    info = {"BF16 compile": {"first_s": 12.0}, "FP8 by layer": {"first_s": 7.5}}
+    header, rows = bench_speed.summary_rows([(row, arms, info)], list(arms))
+    assert header == ["model", "BF16c vs BF16e", "FP8r vs BF16c", "first step s BF16c / FP8r"]
+    cells = dict(zip(header, rows[0]))
+    assert cells["FP8r vs BF16c"] == "1.25x"  # 80/64, one round
+    assert cells["first step s BF16c / FP8r"] == "12.0 / 7.5"
 
 
 def test_profile_probe_sorts_kernels_into_categories():

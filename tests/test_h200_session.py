@@ -31,9 +31,9 @@ def test_script_is_valid_bash_and_names_its_steps():
     bad = subprocess.run(["bash", str(SCRIPT), "99"], capture_output=True, text=True, env={"OUT": "/tmp/h200_session_test",
                                                                                        "PATH": "/usr/bin:/bin"})
     assert bad.returncode == 2 and "usage" in bad.stdout
-    assert len(_commands()) >= 8
     text = SCRIPT.read_text()
     steps = re.search(r"usage: bash benchmarks/h200_session.sh ([\d|]+)", text).group(1).split("|")
+    assert len(_commands()) >= len(steps)  # a measurement per step at least
     assert all(re.search(rf"^{n}\)", text, re.M) for n in steps), steps  # every step named has its branch
 
 
