@@ -11,6 +11,9 @@
 #   step 3: carry nothing   (~9 min)  the 7B and 8B compiled rows (whole model and by layer); FP8 eager vs torchao
 #                                     eager at the 8B row
 #   step 4: carry nothing   (~3 min)  the 1.5B row's profile with its host side (FP8c waits ~3 ms a step on the host)
+#   step 5: carry .whl      (~5 min)  (a new machine) the trainer step again after rollouts set the compiled layers
+#                                     aside (eager_blocks): FP8 eager and compile_layers in turn, two rounds, with
+#                                     Dynamo's recompile log
 # Usage on the device: bash benchmarks/h200_session.sh STEP
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -53,6 +56,13 @@ case "${1:-}" in
 4)
     run 200 profile_1.5b.log python benchmarks/probes/profile_model_step.py --model qwen2.5-1.5b --arms bf16c,fp8c
     ;;
+5)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export TORCH_LOGS=recompiles
+    run 330 trainer_layers_2.log python benchmarks/bench_speed.py --only trainer \
+        --trainer-runs fp8_eager,fp8_layers --trainer-steps 4 --trainer-warmup 2 --run-rounds 2
+    echo "recompiles logged: $(grep -c 'Recompiling function' "$OUT/trainer_layers_2.log")"
+    ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh 1|2|3|4"; exit 2 ;;
+    echo "usage: bash benchmarks/h200_session.sh 1|2|3|4|5"; exit 2 ;;
 esac

@@ -13,6 +13,9 @@ the root eager and only the blocks compiled, that hook is told to refresh on eve
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import nn
 
 from calclip.fp8.weight_codes import refresh_for_compiled_blocks
@@ -53,3 +56,18 @@ def compile_repeated_blocks(model: nn.Module, *, backend: str = "inductor", dyna
 def compiled_block_count(model: nn.Module) -> int:
     """How many modules of ``model`` run through ``nn.Module.compile``'s compiled call."""
     return sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+@contextlib.contextmanager
+def eager_blocks(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside, ``model``'s compiled blocks run eager: each one's compiled call is set aside, so ``nn.Module.__call__``
+    takes its plain path, and put back on exit. Unlike ``torch.compiler.set_stance("force_eager")``, no call enters
+    Dynamo's wrapper (a rollout calls every layer once per token)."""
+    saved = [(m, m._compiled_call_impl) for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    for module, _ in saved:
+        module._compiled_call_impl = None
+    try:
+        yield model
+    finally:
+        for module, compiled in saved:
+            module._compiled_call_impl = compiled

@@ -11,7 +11,8 @@ the state dict, the parameter names and the checkpoints stay those of the eager 
 
 Only the trainer's own forwards run compiled. Rollouts (HF ``generate``: one token per call, a new shape every step)
 and the BF16 shadow forwards (their FP8 layers switched off; a second graph for an occasional call) run eager inside
-``eager_calls()``. Shapes are compiled dynamic from the start: every generation batch has its own sequence length.
+``eager_calls()``, which sets the compiled calls aside rather than entering Dynamo per call. Shapes are compiled
+dynamic from the start: every generation batch has its own sequence length.
 Inductor and Triton keep their compiled kernels and autotune results on disk (Inductor's FX graph and AOTAutograd
 caches, under ``TORCHINDUCTOR_CACHE_DIR``, by default /tmp/torchinductor_<user>; calclip's kernels' timings in
 Triton's cache), so a second run on the machine skips most of the first step's cost.
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
+from torch import nn
+
+from calclip.fp8.regional_compile import eager_blocks
 
 
 def resolve_compile_layers(setting: bool | None, *, device_type: str, fp8: bool, torch_compile: bool,
@@ -60,7 +63,7 @@ def inductor_options(backend: str) -> dict | None:
     return {"emulate_precision_casts": True} if backend == "inductor" else None
 
 
-def eager_calls(active: bool):
-    """Context in which compiled modules run eager (``torch.compiler.set_stance("force_eager")``) when ``active``:
-    rollouts and BF16 shadow forwards."""
-    return torch.compiler.set_stance("force_eager") if active else contextlib.nullcontext()
+def eager_calls(model: nn.Module, active: bool):
+    """Context in which ``model``'s compiled layers run eager when ``active`` (``calclip.fp8.regional_compile.
+    eager_blocks``): rollouts and BF16 shadow forwards."""
+    return eager_blocks(model) if active else contextlib.nullcontext()

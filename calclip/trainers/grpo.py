@@ -559,7 +559,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         cache = self._generation_cache
         kept = cache.attached(policy) if cache is not None else contextlib.nullcontext()
         # Rollouts run the layers eager (compile_layers): one token per call, a new shape every decode step.
-        with kept, recorder.attached(policy), frozen_fp8_weights(policy), eager_calls(self._layers_compiled):
+        with kept, recorder.attached(policy), frozen_fp8_weights(policy), \
+                eager_calls(policy, self._layers_compiled):
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -606,7 +607,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
         sync()
         start = time.perf_counter()
-        with torch.no_grad(), self._bf16_shadow(), eager_calls(self._layers_compiled):
+        with torch.no_grad(), self._bf16_shadow(), eager_calls(self.model, self._layers_compiled):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model,
                 input_ids,

@@ -106,7 +106,7 @@ def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_pat
     mask[0, :3] = 0  # a left-padded row
     with torch.no_grad():
         compiled, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8)
-        with eager_calls(True):
+        with eager_calls(trainer.model, True):
             eager, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8)
     assert torch.equal(compiled, eager)
 

@@ -49,7 +49,7 @@ def test_auto_compiles_the_fp8_layers_and_trains(tmp_path):
     mask[0, :5] = 0
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         compiled, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 16)
-        with eager_calls(True):
+        with eager_calls(trainer.model, True):
             eager, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 16)
     gap = (compiled - eager).abs()
     print(f"compiled vs eager log-probs: max {gap.max().item():.4g}, mean {gap.mean().item():.4g} nats")
