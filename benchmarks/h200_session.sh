@@ -14,6 +14,8 @@
 #   step 5: carry .whl      (~5 min)  (a new machine) the trainer step again after rollouts set the compiled layers
 #                                     aside (eager_blocks): FP8 eager and compile_layers in turn, two rounds, with
 #                                     Dynamo's recompile log
+#   step 6: carry .whl      (~4 min)  (a new machine) the weight refresh as one CUDA-graph replay (refresh_graph):
+#                                     its GPU tests, then the 1.5B row again
 # Usage on the device: bash benchmarks/h200_session.sh STEP
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"
@@ -63,6 +65,12 @@ case "${1:-}" in
         --trainer-runs fp8_eager,fp8_layers --trainer-steps 4 --trainer-warmup 2 --run-rounds 2
     echo "recompiles logged: $(grep -c 'Recompiling function' "$OUT/trainer_layers_2.log")"
     ;;
+6)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    run 100 gpu_compile_graph.log python -m pytest -q -rf --tb=short -p no:cacheprovider tests/fp8/test_gpu_compile.py
+    run 175 model_1.5b_graph.log python benchmarks/bench_speed.py --only model --models qwen2.5-1.5b \
+        --model-arms bf16c,fp8c,fp8r --repeats 2
+    ;;
 *)
-    echo "usage: bash benchmarks/h200_session.sh 1|2|3|4|5"; exit 2 ;;
+    echo "usage: bash benchmarks/h200_session.sh 1|2|3|4|5|6"; exit 2 ;;
 esac

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from calclip.fp8 import quant
+from calclip.fp8.refresh_graph import graph_refresh
 
 # Advanced after every optimizer step of any optimizer in the process, and by invalidate_fp8_weight_caches():
 # part of every weight-cache key, since fused optimizers and `.data` writes change weights without bumping
@@ -195,15 +196,18 @@ def refresh_fp8_weights(model: nn.Module, *, for_backward: bool | None = None) -
 
     The root's pre-hook calls this before every compiled call (a CUDA-graphed decode step included). When no
     weight changed since the last call that refreshed them all, it returns after one pass over the weights' keys:
-    ~30 us against ~42 us for every layer's own check, 56 layers on the development CPU."""
+    ~30 us against ~42 us for every layer's own check, 56 layers on the development CPU. When all of them changed
+    (after an optimizer step) on CUDA, the refresh is one CUDA-graph replay (calclip.fp8.refresh_graph)."""
     layers = getattr(model, "_calclip_fp8_layers", None) or fp8_layers(model)
     if for_backward is None:
         for_backward = torch.is_grad_enabled()
     key = _all_codes_key(layers, for_backward)
     if key is not None and model.__dict__.get("_calclip_codes_key") == key:
         return
-    for layer in layers:
-        layer.refresh(for_backward=for_backward)
+    # after an optimizer step every layer is stale: one CUDA-graph replay instead of three launches per layer
+    if key is None or not graph_refresh(model, layers, for_backward):
+        for layer in layers:
+            layer.refresh(for_backward=for_backward)
     if key is not None:
         model.__dict__["_calclip_codes_key"] = key
 

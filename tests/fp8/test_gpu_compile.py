@@ -5,6 +5,8 @@ without CUDA graphs (mode="reduce-overhead"). CUDA only; skipped otherwise.
     python -m pytest -q tests/fp8/test_gpu_compile.py
 """
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -15,7 +17,9 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from torch._inductor.utils import run_and_get_code  # noqa: E402
 
-from calclip.fp8 import Fp8Config, pop_nonfinite_count, quantize_model  # noqa: E402
+from calclip.fp8 import (FP8BlockLinear, Fp8Config, compile_repeated_blocks, pop_nonfinite_count,  # noqa: E402
+                         quantize_128x128, quantize_model)
+from calclip.fp8.refresh_graph import replay_count  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -56,6 +60,50 @@ def test_inductor_training_equals_eager_across_optimizer_steps(mode):
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
+    # steps 3 and 4 refreshed all layers by one CUDA-graph replay (step 2 refreshed eagerly, then captured)
+    assert replay_count(model) == 2
+
+
+def test_graph_refresh_writes_the_codes_a_fresh_quantization_gives():
+    """Layers compiled one by one (the trainer's compile_layers) inside an eager root: after each optimizer step the
+    root's pre-hook refreshes every layer, by a graph replay from the third step on; the codes, scales and W^T then
+    equal a fresh quantization of the new weights, and the forward equals an eager twin's."""
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(512, 640, bias=False),
+                                                       nn.Linear(640, 512, bias=False)) for _ in range(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Stack().cuda().to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        quantize_model(m, Fp8Config(keep_patterns=()))
+    compile_repeated_blocks(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (twin, model)]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for step in range(5):
+        x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+        y, ye = model(x), twin(x)
+        assert torch.equal(y, ye), step
+        y.float().square().sum().backward()
+        ye.float().square().sum().backward()
+        for layer in (m for m in model.modules() if isinstance(m, FP8BlockLinear)):
+            q, s = quantize_128x128(layer.weight.detach())
+            assert torch.equal(layer._fp8_qw.view(torch.uint8), q.view(torch.uint8)), step
+            assert torch.equal(layer._fp8_sw, s), step
+            if step:  # W^T exists from the first backward on, refreshed with the codes
+                assert torch.equal(layer._fp8_qwt.view(torch.uint8), q.t().contiguous().view(torch.uint8)), step
+                assert torch.equal(layer._fp8_swt, s.t().contiguous()), step
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert replay_count(model) == 3  # steps 2, 3 and 4 (step 1 refreshed eagerly and marked the layer set)
 
 
 def test_inductor_launches_calclip_kernels_itself():
