@@ -72,7 +72,10 @@ class RefreshGraph:
     def _capture(self, operands: list[tuple]) -> torch.cuda.CUDAGraph | None:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.inference_mode(False), torch.no_grad(), torch.cuda.graph(graph):
+            # thread_local: only this thread's unsafe CUDA calls are refused during the capture, not those of other
+            # threads of the process (a DataLoader's pin-memory thread)
+            capture = torch.cuda.graph(graph, capture_error_mode="thread_local")
+            with torch.inference_mode(False), torch.no_grad(), capture:
                 for w, q, s, bad, transposed, pow2 in operands:
                     quant.requantize_128x128_(w, q, s, bad, transposed=transposed, pow2=pow2)
         except Exception as err:  # noqa: BLE001 - any capture failure: the eager refresh still works

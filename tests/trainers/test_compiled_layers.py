@@ -26,6 +26,7 @@ AUTO = dict(device_type="cuda", fp8=True, torch_compile=False, compile_generatio
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() leaves the process-wide counters to earlier tests' compiles
     yield
     torch._dynamo.reset()
 

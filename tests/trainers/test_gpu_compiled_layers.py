@@ -19,6 +19,7 @@ from calclip.trainers.compiled_layers import eager_calls  # noqa: E402
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() leaves the process-wide counters to earlier tests' compiles
     yield
     torch._dynamo.reset()
 
