@@ -111,6 +111,20 @@ def logged(trainer, key: str) -> list:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
+def train_and_check(trainer, *, moved: str = "model.layers.0.self_attn.q_proj.weight") -> None:
+    """``trainer.train()``, then check that parameter ``moved`` changed and every logged float is finite."""
+    import math
+
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert moved in changed, f"{moved} did not change (changed: {changed[:5]}...)"
+    for entry in trainer.state.log_history:
+        for key, value in entry.items():
+            if isinstance(value, float):
+                assert math.isfinite(value), (key, value)
+
+
 def _dumping_worker(rank: int, worker, port: int, out_dir: str, dump_after_s: float) -> None:
     """``worker(rank, port, out_dir)`` with every thread's Python stack written to ``out_dir/stacks-rank{R}.txt``
     after ``dump_after_s`` seconds, so a worker that hangs says where.

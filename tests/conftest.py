@@ -6,6 +6,7 @@ checks them against the torch reference in CI too (the variable must be set befo
 
 import os
 
+import pytest
 import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
@@ -22,3 +23,13 @@ try:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 except ImportError:  # hypothesis is a test extra
     pass
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A clean Dynamo for a test that counts what it compiles: caches reset before and after, and the process-wide
+    counters (which ``torch._dynamo.reset()`` leaves to earlier tests) cleared."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()

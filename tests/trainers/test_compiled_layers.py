@@ -6,7 +6,6 @@ eager, and that the compiled forward's log-probs equal the eager ones bit for bi
 tests/trainers/test_gpu_compiled_layers.py.
 """
 
-import math
 import warnings
 
 import pytest
@@ -15,7 +14,7 @@ from torch import nn
 
 from calclip.fp8 import compile_repeated_blocks
 from calclip.fp8.regional_compile import compiled_block_count, repeated_blocks
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer, tiny_training_args
+from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer, tiny_training_args, train_and_check
 from calclip.trainers.compiled_layers import eager_calls, resolve_compile_layers
 from calclip.trainers.config import CalibratedGRPOConfig
 
@@ -23,12 +22,7 @@ AUTO = dict(device_type="cuda", fp8=True, torch_compile=False, compile_generatio
             gradient_checkpointing=False, sharded=False)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # reset() leaves the process-wide counters to earlier tests' compiles
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def test_auto_is_on_for_an_fp8_policy_on_cuda_only():
@@ -90,14 +84,7 @@ def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_pat
         assert trainer._layers_compiled
         layers = trainer.model.model.layers
         assert compiled_block_count(trainer.model) == len(layers) == 2
-        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        trainer.train()
-    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
-    assert "model.layers.0.self_attn.q_proj.weight" in changed
-    for entry in trainer.state.log_history:
-        for key, value in entry.items():
-            if isinstance(value, float):
-                assert math.isfinite(value), (key, value)
+        train_and_check(trainer)
     frames = torch._dynamo.utils.counters["frames"]
     assert 1 <= frames["ok"] <= 4, dict(frames)  # decode steps (one per token) would each add a frame
 

@@ -1,7 +1,6 @@
 """compile_layers on the GPU: Inductor compiles the FP8 policy's decoder layers by default (auto), the trainer trains
 with them, rollouts stay eager, and the compiled log-prob forward stays close to the eager one."""
 
-import math
 import warnings
 
 import pytest
@@ -12,16 +11,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from calclip.fp8.regional_compile import compiled_block_count  # noqa: E402
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer  # noqa: E402
+from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer, train_and_check  # noqa: E402
 from calclip.trainers.compiled_layers import eager_calls  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()  # reset() leaves the process-wide counters to earlier tests' compiles
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def test_auto_compiles_the_fp8_layers_and_trains(tmp_path):
@@ -33,14 +27,7 @@ def test_auto_compiles_the_fp8_layers_and_trains(tmp_path):
                                max_steps=4)
         assert trainer.args.compile_layers is None and trainer._layers_compiled  # auto: FP8 on CUDA
         assert compiled_block_count(trainer.model) == len(trainer.model.model.layers)
-        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        trainer.train()
-    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
-    assert "model.layers.0.self_attn.q_proj.weight" in changed
-    for entry in trainer.state.log_history:
-        for key, value in entry.items():
-            if isinstance(value, float):
-                assert math.isfinite(value), (key, value)
+        train_and_check(trainer)
     frames = torch._dynamo.utils.counters["frames"]
     assert 1 <= frames["ok"] <= 4, dict(frames)  # one graph per grad mode; decode calls stay eager
 
