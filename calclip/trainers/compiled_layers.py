@@ -17,8 +17,8 @@ Inductor and Triton keep their compiled kernels and autotune results on disk (In
 caches, under ``TORCHINDUCTOR_CACHE_DIR``, by default /tmp/torchinductor_<user>; calclip's kernels' timings in
 Triton's cache), so a second run on the machine skips most of the first step's cost.
 
-``None`` (the default) turns it on where it pays and is known to run: an FP8 policy on CUDA, trained without
-TrainingArguments.torch_compile, compile_generation, gradient checkpointing or sharded parameters.
+``None`` (the default) turns it on where it pays and is known to run: a blockwise FP8 policy (FP8 backward) on CUDA,
+trained without TrainingArguments.torch_compile, compile_generation, gradient checkpointing or sharded parameters.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from calclip.fp8.regional_compile import eager_blocks
 
 
 def resolve_compile_layers(setting: bool | None, *, device_type: str, fp8: bool, torch_compile: bool,
-                           compile_generation: bool, gradient_checkpointing: bool, sharded: bool) -> tuple[bool, str]:
+                           compile_generation: bool, gradient_checkpointing: bool, sharded: bool,
+                           fp8_recipe: str = "blockwise", fp8_backward: str = "fp8") -> tuple[bool, str]:
     """(whether to compile the policy's layers, why). ``setting`` True/False is the user's; None chooses: on for an
     FP8 policy on CUDA unless another setting rules it out. An explicit True that cannot work raises, naming both
     fields."""
@@ -46,6 +47,9 @@ def resolve_compile_layers(setting: bool | None, *, device_type: str, fp8: bool,
     if setting is False:
         return False, "compile_layers: false"
     reasons = [(not fp8, "fp8 is off"), (device_type != "cuda", f"the device is {device_type}, not cuda"),
+               # measured only for calclip's blockwise layers; the straight-through mode breaks the graph per linear
+               (fp8 and fp8_recipe != "blockwise", f"fp8_recipe is {fp8_recipe}, not blockwise"),
+               (fp8 and fp8_backward != "fp8", f"fp8_backward is {fp8_backward}, not fp8"),
                (torch_compile, "torch_compile compiles the whole model"),
                (compile_generation, "compile_generation compiles the decode step"),
                (gradient_checkpointing, "gradient checkpointing is on"),

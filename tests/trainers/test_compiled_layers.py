@@ -29,7 +29,8 @@ def test_auto_is_on_for_an_fp8_policy_on_cuda_only():
     assert resolve_compile_layers(None, **AUTO)[0]
     for change, reason in [({"device_type": "cpu"}, "cpu"), ({"fp8": False}, "fp8 is off"),
                            ({"torch_compile": True}, "torch_compile"), ({"compile_generation": True}, "decode step"),
-                           ({"gradient_checkpointing": True}, "checkpointing"), ({"sharded": True}, "sharded")]:
+                           ({"gradient_checkpointing": True}, "checkpointing"), ({"sharded": True}, "sharded"),
+                           ({"fp8_recipe": "rowwise"}, "rowwise"), ({"fp8_backward": "bf16"}, "fp8_backward")]:
         on, why = resolve_compile_layers(None, **{**AUTO, **change})
         assert not on and reason in why, (change, why)
     assert resolve_compile_layers(True, **{**AUTO, "device_type": "cpu", "fp8": False})[0]  # the user's choice
