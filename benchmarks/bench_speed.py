@@ -1114,6 +1114,9 @@ def parse_args(argv=None):
                         help="runs compared (first = baseline): bench_trainer_step's bf16_static, fp8_static, "
                         "fp8_calibrated, and bf16_/fp8_ + compile (torch_compile=True), graphed_gen (compile_generation=True), "
                         "graphed_gen_fresh (the same with keep_generation_cache=False), compile_all (both)")
+    parser.add_argument("--trainer-model", default=None, metavar="LAYERS,HIDDEN,INTERMEDIATE",
+                        help="the trainer section's random Llama (default 8,2048,8192: bench_trainer_step's; head dim "
+                             "128), e.g. 8,1536,8960 for Qwen2.5-1.5B's widths")
     parser.add_argument("--smollm-dtype", default="float32", help="--model_dtype of the smollm runs")
     parser.add_argument("--smollm-graphed", action="store_true",
                         help="also time both smollm runs with --compile_generation true (CUDA-graphed decode)")
@@ -1147,6 +1150,15 @@ def parse_args(argv=None):
         if not rows or any(len(r) != 3 or min(r) < 1 for r in rows):
             parser.error(f"--layer-shapes: expected AxBxC,... of positive ints, got {text!r}")
         opts.layer_shapes = rows
+    if opts.trainer_model is not None:
+        try:
+            dims = tuple(int(v) for v in opts.trainer_model.split(","))
+        except ValueError:
+            dims = ()
+        if len(dims) != 3 or min(dims) < 1 or dims[1] % 128:
+            parser.error(f"--trainer-model: expected LAYERS,HIDDEN,INTERMEDIATE (hidden a multiple of 128, the head "
+                         f"dim), got {opts.trainer_model!r}")
+        opts.trainer_model = dims
     try:
         if opts.models is not None:
             opts.models = parse_model_rows(opts.models)
@@ -1167,6 +1179,8 @@ def main(argv=None) -> int:
         sizes = dataclasses.replace(sizes, layer_shapes=opts.layer_shapes)
     if opts.models:
         sizes = dataclasses.replace(sizes, model_rows=opts.models)
+    if opts.trainer_model:
+        sizes = dataclasses.replace(sizes, trainer_model=opts.trainer_model)
     if sizes.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --tiny for the CPU check")
         return 2

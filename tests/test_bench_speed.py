@@ -201,6 +201,15 @@ def test_parse_args_builds_model_rows_arms_and_fp8_options(capsys):
         assert message in capsys.readouterr().err, argv
 
 
+def test_trainer_model_option_sets_the_trainer_dims(capsys):
+    assert bench_speed.parse_args(["--trainer-model", "8,1536,8960"]).trainer_model == (8, 1536, 8960)
+    assert bench_speed.parse_args([]).trainer_model is None  # the section's default
+    for text in ("8,1500,8960", "8,1536", "a,b,c", "0,1536,8960"):
+        with pytest.raises(SystemExit):
+            bench_speed.parse_args(["--trainer-model", text])
+        assert "--trainer-model" in capsys.readouterr().err
+
+
 def test_parse_fp8_options_types():
     assert bench_speed.parse_fp8_options("decode_fused_max_m=0, fused_quantizer=True,decode_fused_max_m=none") == {
         "decode_fused_max_m": None, "fused_quantizer": True}

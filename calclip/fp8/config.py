@@ -200,6 +200,10 @@ class Fp8Config:
         summed in cuBLAS' order; costs one small copy of the weight's scales per call. Measured on the H200
         (docs/benchmarks.md, FP8 at real model shapes): the Qwen2.5-1.5B-dims model row, compiled, 1.10x faster
         than with it off; 7B/8B dims have no such GEMM (every K/128 a multiple of 4), so nothing changes there.
+    refresh_graph: on CUDA, once every FP8 layer of a converted model has its code buffers, re-quantize all of them
+        after an optimizer step by one CUDA-graph replay instead of three launches per layer (``calclip.fp8.
+        refresh_graph``; the root's pre-hook before compiled calls). Same kernels, same codes. Default True;
+        ``CALCLIP_REFRESH_GRAPH=0`` switches it off for the whole process.
     """
 
     block_size: int = BLOCK
@@ -216,6 +220,7 @@ class Fp8Config:
     decode_fused_max_m: int | None = None
     decode_group_siblings: bool = False
     scaled_mm_row_scales: bool | None = None
+    refresh_graph: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -244,7 +249,8 @@ class Fp8Config:
             except (re.error, TypeError) as err:
                 raise ValueError(f"Fp8Config.keep_patterns: invalid regex {pattern!r}: {err}") from None
         object.__setattr__(self, "keep_patterns", patterns)  # lists from YAML become a hashable tuple
-        for name in ("cache_weights", "fused_quantizer", "decode_group_siblings", "scaled_mm_row_scales"):
+        for name in ("cache_weights", "fused_quantizer", "decode_group_siblings", "scaled_mm_row_scales",
+                     "refresh_graph"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "scaled_mm_row_scales" and value is None):
                 extra = " or None (automatic)" if name == "scaled_mm_row_scales" else ""

@@ -14,7 +14,7 @@ resize) makes a new capture. The capture is taken on the second steady refresh o
 the kernels eagerly (their compilation and autotuning cannot be captured). Replays write the same codes, scales,
 flags and W^T as the eager launches (same kernels, same launch configs) and bump the buffers' autograd versions as
 they do. A capture that fails falls back to the eager refresh for the rest of the process, with a warning.
-``CALCLIP_REFRESH_GRAPH=0`` switches it off.
+``Fp8Config(refresh_graph=False)`` switches it off for a model, ``CALCLIP_REFRESH_GRAPH=0`` for the process.
 """
 
 from __future__ import annotations
@@ -117,6 +117,8 @@ def graph_refresh(model: nn.Module, layers: list[nn.Module], for_backward: bool)
     """Refresh ``layers`` (every FP8 layer of the converted root ``model``) by one CUDA-graph replay where it applies;
     return whether it did."""
     if not _ENABLED or not layers or not torch.cuda.is_available():
+        return False
+    if not all(layer.fp8_config.refresh_graph for layer in layers):  # Fp8Config(refresh_graph=False)
         return False
     state = model.__dict__.get("_calclip_refresh_graph")
     if state is None:

@@ -22,9 +22,10 @@ class _EagerGraph:
             quant.requantize_128x128_(w, q, s, bad, transposed=transposed, pow2=pow2)
 
 
-def _model(monkeypatch):
+def _model(monkeypatch, **options):
     torch.manual_seed(0)
-    model = quantize_model(nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 256)), Fp8Config(keep_patterns=()))
+    model = quantize_model(nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 256)),
+                           Fp8Config(keep_patterns=(), **options))
     # CPU stand-ins: the layers count as steady once their buffers exist, with W^T as separate contiguous buffers
     monkeypatch.setattr(refresh_graph, "_ENABLED", True)
     monkeypatch.setattr(refresh_graph.torch.cuda, "is_available", lambda: True)
@@ -93,3 +94,14 @@ def test_no_replay_while_some_layer_is_current(monkeypatch):
     assert refresh_graph.replay_count(model) == replays
     q, _ = quantize_128x128(layers[1].weight.detach())
     assert torch.equal(layers[1]._fp8_qw.view(torch.uint8), q.view(torch.uint8))  # refreshed layer by layer
+
+
+def test_config_switches_it_off(monkeypatch):
+    model = _model(monkeypatch, refresh_graph=False)
+    for _ in range(4):
+        _step(model)
+        refresh_fp8_weights(model, for_backward=True)
+    assert refresh_graph.replay_count(model) == 0
+    layer = fp8_layers(model)[0]
+    q, _ = quantize_128x128(layer.weight.detach())
+    assert torch.equal(layer._fp8_qw.view(torch.uint8), q.view(torch.uint8))  # refreshed layer by layer
