@@ -152,3 +152,12 @@ def test_examples_run_offline_on_the_tiny_model(script, tmp_path, capsys):
     low, high = trainer.clip_bounds
     assert 0.2 <= low <= 1.0 <= high <= 5.0
     assert "clip bounds in force" in capsys.readouterr().out
+
+
+def test_train_flags_toggle_compile_layers(tmp_path):
+    """compile_layers is a flag of `calclip train`: unset it is null (the trainer's auto rule), true/false force it."""
+    base = ["--output_dir", str(tmp_path), "--report_to", "none"]
+    assert parse_train_args(base)[1].compile_layers is None
+    assert parse_train_args(base + ["--compile_layers", "false"])[1].compile_layers is False
+    _, args = parse_train_args(base + ["--compile_layers", "true", "--compile_layers_backend", "aot_eager"])
+    assert args.compile_layers is True and args.compile_layers_backend == "aot_eager"
