@@ -46,8 +46,7 @@ def compile_repeated_blocks(model: nn.Module, *, backend: str = "inductor", dyna
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (no nn.ModuleList of modules of one class) "
                          "to compile")
-    if "_calclip_compiled_blocks" in model.__dict__:  # a model quantize_model converted: refresh in the root's hook
-        refresh_for_compiled_blocks(model)
+    refresh_for_compiled_blocks(model)  # a model quantize_model converted: its root's hook refreshes the codes
     for block in blocks:
         block.compile(backend=backend, dynamic=dynamic, mode=mode, options=options)
     return len(blocks)

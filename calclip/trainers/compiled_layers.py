@@ -12,9 +12,9 @@ names and the checkpoints stay those of the eager model.
 
 Only the trainer's own forwards run compiled. Rollouts (HF ``generate``: one token per call, a new shape every step)
 and the BF16 shadow forwards (their FP8 layers switched off; a second graph for an occasional call) run eager inside
-``eager_calls()``, which sets the compiled calls aside rather than entering Dynamo per call (under
-``torch.compiler.set_stance("force_eager")`` the H200's generation steps took 2.4-2.6 s against 1.9 s eager). Shapes
-are compiled dynamic from the start: every generation batch has its own sequence length.
+``calclip.fp8.regional_compile.eager_blocks``, which sets the compiled calls aside rather than entering Dynamo per
+call (under ``torch.compiler.set_stance("force_eager")`` the H200's generation steps took 2.4-2.6 s against 1.9 s
+eager). Shapes are compiled dynamic from the start: every generation batch has its own sequence length.
 
 Inductor and Triton keep their compiled kernels and autotune results on disk (Inductor's FX graph and AOTAutograd
 caches, under ``TORCHINDUCTOR_CACHE_DIR``, by default /tmp/torchinductor_<user>; calclip's kernels' timings in
@@ -26,12 +26,6 @@ trained without TrainingArguments.torch_compile, compile_generation, gradient ch
 """
 
 from __future__ import annotations
-
-import contextlib
-
-from torch import nn
-
-from calclip.fp8.regional_compile import eager_blocks
 
 
 def resolve_compile_layers(setting: bool | None, *, device_type: str, fp8: bool, torch_compile: bool,
@@ -69,9 +63,3 @@ def inductor_options(backend: str) -> dict | None:
     does (``emulate_precision_casts``), so the trainer's compiled log-prob forwards stay close to the eager rollout's
     (block FP8 turns a last-bit difference in an activation into other codes downstream)."""
     return {"emulate_precision_casts": True} if backend == "inductor" else None
-
-
-def eager_calls(model: nn.Module, active: bool):
-    """Context in which ``model``'s compiled layers run eager when ``active`` (``calclip.fp8.regional_compile.
-    eager_blocks``): rollouts and BF16 shadow forwards."""
-    return eager_blocks(model) if active else contextlib.nullcontext()

@@ -104,6 +104,7 @@ from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, oracle
 from calclip.calibration.state import FIT_SETTINGS
 from calclip.fp8 import (Fp8Config, bf16_shadow, compile_repeated_blocks, frozen_fp8_weights, pop_nonfinite_count,
                          quantize_model)
+from calclip.fp8.regional_compile import eager_blocks, repeated_blocks
 from calclip.losses import (
     aggregate,
     clipped_surrogate,
@@ -124,8 +125,7 @@ from calclip.trainers.checkpoint import (
     load_calclip_state,
     save_calclip_state,
 )
-from calclip.fp8.regional_compile import repeated_blocks
-from calclip.trainers.compiled_layers import eager_calls, inductor_options, resolve_compile_layers
+from calclip.trainers.compiled_layers import inductor_options, resolve_compile_layers
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
 from calclip.trainers.generation_cache import KeptStaticCache, generate_wrapped
@@ -559,8 +559,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         cache = self._generation_cache
         kept = cache.attached(policy) if cache is not None else contextlib.nullcontext()
         # Rollouts run the layers eager (compile_layers): one token per call, a new shape every decode step.
-        with kept, recorder.attached(policy), frozen_fp8_weights(policy), \
-                eager_calls(policy, self._layers_compiled):
+        with kept, recorder.attached(policy), frozen_fp8_weights(policy), eager_blocks(policy):
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -607,7 +606,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
         sync()
         start = time.perf_counter()
-        with torch.no_grad(), self._bf16_shadow(), eager_calls(self.model, self._layers_compiled):
+        with torch.no_grad(), self._bf16_shadow(), eager_blocks(self.model):
             logps, _, _ = self._get_per_token_logps_and_entropies(
                 self.model,
                 input_ids,

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from calclip.fp8 import compile_repeated_blocks
-from calclip.fp8.regional_compile import compiled_block_count, repeated_blocks
+from calclip.fp8.regional_compile import compiled_block_count, eager_blocks, repeated_blocks
 from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer, tiny_training_args, train_and_check
-from calclip.trainers.compiled_layers import eager_calls, resolve_compile_layers
+from calclip.trainers.compiled_layers import resolve_compile_layers
 from calclip.trainers.config import CalibratedGRPOConfig
 
 AUTO = dict(device_type="cuda", fp8=True, torch_compile=False, compile_generation=False,
@@ -95,7 +95,7 @@ def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_pat
     mask[0, :3] = 0  # a left-padded row
     with torch.no_grad():
         compiled, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8)
-        with eager_calls(trainer.model, True):
+        with eager_blocks(trainer.model):
             eager, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8)
     assert torch.equal(compiled, eager)
 

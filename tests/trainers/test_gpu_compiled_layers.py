@@ -10,9 +10,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from calclip.fp8.regional_compile import compiled_block_count  # noqa: E402
+from calclip.fp8.regional_compile import compiled_block_count, eager_blocks  # noqa: E402
 from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer, train_and_check  # noqa: E402
-from calclip.trainers.compiled_layers import eager_calls  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
@@ -37,7 +36,7 @@ def test_auto_compiles_the_fp8_layers_and_trains(tmp_path):
     mask[0, :5] = 0
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         compiled, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 16)
-        with eager_calls(trainer.model, True):
+        with eager_blocks(trainer.model):
             eager, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 16)
     gap = (compiled - eager).abs()
     print(f"compiled vs eager log-probs: max {gap.max().item():.4g}, mean {gap.mean().item():.4g} nats")
