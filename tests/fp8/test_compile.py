@@ -23,11 +23,7 @@ def _pair(**options):
     return eager, compiled
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 # scaled_mm_row_scales changes the GEMM choice on the H200 only; here it checks that the ops carry the flag through

@@ -21,7 +21,7 @@ from calclip.fp8 import (FP8BlockLinear, Fp8Config, compile_repeated_blocks, pop
                          quantize_128x128, quantize_model)
 from calclip.fp8.refresh_graph import replay_count  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]  # tests/conftest.py
 
 
 def _chain(seed=0):
@@ -31,13 +31,6 @@ def _chain(seed=0):
     model = nn.Sequential(nn.Linear(512, 1024, bias=False), nn.Linear(1024, 384, bias=False),
                           nn.Linear(384, 512, bias=False)).cuda().to(torch.bfloat16)
     return quantize_model(model, Fp8Config(keep_patterns=()))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])

@@ -35,7 +35,7 @@ from calclip.fp8 import reference as ref  # noqa: E402
 from calclip.fp8 import kernels as tk  # noqa: E402
 from calclip.fp8.gemm import fp8_block_gemm, resolve_backend  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]  # tests/conftest.py
 
 # 2 x 256 tokens: 512 rows, a multiple of 128, so every weight gradient runs on cuBLAS as in training; a layer's
 # forward + backward takes milliseconds at every family's dims.
@@ -44,13 +44,6 @@ TOKENS = (2, 256)
 # down projection runs the Triton GEMM (K = 8960), and SmolLM2's ragged 576.
 COMPILED = ("qwen2.5-7b", "qwen2.5-1.5b", "smollm2-135m")
 IS_SM90 = torch.cuda.get_device_capability()[0] == 9
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _fp8_copy(reference, config: Fp8Config):
