@@ -88,29 +88,36 @@ def _to_gemm_layout(name: str, out: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 
 
 def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
-                   nonfinite_count: Tensor | None = None, weight_bad: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   nonfinite_count: Tensor | None = None, weight_bad: Tensor | None = None,
+                   members: int = 1) -> tuple[Tensor, Tensor]:
     """[..., K] -> (q e4m3fn [..., K], s fp32 [..., ceil(K/block)]); groups along the last dim.
     ``gemm_layout``: s column-major (2-D x), the layout torch._scaled_mm reads; same values.
     ``nonfinite_count`` (int64 [], x's device): += the number of rows with a non-finite group, or every row
     when ``weight_bad`` (bool []) is set; counted inside the Triton kernel on CUDA (no extra launch, no sync),
-    from the scales by torch ops otherwise."""
+    from the scales by torch ops otherwise. ``members`` > 1: the count of that many linears reading x, with
+    ``weight_bad`` an int32 [] number of bad weights among them (``add_nonfinite_rows``)."""
     fn = _impl(x, "quantize_1x128", block)
     if fn is not reference.quantize_1x128:
         return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, nonfinite_count=nonfinite_count,
-                  weight_bad=weight_bad)
+                  weight_bad=weight_bad, members=members)
     q, s = fn(x, block=block, pow2=pow2)
     if gemm_layout:
         q, s = _to_gemm_layout("quantize_1x128", (q, s))
     if nonfinite_count is not None:
-        add_nonfinite_rows(nonfinite_count, s, weight_bad)
+        add_nonfinite_rows(nonfinite_count, s, weight_bad, members)
     return q, s
 
 
-def add_nonfinite_rows(nonfinite_count: Tensor, s: Tensor, weight_bad: Tensor | None) -> None:
-    """nonfinite_count += rows of the 1x128 scales ``s`` [..., NB] holding a NaN (every row if weight_bad)."""
+def add_nonfinite_rows(nonfinite_count: Tensor, s: Tensor, weight_bad: Tensor | None, members: int = 1) -> None:
+    """nonfinite_count += rows of the 1x128 scales ``s`` [..., NB] holding a NaN (every row if weight_bad).
+    ``members`` > 1: x feeds that many linears and ``weight_bad`` (int32 []) counts their bad weights: every row
+    per bad weight plus the NaN rows per healthy one, what the linears' own calls would add together."""
     rows = s.numel() // s.shape[-1] if s.dim() and s.shape[-1] else 0
     bad_rows = torch.isnan(s).any(dim=-1).sum() if rows else torch.zeros((), dtype=torch.int64, device=s.device)
-    if weight_bad is not None:
+    if members > 1:
+        bad_weights = weight_bad.to(torch.int64) if weight_bad is not None else 0
+        bad_rows = bad_weights * rows + (members - bad_weights) * bad_rows
+    elif weight_bad is not None:
         bad_rows = torch.where(weight_bad, rows, bad_rows)
     nonfinite_count.add_(bad_rows)
 

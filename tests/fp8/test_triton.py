@@ -177,6 +177,31 @@ def test_quantize_1x128_counts_nonfinite_rows_in_kernel(shape, weight_bad):
     assert int(counter) == 5 + _reference_bad_rows(x.cpu(), weight_bad) + _reference_bad_rows(x.cpu(), False)
 
 
+@pytest.mark.parametrize("bad_weights", [0, 1, 3])
+@pytest.mark.parametrize("shape", [(3, 200), (33, 1536), (5, 18944)])
+def test_quantize_1x128_counts_for_the_linears_sharing_x(shape, bad_weights):
+    """members=3 (q/k/v reading one x, calclip.fp8.shared_input), weight_bad an int32 count of their bad weights:
+    the counter gets what the three linears' own counting calls would add together, and the codes are the plain
+    kernel's. The torch path (quant.add_nonfinite_rows) adds the same."""
+    from calclip.fp8 import quant
+
+    x = _wide_range(shape, torch.bfloat16, seed=7 + sum(shape))
+    x[0, -1], x[shape[0] // 2, 0] = NAN, INF
+    x[1, :] = -INF
+    bad = torch.tensor(bad_weights, dtype=torch.int32, device=DEVICE)
+    counter = torch.full((), 2, dtype=torch.int64, device=DEVICE)
+    q, s = tk.quantize_1x128(x, nonfinite_count=counter, weight_bad=bad, members=3)
+    alone = sum(_reference_bad_rows(x.cpu(), i < bad_weights) for i in range(3))
+    assert int(counter) == 2 + alone
+    q_plain, s_plain = tk.quantize_1x128(x)
+    assert _scales_equal(s.cpu(), s_plain.cpu()) and _codes_equal(q.cpu(), q_plain.cpu()) == 0
+    torch_counter = torch.zeros((), dtype=torch.int64)
+    quant.add_nonfinite_rows(torch_counter, s_plain.cpu(), bad.cpu(), 3)
+    assert int(torch_counter) == alone
+    with pytest.raises(ValueError, match="members must be an int >= 1"):
+        tk.quantize_1x128(x, nonfinite_count=counter, weight_bad=bad, members=0)
+
+
 def test_counting_needs_a_proper_counter():
     x = torch.randn(4, 256, device=DEVICE)
     with pytest.raises(ValueError, match="nonfinite_count must be an int64"):
@@ -493,7 +518,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     plain_extra = {"count_ptr": "*fp32", "weight_bad_ptr": "*fp32"}  # unused when COUNT=False
     ptx = compile_ptx(quantize._quantize_1x128_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32,
                       "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32,
-                      **plain_extra}, {**quant, "COUNT": False}, quantize._QUANT_1X128_DEFAULT)
+                      **plain_extra}, {**quant, "COUNT": False, "MEMBERS": 1}, quantize._QUANT_1X128_DEFAULT)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
     count_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32, "K": i32, "NB": i32,
                    "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32, "count_ptr": "*i64",
@@ -501,10 +526,12 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     # the counting launch: the plain table's tiles, plus the rare re-read of earlier groups and the atomic add; no
     # config may spill registers (the whole-row tiles it replaced did, at K = 18944)
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    # (and the shared-input count: MEMBERS linears, an int32 number of bad weights; calclip.fp8.shared_input)
+    shared_types = {**count_types, "weight_bad_ptr": "*i32"}
     for config in quantize._QUANT_1X128_COUNT_CONFIGS:
-        for pow2 in (False, True):
-            ptx = compile_ptx(quantize._quantize_1x128_kernel, count_types, {**quant, "POW2": pow2, "COUNT": True},
-                              config)
+        for pow2, members in ((False, 1), (True, 1), (False, 3), (True, 2)):
+            ptx = compile_ptx(quantize._quantize_1x128_kernel, count_types if members == 1 else shared_types,
+                              {**quant, "POW2": pow2, "COUNT": True, "MEMBERS": members}, config)
             assert "atom.global" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
             if ptxas.exists():
                 with tempfile.TemporaryDirectory() as tmp:
@@ -529,7 +556,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ptx.count("st.global") > 0
     soft = compile_ptx(quantize._quantize_1x128_kernel, {"x_ptr": "*fp16", "q_ptr": "*u8", "s_ptr": "*fp32", "R": i32,
                        "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32,
-                       "R_BUCKET": i32, **plain_extra}, {**quant, "SOFT_FP8": True, "COUNT": False},
+                       "R_BUCKET": i32, **plain_extra}, {**quant, "SOFT_FP8": True, "COUNT": False, "MEMBERS": 1},
                        quantize._QUANT_1X128_DEFAULT)
     assert "e4m3x2" not in soft
     gemm_types = {n: ("*fp8e4nv" if n in ("a_ptr", "b_ptr") else "*bf16" if n == "c_ptr" else "*fp32"

@@ -74,6 +74,7 @@ def _quantize_1x128_kernel(
     count_ptr, weight_bad_ptr,  # COUNT only: int64 [] counter += bad rows; bool [] "the weight has a NaN block"
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+    MEMBERS: tl.constexpr = 1,  # COUNT: linears reading this x (calclip.fp8.shared_input); weight_bad: how many are bad
 ):
     """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile;
     the grid covers rows (axis 0) and chunks of GROUPS groups (axis 1).
@@ -82,19 +83,22 @@ def _quantize_1x128_kernel(
     ``weight_bad_ptr`` is set): the FP8BlockLinear non-finite token count, from registers the program already holds.
     A row is counted by the program of its first chunk with a non-finite group: a program that finds such rows (rare:
     never in a healthy run) reads those rows' earlier groups to drop the ones an earlier chunk counts. So counting
-    launches the same grid and tiles as plain quantization and costs nothing while every value is finite."""
+    launches the same grid and tiles as plain quantization and costs nothing while every value is finite.
+    MEMBERS > 1: x feeds that many linears (int32 ``weight_bad_ptr``: how many of their weights are bad); the count is
+    what each would add on its own, summed: every row per bad weight, the non-finite rows per healthy one."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     first_group = tl.program_id(1) * GROUPS
     row_bad = _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, first_group, R, K, NB, stride_xr, stride_sr,
                                      stride_sg, POW2, SOFT_FP8, GROUPS, GROUP)
     if COUNT:
-        if tl.load(weight_bad_ptr).to(tl.int32) != 0:
-            n_bad = tl.sum((rows < R).to(tl.int32), axis=0) * (first_group == 0).to(tl.int32)
-        else:
-            n_bad = tl.sum(row_bad, axis=0)
-            if n_bad > 0:
+        bad_members = tl.load(weight_bad_ptr).to(tl.int32)  # one linear: its flag, 0 or 1
+        n_bad = bad_members * tl.sum((rows < R).to(tl.int32), axis=0) * (first_group == 0).to(tl.int32)
+        if bad_members < MEMBERS:
+            n_rows = tl.sum(row_bad, axis=0)
+            if n_rows > 0:
                 earlier = _nonfinite_rows_before(x_ptr, rows, row_bad, first_group, R, K, stride_xr, GROUP)
-                n_bad = tl.sum(row_bad * (1 - earlier), axis=0)
+                n_rows = tl.sum(row_bad * (1 - earlier), axis=0)
+            n_bad += (MEMBERS - bad_members) * n_rows
         tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=n_bad > 0)
 
 
@@ -133,8 +137,8 @@ def _scales_out(rows: int, nb: int, column_major: bool, device: torch.device) ->
 
 
 def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
-                   nonfinite_count: Tensor | None = None,
-                   weight_bad: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   nonfinite_count: Tensor | None = None, weight_bad: Tensor | None = None,
+                   members: int = 1) -> tuple[Tensor, Tensor]:
     """Quantize in groups of 128 along the last dim (activations, output gradients). Matches the reference.
 
     x: [..., K] bf16/fp16/fp32 (fp64 rounded to fp32), any leading dims, K ragged allowed
@@ -144,9 +148,12 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     nonfinite_count: int64 [] tensor on x's device; when given, the kernel adds the number of rows (tokens)
     with a non-finite group to it — every row when ``weight_bad`` (bool [], optional) is set — without a sync
     or another launch, at any K. Codes and scales are the same with or without it.
+    members: the count for that many linears reading x (``calclip.fp8.shared_input``), ``weight_bad`` then an
+    int32 [] count of their bad weights: every row per bad weight plus the non-finite rows per healthy one.
     """
     _check_block(block)
     count = nonfinite_count is not None
+    _check_members(members, weight_bad)
     soft_fp8, weight_bad = _counter_operands(x, nonfinite_count, weight_bad) if count else (_check_device(x), None)
     if x.dim() < 1:
         raise ValueError("quantize_1x128 needs at least one dim")
@@ -167,8 +174,15 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
         lambda meta: (_ceil_div(r, meta["BLOCK_R"]), _ceil_div(nb, meta["GROUPS"])),
         (k, _bucket(r), x2.dtype), soft_fp8,
         x2, _codes_out(q, soft_fp8), s2, r, k, nb, x2.stride(0), s2.stride(0), s2.stride(1), _bucket(r),
-        *counter, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=count, GROUP=block)
+        *counter, POW2=pow2, SOFT_FP8=soft_fp8, COUNT=count, GROUP=block, MEMBERS=members)
     return q, s
+
+
+def _check_members(members: int, weight_bad: Tensor | None) -> None:
+    if isinstance(members, bool) or not isinstance(members, int) or members < 1:
+        raise ValueError(f"members must be an int >= 1, got {members!r}")
+    if weight_bad is not None and weight_bad.dtype not in (torch.bool, torch.int32):
+        raise ValueError(f"weight_bad must be a bool or int32 [] tensor, got {weight_bad.dtype}")
 
 
 # ----------------------------------------------------------------------------------------------------------
