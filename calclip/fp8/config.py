@@ -204,6 +204,12 @@ class Fp8Config:
         after an optimizer step by one CUDA-graph replay instead of three launches per layer (``calclip.fp8.
         refresh_graph``; the root's pre-hook before compiled calls). Same kernels, same codes. Default True;
         ``CALCLIP_REFRESH_GRAPH=0`` switches it off for the whole process.
+    share_sibling_inputs: the sibling linears that read one input (a decoder layer's q/k/v, gate/up) quantize it
+        once in forwards that do not take the fused decode (training, old log-probs), and save one copy of its
+        128x1 codes for backward instead of one each: per Llama-style layer 4 input quantizations instead of 7
+        (``calclip.fp8.shared_input``). Same codes, outputs and gradients bit for bit; the non-finite count's total
+        is the same, all of it on the member that quantized. Default True (blockwise, backward "fp8", cached
+        weights; otherwise nothing is grouped).
     """
 
     block_size: int = BLOCK
@@ -221,6 +227,7 @@ class Fp8Config:
     decode_group_siblings: bool = False
     scaled_mm_row_scales: bool | None = None
     refresh_graph: bool = True
+    share_sibling_inputs: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -250,7 +257,7 @@ class Fp8Config:
                 raise ValueError(f"Fp8Config.keep_patterns: invalid regex {pattern!r}: {err}") from None
         object.__setattr__(self, "keep_patterns", patterns)  # lists from YAML become a hashable tuple
         for name in ("cache_weights", "fused_quantizer", "decode_group_siblings", "scaled_mm_row_scales",
-                     "refresh_graph"):
+                     "refresh_graph", "share_sibling_inputs"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "scaled_mm_row_scales" and value is None):
                 extra = " or None (automatic)" if name == "scaled_mm_row_scales" else ""

@@ -34,6 +34,7 @@ from torch import nn
 from calclip.fp8.config import Fp8Config
 from calclip.fp8.linear import FP8BlockLinear
 from calclip.fp8.recipes import fp8_linear_from, is_fp8_linear
+from calclip.fp8.shared_input import share_sibling_inputs
 from calclip.fp8.siblings import group_siblings
 from calclip.fp8.weight_codes import fp8_layers, refresh_before_compiled_call
 
@@ -123,6 +124,8 @@ def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
     model._calclip_fp8_config = config
     if config.decode_group_siblings:
         group_siblings(model)
+    if config.share_sibling_inputs:
+        share_sibling_inputs(model)
     _track_fp8_layers(model)
     return model
 

@@ -40,6 +40,10 @@ from calclip.fp8.linear_math import _fused_decode_applies, _fused_decode_kernel
 from calclip.fp8.weight_codes import Fp8WeightCodes
 
 
+_NO_DGRAD_CODES = ("FP8BlockLinear is compiled for training before its dgrad codes exist: compile the model that "
+                   "quantize_model converted, or call refresh_fp8_weights(model) first")
+
+
 class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
     """nn.Linear computing in block FP8. Same Parameters (weight [N, K], bias [N]) and state_dict keys as
     nn.Linear; output and input gradient in the input dtype (the autocast dtype under autocast), weight
@@ -58,6 +62,9 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
         # Sibling group (siblings.py, Fp8Config.decode_group_siblings): one fused decode launch for q/k/v, gate/up.
         self._fp8_group = None
         self._fp8_group_index = 0
+        # Shared input (shared_input.py, Fp8Config.share_sibling_inputs): q/k/v, gate/up quantize their x once.
+        self._fp8_share = None
+        self._fp8_share_index = 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None) -> "FP8BlockLinear":
@@ -90,9 +97,9 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
             if autocast is not None:
                 x2 = x2.to(autocast)
             if not compiling:
-                y = self._eager_forward(x2, cfg)
+                y = self._eager_forward(x2, cfg, x)
             elif cfg.backward == "fp8":
-                y = self._compiled_forward(x2, cfg)
+                y = self._compiled_forward(x2, cfg, x)
             else:  # the straight-through comparison mode has no custom op: it runs eagerly (a graph break per layer)
                 y = self._eager_forward_outside_graph(x2, cfg)
         if self.bias is not None:
@@ -101,10 +108,13 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
         # place, which nn.Linear's output allows (e.g. y.mul_ in user code).
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def _eager_forward(self, x2: Tensor, cfg: Fp8Config) -> Tensor:
+    def _eager_forward(self, x2: Tensor, cfg: Fp8Config, x: Tensor | None = None) -> Tensor:
         self._refresh_weight_codes()
+        share = self._fp8_share
+        # x: the caller's tensor, the key of the input a sibling may have quantized already (shared_input.py)
+        codes = share.codes(self, x, x2, compiled=False) if share is not None and x is not None else None
         return _FP8BlockLinearFn.apply(x2, self.weight, self._fp8_qw, self._fp8_sw, self._fp8_bad,
-                                       self.nonfinite_count, self, cfg, x2.dtype, torch.is_grad_enabled())
+                                       self.nonfinite_count, self, cfg, x2.dtype, torch.is_grad_enabled(), codes)
 
     def _eager_fused_decode(self, x2: Tensor, cfg: Fp8Config, autocast: torch.dtype | None,
                             x: Tensor | None = None) -> Tensor | None:
@@ -143,7 +153,7 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
         y = self._eager_fused_decode(x2, cfg, None)
         return self._eager_forward(x2, cfg) if y is None else y
 
-    def _compiled_forward(self, x2: Tensor, cfg: Fp8Config) -> Tensor:
+    def _compiled_forward(self, x2: Tensor, cfg: Fp8Config, x: Tensor | None = None) -> Tensor:
         if self._fp8_qw is None:
             raise RuntimeError("FP8BlockLinear is compiled before its weight codes exist: compile the model that "
                                "quantize_model converted (its pre-hook refreshes them), or call "
@@ -153,14 +163,22 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
         if x2.is_cuda and _fused_decode_applies(x2, cfg, compiled=True) and _fused_decode_kernel(x2) is not None:
             return torch.ops.calclip.fp8_linear_decode(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                                        self.nonfinite_count, cfg.power_of_two_scales, x2.dtype)
+        share = self._fp8_share
+        if share is not None and x is not None:
+            qwt, swt = (self._fp8_qwt, self._fp8_swt) if grad else (None, None)
+            if grad and qwt is None:
+                raise RuntimeError(_NO_DGRAD_CODES)
+            qx, sx, qxt, sxt = share.codes(self, x, x2, compiled=True)
+            return torch.ops.calclip.fp8_linear_forward_codes(
+                x2, self.weight, qx, sx, qxt, sxt, self._fp8_qw, self._fp8_sw, qwt, swt, cfg.power_of_two_scales,
+                cfg.fused_quantizer, cfg.gemm, x2.dtype, cfg.row_scales)
         if not grad:
             return torch.ops.calclip.fp8_linear_infer(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                                       self.nonfinite_count, cfg.power_of_two_scales, cfg.gemm,
                                                       x2.dtype, cfg.row_scales)
         qwt, swt = self._fp8_qwt, self._fp8_swt
         if qwt is None:
-            raise RuntimeError("FP8BlockLinear is compiled for training before its dgrad codes exist: compile the "
-                               "model that quantize_model converted, or call refresh_fp8_weights(model) first")
+            raise RuntimeError(_NO_DGRAD_CODES)
         y, _, _, bad_rows = torch.ops.calclip.fp8_linear_forward(
             x2, self.weight, self._fp8_qw, self._fp8_sw, qwt, swt, self._fp8_bad, self.weight.requires_grad,
             cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, x2.dtype, cfg.row_scales)

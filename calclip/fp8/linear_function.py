@@ -17,7 +17,7 @@ from torch import Tensor
 
 from calclip.fp8 import quant
 from calclip.fp8.config import Fp8Config
-from calclip.fp8.linear_math import _backward, _forward
+from calclip.fp8.linear_math import _backward, _forward, _gemm
 from calclip.fp8.weight_codes import Fp8WeightCodes
 
 
@@ -26,14 +26,21 @@ class _FP8BlockLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor,
-                layer: Fp8WeightCodes, cfg: Fp8Config, out_dtype: torch.dtype, grad: bool) -> Tensor:
+                layer: Fp8WeightCodes, cfg: Fp8Config, out_dtype: torch.dtype, grad: bool,
+                codes: tuple | None = None) -> Tensor:
         # x2 [M, K]; weight [N, K] (only its grad slot is used here); qw/sw: the layer's current codes
         # grad: the caller's grad mode (forward runs under no_grad; needs_input_grad follows requires_grad alone)
+        # codes: x2 already quantized (qx, sx, qxt, sxt) and counted, by the sibling that quantized the input they
+        # share (shared_input.py; qxt/sxt None when no sibling needs a weight gradient); None: quantize here
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         fp8_backward = cfg.backward == "fp8"
-        y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, need_dw and fp8_backward,
-                               cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, out_dtype,
-                               cfg.row_scales)
+        if codes is not None:  # (only with backward="fp8"; 128x1 codes whenever any sibling's weight needs a grad)
+            qx, sx, qxt, sxt = codes
+            y = _gemm(qx, sx, qw, sw, out_dtype, cfg.gemm, "1x128", "128x128", cfg.row_scales)
+        else:
+            y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, need_dw and fp8_backward,
+                                   cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, out_dtype,
+                                   cfg.row_scales)
         ctx.cfg, ctx.need = cfg, (need_dx, need_dw)
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         if fp8_backward:
@@ -60,4 +67,4 @@ class _FP8BlockLinearFn(torch.autograd.Function):
                 dx = (dy2 @ w_dq).to(ctx.x_dtype)
             if need_dw:
                 dw = (dy2.t() @ x2.to(dy2.dtype)).to(ctx.w_dtype)
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None

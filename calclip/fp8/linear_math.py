@@ -67,19 +67,28 @@ def _quantize_both(t2: Tensor, pow2: bool, fused: bool) -> tuple[Tensor, Tensor,
             *quant.quantize_128x1(t2, pow2=pow2, gemm_layout=True))
 
 
+def _quantize_input(x2: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool,
+                    members: int = 1) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """x2 [M, K] -> its 1x128 codes/scales (the forward GEMM's operand) and, when save_for_wgrad, its 128x1
+    codes/scales (saved for the wgrad GEMM), else None; counter (int64 []) += the non-finite rows of ``members``
+    linears reading x2 (``weight_bad``: the one linear's flag, or an int32 count of bad weights among members)."""
+    if save_for_wgrad and fused:
+        qx, sx, qxt, sxt = _quantize_both(x2, pow2, fused)
+        quant.add_nonfinite_rows(counter, sx, weight_bad, members)
+        return qx, sx, qxt, sxt
+    qx, sx = quant.quantize_1x128(x2, pow2=pow2, gemm_layout=True, nonfinite_count=counter, weight_bad=weight_bad,
+                                  members=members)
+    qxt, sxt = quant.quantize_128x1(x2, pow2=pow2, gemm_layout=True) if save_for_wgrad else (None, None)
+    return qx, sx, qxt, sxt
+
+
 def _forward(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool,
              pow2: bool, fused: bool, gemm: str, out_dtype: torch.dtype,
              row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """x2 [M, K]; qw [N, K] e4m3fn, sw [N/128, K/128]; counter int64 [] (+= non-finite rows)
     -> y [M, N] out_dtype, and x quantized 128x1 (qxt [M, K], sxt [M/128, K]) when save_for_wgrad, else None.
     row_scales: Fp8Config.scaled_mm_row_scales (gemm.resolve_backend)."""
-    if save_for_wgrad and fused:
-        qx, sx, qxt, sxt = _quantize_both(x2, pow2, fused)
-        quant.add_nonfinite_rows(counter, sx, weight_bad)
-    else:
-        qx, sx = quant.quantize_1x128(x2, pow2=pow2, gemm_layout=True, nonfinite_count=counter,
-                                      weight_bad=weight_bad)
-        qxt, sxt = quant.quantize_128x1(x2, pow2=pow2, gemm_layout=True) if save_for_wgrad else (None, None)
+    qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, fused)
     y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales)
     return y, qxt, sxt
 

@@ -1,6 +1,7 @@
 """FP8BlockLinear's math as torch.library triton ops, for torch.compile (CUDA-graph safe: no syncs).
 
-Under torch.compile the layer calls ``calclip::fp8_linear_forward`` / ``calclip::fp8_linear_backward`` (training),
+Under torch.compile the layer calls ``calclip::fp8_linear_forward`` / ``calclip::fp8_linear_backward`` (training;
+sibling linears sharing an input: ``calclip::fp8_quantize_input`` once, then ``calclip::fp8_linear_forward_codes``),
 ``calclip::fp8_linear_infer`` (no grad) and ``calclip::fp8_linear_decode`` (the fused decode kernel): no graph break
 inside the layer. Dynamo records one op per layer call (its fake implementation is the same code run on
 FakeTensors); AOTAutograd then decomposes each op into the Triton kernels (recorded through wrap_triton, see
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from calclip.fp8.linear_math import _backward, _forward, _fused_decode_kernel
+from calclip.fp8.linear_math import _backward, _forward, _fused_decode_kernel, _gemm, _quantize_input
 
 
 @torch.library.triton_op("calclip::fp8_linear_forward", mutates_args=())
@@ -32,6 +33,28 @@ def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor 
     if qxt is None:
         qxt, sxt = x2.new_empty((0,), dtype=torch.float8_e4m3fn), x2.new_empty((0,), dtype=torch.float32)
     return y, qxt, sxt, counter
+
+
+@torch.library.triton_op("calclip::fp8_quantize_input", mutates_args=())
+def _quantize_input_op(x2: Tensor, weight_bad: Tensor, members: int, save_for_wgrad: bool, pow2: bool,
+                       fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The input that ``members`` sibling linears share, quantized once (shared_input.py) -> (qx [M, K] 1x128 codes,
+    sx, qxt [M, K] 128x1 codes or [0], sxt or [0], the members' non-finite rows [] summed; weight_bad: int32 []
+    number of their bad weights). Each member then takes ``fp8_linear_forward_codes``."""
+    counter = torch.zeros((), dtype=torch.int64, device=x2.device)
+    qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, fused, members)
+    if qxt is None:
+        qxt, sxt = x2.new_empty((0,), dtype=torch.float8_e4m3fn), x2.new_empty((0,), dtype=torch.float32)
+    return qx, sx, qxt, sxt, counter
+
+
+@torch.library.triton_op("calclip::fp8_linear_forward_codes", mutates_args=())
+def _forward_codes_op(x2: Tensor, weight: Tensor, qx: Tensor, sx: Tensor, qxt: Tensor, sxt: Tensor, qw: Tensor,
+                      sw: Tensor, qwt: Tensor | None, swt: Tensor | None, pow2: bool, fused: bool, gemm: str,
+                      out_dtype: torch.dtype, row_scales: bool = False) -> Tensor:
+    """``fp8_linear_forward`` for an x quantized already (``fp8_quantize_input``) -> y [M, N]. x2 and weight are
+    inputs only for autograd (their grad slots); the backward is ``fp8_linear_backward`` with qxt/sxt."""
+    return _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales)
 
 
 @torch.library.triton_op("calclip::fp8_linear_infer", mutates_args=("counter",))
@@ -81,4 +104,17 @@ def _forward_op_backward(ctx, dy2, _dqxt, _dsxt, _dcount):
 
 
 _forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context)
+
+
+def _codes_setup_context(ctx, inputs, output) -> None:
+    x2, weight, _qx, _sx, qxt, sxt, _qw, _sw, qwt, swt, pow2, fused, gemm, _out_dtype, row_scales = inputs
+    ctx.opts = (pow2, fused, gemm, x2.dtype, weight.dtype, row_scales)
+    ctx.save_for_backward(qwt, swt, qxt, sxt)
+
+
+def _forward_codes_op_backward(ctx, dy2):
+    return *_forward_op_backward(ctx, dy2, None, None, None)[:2], *([None] * 13)
+
+
+_forward_codes_op.register_autograd(_forward_codes_op_backward, setup_context=_codes_setup_context)
 
