@@ -547,7 +547,7 @@ def torchao_copy(model: nn.Module, peer) -> nn.Module:
 # "r" arms: each decoder layer compiled on its own (regional compilation, the trainer's compile_layers).
 MODEL_ARMS = {"bf16": "BF16", "bf16c": "BF16 compile", "fp8": "FP8 eager", "fp8c": "FP8 compile",
               "fp8x": "FP8+ eager", "fp8xc": "FP8+ compile", "torchao": "torchao", "torchaoc": "torchao compile",
-              "bf16r": "BF16 by layer", "fp8r": "FP8 by layer"}
+              "bf16r": "BF16 by layer", "fp8r": "FP8 by layer", "fp8xr": "FP8+ by layer"}
 
 
 def model_arm_keys(opts) -> list[str]:
@@ -563,8 +563,8 @@ def model_arm_keys(opts) -> list[str]:
     unknown = [k for k in keys if k not in MODEL_ARMS]
     if unknown:
         raise ValueError(f"--model-arms: unknown arm(s) {unknown}; choose from {list(MODEL_ARMS)}")
-    if ("fp8x" in keys or "fp8xc" in keys) and not opts.fp8_options:
-        raise ValueError("--model-arms fp8x/fp8xc need --fp8-options (the Fp8Config fields they change)")
+    if any(k.startswith("fp8x") for k in keys) and not opts.fp8_options:
+        raise ValueError("--model-arms fp8x/fp8xc/fp8xr need --fp8-options (the Fp8Config fields they change)")
     return ["bf16"] + [k for k in dict.fromkeys(keys) if k != "bf16"]
 
 
@@ -687,6 +687,7 @@ def model_section(opts, sizes: Sizes) -> None:
             "torchaoc": lambda: compile_module(torchao_copy(base, peer), opts),
             "bf16r": lambda: compile_by_layer(sharing_copy(base), opts),
             "fp8r": lambda: compile_by_layer(calclip_fp8_copy(base), opts),
+            "fp8xr": lambda: compile_by_layer(calclip_fp8_copy(base, opts.fp8_options), opts),
         }
         arms: dict[str, Arm] = {"BF16": setup_arm("BF16", arm_of("BF16", base, compiled=False, first=True))}
         # weights + optimizer state, common to every arm (the BF16 arm's warm-up created the optimizer state)
@@ -742,7 +743,11 @@ SUMMARY_COLUMNS = (
     ("FP8r vs BF16c", "FP8 by layer", "BF16 compile", "ms"),
     ("FP8r vs BF16r", "FP8 by layer", "BF16 by layer", "ms"),
     ("FP8r vs FP8c", "FP8 by layer", "FP8 compile", "ms"),
+    ("FP8+r vs FP8r", "FP8+ by layer", "FP8 by layer", "ms"),
     ("peak FP8c / BF16c", "FP8 compile", "BF16 compile", "peak"),
+    ("peak FP8r / BF16c", "FP8 by layer", "BF16 compile", "peak"),
+    ("peak FP8c / FP8+c", "FP8 compile", "FP8+ compile", "peak"),
+    ("peak FP8r / FP8+r", "FP8 by layer", "FP8+ by layer", "peak"),
     ("peak FP8e / BF16e", "FP8 eager", "BF16", "peak"),
 )
 

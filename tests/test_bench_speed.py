@@ -192,6 +192,7 @@ def test_parse_args_builds_model_rows_arms_and_fp8_options(capsys):
     assert bench_speed.parse_args(["--model-arms", "fp8c,bf16c"]).model_arm_keys == ["bf16", "fp8c", "bf16c"]
     for argv, message in ((["--model-arms", "fp8c,int4"], "unknown arm(s) ['int4']"),
                           (["--model-arms", "fp8xc"], "need --fp8-options"),
+                          (["--model-arms", "fp8xr"], "need --fp8-options"),
                           (["--fp8-options", "scaled_mm_row_scales"], "expected KEY=VALUE"),
                           (["--fp8-options", "warp_speed=true"], "warp_speed"),
                           (["--fp8-options", "gemm=triton,scaled_mm_row_scales=true"], "scaled_mm_row_scales"),
@@ -268,13 +269,17 @@ def test_summary_has_the_by_layer_columns_when_those_arms_ran():
         "BF16": bench_speed.Arm("BF16", samples={"ms": [100.0], "peak": [10.0]}),
         "BF16 compile": bench_speed.Arm("BF16 compile", samples={"ms": [80.0], "peak": [8.0]}),
         "FP8 by layer": bench_speed.Arm("FP8 by layer", samples={"ms": [64.0], "peak": [6.0]}),
+        "FP8+ by layer": bench_speed.Arm("FP8+ by layer", samples={"ms": [72.0], "peak": [7.5]}),
     }
     row = bench_speed.ModelRow("toy", 256, 512, 4, 2, 1)
     info = {"BF16 compile": {"first_s": 12.0}, "FP8 by layer": {"first_s": 7.5}}
     header, rows = bench_speed.summary_rows([(row, arms, info)], list(arms))
-    assert header == ["model", "BF16c vs BF16e", "FP8r vs BF16c", "first step s BF16c / FP8r"]
+    assert header == ["model", "BF16c vs BF16e", "FP8r vs BF16c", "FP8+r vs FP8r", "peak FP8r / BF16c",
+                      "peak FP8r / FP8+r", "first step s BF16c / FP8r"]
     cells = dict(zip(header, rows[0]))
     assert cells["FP8r vs BF16c"] == "1.25x"  # 80/64, one round
+    assert cells["FP8+r vs FP8r"] == "0.89x"  # 64/72: the option's arm is slower
+    assert cells["peak FP8r / BF16c"] == "0.75x" and cells["peak FP8r / FP8+r"] == "0.80x"
     assert cells["first step s BF16c / FP8r"] == "12.0 / 7.5"
 
 

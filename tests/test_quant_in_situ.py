@@ -36,9 +36,12 @@ def test_the_probes_call_list_is_what_one_training_step_of_a_decoder_layer_calls
     for call in quant_in_situ.step_calls(hidden, intermediate, heads, kv_heads, head_dim):
         expected[(call.kind, call.width, call.counted)] += call.count
     assert seen == expected
-    assert sum(expected.values()) == 28  # 7 linears: 1x128 and 128x1 of x, 1x128 and 128x1 of dy
+    # 7 linears: 1x128 and 128x1 of dy each; 1x128 and 128x1 of x once per input (q/k/v share one, gate/up one)
+    assert sum(expected.values()) == 22
+    assert sum(c.count for c in quant_in_situ.step_calls(hidden, intermediate, heads, kv_heads, head_dim,
+                                                         shared=False)) == 28
 
 
 def test_tiny_run_prints_the_launch_count_of_the_profiled_row(capsys):
     assert quant_in_situ.main(["--tiny"]) == 0
-    assert "224 quantizer launches per step (1x128: 112, 128x1: 112)" in capsys.readouterr().out
+    assert "176 quantizer launches per step (1x128: 88, 128x1: 88)" in capsys.readouterr().out

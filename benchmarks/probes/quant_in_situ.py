@@ -44,14 +44,17 @@ class Call:
     counted: bool = False
 
 
-def step_calls(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int | None = None) -> list[Call]:
+def step_calls(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int | None = None, *,
+               shared: bool = True) -> list[Call]:
     """Every activation quantizer call of one decoder layer's forward + backward in FP8BlockLinear
     (calclip.fp8.linear_math: forward 1x128 of x with the counter, 128x1 of x for the wgrad; backward 1x128 and
-    128x1 of dy), grouped by shape. q, k, v read the same x (hidden wide), so do gate and up; each quantizes it."""
+    128x1 of dy), grouped by shape. q, k, v read the same x (hidden wide), so do gate and up: with ``shared``
+    (Fp8Config.share_sibling_inputs, the default) each group quantizes it once, else each linear does."""
     head_dim = head_dim or hidden // heads
     q, kv = heads * head_dim, kv_heads * head_dim
-    inputs = [("q/k/v/gate/up input x", hidden, 5), ("o input (attention output)", q, 1),
-              ("down input (SiLU(gate)*up)", intermediate, 1)]
+    shared_x = [("q/k/v input x", hidden, 1), ("gate/up input x", hidden, 1)] if shared else \
+        [("q/k/v/gate/up input x", hidden, 5)]
+    inputs = [*shared_x, ("o input (attention output)", q, 1), ("down input (SiLU(gate)*up)", intermediate, 1)]
     grads = [("dy of q", q, 1), ("dy of k, v", kv, 2), ("dy of o", hidden, 1), ("dy of gate, up", intermediate, 2),
              ("dy of down", hidden, 1)]
     calls = [Call(f"fwd {w}", "1x128", n, c, counted=True) for w, n, c in inputs]
