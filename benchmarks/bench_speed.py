@@ -976,7 +976,8 @@ def trainer_section(opts, sizes: Sizes) -> None:
     print(f"\n### trainer: bench_trainer_step.py default config (Llama {layers}L h{hidden} i{inter}, HF generate), "
           f"optimizer-step time (s), {opts.run_rounds} round(s) x {opts.trainer_steps} timed steps after "
           f"{opts.trainer_warmup} warm-up")
-    table(["run", "median step s [min-max]", "mean step s", "BF16/run (median)", "BF16/run (mean)"],
+    # the ratios' baseline is the first run named (--trainer-runs' order), not necessarily a BF16 one
+    table(["run", "median step s [min-max]", "mean step s", f"{runs[0]} / run (median)", f"{runs[0]} / run (mean)"],
           summarize_runs(times, runs[0]))
     print("The mean covers whole generation cycles (generation every steps_per_generation / GA = 2 steps) when "
           "the timed steps per round are even.", flush=True)

@@ -33,6 +33,8 @@ UNCOMPARED_FIELDS = frozenset(RUN_FIELDS) | {
     # One kernel launch or two per FP8 decode linear: the same FP8 codes and scales (at most the fp32 accumulation
     # order of the GEMM differs), so runs before and after its automatic default compare as one config.
     "fp8_decode_fused_max_m", "fp8_decode_group_siblings",
+    # Quantizing q/k/v's (gate/up's) shared input once or per linear: the same codes, outputs and gradients.
+    "fp8_share_sibling_inputs",
 }
 
 

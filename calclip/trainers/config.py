@@ -207,6 +207,14 @@ class CalibratedGRPOConfig(GRPOConfig):
                                  "(Fp8Config.decode_group_siblings, fp8_recipe 'blockwise'; same FP8 codes and "
                                  "outputs). Off until measured on a GPU."}
     )
+    fp8_share_sibling_inputs: bool = field(
+        default=True, metadata={"help": "A decoder layer's q/k/v projections quantize the input they read once, and "
+                                "gate/up once, in training and no-grad forwards (not decode): 4 input "
+                                "quantizations per layer instead of 7 and one saved copy of the 128x1 codes "
+                                "(Fp8Config.share_sibling_inputs, fp8_recipe 'blockwise'; same FP8 codes, outputs "
+                                "and gradients). Measured on the H200: 1.03x (Qwen2.5-1.5B dims) and 1.04x "
+                                "(Qwen2.5-7B dims) faster compiled by layer, 2% less peak memory."}
+    )
     compile_generation: bool = field(
         default=False,
         metadata={"help": "Let transformers compile the HF generate decode step with CUDA graphs (its CompileConfig, "
@@ -500,8 +508,9 @@ class CalibratedGRPOConfig(GRPOConfig):
             if name == "fp8_decode_fused_max_m" and self.fp8_decode_fused_max_m is None:
                 continue  # automatic
             _int_at_least(name, getattr(self, name), 1 if name == "repeat_ngram_size" else 0)
-        if not isinstance(self.fp8_decode_group_siblings, bool):
-            raise ValueError(f"fp8_decode_group_siblings must be a bool, got {self.fp8_decode_group_siblings!r}")
+        for name in ("fp8_decode_group_siblings", "fp8_share_sibling_inputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.fp8:
             self._validate_fp8()
         if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):

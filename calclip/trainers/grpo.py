@@ -424,6 +424,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             power_of_two_scales=args.fp8_power_of_two_scales,
             decode_fused_max_m=args.fp8_decode_fused_max_m,
             decode_group_siblings=args.fp8_decode_group_siblings,
+            share_sibling_inputs=args.fp8_share_sibling_inputs,
             recipe=args.fp8_recipe,
             keep_first_n_layers=args.fp8_keep_first_n_layers,
             keep_last_n_layers=args.fp8_keep_last_n_layers,

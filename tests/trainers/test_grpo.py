@@ -319,6 +319,19 @@ def test_fp8_decode_group_siblings_groups_the_policys_q_k_v_and_gate_up(tokenize
     assert sorted(len(g.members) for g in groups.values()) == [2] * layers + [3] * layers
 
 
+def test_fp8_share_sibling_inputs_is_on_by_default_and_can_be_turned_off(tokenizer, tmp_path):
+    """The trainer field becomes Fp8Config.share_sibling_inputs: on by default, every decoder layer's q/k/v and
+    gate/up quantize their input once (calclip.fp8.shared_input); false leaves every linear on its own."""
+    model = make_trainer(tokenizer, tmp_path / "default").model
+    layers = [m for m in model.modules() if isinstance(m, FP8BlockLinear)]
+    groups = {id(m._fp8_share): m._fp8_share for m in layers if m._fp8_share is not None}
+    n = model.config.num_hidden_layers
+    assert sorted(len(g.members) for g in groups.values()) == [2] * n + [3] * n
+    off = make_trainer(tokenizer, tmp_path / "off", fp8_share_sibling_inputs=False).model
+    assert all(m._fp8_share is None and not m.fp8_config.share_sibling_inputs for m in off.modules()
+               if isinstance(m, FP8BlockLinear))
+
+
 def test_torch_compile_trains_the_fp8_policy_as_eager_does(tokenizer, tmp_path):
     """TRL's ``torch_compile`` switch on an FP8 policy (backend aot_eager on CPU: calclip's custom ops and their
     fake implementations, as Inductor sees them on the GPU): the model really runs compiled, and every loss and
