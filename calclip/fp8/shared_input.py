@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from calclip.fp8.linear_math import _quantize_input
-from calclip.fp8.siblings import SIBLING_NAMES
+from calclip.fp8.siblings import sibling_sets
 
 
 class SharedInput:
@@ -83,26 +83,19 @@ class SharedInput:
 
 
 def share_sibling_inputs(model: nn.Module) -> int:
-    """Group the sibling FP8BlockLinears of ``model`` that read one input (children named as in SIBLING_NAMES of one
-    parent, with one in_features, one Fp8Config with ``share_sibling_inputs``, ``cache_weights`` and
-    backward "fp8", one weight device, none grouped already); returns how many groups were formed."""
-    from calclip.fp8.linear import FP8BlockLinear
-
+    """Group the sibling FP8BlockLinears of ``model`` that read one input (``siblings.sibling_sets``, with
+    ``share_sibling_inputs``, ``cache_weights`` and backward "fp8", none grouped already); returns how many groups
+    were formed. ``cache_weights=False`` (sharded parameters) stays ungrouped: the first member's call refreshes every
+    member's codes, whose weights are whole only inside their own call there."""
     formed = 0
-    for parent in model.modules():
-        for names in SIBLING_NAMES:
-            members = [parent._modules.get(name) for name in names]
-            if not all(type(m) is FP8BlockLinear for m in members):
-                continue
-            config = members[0].fp8_config
-            if not (config.share_sibling_inputs and config.cache_weights and config.backward == "fp8"):
-                continue
-            if any(m.fp8_config != config for m in members) or any(m._fp8_share is not None for m in members):
-                continue
-            if len({(m.in_features, m.weight.device) for m in members}) != 1:
-                continue
-            group = SharedInput(members)
-            for index, member in enumerate(members):
-                member._fp8_share, member._fp8_share_index = group, index
-            formed += 1
+    for members in sibling_sets(model):
+        config = members[0].fp8_config
+        if not (config.share_sibling_inputs and config.cache_weights and config.backward == "fp8"):
+            continue
+        if any(m._fp8_share is not None for m in members):
+            continue
+        group = SharedInput(members)
+        for index, member in enumerate(members):
+            member._fp8_share, member._fp8_share_index = group, index
+        formed += 1
     return formed

@@ -107,30 +107,38 @@ class SiblingGroup:
         return mine
 
 
-def group_siblings(model: nn.Module) -> int:
-    """Group the sibling FP8BlockLinears of ``model`` (children named as in SIBLING_NAMES of one parent, with one
-    in_features, one Fp8Config with ``decode_group_siblings`` and ``cache_weights``, one weight dtype and device, none
-    run yet nor grouped already); returns how many groups were formed."""
+def sibling_sets(model: nn.Module):
+    """Each set of sibling FP8BlockLinears of ``model`` that read one input: the children named as in SIBLING_NAMES
+    of one parent, all FP8BlockLinear, with one Fp8Config, one in_features and one weight dtype and device. Both
+    groupings start here (``group_siblings``; ``shared_input.share_sibling_inputs``)."""
     from calclip.fp8.linear import FP8BlockLinear
 
-    formed = 0
     for parent in model.modules():
         for names in SIBLING_NAMES:
             members = [parent._modules.get(name) for name in names]
             if not all(type(m) is FP8BlockLinear for m in members):
                 continue
             config = members[0].fp8_config
-            # cache_weights=False: sharded parameters (FSDP, ZeRO-3), whose weights are whole only inside their
-            # own module's call; a group refreshes its siblings' codes in the first sibling's call.
-            if not (config.decode_group_siblings and config.cache_weights) or any(m.fp8_config != config
-                                                                                  for m in members):
+            if any(m.fp8_config != config for m in members):
                 continue
-            if len({(m.in_features, m.weight.dtype, m.weight.device) for m in members}) != 1:
-                continue
-            if any(m._fp8_group is not None or m._fp8_qw is not None for m in members):
-                continue
-            group = SiblingGroup(members)
-            for index, member in enumerate(members):
-                member._fp8_group, member._fp8_group_index = group, index
-            formed += 1
+            if len({(m.in_features, m.weight.dtype, m.weight.device) for m in members}) == 1:
+                yield members
+
+
+def group_siblings(model: nn.Module) -> int:
+    """Group the sibling FP8BlockLinears of ``model`` (``sibling_sets``, with ``decode_group_siblings`` and
+    ``cache_weights`` set, none run yet nor grouped already); returns how many groups were formed."""
+    formed = 0
+    for members in sibling_sets(model):
+        config = members[0].fp8_config
+        # cache_weights=False: sharded parameters (FSDP, ZeRO-3), whose weights are whole only inside their
+        # own module's call; a group refreshes its siblings' codes in the first sibling's call.
+        if not (config.decode_group_siblings and config.cache_weights):
+            continue
+        if any(m._fp8_group is not None or m._fp8_qw is not None for m in members):
+            continue
+        group = SiblingGroup(members)
+        for index, member in enumerate(members):
+            member._fp8_group, member._fp8_group_index = group, index
+        formed += 1
     return formed
