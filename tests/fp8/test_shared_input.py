@@ -223,3 +223,52 @@ def test_compiled_no_grad_forward_shares_too():
         assert torch.equal(compiled(x), shared(x))
     ops = [str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
     assert ops.count("calclip.fp8_quantize_input") == 4 and ops.count("calclip.fp8_linear_infer") == 4
+
+
+def _llama_pair(**options):
+    """A tiny transformers Llama (ragged 192-wide blocks) converted with and without shared inputs."""
+    from calclip.tiny_model import build_tiny_model
+
+    base = build_tiny_model(hidden_size=192, intermediate_size=320, num_hidden_layers=2)
+    shared = quantize_model(copy.deepcopy(base), Fp8Config(**options))
+    alone = quantize_model(copy.deepcopy(base), Fp8Config(share_sibling_inputs=False, **options))
+    return shared, alone
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_transformers_llama_with_gradient_checkpointing_equals_each_linear_alone(use_reentrant):
+    """HF gradient checkpointing recomputes each decoder layer in the backward: the recomputed forward quantizes the
+    shared input again and the loss and every gradient stay those of each linear alone."""
+    shared, alone = _llama_pair()
+    ids = torch.randint(0, shared.config.vocab_size, (2, 24))
+    grads = []
+    for model in (shared, alone):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model.config.use_cache = False
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_s, g_s), (loss_a, g_a) = grads
+    assert torch.equal(loss_s, loss_a) and g_s.keys() == g_a.keys() and len(g_s) > 10
+    for name in g_s:
+        assert torch.equal(g_s[name], g_a[name]), name
+
+
+def test_fp32_model_under_bf16_autocast_shares_the_cast_input(monkeypatch):
+    """Under autocast each member casts x to bf16 (a new tensor per call): the key is the caller's x and the compute
+    dtype, so q/k/v still quantize once, and the outputs are each linear's own."""
+    shared, alone = _llama_pair()
+    calls = []
+    real = quant.quantize_1x128
+    monkeypatch.setattr(quant, "quantize_1x128", lambda x, *a, **k: calls.append(x.dtype) or real(x, *a, **k))
+    ids = torch.randint(0, shared.config.vocab_size, (2, 24))
+    logits, counts = [], []
+    for model in (shared, alone):
+        calls.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits.append(model(input_ids=ids).logits)
+        counts.append(len(calls))
+        assert set(calls) == {torch.bfloat16}
+    assert torch.equal(logits[0], logits[1])
+    assert counts == [2 * 4, 2 * 7], counts
