@@ -17,12 +17,12 @@ from torch import Tensor
 
 from calclip.fp8 import quant
 from calclip.fp8.config import Fp8Config
-from calclip.fp8.linear_math import _backward, _forward, _gemm
+from calclip.fp8.linear_math import _backward, _gemm, _quantize_input
 from calclip.fp8.weight_codes import Fp8WeightCodes
 
 
 class _FP8BlockLinearFn(torch.autograd.Function):
-    """Eager autograd: calls _forward/_backward directly (no dispatcher round trip per call)."""
+    """Eager autograd: calls linear_math directly (no dispatcher round trip per call)."""
 
     @staticmethod
     def forward(ctx, x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor,
@@ -34,13 +34,11 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         # share (shared_input.py; qxt/sxt None when no sibling needs a weight gradient); None: quantize here
         need_dx, need_dw = grad and ctx.needs_input_grad[0], grad and ctx.needs_input_grad[1]
         fp8_backward = cfg.backward == "fp8"
-        if codes is not None:  # (only with backward="fp8"; 128x1 codes whenever any sibling's weight needs a grad)
-            qx, sx, qxt, sxt = codes
-            y = _gemm(qx, sx, qw, sw, out_dtype, cfg.gemm, "1x128", "128x128", cfg.row_scales)
-        else:
-            y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, need_dw and fp8_backward,
-                                   cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, out_dtype,
-                                   cfg.row_scales)
+        if codes is None:  # (given only with backward="fp8"; 128x1 codes whenever any sibling's weight needs a grad)
+            codes = _quantize_input(x2, weight_bad, counter, need_dw and fp8_backward, cfg.power_of_two_scales,
+                                    cfg.fused_quantizer)
+        qx, sx, qxt, sxt = codes
+        y = _gemm(qx, sx, qw, sw, out_dtype, cfg.gemm, "1x128", "128x128", cfg.row_scales)
         ctx.cfg, ctx.need = cfg, (need_dx, need_dw)
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         if fp8_backward:

@@ -114,11 +114,11 @@ def add_nonfinite_rows(nonfinite_count: Tensor, s: Tensor, weight_bad: Tensor | 
     per bad weight plus the NaN rows per healthy one, what the linears' own calls would add together."""
     rows = s.numel() // s.shape[-1] if s.dim() and s.shape[-1] else 0
     bad_rows = torch.isnan(s).any(dim=-1).sum() if rows else torch.zeros((), dtype=torch.int64, device=s.device)
-    if members > 1:
-        bad_weights = weight_bad.to(torch.int64) if weight_bad is not None else 0
+    if weight_bad is not None:  # one rule for a bool flag (members 1) and a count of bad weights, as in the kernel
+        bad_weights = weight_bad.to(torch.int64)
         bad_rows = bad_weights * rows + (members - bad_weights) * bad_rows
-    elif weight_bad is not None:
-        bad_rows = torch.where(weight_bad, rows, bad_rows)
+    elif members > 1:
+        bad_rows = members * bad_rows
     nonfinite_count.add_(bad_rows)
 
 
