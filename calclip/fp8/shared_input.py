@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from calclip.fp8.linear_math import _quantize_input
-from calclip.fp8.siblings import sibling_sets
+from calclip.fp8.siblings import bad_weight_count, sibling_sets
 
 
 class SharedInput:
@@ -55,7 +55,7 @@ class SharedInput:
         cfg = member.fp8_config
         need_t = key[1] and any(m.weight.requires_grad for m in self.members)
         if compiled:  # the root's pre-hook refreshed every member's codes before the graph
-            bad = torch.stack([m._fp8_bad for m in self.members]).sum(dtype=torch.int32)
+            bad = bad_weight_count(self.members)
             # detached: the codes carry no gradient (each member's fp8_linear_forward_codes routes x2's)
             *codes, count = torch.ops.calclip.fp8_quantize_input(x2.detach(), bad, len(self.members), need_t,
                                                                  cfg.power_of_two_scales, cfg.fused_quantizer)
@@ -77,7 +77,7 @@ class SharedInput:
         keys = tuple(m._fp8_key for m in self.members)
         if keys != self._bad_keys or self._bad is None:
             with torch.inference_mode(False), torch.no_grad():
-                self._bad = torch.stack([m._fp8_bad for m in self.members]).sum(dtype=torch.int32)
+                self._bad = bad_weight_count(self.members)
             self._bad_keys = keys
         return self._bad
 

@@ -96,7 +96,7 @@ class SiblingGroup:
             return None
         keys = tuple(sibling._fp8_key for sibling in self.members)
         if keys != self._keys:  # a weight changed: its non-finite flag may have (once per refresh, not per call)
-            self.bad_members = torch.stack([sibling._fp8_bad for sibling in self.members]).sum(dtype=torch.int32)
+            self.bad_members = bad_weight_count(self.members)
             self._keys = keys
         y = kernel(x2, self.qw, self.sw, out_dtype=out_dtype, nonfinite_count=self.members[0].nonfinite_count,
                    weight_bad=self.bad_members, pow2=pow2, round_to=round_to, members=len(self.members))
@@ -105,6 +105,12 @@ class SiblingGroup:
         mine = outputs.pop(index)
         self._pending = (x, x._version, out_dtype, round_to, outputs)
         return mine
+
+
+def bad_weight_count(members: list[nn.Module]) -> Tensor:
+    """int32 []: how many of ``members``' weights have a non-finite block (their current ``_fp8_bad`` flags summed):
+    the ``weight_bad`` of a launch that counts non-finite rows for all of them at once."""
+    return torch.stack([m._fp8_bad for m in members]).sum(dtype=torch.int32)
 
 
 def sibling_sets(model: nn.Module):
