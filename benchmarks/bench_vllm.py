@@ -64,6 +64,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Any
 import time
 from pathlib import Path
 
@@ -208,7 +209,8 @@ def config_only_dir(name: str, layers: int, directory: str) -> str:
 
 
 def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, numerics: str = "calclip",
-             max_model_len: int, max_num_seqs: int, batches: list[int], gpu_util: float):
+             max_model_len: int, max_num_seqs: int, batches: list[int], gpu_util: float,
+             engine_overrides: dict | None = None):
     """A vllm.LLM in this process. FP8 (``policy`` or ``quantization_config`` given): block-FP8 engine started from
     dummy weights as calclip's trainer starts it, then (with ``policy``) synced with ``sync_fp8_weights``;
     ``numerics`` "calclip" merges ``fp8_engine_numerics_kwargs()``, "vllm" keeps vLLM's defaults. BF16 otherwise
@@ -226,14 +228,17 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
         if policy is not None:
             kwargs.update(fp8_engine_kwargs(policy))
         else:
-            kwargs.update(quantization="fp8", hf_overrides={"quantization_config": quantization_config},
-                          load_format="dummy")
+            kwargs.update(quantization=quantization_config["quant_method"],
+                          hf_overrides={"quantization_config": quantization_config}, load_format="dummy")
         if numerics == "calclip":
             extra = fp8_engine_numerics_kwargs()
             compilation.update(extra.pop("compilation_config", {}))
             kwargs.update(extra)
     elif opts.dummy_bf16:
         kwargs["load_format"] = "dummy"
+    overrides = dict(engine_overrides or {})
+    compilation.update(overrides.pop("compilation_config", {}))
+    kwargs.update(overrides)  # last: a decode arm's own linear backend / quantization beats the numerics defaults
     kwargs["compilation_config"] = compilation
     if getattr(opts, "enforce_eager", False):  # no torch.compile, no CUDA graphs: rules them in or out of a mismatch
         kwargs["enforce_eager"] = True
@@ -760,15 +765,13 @@ def part_decode(opts) -> None:
     ``cuda_graph.py:277`` and ``breakable_cudagraph.py:359``) raises "CUDA graph capturing detected at an
     inappropriate time". Re-enabling capture would make the earlier engine capture lazily inside timed runs (not
     what the product runs). The product is not affected: TRL colocate builds one engine per process."""
-    from calclip.fp8.export import block_fp8_quantization_config
-
     layers = opts.decode_layers
     model_dir = config_only_dir("llama3_8b", layers, tempfile.mkdtemp(prefix="bench_vllm_decode_"))
-    qc = block_fp8_quantization_config(modules_to_not_convert=["lm_head"])
     max_len = opts.prompt_len + max(opts.new_tokens) + 8
-    specs = [("vLLM FP8", dict(quantization_config=qc, numerics="calclip")), ("vLLM BF16", {})]
-    if opts.decode_vllm_default:
-        specs.insert(1, ("vLLM FP8 vLLM-default", dict(quantization_config=qc, numerics="vllm")))
+    arms = list(opts.decode_arms)
+    if opts.decode_vllm_default:  # the older flag: the vLLM-default FP8 engine right after the first
+        arms.insert(1, "fp8_vdef")
+    specs = decode_engine_specs(arms)
     opts_dummy = argparse.Namespace(**{**vars(opts), "dummy_bf16": True})
     # one engine alive at a time, but a shut-down engine does not hand all its memory back in-process: the same
     # share as when two engines lived together
@@ -813,28 +816,80 @@ def part_decode(opts) -> None:
                 print(f"   !! {name} setup failed: {arm.error}", flush=True)
             interleave([arm], opts.repeats)
             arms[(batch, new_tokens)][name] = arm
+            # printed per engine, so a call cut by its time limit still reports the engines that finished
+            print(f"   {name} batch {batch} x {new_tokens}: {cell(arm, 'tok_s', 0)} tok/s", flush=True)
         shutdown(llm)
         del llm
     rows, results = [], RESULTS.setdefault("decode", [])
     for batch, new_tokens in cells:
         by = arms[(batch, new_tokens)]
         row = [str(layers), str(batch), str(new_tokens), *[cell(by.get(n), "tok_s", 0) for n, _ in specs],
-               paired_ratio(by.get("vLLM FP8"), by.get("vLLM BF16"), "tok_s")]
-        if opts.decode_vllm_default:
-            row.append(paired_ratio(by.get("vLLM FP8"), by.get("vLLM FP8 vLLM-default"), "tok_s"))
+               *[paired_ratio(by.get(n), by.get(DECODE_ENGINES["bf16"][0]), "tok_s")
+                 for n, _ in specs if n != DECODE_ENGINES["bf16"][0]]]
         rows.append(row)
         results.append({"layers": layers, "batch": batch, "new_tokens": new_tokens, "engines": "one at a time",
                         **{a.name: a.values("tok_s") for a in by.values()},
                         "errors": {a.name: a.error for a in by.values()}})
         print("row: | " + " | ".join(row) + " |", flush=True)
     save_results(opts)
-    columns = ["layers", "batch", "new tokens", *[f"{n} tok/s" for n, _ in specs], "FP8/BF16"]
-    if opts.decode_vllm_default:
-        columns.append("FP8 calclip/vLLM-default settings")
+    columns = ["layers", "batch", "new tokens", *[f"{n} tok/s" for n, _ in specs],
+               *[f"{n} / BF16" for n, _ in specs if n != DECODE_ENGINES["bf16"][0]]]
     print(f"\n### decode: vLLM generate tokens/s, Llama-3-8B dims, dummy weights, prompt {opts.prompt_len}, ignore_eos, "
           f"temperature 1, CUDA graphs (median [min-max] of {opts.repeats} rounds; one engine alive at a time, engines "
           f"one after another, so ratios pair round i of each engine, not interleaved rounds)")
     _common.table(columns, rows)
+
+
+def _compressed_fp8(weights: str, activations: str) -> dict:
+    """A compressed-tensors W8A8-FP8 quantization_config: ``weights`` strategy "channel" or "tensor" (static, from the
+    checkpoint), dynamic ``activations`` strategy "token" or "tensor" (vLLM's per-channel / per-tensor FP8 kernels)."""
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {"num_bits": 8, "type": "float", "strategy": weights,
+                                                      "symmetric": True, "dynamic": False},
+                                          "input_activations": {"num_bits": 8, "type": "float", "strategy": activations,
+                                                                "symmetric": True, "dynamic": True}}}}
+
+
+# Decode engines (``--decode-arms``): name -> (label, make_llm keywords). Block FP8 ("fp8*") starts from dummy weights
+# with calclip's block-FP8 quantization_config; "numerics" calclip = ``fp8_engine_numerics_kwargs()`` (the trainer's
+# arithmetic: fusion passes off), vllm = vLLM's defaults; a "linear_backend" override picks vLLM's GEMM. "deep_gemm"
+# needs DeepGEMM (vLLM's vendored copy) and, to keep the trainer's FP32 block scales, VLLM_USE_DEEP_GEMM_E8M0=0.
+def _block_qc() -> dict:
+    from calclip.fp8.export import block_fp8_quantization_config
+
+    return block_fp8_quantization_config(modules_to_not_convert=["lm_head"])
+
+
+DECODE_ENGINES: dict[str, tuple[str, Any]] = {
+    "bf16": ("vLLM BF16", lambda: {}),
+    "fp8": ("vLLM FP8", lambda: dict(quantization_config=_block_qc(), numerics="calclip")),
+    "fp8_vdef": ("vLLM FP8 vLLM-default", lambda: dict(quantization_config=_block_qc(), numerics="vllm")),
+    "fp8_cutlass_fused": ("FP8 block cutlass+fusions", lambda: dict(
+        quantization_config=_block_qc(), numerics="vllm", engine_overrides={"linear_backend": "cutlass"})),
+    "fp8_dg": ("FP8 block deep_gemm", lambda: dict(
+        quantization_config=_block_qc(), numerics="calclip", engine_overrides={"linear_backend": "deep_gemm"})),
+    "fp8_dg_fused": ("FP8 block deep_gemm+fusions", lambda: dict(
+        quantization_config=_block_qc(), numerics="vllm", engine_overrides={"linear_backend": "deep_gemm"})),
+    "fp8_triton": ("FP8 block triton", lambda: dict(
+        quantization_config=_block_qc(), numerics="calclip", engine_overrides={"linear_backend": "triton"})),
+    "online": ("vLLM online FP8", lambda: dict(engine_overrides={"quantization": "fp8", "load_format": "dummy"})),
+    "rowwise": ("FP8 channel/token", lambda: dict(quantization_config=_compressed_fp8("channel", "token"),
+                                                  numerics="vllm")),
+    "tensorwise": ("FP8 tensor/tensor", lambda: dict(quantization_config=_compressed_fp8("tensor", "tensor"),
+                                                     numerics="vllm")),
+}
+
+
+def decode_engine_specs(names: list[str]) -> list[tuple[str, dict]]:
+    """(label, make_llm keywords) per ``--decode-arms`` name, in order, without repeats."""
+    out, seen = [], set()
+    for name in names:
+        if name not in seen:
+            seen.add(name)
+            label, make = DECODE_ENGINES[name]
+            out.append((label, make()))
+    return out
 
 
 # (category, pattern on a CUDA kernel's name), first match wins: vLLM 0.24's block-FP8 linear on Hopper is CUTLASS
@@ -863,12 +918,9 @@ def part_decode_profile(opts) -> None:
     sees every kernel; the kernels are the graphed engine's), one generate of 32 tokens under torch.profiler after a
     warm-up. Tells whether the FP8 engine's small-batch decode (1.02x of BF16 at batch 64, fourteenth session) loses
     in its GEMMs, its activation quantizer or elsewhere."""
-    from calclip.fp8.export import block_fp8_quantization_config
-
     layers, batch, new_tokens = opts.decode_layers, opts.batches[0], 32
     model_dir = config_only_dir("llama3_8b", layers, tempfile.mkdtemp(prefix="bench_vllm_profile_"))
-    qc = block_fp8_quantization_config(modules_to_not_convert=["lm_head"])
-    specs = [("vLLM FP8", dict(quantization_config=qc, numerics="calclip")), ("vLLM BF16", {})]
+    specs = decode_engine_specs(opts.decode_arms)
     opts_eager = argparse.Namespace(**{**vars(opts), "dummy_bf16": True, "enforce_eager": True})
     prompts = torch.randint(3, 128256, (batch, opts.prompt_len), generator=torch.Generator().manual_seed(batch))
     requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
@@ -1118,6 +1170,8 @@ def parse_args(argv=None):
     parser.add_argument("--batches", type=_ints, default=[64, 128, 256])
     parser.add_argument("--new-tokens", type=_ints, default=[128, 512], help="decode; hf_decode uses the first")
     parser.add_argument("--decode-layers", type=int, default=4)
+    parser.add_argument("--decode-arms", default="fp8,bf16",
+                        help=f"decode / decode_profile: engines, comma-separated, of {sorted(DECODE_ENGINES)}")
     parser.add_argument("--decode-vllm-default", action="store_true",
                         help="decode: add the FP8 engine with vLLM's default settings (the cost of calclip's)")
     parser.add_argument("--hf-layers", type=int, default=4)
@@ -1163,6 +1217,10 @@ def parse_args(argv=None):
     if not opts.grpo_arms or set(opts.grpo_arms) - set(GRPO_ARMS):
         parser.error(f"--grpo-arms: unknown or none {sorted(set(opts.grpo_arms) - set(GRPO_ARMS))}; choose from "
                      f"{list(GRPO_ARMS)}")
+    opts.decode_arms = [a for a in opts.decode_arms.split(",") if a]
+    unknown = set(opts.decode_arms) - set(DECODE_ENGINES)
+    if unknown or not opts.decode_arms:
+        parser.error(f"--decode-arms: unknown or none {sorted(unknown)}; choose from {sorted(DECODE_ENGINES)}")
     opts.mismatch_arms = [a for a in opts.mismatch_arms.split(",") if a]
     unknown = set(opts.mismatch_arms) - set(MISMATCH_ARMS)
     if unknown or not opts.mismatch_arms:

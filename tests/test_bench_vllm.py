@@ -661,3 +661,35 @@ def test_decode_profile_profiles_each_engine_alone_without_graphs(monkeypatch, c
     out = capsys.readouterr().out
     assert "### decode_profile" in out and "FP8 activation quantizer" in out
     assert set(bench_vllm.RESULTS["decode_profile"]) == {"vLLM FP8", "vLLM BF16"}
+
+
+def test_decode_arms_reach_the_engine_with_their_own_backend_and_format(monkeypatch):
+    """Each --decode-arms engine hands vllm.LLM its own GEMM backend / quantization format, after the numerics
+    defaults (an arm's linear_backend beats fp8_engine_numerics_kwargs's "cutlass")."""
+    import types
+
+    seen = []
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kwargs: seen.append(kwargs) or object()
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    opts = bench_vllm.parse_args(["--parts", "decode", "--decode-arms",
+                                  "bf16,fp8,fp8_dg,fp8_dg_fused,online,rowwise,tensorwise"])
+    opts.dummy_bf16 = True
+    specs = bench_vllm.decode_engine_specs(opts.decode_arms)
+    assert [label for label, _ in specs][:2] == ["vLLM BF16", "vLLM FP8"]
+    for _, kwargs in specs:
+        bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1, **kwargs)
+    bf16, fp8, dg, dg_fused, online, rowwise, tensorwise = seen
+    assert "quantization" not in bf16 and bf16["load_format"] == "dummy"
+    assert fp8["linear_backend"] == "cutlass" and fp8["compilation_config"]["pass_config"]["fuse_act_quant"] is False
+    assert dg["linear_backend"] == "deep_gemm" and dg["compilation_config"]["pass_config"]["fuse_norm_quant"] is False
+    assert dg["hf_overrides"]["quantization_config"]["weight_block_size"] == [128, 128]
+    assert dg_fused["linear_backend"] == "deep_gemm" and "pass_config" not in dg_fused["compilation_config"]
+    assert online["quantization"] == "fp8" and "hf_overrides" not in online and online["load_format"] == "dummy"
+    for kw, weights, acts in ((rowwise, "channel", "token"), (tensorwise, "tensor", "tensor")):
+        group = kw["hf_overrides"]["quantization_config"]["config_groups"]["group_0"]
+        assert kw["quantization"] == "compressed-tensors"
+        assert (group["weights"]["strategy"], group["input_activations"]["strategy"]) == (weights, acts)
+        assert group["input_activations"]["dynamic"] is True
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--decode-arms", "fp8,nope"])
