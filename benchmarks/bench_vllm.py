@@ -231,7 +231,7 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
             kwargs.update(quantization=quantization_config["quant_method"],
                           hf_overrides={"quantization_config": quantization_config}, load_format="dummy")
         if numerics == "calclip":
-            extra = fp8_engine_numerics_kwargs()
+            extra = fp8_engine_numerics_kwargs(linear_backend=getattr(opts, "linear_backend", "cutlass"))
             compilation.update(extra.pop("compilation_config", {}))
             kwargs.update(extra)
     elif opts.dummy_bf16:
@@ -1033,7 +1033,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     on_gpu = device.type == "cuda"
     args = CalibratedGRPOConfig(
         output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm.startswith("fp8"),
-        vllm_fp8_direct_sync=arm != "fp8_reload", use_vllm=True, vllm_mode="colocate",
+        vllm_fp8_direct_sync=arm != "fp8_reload", vllm_fp8_linear_backend=opts.linear_backend, use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
         per_device_train_batch_size=completions, num_generations=8, gradient_accumulation_steps=1,
         steps_per_generation=1, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
@@ -1170,6 +1170,9 @@ def parse_args(argv=None):
     parser.add_argument("--batches", type=_ints, default=[64, 128, 256])
     parser.add_argument("--new-tokens", type=_ints, default=[128, 512], help="decode; hf_decode uses the first")
     parser.add_argument("--decode-layers", type=int, default=4)
+    parser.add_argument("--linear-backend", default="cutlass",
+                        help="vLLM's GEMM for the block-FP8 engine of the mismatch and grpo parts (calclip settings): "
+                             "cutlass, deep_gemm, triton")
     parser.add_argument("--decode-arms", default="fp8,bf16",
                         help=f"decode / decode_profile: engines, comma-separated, of {sorted(DECODE_ENGINES)}")
     parser.add_argument("--decode-vllm-default", action="store_true",
