@@ -247,9 +247,11 @@ class CalibratedGRPOConfig(GRPOConfig):
         default="cutlass",
         metadata={"help": "With use_vllm and fp8: the colocated vLLM engine's GEMM backend for the FP8 linears "
                   "(vLLM's linear_backend). 'cutlass' (default) serves the policy's FP32 block scales unchanged; "
-                  "null leaves vLLM's automatic choice, which on Hopper with DeepGEMM installed requantizes every "
-                  "weight to power-of-two scales, so the engine would no longer run the trainer's FP8 codes "
-                  "(docs/vllm.md, Numerics). A server is configured on its own command line."},
+                  "'deep_gemm' (Hopper/Blackwell, vLLM's vendored DeepGEMM) and null (vLLM's automatic choice, "
+                  "DeepGEMM first where installed) serve them unchanged too: calclip sets VLLM_USE_DEEP_GEMM_E8M0=0 "
+                  "before the engine starts unless every scale is a power of two, and refuses an environment that "
+                  "set it to 1, under which DeepGEMM would requantize every weight (docs/vllm.md, Numerics). A "
+                  "server is configured on its own command line."},
     )
     vllm_fp8_match_trainer_numerics: bool = field(
         default=True,

@@ -51,6 +51,7 @@ import copy
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -104,6 +105,35 @@ def fp8_engine_numerics_kwargs(*, linear_backend: str | None = DEFAULT_LINEAR_BA
             "inductor_compile_config": {"emulate_precision_casts": True},
         }
     return kwargs
+
+
+# vLLM's switch for DeepGEMM's UE8M0 path (vllm/envs.py; default 1): with it on, DeepGEMM's post-processing
+# requantizes every block-FP8 weight to power-of-two scales (``requant_weight_ue8m0_inplace``) and rounds the
+# activation scales up to powers of two, so the engine would no longer hold the trainer's codes. With it off, on
+# Hopper, DeepGEMM keeps the checkpoint's FP32 128x128 weight scales and codes as loaded, and its activation
+# quantizer computes FP32 1x128 scales as calclip's does (docs/vllm.md, Numerics).
+DEEP_GEMM_E8M0_ENV = "VLLM_USE_DEEP_GEMM_E8M0"
+_DEEP_GEMM_BACKENDS = (None, "auto", "deep_gemm")  # the choices under which vLLM 0.24 may pick DeepGEMM
+
+
+def deep_gemm_e8m0_setting(linear_backend: str | None, power_of_two_scales: bool,
+                           env: Mapping[str, str]) -> str | None:
+    """The value ``VLLM_USE_DEEP_GEMM_E8M0`` must take before a block-FP8 engine starts, or None to leave it.
+
+    Under a backend that may run DeepGEMM and a policy whose scales are not all powers of two, UE8M0 must be off;
+    an environment that switched it on explicitly is refused (the engine would silently serve requantized weights).
+    Power-of-two policies are served bit for bit either way, so their setting is the user's."""
+    if linear_backend not in _DEEP_GEMM_BACKENDS or power_of_two_scales:
+        return None
+    value = env.get(DEEP_GEMM_E8M0_ENV)
+    if value is None:
+        return "0"
+    if value.strip() not in ("0", ""):
+        raise ValueError(
+            f"{DEEP_GEMM_E8M0_ENV}={value} makes vLLM's DeepGEMM requantize the policy's FP8 weights to power-of-two "
+            f"scales, so the engine would not run the trainer's codes: unset it (calclip then sets 0), train with "
+            f"power_of_two_scales (fp8_power_of_two_scales), or set vllm_fp8_linear_backend='cutlass'")
+    return None
 
 
 def vllm_engine_model(llm) -> tuple[nn.Module, Any]:
@@ -439,8 +469,16 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
         return super()._start_engine()
 
     def _engine_kwargs(self) -> dict[str, Any]:
-        fp8 = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=self._fp8_specs())
+        specs = self._fp8_specs()
+        fp8 = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=specs)
         numerics = fp8_engine_numerics_kwargs() if self.fp8_engine_extra is None else self.fp8_engine_extra
+        e8m0 = deep_gemm_e8m0_setting(numerics.get("linear_backend"),
+                                      all(spec.power_of_two_scales for spec in specs.values()), os.environ)
+        if e8m0 is not None:  # read by vLLM when the engine picks its kernels, i.e. after this point
+            os.environ[DEEP_GEMM_E8M0_ENV] = e8m0
+            cached = getattr(sys.modules.get("vllm.utils.deep_gemm"), "is_deep_gemm_e8m0_used", None)
+            if hasattr(cached, "cache_clear"):  # an earlier engine in this process read the old value: read it again
+                cached.cache_clear()
         model_dir = {} if self.fp8_export_dir is not None else super()._engine_kwargs()  # the export has its own
         return {**model_dir, **numerics, **fp8}
 

@@ -12,6 +12,7 @@ Expected tensor spec = vLLM ``Fp8LinearMethod.create_weights`` with block quant
 """
 
 import ast
+import functools
 import os
 import re
 import subprocess
@@ -28,6 +29,8 @@ trl_vllm_generation = pytest.importorskip("trl.generation.vllm_generation")
 
 from calclip.fp8 import Fp8Config, FP8BlockLinear, quantize_model  # noqa: E402
 from calclip.trainers.vllm_sync import (  # noqa: E402
+    DEEP_GEMM_E8M0_ENV,
+    deep_gemm_e8m0_setting,
     ENGINE_MODEL_DIRNAME,
     check_vllm_compatible,
     engine_model_kwargs,
@@ -357,6 +360,45 @@ def test_trainer_engine_numerics_follow_the_config(fake_vllm, tokenizer, tmp_pat
     (kw,) = fake_vllm.engine_kwargs
     assert "linear_backend" not in kw and "compilation_config" not in kw  # vLLM's own defaults
     assert kw["quantization"] == "fp8"
+
+
+@pytest.mark.parametrize("backend", ["deep_gemm", None])
+def test_deep_gemm_engine_keeps_fp32_scales_by_switching_ue8m0_off(fake_vllm, tokenizer, tmp_path, monkeypatch,
+                                                                  backend):
+    """A backend under which vLLM may run DeepGEMM: the engine starts with VLLM_USE_DEEP_GEMM_E8M0=0 (DeepGEMM then
+    keeps the policy's FP32 block scales and codes), whatever vLLM cached for it before."""
+    import types
+
+    monkeypatch.delenv(DEEP_GEMM_E8M0_ENV, raising=False)
+    reads = []
+
+    @functools.cache
+    def is_deep_gemm_e8m0_used():  # vLLM caches its first read of the variable
+        reads.append(os.environ.get(DEEP_GEMM_E8M0_ENV))
+        return os.environ.get(DEEP_GEMM_E8M0_ENV, "1") == "1"
+
+    assert is_deep_gemm_e8m0_used()  # an earlier engine in this process read the default
+    module = types.ModuleType("vllm.utils.deep_gemm")
+    module.is_deep_gemm_e8m0_used = is_deep_gemm_e8m0_used
+    monkeypatch.setitem(sys.modules, "vllm.utils.deep_gemm", module)
+    make_vllm_trainer(fake_vllm, tokenizer, tmp_path, vllm_fp8_linear_backend=backend)
+    (kw,) = fake_vllm.engine_kwargs
+    assert kw.get("linear_backend") == backend
+    assert os.environ[DEEP_GEMM_E8M0_ENV] == "0"
+    assert not is_deep_gemm_e8m0_used() and reads == [None, "0"]
+
+
+def test_deep_gemm_e8m0_setting_rules():
+    env_off, env_on = {DEEP_GEMM_E8M0_ENV: "0"}, {DEEP_GEMM_E8M0_ENV: "1"}
+    assert deep_gemm_e8m0_setting("cutlass", False, env_on) is None  # CUTLASS never requantizes
+    assert deep_gemm_e8m0_setting("deep_gemm", False, {}) == "0"
+    assert deep_gemm_e8m0_setting(None, False, {}) == "0"
+    assert deep_gemm_e8m0_setting("deep_gemm", False, env_off) is None  # already off
+    assert deep_gemm_e8m0_setting("deep_gemm", True, env_on) is None  # power-of-two scales survive UE8M0
+    with pytest.raises(ValueError, match="VLLM_USE_DEEP_GEMM_E8M0=1.*power_of_two_scales.*cutlass"):
+        deep_gemm_e8m0_setting("deep_gemm", False, env_on)
+    with pytest.raises(ValueError, match="VLLM_USE_DEEP_GEMM_E8M0"):
+        deep_gemm_e8m0_setting(None, False, env_on)
 
 
 @pytest.mark.parametrize("value", ["", "   ", 3])
