@@ -124,6 +124,21 @@ def fp8_engine_numerics_kwargs(*, linear_backend: str | None = DEFAULT_LINEAR_BA
     return kwargs
 
 
+def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool | None = None,
+                        max_num_batched_tokens: int | None = None) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for the colocated engine's speed options, only those that differ from what TRL 1.16
+    builds today (``LLM(...)`` without kv_cache_dtype / async_scheduling, ``max_num_batched_tokens=4096``), so the
+    defaults change nothing. kv_cache_dtype "auto" is the model's dtype; async_scheduling None is vLLM's choice."""
+    kwargs: dict[str, Any] = {}
+    if kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = kv_cache_dtype
+    if async_scheduling is not None:
+        kwargs["async_scheduling"] = bool(async_scheduling)
+    if max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
+    return kwargs
+
+
 def vllm_engine_model(llm) -> tuple[nn.Module, Any]:
     """(the in-process model, its ModelConfig) of a ``vllm.LLM`` whose engine core runs in this process
     (colocate: TRL's ``external_launcher``, or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TRL 1.16 reads the same path."""
@@ -397,9 +412,13 @@ class ColocateEngineMixin:
     Attributes read (set them on the class or instance before ``__init__`` runs ``_init_vllm``):
       engine_model_root: where a pathless policy's engine directory is written, one ``rank-<process index>``
         folder per process (each colocated process builds its own engine); None: such a policy is refused.
+      engine_options: extra ``vllm.LLM`` arguments of the colocated engine, BF16 and FP8 alike (the trainer's
+        ``vllm_kv_cache_dtype`` / ``vllm_async_scheduling`` / ``vllm_max_num_batched_tokens``, through
+        ``engine_speed_kwargs``); merged over TRL's arguments.
     """
 
     engine_model_root: str | None = None
+    engine_options: Mapping[str, Any] | None = None
 
     def _init_vllm(self):
         return self._start_engine()
@@ -415,7 +434,8 @@ class ColocateEngineMixin:
             return super()._init_vllm()
         import trl.generation.vllm_generation as trl_vllm_generation
 
-        with merged_call_kwargs(trl_vllm_generation, "LLM", self._engine_kwargs()):
+        extra = {**self._engine_kwargs(), **(self.engine_options or {})}
+        with merged_call_kwargs(trl_vllm_generation, "LLM", extra):
             return super()._init_vllm()  # TRL's: LLM(...), sleep mode, barrier
 
 
@@ -558,22 +578,25 @@ def _grpo_generation_class(make: Callable[[type], type], **attributes):
         grpo_module.VLLMGeneration = original
 
 
-def use_vllm_generation(*, engine_model_root: str | None = None):
+def use_vllm_generation(*, engine_model_root: str | None = None, engine_options: Mapping[str, Any] | None = None):
     """While active, ``GRPOTrainer.__init__`` builds a ``CalclipVLLMGeneration``: TRL's BF16 engine and sync, which
     also starts for a policy without a loadable ``name_or_path`` (its directory written under
-    ``engine_model_root``, see ``ColocateEngineMixin``)."""
-    return _grpo_generation_class(vllm_generation_class, engine_model_root=engine_model_root)
+    ``engine_model_root``, see ``ColocateEngineMixin``), with ``engine_options`` merged into its ``LLM(...)``."""
+    return _grpo_generation_class(vllm_generation_class, engine_model_root=engine_model_root,
+                                  engine_options=None if engine_options is None else dict(engine_options))
 
 
 def use_fp8_vllm_generation(
     *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False,
     engine_kwargs: Mapping[str, Any] | None = None, engine_model_root: str | None = None, direct_sync: bool = True,
+    engine_options: Mapping[str, Any] | None = None,
 ):
     """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
 
     ``engine_kwargs``: the colocated engine's extra ``vllm.LLM`` arguments (None: ``fp8_engine_numerics_kwargs()``).
     ``engine_model_root``: see ``ColocateEngineMixin`` (a policy without a loadable ``name_or_path``).
     ``direct_sync``: ``FP8VLLMGenerationMixin.fp8_direct_sync`` (in-place syncs once the engine's layout is checked).
+    ``engine_options``: ``ColocateEngineMixin.engine_options`` (``engine_speed_kwargs``).
     With ``defer_engine`` (what ``CalibratedGRPOTrainer`` uses, since it quantizes after ``super().__init__()``):
 
         with use_fp8_vllm_generation(defer_engine=True):
@@ -585,4 +608,5 @@ def use_fp8_vllm_generation(
         fp8_vllm_generation_class, fp8_export_dir=export_dir, fp8_check_vllm_shapes=check_vllm_shapes,
         fp8_defer_engine=defer_engine, fp8_engine_extra=None if engine_kwargs is None else dict(engine_kwargs),
         engine_model_root=engine_model_root, fp8_direct_sync=direct_sync,
+        engine_options=None if engine_options is None else dict(engine_options),
     )
