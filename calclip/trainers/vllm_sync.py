@@ -124,21 +124,6 @@ def fp8_engine_numerics_kwargs(*, linear_backend: str | None = DEFAULT_LINEAR_BA
     return kwargs
 
 
-def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool | None = None,
-                        max_num_batched_tokens: int | None = None) -> dict[str, Any]:
-    """``vllm.LLM`` arguments for the colocated engine's speed options, only those that differ from what TRL 1.16
-    builds today (``LLM(...)`` without kv_cache_dtype / async_scheduling, ``max_num_batched_tokens=4096``), so the
-    defaults change nothing. kv_cache_dtype "auto" is the model's dtype; async_scheduling None is vLLM's choice."""
-    kwargs: dict[str, Any] = {}
-    if kv_cache_dtype != "auto":
-        kwargs["kv_cache_dtype"] = kv_cache_dtype
-    if async_scheduling is not None:
-        kwargs["async_scheduling"] = bool(async_scheduling)
-    if max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
-    return kwargs
-
-
 def vllm_engine_model(llm) -> tuple[nn.Module, Any]:
     """(the in-process model, its ModelConfig) of a ``vllm.LLM`` whose engine core runs in this process
     (colocate: TRL's ``external_launcher``, or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TRL 1.16 reads the same path."""
@@ -403,6 +388,21 @@ def layerwise_reload_stream(
     begin()
     yield from named_tensors
     end()
+
+
+def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool | None = None,
+                        max_num_batched_tokens: int | None = None) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for the colocated engine's speed options, only those that differ from what TRL 1.16
+    builds today (``LLM(...)`` without kv_cache_dtype / async_scheduling, ``max_num_batched_tokens=4096``), so the
+    defaults change nothing. kv_cache_dtype "auto" is the model's dtype; async_scheduling None is vLLM's choice."""
+    kwargs: dict[str, Any] = {}
+    if kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = kv_cache_dtype
+    if async_scheduling is not None:
+        kwargs["async_scheduling"] = bool(async_scheduling)
+    if max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
+    return kwargs
 
 
 class ColocateEngineMixin:
