@@ -177,10 +177,14 @@ def test_channel_config_refuses_the_blockwise_recipe():
 def test_compressed_tensors_validates_the_config():
     quantization = pytest.importorskip("compressed_tensors.quantization")
     for recipe in RECIPES:
-        (group,) = channel_fp8_quantization_config(recipe=recipe)["config_groups"].values()
+        config = channel_fp8_quantization_config(recipe=recipe, modules_to_not_convert=["lm_head"])
+        (group,) = config["config_groups"].values()
         weights = quantization.QuantizationArgs.model_validate(group["weights"])
         inputs = quantization.QuantizationArgs.model_validate(group["input_activations"])
         assert weights.strategy == "channel" and not weights.dynamic and inputs.dynamic
+        # the whole config, as transformers' CompressedTensorsConfig hands it over (extra keys are dropped)
+        whole = quantization.QuantizationConfig.model_validate(config)
+        assert whole.ignore == ["lm_head"] and whole.format == "float-quantized"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
