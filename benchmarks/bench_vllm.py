@@ -47,6 +47,10 @@ same Parameters for the after-sync stage, so every engine is synced from the sam
 (vLLM 0.24 serves both calclip exports with channel weight scales and per-token activation scales: the "rowwise"
 arm's engine).
 
+Engine options (the trainer's ``vllm_kv_cache_dtype`` / ``vllm_async_scheduling``): ``--kv-cache-dtype fp8`` gives the
+FP8 engines of mismatch and decode an FP8 KV cache (the BF16 engine stays the control) and every grpo arm's engine
+one; ``--async-scheduling on|off`` sets vLLM's async_scheduling on every engine (default: vLLM's choice).
+
 Models (``--models``): ``llama3_8b`` (Llama-3-8B dims: hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
 vocab 128256; ``--layers`` layers, random weights), ``issue_probe`` (the dims of the original mismatch probe: 2 layers, hidden 1024,
 intermediate 2816, 8 heads / 4 KV, vocab 32000), ``smollm2`` (SmolLM2-135M-Instruct from ``--smollm2-gguf``, a
@@ -98,6 +102,9 @@ MODEL_SPECS = {  # hidden, intermediate, heads, kv heads, vocab, default layers
     "llama3_8b": (4096, 14336, 32, 8, 128256, None),
     "issue_probe": (1024, 2816, 8, 4, 32000, 2),
 }
+# the trainer's vllm_kv_cache_dtype values (calclip.trainers.config.VLLM_KV_CACHE_DTYPES; that module imports TRL,
+# which the non-grpo parts run without)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 MISMATCH_ARMS = {"calclip": "FP8 calclip", "vllm": "FP8 vLLM-default", "bf16": "BF16"}  # --mismatch-arms
 RESULTS: dict = {}
 
@@ -254,6 +261,11 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
         kwargs["enforce_eager"] = True
     if getattr(opts, "model_impl", "auto") != "auto":  # "transformers": HF's modeling code inside the engine
         kwargs["model_impl"] = opts.model_impl
+    # the trainer's engine options (--kv-cache-dtype: FP8 engines only, so the BF16 engine stays the control)
+    from calclip.trainers.vllm_sync import engine_speed_kwargs
+
+    kwargs.update(engine_speed_kwargs(kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto") if fp8 else "auto",
+                                      async_scheduling=getattr(opts, "async_scheduling", None)))
     start = time.perf_counter()
     llm = LLM(**kwargs)
     setup_s = time.perf_counter() - start
@@ -1012,7 +1024,9 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         steps_per_generation=1, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
         learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False,
         generation_kwargs={"min_tokens": opts.grpo_tokens}, check_dataset=False,
-        fp8_recipe=getattr(opts, "grpo_recipe", None) or "blockwise")
+        fp8_recipe=getattr(opts, "grpo_recipe", None) or "blockwise",
+        vllm_kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto"),
+        vllm_async_scheduling=getattr(opts, "async_scheduling", None))
     timings = {"step_s": [], "generate_s": [], "sync_s": []}
 
     class StepClock(TrainerCallback):
@@ -1076,6 +1090,10 @@ def part_grpo(opts) -> None:
                    "--attention-backend", opts.attention_backend]
             if recipe != "blockwise":
                 cmd += ["--grpo-recipe", recipe]
+            if opts.kv_cache_dtype != "auto":
+                cmd += ["--kv-cache-dtype", opts.kv_cache_dtype]
+            if opts.async_scheduling is not None:
+                cmd += ["--async-scheduling", "on" if opts.async_scheduling else "off"]
             print(f"-- grpo {label}, round {round_index + 1}/{opts.grpo_rounds}: {' '.join(cmd[2:])}", flush=True)
             start = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.grpo_timeout)
@@ -1183,6 +1201,12 @@ def parse_args(argv=None):
                              "(rowwise / tensorwise: torchao's, served per channel by vLLM's compressed-tensors path)")
     parser.add_argument("--grpo-worker", choices=GRPO_ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--grpo-recipe", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the engines' KV cache (the trainer's vllm_kv_cache_dtype): auto (off), fp8, fp8_e4m3, "
+                             "fp8_e5m2; mismatch and decode: FP8 engines only (the BF16 engine stays the control); "
+                             "grpo: every arm")
+    parser.add_argument("--async-scheduling", default="vllm", choices=("vllm", "on", "off"),
+                        help="the engines' async_scheduling (the trainer's vllm_async_scheduling): vllm = its choice")
     parser.add_argument("--grpo-json", help=argparse.SUPPRESS)
     parser.add_argument("--child-json", help=argparse.SUPPRESS)
     parser.add_argument("--in-process", action="store_true",
@@ -1218,6 +1242,7 @@ def parse_args(argv=None):
     unknown = set(opts.recipes) - set(fp8_recipe_names())
     if unknown or not opts.recipes or len(set(opts.recipes)) != len(opts.recipes):
         parser.error(f"--recipes: unknown, repeated or none {sorted(unknown)}; choose from {list(fp8_recipe_names())}")
+    opts.async_scheduling = {"vllm": None, "on": True, "off": False}[opts.async_scheduling]
     opts.dummy_bf16 = False
     opts.device = "cuda"  # tests/test_bench_vllm.py runs the mismatch part on CPU against a stand-in engine
     return opts

@@ -112,3 +112,45 @@ def test_mismatch_part_runs_a_torchao_recipe_engine_on_the_policys_own_codes(mon
         if r["arm"] != "BF16":
             assert r["engine_holds_trainer_codes"] == "yes", r  # the torchao codes, after both syncs
     assert rows[2]["sync_ms"] > 0 and rows[0]["minus_bf16_control"] == pytest.approx(rows[0]["tmpe"] - rows[1]["tmpe"])
+
+
+def test_engine_options_reach_every_part(monkeypatch, tmp_path):
+    from calclip.trainers.config import VLLM_KV_CACHE_DTYPES
+
+    assert bench_vllm.KV_CACHE_DTYPES == VLLM_KV_CACHE_DTYPES  # the trainer's choices
+    default = bench_vllm.parse_args([])
+    assert default.kv_cache_dtype == "auto" and default.async_scheduling is None
+    opts = bench_vllm.parse_args(["--kv-cache-dtype", "fp8", "--async-scheduling", "off"])
+    assert opts.kv_cache_dtype == "fp8" and opts.async_scheduling is False
+    seen = []
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kwargs: seen.append(kwargs) or object()
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    opts.dummy_bf16 = True
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    for kwargs in ({}, {"quantization_config": qc}):
+        bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1, **kwargs)
+    bf16, fp8 = seen
+    assert "kv_cache_dtype" not in bf16 and bf16["async_scheduling"] is False  # the BF16 control keeps its cache
+    assert fp8["kv_cache_dtype"] == "fp8" and fp8["async_scheduling"] is False
+    bench_vllm.make_llm("unused", default, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1,
+                        quantization_config=qc)
+    assert not {"kv_cache_dtype", "async_scheduling"} & set(seen[-1])  # defaults: vLLM's own
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--kv-cache-dtype", "int8"])
+
+    commands = []
+
+    def run(cmd, capture_output, text, timeout):
+        commands.append(cmd)
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--kv-cache-dtype", "fp8",
+                                                "--async-scheduling", "on"]))
+    for cmd in commands:  # every arm's worker, BF16 included
+        assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8" and cmd[cmd.index("--async-scheduling") + 1] == "on"
+    worker = bench_vllm.parse_args(commands[0][2:])
+    assert worker.kv_cache_dtype == "fp8" and worker.async_scheduling is True
