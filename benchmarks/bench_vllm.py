@@ -38,6 +38,19 @@ grpo       one CalibratedGRPOTrainer step with vLLM colocate rollouts, ``fp8`` t
            process: step wall time, rollout (generate) time, weight-sync time and its share of the step
            (median of the steps after the first).
 
+Recipes (``--recipes``, comma-separated, default ``blockwise``): the FP8 recipes the mismatch and grpo parts run.
+blockwise is calclip's block-FP8 engine (``quantization="fp8"``, 128x128 weight blocks); rowwise and tensorwise are
+torchao's, served per channel (``quantization="compressed-tensors"``, the policy's own codes and per-row scales:
+calclip.fp8.export). Their rows carry the recipe ("FP8 calclip rowwise", "fp8_tensorwise"); blockwise rows keep
+their names. mismatch: one child per model, engine and recipe; every child trains the blockwise FP8 policy over the
+same Parameters for the after-sync stage, so every engine is synced from the same weights. decode: ``--decode-arms``
+(vLLM 0.24 serves both calclip exports with channel weight scales and per-token activation scales: the "rowwise"
+arm's engine).
+
+Engine options (the trainer's ``vllm_kv_cache_dtype`` / ``vllm_async_scheduling``): ``--kv-cache-dtype fp8`` gives the
+FP8 engines of mismatch and decode an FP8 KV cache (the BF16 engine stays the control) and every grpo arm's engine
+one; ``--async-scheduling on|off`` sets vLLM's async_scheduling on every engine (default: vLLM's choice).
+
 Models (``--models``): ``llama3_8b`` (Llama-3-8B dims: hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
 vocab 128256; ``--layers`` layers, random weights), ``issue_probe`` (the dims of the original mismatch probe: 2 layers, hidden 1024,
 intermediate 2816, 8 heads / 4 KV, vocab 32000), ``smollm2`` (SmolLM2-135M-Instruct from ``--smollm2-gguf``, a
@@ -90,6 +103,9 @@ MODEL_SPECS = {  # hidden, intermediate, heads, kv heads, vocab, default layers
     "llama3_8b": (4096, 14336, 32, 8, 128256, None),
     "issue_probe": (1024, 2816, 8, 4, 32000, 2),
 }
+# the trainer's vllm_kv_cache_dtype values (calclip.trainers.config.VLLM_KV_CACHE_DTYPES; that module imports TRL,
+# which the non-grpo parts run without)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 MISMATCH_ARMS = {"calclip": "FP8 calclip", "vllm": "FP8 vLLM-default", "bf16": "BF16"}  # --mismatch-arms
 RESULTS: dict = {}
 
@@ -172,18 +188,24 @@ def smollm2(gguf_path: str, device):
     return model.to(device).eval()
 
 
-def fp8_policy(base):
-    """calclip's FP8 policy over ``base``'s own Parameters, with every layer vLLM's block-FP8 linear cannot serve
-    kept in BF16 (in training too). Returns (policy, the modules kept for vLLM)."""
+def fp8_policy(base, recipe: str = "blockwise"):
+    """calclip's FP8 policy of ``recipe`` over ``base``'s own Parameters, with every layer vLLM's FP8 linear for that
+    recipe cannot serve kept in BF16 (in training too). Returns (policy, the modules kept for vLLM)."""
     from calclip.fp8 import Fp8Config, quantize_model
-    from calclip.fp8.export import linear_shapes, vllm_block_fp8_problems, vllm_keep_patterns
+    from calclip.fp8.export import fp8_weight_specs, linear_shapes, vllm_fp8_problems, vllm_keep_patterns
 
-    policy = quantize_model(sharing_copy(base), Fp8Config())
-    problems = vllm_block_fp8_problems(linear_shapes(policy))
+    policy = quantize_model(sharing_copy(base), Fp8Config(recipe=recipe))
+    problems = vllm_fp8_problems(linear_shapes(policy), fp8_weight_specs(policy))
     if not problems:
         return policy.eval(), []
     keep = vllm_keep_patterns(problems)
-    return quantize_model(sharing_copy(base), Fp8Config(keep_patterns=("lm_head", *keep))).eval(), sorted(problems)
+    kept_config = Fp8Config(recipe=recipe, keep_patterns=("lm_head", *keep))
+    return quantize_model(sharing_copy(base), kept_config).eval(), sorted(problems)
+
+
+def recipe_label(label: str, recipe: str, sep: str = " ") -> str:
+    """A row label of ``recipe``: blockwise keeps the label it always had, the others get the recipe appended."""
+    return label if recipe == "blockwise" else f"{label}{sep}{recipe}"
 
 
 def save_for_vllm(model, directory: str, tokenizer=None) -> str:
@@ -244,6 +266,11 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
         kwargs["enforce_eager"] = True
     if getattr(opts, "model_impl", "auto") != "auto":  # "transformers": HF's modeling code inside the engine
         kwargs["model_impl"] = opts.model_impl
+    # the trainer's engine options (--kv-cache-dtype: FP8 engines only, so the BF16 engine stays the control)
+    from calclip.trainers.vllm_sync import engine_speed_kwargs
+
+    kwargs.update(engine_speed_kwargs(kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto") if fp8 else "auto",
+                                      async_scheduling=getattr(opts, "async_scheduling", None)))
     start = time.perf_counter()
     llm = LLM(**kwargs)
     setup_s = time.perf_counter() - start
@@ -616,18 +643,27 @@ def part_mismatch(opts) -> None:
             base = smollm2(opts.smollm2_gguf, device)
         else:
             base = random_llama(name, opts.layers, device, opts.logit_std)
-        policy, kept = fp8_policy(base)
+        policy, kept = fp8_policy(base)  # blockwise: the policy the after-sync stage trains (every recipe's engine
+        # then syncs the same Parameters)
         if kept:
             print(f"   kept in BF16 for vLLM (and training): {len(kept)} linears, e.g. {kept[0]}", flush=True)
+        policies = {"blockwise": policy}
+        for recipe in opts.recipes:
+            if recipe not in policies and {"calclip", "vllm"} & set(opts.mismatch_arms):
+                policies[recipe], kept_r = fp8_policy(base, recipe)
+                if kept_r:
+                    print(f"   {recipe}: kept in BF16 for vLLM (and training): {len(kept_r)} linears", flush=True)
         model_dir = save_for_vllm(base, tempfile.mkdtemp(prefix=f"bench_vllm_{name}_"))
         vocab = base.config.vocab_size
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, vocab, (opts.mismatch_prompts, opts.prompt_len), generator=gen)
         max_len = opts.prompt_len + opts.mismatch_tokens + 8
         engines: dict[str, object] = {}
-        specs = [(MISMATCH_ARMS[key], kwargs) for key, kwargs in (
-            ("calclip", dict(policy=policy, numerics="calclip")), ("vllm", dict(policy=policy, numerics="vllm")),
-            ("bf16", {})) if key in opts.mismatch_arms]
+        specs = [(recipe_label(MISMATCH_ARMS[key], recipe), dict(policy=policies[recipe], numerics=numerics))
+                 for recipe in opts.recipes for key, numerics in (("calclip", "calclip"), ("vllm", "vllm"))
+                 if key in opts.mismatch_arms]
+        specs += [(MISMATCH_ARMS["bf16"], {})] if "bf16" in opts.mismatch_arms else []
+        arm_policy = {arm: kwargs.get("policy", base) for arm, kwargs in specs}
         for arm, kwargs in specs:
             try:
                 engines[arm] = make_llm(model_dir, opts, max_model_len=max_len, max_num_seqs=opts.mismatch_prompts,
@@ -640,7 +676,8 @@ def part_mismatch(opts) -> None:
             sync_ms: dict[str, float] = {}
             if stage != "initial":
                 # the FP8 engine's samples (with --mismatch-arms bf16 alone: the BF16 engine's)
-                fp8_tokens = samples.get("FP8 calclip", next(iter(samples.values()), None))
+                first = recipe_label("FP8 calclip", opts.recipes[0])
+                fp8_tokens = samples.get(first, next(iter(samples.values()), None))
                 if fp8_tokens is None:
                     break
                 losses = train_steps(policy, prompts, fp8_tokens, opts.steps, opts.lr)
@@ -650,20 +687,20 @@ def part_mismatch(opts) -> None:
 
                 for arm, llm in engines.items():
                     sync = (lambda llm=llm: sync_bf16(llm, base)) if arm == "BF16" else (
-                        lambda llm=llm: sync_fp8_weights(llm, policy))
+                        lambda llm=llm, arm=arm: sync_fp8_weights(llm, arm_policy[arm]))
                     sync_ms[arm] = timed_ms(sync)
             for arm, llm in engines.items():
                 fp8 = arm != "BF16"
-                reference = policy if fp8 else base
+                reference = arm_policy[arm]
                 codes = "-"
                 if fp8:
-                    bad = engine_fp8_mismatches(vllm_engine_model(llm)[0], policy)
+                    bad = engine_fp8_mismatches(vllm_engine_model(llm)[0], reference)
                     codes = "yes" if not bad else f"NO ({len(bad)}: {bad[0]})"
                 tokens, engine_lp = rollout(llm, prompts, opts.mismatch_tokens, seed=len(samples))
                 samples[arm] = tokens
                 stats = mismatch_stats(engine_lp, trainer_logprobs(reference, prompts, tokens))
                 floor = {}
-                if arm != "FP8 vLLM-default":
+                if not arm.startswith("FP8 vLLM-default"):
                     with attention(reference, "eager"):
                         eager_lp = trainer_logprobs(reference, prompts, tokens)
                     floor = mismatch_stats(eager_lp, trainer_logprobs(reference, prompts, tokens))
@@ -694,7 +731,7 @@ def part_mismatch(opts) -> None:
         for llm in list(engines.values()):
             shutdown(llm)
         engines.clear()
-        del base, policy
+        del base, policy, policies, arm_policy
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -1038,7 +1075,10 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         per_device_train_batch_size=completions, num_generations=8, gradient_accumulation_steps=1,
         steps_per_generation=1, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
         learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False,
-        generation_kwargs={"min_tokens": opts.grpo_tokens}, check_dataset=False)
+        generation_kwargs={"min_tokens": opts.grpo_tokens}, check_dataset=False,
+        fp8_recipe=getattr(opts, "grpo_recipe", None) or "blockwise",
+        vllm_kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto"),
+        vllm_async_scheduling=getattr(opts, "async_scheduling", None))
     timings = {"step_s": [], "generate_s": [], "sync_s": []}
 
     class StepClock(TrainerCallback):
@@ -1088,25 +1128,34 @@ def part_grpo(opts) -> None:
     ``--grpo-rounds`` times in turn (A B A B), every arm's steps after its ``--grpo-warmup`` first ones pooled over the
     rounds (FP8's second step still autotunes the backward's kernels)."""
     results = RESULTS.setdefault("grpo", {})
-    runs: dict[str, list[dict]] = {arm: [] for arm in opts.grpo_arms}
+    # (label, arm, recipe): every FP8 arm once per --recipes entry, labelled fp8, fp8_rowwise, fp8_reload_tensorwise...
+    labelled = [(recipe_label(arm, recipe, "_"), arm, recipe) for arm in opts.grpo_arms
+                for recipe in (opts.recipes if arm.startswith("fp8") else ["blockwise"])]
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in labelled}
     for round_index in range(opts.grpo_rounds):
-        for arm in opts.grpo_arms:
-            out = Path(tempfile.mkdtemp()) / f"grpo_{arm}.json"
+        for label, arm, recipe in labelled:
+            out = Path(tempfile.mkdtemp()) / f"grpo_{label}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--grpo-worker", arm, "--grpo-json", str(out),
                    "--grpo-layers", str(opts.grpo_layers), "--grpo-steps", str(opts.grpo_steps),
                    "--grpo-tokens", str(opts.grpo_tokens), "--grpo-completions", str(opts.grpo_completions),
                    "--gpu-util", str(opts.gpu_util), "--logit-std", str(opts.logit_std),
                    "--attention-backend", opts.attention_backend]
-            print(f"-- grpo {arm}, round {round_index + 1}/{opts.grpo_rounds}: {' '.join(cmd[2:])}", flush=True)
+            if recipe != "blockwise":
+                cmd += ["--grpo-recipe", recipe]
+            if opts.kv_cache_dtype != "auto":
+                cmd += ["--kv-cache-dtype", opts.kv_cache_dtype]
+            if opts.async_scheduling is not None:
+                cmd += ["--async-scheduling", "on" if opts.async_scheduling else "off"]
+            print(f"-- grpo {label}, round {round_index + 1}/{opts.grpo_rounds}: {' '.join(cmd[2:])}", flush=True)
             start = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.grpo_timeout)
             print(f"   exit {proc.returncode} after {time.perf_counter() - start:.0f} s", flush=True)
             if proc.returncode != 0 or not out.exists():
                 tail = (proc.stdout + proc.stderr)[-3000:]
-                print(f"   !! grpo {arm} failed; last output:\n{tail}", flush=True)
-                runs[arm].append({"error": tail[-500:]})
+                print(f"   !! grpo {label} failed; last output:\n{tail}", flush=True)
+                runs[label].append({"error": tail[-500:]})
                 continue
-            runs[arm].append(json.loads(out.read_text()))
+            runs[label].append(json.loads(out.read_text()))
     rows = []
     for arm, arm_runs in runs.items():
         ok = [r for r in arm_runs if "error" not in r]
@@ -1125,10 +1174,12 @@ def part_grpo(opts) -> None:
                      fmt(sync_median * 1e3, 0), f"{100 * sync_median / step_median:.1f}%", ", ".join(sorted(paths))[:60],
                      str(len(step))])
         save_results(opts)
-    if "step_median_s" in results.get("fp8", {}) and "step_median_s" in results.get("bf16", {}):
-        ratio = results["bf16"]["step_median_s"] / results["fp8"]["step_median_s"]
-        results["bf16_over_fp8_step"] = ratio
-        rows.append(["BF16/FP8 step time", f"{ratio:.2f}x", "", "", "", "", ""])
+    for recipe in opts.recipes:
+        label = recipe_label("fp8", recipe, "_")
+        if "step_median_s" in results.get(label, {}) and "step_median_s" in results.get("bf16", {}):
+            ratio = results["bf16"]["step_median_s"] / results[label]["step_median_s"]
+            results[recipe_label("bf16_over_fp8", recipe, "_") + "_step"] = ratio
+            rows.append([recipe_label("BF16/FP8", recipe) + " step time", f"{ratio:.2f}x", "", "", "", "", ""])
     save_results(opts)
     print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
           f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step (median [min-max] of the steps after "
@@ -1202,7 +1253,17 @@ def parse_args(argv=None):
     parser.add_argument("--grpo-arms", default="fp8,bf16",
                         help=f"grpo: arms, comma-separated, of {GRPO_ARMS} (fp8_reload: FP8 with vllm_fp8_direct_sync "
                              "off, every sync through vLLM's layerwise reload)")
+    parser.add_argument("--recipes", default="blockwise",
+                        help="mismatch, grpo: FP8 recipes, comma-separated, of blockwise,rowwise,tensorwise "
+                             "(rowwise / tensorwise: torchao's, served per channel by vLLM's compressed-tensors path)")
     parser.add_argument("--grpo-worker", choices=GRPO_ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--grpo-recipe", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the engines' KV cache (the trainer's vllm_kv_cache_dtype): auto (off), fp8, fp8_e4m3, "
+                             "fp8_e5m2; mismatch and decode: FP8 engines only (the BF16 engine stays the control); "
+                             "grpo: every arm")
+    parser.add_argument("--async-scheduling", default="vllm", choices=("vllm", "on", "off"),
+                        help="the engines' async_scheduling (the trainer's vllm_async_scheduling): vllm = its choice")
     parser.add_argument("--grpo-json", help=argparse.SUPPRESS)
     parser.add_argument("--child-json", help=argparse.SUPPRESS)
     parser.add_argument("--in-process", action="store_true",
@@ -1236,6 +1297,13 @@ def parse_args(argv=None):
                      "that class then fails (H200, vLLM 0.24.0: 'LlamaModel' object has no attribute "
                      "'do_not_compile'); CalibratedGRPOConfig refuses vllm_model_impl='transformers' in colocate mode "
                      "for the same reason")
+    from calclip.fp8.config import fp8_recipe_names
+
+    opts.recipes = [r for r in opts.recipes.split(",") if r]
+    unknown = set(opts.recipes) - set(fp8_recipe_names())
+    if unknown or not opts.recipes or len(set(opts.recipes)) != len(opts.recipes):
+        parser.error(f"--recipes: unknown, repeated or none {sorted(unknown)}; choose from {list(fp8_recipe_names())}")
+    opts.async_scheduling = {"vllm": None, "on": True, "off": False}[opts.async_scheduling]
     opts.dummy_bf16 = False
     opts.device = "cuda"  # tests/test_bench_vllm.py runs the mismatch part on CPU against a stand-in engine
     return opts
@@ -1243,23 +1311,26 @@ def parse_args(argv=None):
 
 def child_argv(argv: list[str], part: str, model: str | None, result_json: str, arm: str | None = None) -> list[str]:
     """``argv`` without its --parts / --models / --mismatch-arms (and their values), for one part (and one model,
-    one mismatch arm) in a child."""
+    one mismatch arm) in a child. A mismatch arm ``<arm>@<recipe>`` (``child_runs``) runs that one recipe; a plain
+    arm runs blockwise (FP8) or none (bf16), so --recipes is dropped for every mismatch arm."""
+    drop = ("--parts", "--models", "--mismatch-arms") + (("--recipes",) if arm is not None else ())
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
             continue
-        if arg in ("--parts", "--models", "--mismatch-arms"):
+        if arg in drop:
             skip = True
             continue
-        if arg.startswith(("--parts=", "--models=", "--mismatch-arms=")):
+        if arg.startswith(tuple(f"{d}=" for d in drop)):
             continue
         out.append(arg)
     out += ["--parts", part, "--child-json", result_json]
     if model is not None:
         out += ["--models", model]
     if arm is not None:
-        out += ["--mismatch-arms", arm]
+        arm, _, recipe = arm.partition("@")
+        out += ["--mismatch-arms", arm] + (["--recipes", recipe] if recipe else [])
     return out
 
 
@@ -1273,7 +1344,8 @@ def child_runs(opts) -> list[tuple[str, str | None, str | None]]:
         if part != "mismatch":
             runs.append((part, None, None))
             continue
-        runs += [(part, model, arm) for model in opts.models for arm in opts.mismatch_arms]
+        runs += [(part, model, recipe_label(arm, recipe, "@")) for model in opts.models for arm in opts.mismatch_arms
+                 for recipe in (opts.recipes if arm != "bf16" else ["blockwise"])]
     return runs
 
 

@@ -229,7 +229,8 @@ def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monke
 
 class StandInEngine:
     """A vllm.LLM stand-in for the mismatch part on CPU: an HF model loaded from the engine's directory that takes
-    every synced tensor (FP8 codes + weight_scale_inv are dequantized into its BF16 weights) and samples with it;
+    every synced tensor (FP8 codes + weight_scale_inv, or + per-row weight_scale, are dequantized into its BF16
+    weights) and samples with it;
     its ``named_parameters`` show what a vLLM model would hold (shards stacked into qkv_proj / gate_up_proj)."""
 
     instances = []
@@ -255,6 +256,9 @@ class StandInEngine:
             if leaf == "weight_scale_inv":
                 codes = self.received[f"{module}.weight"]
                 self.hf.get_parameter(f"{module}.weight").data.copy_(self.dequantize(codes, tensor))
+            elif leaf == "weight_scale":  # rowwise / tensorwise: one dequantization scale per output row
+                codes = self.received[f"{module}.weight"]
+                self.hf.get_parameter(f"{module}.weight").data.copy_(codes.float() * tensor)
             elif tensor.dtype != torch.float8_e4m3fn:
                 self.hf.get_parameter(name).data.copy_(tensor)
 
@@ -265,7 +269,8 @@ class StandInEngine:
         for name, t in self.received.items():
             module, _, leaf = name.rpartition(".")
             parent, _, short = module.rpartition(".")
-            if leaf in ("weight", "weight_scale_inv") and (t.dtype == torch.float8_e4m3fn or leaf != "weight"):
+            if leaf in ("weight", "weight_scale_inv", "weight_scale") and (
+                    t.dtype == torch.float8_e4m3fn or leaf != "weight"):
                 target, index = fused.get(short, (short, 0))
                 groups.setdefault(f"{parent}.{target}.{leaf}", {})[index] = t
         for name, parts in groups.items():

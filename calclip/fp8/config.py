@@ -35,7 +35,7 @@ class Fp8Recipe(str, Enum):
     the lower clip bound); calclip's trainer works the same on each."""
 
     # DeepSeek-V3, calclip's own kernels: x and dy in 1x128 groups, W in 128x128 blocks, e4m3 throughout. Ragged
-    # dims, FP8-saved activations, codes identical to vLLM's block-FP8 layers (the only recipe vLLM export serves).
+    # dims, FP8-saved activations, codes identical to vLLM's block-FP8 layers (rowwise / tensorwise export per channel).
     BLOCKWISE = "blockwise"
     # torchao "rowwise": one scale per token row of x and dy and per output row of W, e4m3 throughout. Exact
     # scales unless power_of_two_scales (torchao's own recipe rounds them to a power of two: see Fp8Config).

@@ -1,6 +1,7 @@
-"""Block-FP8 export of a calclip FP8 policy: a standard checkpoint and the per-step vLLM weight-sync stream.
+"""FP8 export of a calclip FP8 policy: a standard checkpoint and the per-step vLLM weight-sync stream.
 
-Both produce, for every linear layer that calclip trains in FP8, the tensors a block-FP8 consumer loads:
+Both produce, for every linear layer that calclip trains in FP8 with the blockwise recipe, the tensors a block-FP8
+consumer loads:
 
     <module>.weight            float8_e4m3fn [N, K]
     <module>.weight_scale_inv  float32       [ceil(N / 128), ceil(K / 128)]   (dequantization multiplier)
@@ -24,7 +25,22 @@ Names and shapes were checked against the consumers' sources (see docs/vllm.md f
   ``weight_scale_inv`` in older releases and renames it to ``weight_scale`` in newer ones, which is why the sync
   stream sends the CHECKPOINT format inside vLLM's layerwise reload (``calclip.trainers.vllm_sync``).
 
-torch + safetensors + json only: no transformers, no vLLM.
+Rowwise and tensorwise (torchao's recipes, ``calclip.fp8.torchao_recipes``) export per output channel instead, in
+the ``compressed-tensors`` format vLLM serves with its per-channel FP8 linear (``CompressedTensorsW8A8Fp8``, weights
+strategy "channel"):
+
+    <module>.weight            float8_e4m3fn [N, K]
+    <module>.weight_scale      float32       [N, 1]   (dequantization multiplier, one per output row)
+
+the codes and scales torchao's weight cast computes in the training forward (``torchao_weight_fp8``). Tensorwise's
+one scale is repeated per row: vLLM's per-tensor path (quant_method "fp8" without weight_block_size, or strategy
+"tensor") re-quantizes the shards of a fused layer (q/k/v, gate/up) to their largest scale
+(``requantize_with_max_scale``), so the engine would not hold the trainer's codes; its per-channel path keeps every
+row's codes and scale as loaded. Activations: vLLM 0.24 quantizes them dynamically per token in both paths on CUDA
+with CUTLASS FP8 (``kFp8DynamicTokenSym``), which is rowwise's scheme; tensorwise's per-tensor activation scale is not
+available there (docs/vllm.md says what that changes).
+
+torch + safetensors + json only: no transformers, no vLLM (torchao only for a model that has torchao layers).
 """
 
 from __future__ import annotations
@@ -39,7 +55,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from calclip.fp8.config import BLOCK, FP8_DTYPE
+from calclip.fp8.config import BLOCK, FP8_DTYPE, Fp8Recipe, get_fp8_recipe
 from calclip.fp8.linear import FP8BlockLinear
 from calclip.fp8.recipes import torchao_linears
 from calclip.fp8.reference import quantize_128x128
@@ -49,6 +65,9 @@ SCALE_NAME = "weight_scale_inv"
 # The name vLLM releases with the refactored post-load step give the processed scale (kernel format). Only useful
 # for in-place kernel-format updates; see docs/vllm.md before using it.
 VLLM_PROCESSED_SCALE_NAME = "weight_scale"
+# The per-channel scale's name in compressed-tensors checkpoints and vLLM's CompressedTensorsW8A8Fp8 (rowwise,
+# tensorwise); vLLM keeps it, as loaded, after loading.
+CHANNEL_SCALE_NAME = "weight_scale"
 
 # Parameter-name wrappers that training frameworks insert and checkpoints never contain (TRL strips the same ones).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -62,10 +81,23 @@ LLAMA_PACKED_MODULES: Mapping[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Fp8WeightSpec:
-    """How one linear layer's weight is quantized in training (and therefore in the export)."""
+    """How one linear layer's weight is quantized in training (and therefore in the export).
+
+    recipe: "blockwise" (calclip's 128x128 blocks; block_size applies), "rowwise" or "tensorwise" (torchao's
+    weight cast; block_size is not used)."""
 
     block_size: int = BLOCK
     power_of_two_scales: bool = False
+    recipe: str = Fp8Recipe.BLOCKWISE.value
+
+    @property
+    def blockwise(self) -> bool:
+        return self.recipe == Fp8Recipe.BLOCKWISE.value
+
+    @property
+    def scale_name(self) -> str:
+        """The checkpoint name of this layer's scale tensor."""
+        return SCALE_NAME if self.blockwise else CHANNEL_SCALE_NAME
 
 
 def clean_param_name(name: str) -> str:
@@ -76,23 +108,30 @@ def clean_param_name(name: str) -> str:
 
 
 def fp8_weight_specs(model: nn.Module) -> dict[str, Fp8WeightSpec]:
-    """Module name (wrapper prefixes stripped) -> quantization spec, for every FP8BlockLinear in ``model``.
-
-    Raises for a model with torchao-recipe (rowwise/tensorwise) layers: block-FP8 consumers (transformers'
-    FP8Linear, vLLM) serve 128x128 weight blocks only, and exporting such layers in BF16 would silently run
-    the rollout in another precision than the training forward."""
-    torchao_layers = torchao_linears(model)
-    if torchao_layers:
-        name, module = torchao_layers[0]
-        raise ValueError(
-            f"layer {clean_param_name(name)!r} uses FP8 recipe {module.fp8_config.recipe.value!r} (torchao): block-FP8 "
-            "export and vLLM weight sync serve recipe 'blockwise' only (fp8_recipe / Fp8Config.recipe)"
-        )
-    return {
+    """Module name (wrapper prefixes stripped) -> quantization spec, for every FP8 linear in ``model``: calclip's
+    FP8BlockLinear (recipe blockwise) and torchao's rowwise / tensorwise layers (their scale rounding read from the
+    torchao config the layer's forward runs with)."""
+    specs = {
         clean_param_name(name): Fp8WeightSpec(module.fp8_config.block_size, module.fp8_config.power_of_two_scales)
         for name, module in model.named_modules()
         if isinstance(module, FP8BlockLinear)
     }
+    for name, module in torchao_linears(model):
+        specs[clean_param_name(name)] = Fp8WeightSpec(
+            power_of_two_scales=bool(module.config.round_scales_to_power_of_2),
+            recipe=get_fp8_recipe(module.fp8_config.recipe).value)
+    return specs
+
+
+def shared_recipe(fp8_modules: Mapping[str, Fp8WeightSpec]) -> str:
+    """The one FP8 recipe of ``fp8_modules`` (a checkpoint's ``quantization_config`` and a vLLM engine serve one);
+    raises when there are no FP8 linears or their recipes differ."""
+    if not fp8_modules:
+        raise ValueError("model has no FP8 linear layers: convert it with calclip.fp8.quantize_model first")
+    recipes = {spec.recipe for spec in fp8_modules.values()}
+    if len(recipes) != 1:
+        raise ValueError(f"all FP8 linears must share one FP8 recipe for export and vLLM, got {sorted(recipes)}")
+    return recipes.pop()
 
 
 def bf16_linear_names(model: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec]) -> list[str]:
@@ -123,15 +162,64 @@ def block_fp8_quantization_config(*, block_size: int = BLOCK, modules_to_not_con
     }
 
 
-def quantize_weight_for_export(weight: Tensor, spec: Fp8WeightSpec) -> tuple[Tensor, Tensor]:
-    """weight [N, K] -> (q float8_e4m3fn [N, K], weight_scale_inv float32 [ceil(N/b), ceil(K/b)]).
+def channel_fp8_quantization_config(*, recipe: str, modules_to_not_convert: Iterable[str] = ()) -> dict:
+    """The ``quantization_config`` of a rowwise / tensorwise checkpoint: compressed-tensors, every nn.Linear not in
+    ``modules_to_not_convert`` (``ignore``) FP8 with static per-channel weight scales and dynamic activations.
 
-    The training quantizer's own reference; raises on non-finite blocks (a NaN scale would silently turn every
-    output of the layer NaN in the inference engine).
+    Read by vLLM's ``CompressedTensorsConfig`` (0.24: ``_is_fp8_w8a8`` -> ``CompressedTensorsW8A8Fp8``; a dynamic
+    input scheme runs per token whatever its strategy) and validated by compressed-tensors' ``QuantizationArgs``.
+    ``input_activations.strategy`` says what the trainer does (rowwise "token", tensorwise "tensor"); vLLM 0.24
+    reads only ``dynamic`` there. ``modules_to_not_convert`` is written too, for readers that look for it.
     """
-    q, s = quantize_128x128(weight.detach(), block=spec.block_size, pow2=spec.power_of_two_scales)
+    recipe = get_fp8_recipe(recipe)
+    if not recipe.uses_torchao:
+        raise ValueError(f"recipe {recipe.value!r} exports block-FP8 (block_fp8_quantization_config), not per channel")
+    skip = list(modules_to_not_convert)
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**fp8, "strategy": "channel", "dynamic": False},
+                "input_activations": {**fp8, "strategy": "token" if recipe is Fp8Recipe.ROWWISE else "tensor",
+                                      "dynamic": True},
+            }
+        },
+        "ignore": skip,
+        "modules_to_not_convert": list(skip),
+        "calclip_fp8_recipe": recipe.value,
+    }
+
+
+def fp8_quantization_config_for(fp8_modules: Mapping[str, Fp8WeightSpec], modules_to_not_convert: Iterable[str]
+                                ) -> dict:
+    """The ``quantization_config`` of ``fp8_modules``' one recipe: block-FP8 for blockwise (their one block size),
+    compressed-tensors per channel for rowwise / tensorwise."""
+    recipe = shared_recipe(fp8_modules)
+    if recipe == Fp8Recipe.BLOCKWISE.value:
+        return block_fp8_quantization_config(block_size=shared_block_size(fp8_modules),
+                                             modules_to_not_convert=modules_to_not_convert)
+    return channel_fp8_quantization_config(recipe=recipe, modules_to_not_convert=modules_to_not_convert)
+
+
+def quantize_weight_for_export(weight: Tensor, spec: Fp8WeightSpec) -> tuple[Tensor, Tensor]:
+    """weight [N, K] -> (q float8_e4m3fn [N, K], scale float32): the training quantizer's own codes and scales.
+
+    blockwise: ``weight_scale_inv`` [ceil(N/b), ceil(K/b)] from calclip's reference quantizer; rowwise / tensorwise:
+    ``weight_scale`` [N, 1] from torchao's weight cast (``calclip.fp8.torchao_recipes.torchao_weight_fp8``).
+    Raises on non-finite scales (a NaN scale would silently turn every output of the layer NaN in the engine).
+    """
+    if spec.blockwise:
+        q, s = quantize_128x128(weight.detach(), block=spec.block_size, pow2=spec.power_of_two_scales)
+    else:
+        from calclip.fp8.torchao_recipes import torchao_weight_fp8  # torchao only where a torchao layer exists
+
+        q, s = torchao_weight_fp8(weight, spec.recipe, power_of_two_scales=spec.power_of_two_scales)
     if not bool(torch.isfinite(s).all()):
-        raise ValueError("weight has non-finite values: refusing to export NaN block scales")
+        raise ValueError("weight has non-finite values: refusing to export NaN scales")
     return q, s
 
 
@@ -141,7 +229,8 @@ def quantize_named_params(
     *,
     scale_name: str = SCALE_NAME,
 ) -> Iterator[tuple[str, Tensor]]:
-    """Rewrite a (name, tensor) stream: ``<fp8 module>.weight`` becomes the FP8 codes plus ``<module>.<scale_name>``.
+    """Rewrite a (name, tensor) stream: ``<fp8 module>.weight`` becomes the FP8 codes plus its scale tensor,
+    ``<module>.<scale_name>`` for blockwise layers, ``<module>.weight_scale`` for rowwise / tensorwise ones.
 
     Every other tensor passes through unchanged. Names are matched after stripping wrapper prefixes, and the
     cleaned name is yielded. Lazy: one weight is quantized at a time, while the caller's gather (FSDP/ZeRO-3) for
@@ -156,7 +245,7 @@ def quantize_named_params(
             continue
         q, s = quantize_weight_for_export(tensor, spec)
         yield name, q
-        yield f"{module_name}.{scale_name}", s
+        yield f"{module_name}.{scale_name if spec.blockwise else spec.scale_name}", s
 
 
 def fp8_weight_sync_tensors(
@@ -193,8 +282,9 @@ def fp8_state_dict(
         fp8_modules = fp8_weight_specs(model)
     out: dict[str, Tensor] = {}
     seen_storage: set[tuple[int, int, tuple[int, ...]]] = set()
+    scale_names = {f"{module}.{spec.scale_name}" for module, spec in fp8_modules.items()}
     for name, tensor in quantize_named_params(model.state_dict().items(), fp8_modules):
-        if tensor.dtype not in (FP8_DTYPE,) and not name.endswith(SCALE_NAME):
+        if tensor.dtype not in (FP8_DTYPE,) and name not in scale_names:
             key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
             if tensor.device.type != "meta" and key in seen_storage:
                 continue
@@ -210,6 +300,9 @@ def shared_block_size(fp8_modules: Mapping[str, Fp8WeightSpec]) -> int:
     raises when there are no FP8 linears or their block sizes differ."""
     if not fp8_modules:
         raise ValueError("model has no FP8 linear layers: convert it with calclip.fp8.quantize_model first")
+    if not all(spec.blockwise for spec in fp8_modules.values()):
+        raise ValueError(f"weight_block_size is for recipe 'blockwise' only; these layers are "
+                         f"{shared_recipe(fp8_modules)!r} (fp8_quantization_config_for picks their format)")
     blocks = {spec.block_size for spec in fp8_modules.values()}
     if len(blocks) != 1:
         raise ValueError(f"all FP8 linears must share one block size for weight_block_size, got {sorted(blocks)}")
@@ -225,22 +318,23 @@ def export_fp8_checkpoint(
     modules_to_not_convert: Iterable[str] | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` of a block-FP8 checkpoint to ``out_dir``.
+    """Write ``config.json`` + ``model.safetensors`` of an FP8 checkpoint to ``out_dir``: block-FP8 for the blockwise
+    recipe, compressed-tensors per channel for rowwise / tensorwise (``fp8_quantization_config_for``).
 
     config_dict: the model's HF config as a dict (``model.config.to_dict()``); its ``quantization_config`` is
         replaced and its dtype keys set to ``dtype``.
     modules_to_not_convert: defaults to every nn.Linear that is not an FP8 linear (lm_head and the layers kept
         in BF16 by ``Fp8Config``).
-    All FP8 linears must share one block size (``weight_block_size`` is per checkpoint).
+    All FP8 linears must share one recipe, and blockwise ones one block size (both are per checkpoint).
     Returns the output directory. Tokenizer files are the caller's (``tokenizer.save_pretrained(out_dir)``).
     """
     from safetensors.torch import save_file
 
     if fp8_modules is None:
         fp8_modules = fp8_weight_specs(model)
-    block_size = shared_block_size(fp8_modules)
     if modules_to_not_convert is None:
         modules_to_not_convert = bf16_linear_names(model, fp8_modules)
+    quantization_config = fp8_quantization_config_for(fp8_modules, modules_to_not_convert)  # checks before writing
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,9 +342,7 @@ def export_fp8_checkpoint(
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     config = json.loads(json.dumps(dict(config_dict), default=str))  # deep copy, JSON-clean
-    config["quantization_config"] = block_fp8_quantization_config(
-        block_size=block_size, modules_to_not_convert=modules_to_not_convert
-    )
+    config["quantization_config"] = quantization_config
     dtype_name = str(dtype).removeprefix("torch.")
     config["dtype"] = dtype_name
     if "torch_dtype" in config:
@@ -298,7 +390,15 @@ def vllm_block_fp8_problems(
             reasons.append(f"N={n}, K={k} do not split into {block_size}-multiples over tp_size={tp_size}")
         if reasons:
             problems[name] = "; ".join(reasons)
-    # A fused layer must be all-FP8 or all-BF16 in vLLM.
+    _mixed_fused_problems(linear_shapes, packed_modules, problems)
+    return problems
+
+
+def _mixed_fused_problems(linear_shapes: Mapping[str, tuple[int, int]], packed_modules: Mapping[str, tuple[str, ...]],
+                          problems: dict[str, str]) -> None:
+    """A fused layer must be all-FP8 or all-BF16 in vLLM (``is_layer_skipped`` / ``should_ignore_layer`` raise on
+    a fused layer whose shards are split between quantized and ignored)."""
+    shard_to_fused = {shard: fused for fused, shards in packed_modules.items() for shard in shards}
     for name in linear_shapes:
         parent, _, leaf = name.rpartition(".")
         fused = shard_to_fused.get(leaf)
@@ -308,7 +408,42 @@ def vllm_block_fp8_problems(
             sibling_name = f"{parent}.{sibling}" if parent else sibling
             if sibling_name not in linear_shapes:
                 problems.setdefault(name, f"fused {fused} mixes FP8 and BF16 shards ({sibling_name} is BF16)")
+
+
+def vllm_channel_fp8_problems(
+    linear_shapes: Mapping[str, tuple[int, int]],
+    *,
+    packed_modules: Mapping[str, tuple[str, ...]] = LLAMA_PACKED_MODULES,
+    tp_size: int = 1,
+) -> dict[str, str]:
+    """Which rowwise / tensorwise FP8 linears vLLM's per-channel FP8 linear cannot serve as trained (empty: all).
+
+    Per-channel scales have no block grid: any N and K load, fused shards included (each shard's rows and their
+    scale rows go to their own offsets; vLLM 0.24 ``CompressedTensorsW8A8Fp8`` keeps both as loaded). torchao
+    already requires both dims to be multiples of 16 (``check_scaled_mm_shape``), which is what CUTLASS needs
+    without padding the weight. Left: the shards of a fused layer are all FP8 or all BF16, and with tensor
+    parallelism N and K split evenly over ``tp_size`` (checked for both dims, as for block FP8)."""
+    problems: dict[str, str] = {}
+    for name, (n, k) in linear_shapes.items():
+        if tp_size > 1 and (n % tp_size or k % tp_size):
+            problems[name] = f"N={n}, K={k} do not split evenly over tp_size={tp_size}"
+    _mixed_fused_problems(linear_shapes, packed_modules, problems)
     return problems
+
+
+def vllm_fp8_problems(
+    linear_shapes: Mapping[str, tuple[int, int]],
+    fp8_modules: Mapping[str, Fp8WeightSpec],
+    *,
+    packed_modules: Mapping[str, tuple[str, ...]] = LLAMA_PACKED_MODULES,
+    tp_size: int = 1,
+) -> dict[str, str]:
+    """``vllm_block_fp8_problems`` or ``vllm_channel_fp8_problems``, by the one recipe of ``fp8_modules``."""
+    recipe = shared_recipe(fp8_modules)
+    if recipe == Fp8Recipe.BLOCKWISE.value:
+        return vllm_block_fp8_problems(linear_shapes, block_size=shared_block_size(fp8_modules),
+                                       packed_modules=packed_modules, tp_size=tp_size)
+    return vllm_channel_fp8_problems(linear_shapes, packed_modules=packed_modules, tp_size=tp_size)
 
 
 def vllm_keep_patterns(problems: Mapping[str, str], packed_modules=LLAMA_PACKED_MODULES) -> tuple[str, ...]:

@@ -21,7 +21,9 @@ update into whole-code FP8 steps along the gradient (``Fp8Config.power_of_two_sc
 What torchao does differently from the blockwise recipe: dims must be multiples of 16 (torch._scaled_mm; the
 conversion refuses other layers, on CPU too, so a CPU run predicts the GPU's), the weight is re-quantized on
 every call (there is no weight cache: ``generate`` re-quantizes per decode step), activations are saved for
-the backward in high precision, and there is no block-FP8 export (vLLM serves the blockwise recipe only).
+the backward in high precision, and the export (``torchao_weight_fp8``) is per output channel, not in 128x128 blocks:
+the codes and dequantization scales torchao's weight cast computes in the training forward, for vLLM's per-channel
+FP8 linear (``calclip.fp8.export``; docs/vllm.md, "Rowwise and tensorwise").
 
 ``gemm``: "emulated" runs torchao's emulation (dequantize, then an fp32 matmul: the same FP8 codes and scales as
 the real kernels); "scaled_mm" torch._scaled_mm; "auto" emulates exactly when the input is not on CUDA, decided
@@ -43,6 +45,8 @@ from calclip.fp8.linear import linear_sharing_parameters
 try:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
 except ImportError as err:  # the module is imported only when a torchao recipe is chosen
     raise ImportError(f"FP8 recipes rowwise/tensorwise need torchao's float8 training; {TORCHAO_INSTALL_HINT} "
                       f"({err})") from err
@@ -73,6 +77,33 @@ def torchao_linear_config(recipe: str | Fp8Recipe, *, emulate: bool,
         raise ValueError(f"recipe {recipe.value!r} is calclip's own, not a torchao recipe")
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe.value), emulate=emulate,
                                round_scales_to_power_of_2=power_of_two_scales)
+
+
+def torchao_weight_fp8(weight: Tensor, recipe: str | Fp8Recipe, *, power_of_two_scales: bool = False
+                       ) -> tuple[Tensor, Tensor]:
+    """weight [N, K] -> (codes float8_e4m3fn [N, K], dequantization scale float32 [N, 1]): what the training forward of
+    a ``TorchaoFloat8Linear`` of ``recipe`` multiplies with, computed by torchao's own weight cast.
+
+    The cast is the one ``matmul_with_hp_or_float8_args.forward`` applies to ``weight.t()`` (role WEIGHT, the
+    recipe's ``cast_config_weight``, axis 0 of W^T: one scale per output row for rowwise, one for the tensor for
+    tensorwise), on the Parameter as stored (fp32 master weights are cast from fp32, as in training). torchao keeps
+    the quantizing multiplier ``448 / amax``; its GEMMs multiply by its reciprocal (``addmm_float8_unwrapped``), which
+    is the dequantization scale returned here, one per output row (tensorwise: the one scale repeated N times, so
+    that vLLM's per-channel layers hold it without re-quantizing fused shards; see calclip.fp8.export).
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [N, K], got shape {tuple(weight.shape)}")
+    config = torchao_linear_config(recipe, emulate=True, power_of_two_scales=power_of_two_scales)
+    cast = config.cast_config_weight
+    with torch.no_grad():
+        fp8 = hp_tensor_to_float8_dynamic(
+            weight.detach().t(), cast.target_dtype, LinearMMConfig(), gemm_input_role=GemmInputRole.WEIGHT,
+            scaling_granularity=cast.scaling_granularity,
+            axiswise_dim=get_maybe_axiswise_dim(0, cast.scaling_granularity),
+            round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+        codes = fp8._data.t().contiguous()
+        inverse = fp8._scale.reciprocal().to(torch.float32)
+    return codes, inverse.reshape(-1, 1).expand(weight.shape[0], 1).contiguous()
 
 
 def check_scaled_mm_shape(linear: nn.Linear, fqn: str, recipe: Fp8Recipe) -> None:

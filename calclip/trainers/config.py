@@ -19,7 +19,7 @@ from calclip.calibration import SCHEDULES as CALIBRATION_SCHEDULES
 from calclip.calibration import UPPER_MODES as CALIBRATION_UPPER_MODES
 from calclip.fp8.config import BACKWARD_MODES as FP8_BACKWARD_MODES
 from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
-from calclip.fp8.config import check_fp8_combination, fp8_recipe_names, get_fp8_recipe
+from calclip.fp8.config import check_fp8_combination, fp8_recipe_names
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
 from calclip.losses.registry import clip_mode_names
@@ -31,6 +31,8 @@ from calclip.trainers.field_checks import check_field_types, check_inherited_ran
 CLIP_MODES = clip_mode_names()
 FP8_RECIPES = fp8_recipe_names()
 OLD_LOGPS_SOURCES = ("trainer", "rollout")
+# vLLM 0.24 kv_cache_dtype values for a dense policy: the model dtype, or FP8 (fp8 is fp8_e4m3 on CUDA).
+VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Aggregations the calibrated loss reproduces exactly (TRL 1.16 normalizations).
 SUPPORTED_LOSS_TYPES = AGGREGATIONS
 _DEFAULT_RAIL_NOTE = (" (unset, calibration_low_max is 1 - epsilon and calibration_high_min is 1 + epsilon_high: the "
@@ -227,7 +229,8 @@ class CalibratedGRPOConfig(GRPOConfig):
         metadata={"help": "Compile the policy's decoder layers one by one (torch.compile per repeated block, "
                   "calclip.fp8.compile_repeated_blocks) for the training forwards and backwards; rollouts and BF16 "
                   "shadow forwards run eager. null (default): on for a blockwise FP8 policy (fp8_backward 'fp8') "
-                  "on CUDA, unless torch_compile, compile_generation, gradient checkpointing or sharded parameters "
+                  "and for a BF16 policy (fp8 false, the fair baseline) on CUDA, unless torch_compile, "
+                  "compile_generation, gradient checkpointing or sharded parameters "
                   "(FSDP, ZeRO-3) are set. The first steps compile one layer (Inductor and Triton keep it on disk "
                   "for the next run; docs/usage.md, Compiled layers)."},
     )
@@ -260,6 +263,25 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "scale at 1/(448*512)) and let its Inductor round BF16 intermediates as eager PyTorch does, so "
                   "its FP8 linears quantize the activations the trainer quantizes (docs/vllm.md, Numerics). False: "
                   "vLLM's defaults."},
+    )
+    vllm_kv_cache_dtype: str = field(
+        default="auto",
+        metadata={"help": "With use_vllm and vllm_mode colocate: the engine's KV cache dtype (vLLM's kv_cache_dtype). "
+                  "'auto' (default): the model's dtype, off; 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2': an FP8 KV cache "
+                  "(unit scales: the policy's checkpoint carries none), which the trainer's forward does not have, so "
+                  "it adds to the rollout/training mismatch (docs/vllm.md, Engine options). BF16 and FP8 policies "
+                  "alike."},
+    )
+    vllm_async_scheduling: bool | None = field(
+        default=None,
+        metadata={"help": "With use_vllm and vllm_mode colocate: vLLM's async_scheduling (the next step is scheduled "
+                  "while the current one runs on the GPU). null (default): vLLM's own choice, which vLLM 0.24 turns "
+                  "on for TRL's external_launcher engine; true/false force it."},
+    )
+    vllm_max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata={"help": "With use_vllm and vllm_mode colocate: vLLM's max_num_batched_tokens (tokens per engine "
+                  "step, prefill chunks included). null (default): TRL 1.16's 4096."},
     )
     vllm_fp8_direct_sync: bool = field(
         default=True,
@@ -376,13 +398,6 @@ class CalibratedGRPOConfig(GRPOConfig):
         high_min = 1.0 + self.clip_epsilon_high if self.calibration_high_min is None else self.calibration_high_min
         return high_min, self.calibration_high_max
 
-    def _validate_fp8_recipe(self) -> None:
-        """The trainer's own rule on fp8_recipe (the rules between FP8 options are Fp8Config's: ``_validate_fp8``)."""
-        if get_fp8_recipe(self.fp8_recipe).uses_torchao and self.use_vllm:
-            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} cannot run with use_vllm: vLLM rollouts on the policy's "
-                             "FP8 codes serve fp8_recipe 'blockwise' only (block-FP8 weights); use the transformers "
-                             "generate path (use_vllm False) or fp8_recipe 'blockwise'")
-
     def _validate_fp8(self) -> None:
         """Fp8Config's rules between options (calclip.fp8.config.check_fp8_combination), on the fp8_* fields: the
         trainer builds its Fp8Config from them, so a combination refused there is refused here, before training."""
@@ -400,8 +415,6 @@ class CalibratedGRPOConfig(GRPOConfig):
         _one_of("fp8_backward", self.fp8_backward, FP8_BACKWARD_MODES)
         _one_of("fp8_gemm", self.fp8_gemm, FP8_GEMM_BACKENDS)
         _one_of("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
-        if self.fp8:
-            self._validate_fp8_recipe()
         _one_of("loss_type", self.loss_type, SUPPORTED_LOSS_TYPES)
         if self.vllm_fp8_linear_backend is not None and (
             not isinstance(self.vllm_fp8_linear_backend, str) or not self.vllm_fp8_linear_backend.strip()
@@ -419,6 +432,17 @@ class CalibratedGRPOConfig(GRPOConfig):
                 "policy was built without), so the policy's own forward fails; use vllm_model_impl='vllm' (TRL's "
                 "default) or vllm_mode='server'"
             )
+        if self.vllm_kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
+            raise ValueError(f"vllm_kv_cache_dtype must be one of {VLLM_KV_CACHE_DTYPES}, got "
+                             f"{self.vllm_kv_cache_dtype!r}")
+        if self.vllm_async_scheduling is not None and not isinstance(self.vllm_async_scheduling, bool):
+            raise ValueError(f"vllm_async_scheduling must be true, false or null (vLLM's choice), got "
+                             f"{self.vllm_async_scheduling!r}")
+        if self.vllm_max_num_batched_tokens is not None and (
+                isinstance(self.vllm_max_num_batched_tokens, bool)
+                or not isinstance(self.vllm_max_num_batched_tokens, int) or self.vllm_max_num_batched_tokens < 1):
+            raise ValueError(f"vllm_max_num_batched_tokens must be an integer >= 1 or null (TRL's 4096), got "
+                             f"{self.vllm_max_num_batched_tokens!r}")
         for name in ("compile_generation", "keep_generation_cache", "vllm_fp8_match_trainer_numerics",
                      "vllm_fp8_direct_sync"):
             if not isinstance(getattr(self, name), bool):

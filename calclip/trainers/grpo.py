@@ -137,6 +137,7 @@ from calclip.trainers.ratio_histograms import attach_ratio_histograms
 from calclip.trainers.vllm_sync import (
     ENGINE_MODEL_DIRNAME,
     check_vllm_compatible,
+    engine_speed_kwargs,
     fp8_engine_numerics_kwargs,
     use_fp8_vllm_generation,
     use_vllm_generation,
@@ -249,16 +250,19 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         # A colocated engine of a policy without a loadable name_or_path (built from a config) is started from its
         # config and tokenizer written here, and the weights TRL syncs (calclip.trainers.vllm_sync).
         engine_model_root = os.path.join(args.output_dir, ENGINE_MODEL_DIRNAME)
+        engine_options = engine_speed_kwargs(kv_cache_dtype=args.vllm_kv_cache_dtype,
+                                             async_scheduling=args.vllm_async_scheduling,
+                                             max_num_batched_tokens=args.vllm_max_num_batched_tokens)
         if fp8_vllm:
             # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
             # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.
             vllm_hook = use_fp8_vllm_generation(
                 defer_engine=True, check_vllm_shapes=False, engine_model_root=engine_model_root,
-                direct_sync=args.vllm_fp8_direct_sync,
+                direct_sync=args.vllm_fp8_direct_sync, engine_options=engine_options,
                 engine_kwargs=fp8_engine_numerics_kwargs(linear_backend=args.vllm_fp8_linear_backend,
                                                          match_trainer=args.vllm_fp8_match_trainer_numerics))
         elif args.use_vllm:
-            vllm_hook = use_vllm_generation(engine_model_root=engine_model_root)
+            vllm_hook = use_vllm_generation(engine_model_root=engine_model_root, engine_options=engine_options)
         else:
             vllm_hook = contextlib.nullcontext()
         with vllm_hook:

@@ -15,6 +15,14 @@ that layout. Only if every tensor sits exactly where the layout says, with its d
 bits, are the later syncs done by ``DirectSync.copy``: one in-place ``copy_`` per tensor into the same storage (the
 CUDA graphs stay valid, as with the reload). Any difference (another kernel's layout, UE8M0 re-quantized scales,
 tensor parallelism, another architecture's names) keeps the reload, and the reason is kept in ``DirectSync.reason``.
+
+The per-channel engine of the rowwise / tensorwise recipes (vLLM's ``CompressedTensorsW8A8Fp8`` on CUTLASS) holds
+``weight_scale`` [N, 1] as loaded and its ``weight`` as the loaded [N, K] storage seen transposed (``weight.t()``, the
+[K, N] operand CUTLASS reads, no copy). An FP8 ``weight`` whose storage is row-major only when transposed (not
+contiguous, its transpose contiguous) is therefore compared and written through that transpose: the same bytes,
+rows in the checkpoint's orientation (``rows_view``). Scales are always compared as the engine indexes them (a
+kernel may keep a scale column-major and still index it [N, ...]). Any other layout fails the check and the
+reload stays.
 """
 
 from __future__ import annotations
@@ -50,6 +58,16 @@ def engine_name(name: str, packed_modules: Mapping[str, tuple[str, ...]]) -> tup
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
+
+
+def rows_view(param: torch.Tensor) -> torch.Tensor:
+    """``param`` in the checkpoint's orientation: itself, or for a 2-D FP8 weight that is the transpose of a row-major
+    storage (vLLM's per-channel FP8 ``weight``: the loaded [N, K] tensor kept as its [K, N] view) that storage's
+    [N, K] view. Same memory either way, so a copy into it updates what the engine reads."""
+    if (param.dtype == torch.float8_e4m3fn and param.dim() == 2 and not param.is_contiguous()
+            and param.t().is_contiguous()):
+        return param.t()
+    return param
 
 
 class DirectSync:
@@ -109,8 +127,9 @@ class DirectSync:
                 missing = [s for s, r in zip(self.packed_modules[fused], rows) if r is None]
                 self.reason = f"{target}: shards {missing} are not in the sync"
                 return False
-            if sum(rows) != params[target].shape[0]:  # all shards, no rows of another rank or layout
-                self.reason = f"{target}: its shards fill {sum(rows)} of {params[target].shape[0]} rows"
+            total = rows_view(params[target]).shape[0]
+            if sum(rows) != total:  # all shards, no rows of another rank or layout
+                self.reason = f"{target}: its shards fill {sum(rows)} of {total} rows"
                 return False
         self.slots, self.verified = slots, True
         return True
@@ -119,6 +138,7 @@ class DirectSync:
     def _problem(param: torch.Tensor | None, slot: Slot, tensor: torch.Tensor) -> str | None:
         if param is None:
             return "no such engine parameter"
+        param = rows_view(param)
         if param.dtype != tensor.dtype:
             return f"engine dtype {param.dtype}, sync dtype {tensor.dtype}"
         if tensor.dim() == 0 or param.dim() != tensor.dim() or param.shape[1:] != tensor.shape[1:]:
@@ -142,7 +162,7 @@ class DirectSync:
                 if slot is None:
                     raise RuntimeError(f"{name} was not in the sync that verified the engine's layout; the engine now "
                                        "holds a partial update")
-                param = params[slot.target]
-                param.data[slot.start:slot.start + tensor.shape[0]].copy_(tensor, non_blocking=True)
+                rows = rows_view(params[slot.target].data)
+                rows[slot.start:slot.start + tensor.shape[0]].copy_(tensor, non_blocking=True)
                 count += 1
         return count

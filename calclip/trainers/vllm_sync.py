@@ -1,4 +1,4 @@
-"""vLLM rollouts on the same block-FP8 weights the policy trains with (TRL 1.16's ``VLLMGeneration``).
+"""vLLM rollouts on the same FP8 weights the policy trains with (TRL 1.16's ``VLLMGeneration``).
 
 TRL pushes BF16 parameters into vLLM, which would then quantize them again with its own arithmetic (or, for an
 FP8 engine, fail to load them). Three small seams change that, and nothing of TRL's generation code is copied:
@@ -37,6 +37,15 @@ FP8 engine, fail to load them). Three small seams change that, and nothing of TR
    and tokenizer to ``<output_dir>/_vllm_engine_model/rank-<process index>`` and merges ``model=<that directory>``,
    ``load_format="dummy"``: the weights come from TRL's first sync, as in 3. A hub id or an existing path is TRL's.
 
+6. Rowwise and tensorwise (torchao's recipes) take the same path with another format: the stream carries each FP8
+   linear's torchao codes and per-row ``weight_scale`` [N, 1] (tensorwise: its one scale repeated), the engine is
+   built ``quantization="compressed-tensors"`` with static per-channel weights and dynamic activations
+   (``calclip.fp8.export.channel_fp8_quantization_config``), which vLLM 0.24 serves with its per-channel CUTLASS
+   FP8 GEMM keeping every shard's codes and scales as loaded; the direct sync compares its transposed ``weight``
+   through the transpose (``vllm_direct_sync.rows_view``). vLLM 0.24 quantizes the activations of these layers per
+   token (the rowwise scheme); tensorwise's per-tensor activation scale has no dynamic equivalent there on CUDA
+   (``TENSORWISE_ACTIVATION_NOTE``).
+
 Log-probs: TRL requests ``logprobs_mode="processed_logprobs"`` and returns them as ``sampling_per_token_logps``;
 they now come from the FP8 engine, so TIS / bypass corrections compare FP8 rollout and FP8 training forward.
 
@@ -59,20 +68,21 @@ import torch
 from torch import nn
 
 from calclip.fp8.export import (
+    CHANNEL_SCALE_NAME,
     LLAMA_PACKED_MODULES,
     SCALE_NAME,
     Fp8WeightSpec,
     bf16_linear_names,
-    block_fp8_quantization_config,
+    fp8_quantization_config_for,
     fp8_weight_specs,
     fp8_weight_sync_tensors,
     linear_shapes,
     quantize_named_params,
-    shared_block_size,
-    vllm_block_fp8_problems,
+    shared_recipe,
+    vllm_fp8_problems,
     vllm_keep_patterns,
 )
-from calclip.trainers.vllm_direct_sync import DirectSync, engine_name
+from calclip.trainers.vllm_direct_sync import DirectSync, engine_name, rows_view
 
 # The two hooks of vLLM's layerwise reload (vllm/model_executor/model_loader/reload/__init__.py, the releases
 # TRL 1.16 supports: vllm>=0.22,<=0.31).
@@ -82,6 +92,14 @@ _logger = logging.getLogger(__name__)
 
 # What the engine must run so that its FP8 linears compute what FP8BlockLinear computes (docs/vllm.md, "Numerics").
 DEFAULT_LINEAR_BACKEND = "cutlass"
+
+
+# What an engine of the tensorwise recipe does differently from the trainer (logged when one starts).
+TENSORWISE_ACTIVATION_NOTE = (
+    "fp8_recipe 'tensorwise' on vLLM 0.24: the engine holds the trainer's FP8 weight codes and scales exactly, but "
+    "quantizes activations per token (CompressedTensorsW8A8Fp8 and Fp8LinearMethod pick dynamic per-token scales on "
+    "CUDA with CUTLASS FP8; no per-tensor dynamic mode is reachable), where the trainer uses one scale per tensor; "
+    "the rollout/training mismatch includes that difference (docs/vllm.md, Rowwise and tensorwise)")
 
 
 def fp8_engine_numerics_kwargs(*, linear_backend: str | None = DEFAULT_LINEAR_BACKEND,
@@ -198,14 +216,16 @@ def sync_fp8_weights(llm, policy: nn.Module, fp8_modules: Mapping[str, Fp8Weight
 
 def expected_engine_fp8_tensors(policy: nn.Module, packed_modules: Mapping[str, tuple[str, ...]] = LLAMA_PACKED_MODULES,
                                 fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> dict[str, torch.Tensor]:
-    """The FP8 tensors a block-FP8 vLLM model must hold after a sync of ``policy``, under vLLM's names: each fused
-    layer's ``weight`` (codes viewed as uint8) and ``weight_scale_inv`` are its shards' stacked along dim 0 in
+    """The FP8 tensors an FP8 vLLM model must hold after a sync of ``policy``, under vLLM's names, in the checkpoint's
+    orientation: each fused layer's ``weight`` (codes viewed as uint8, [N, K]) and scale (``weight_scale_inv``
+    blocks; ``weight_scale`` [N, 1] for rowwise / tensorwise) are its shards' stacked along dim 0 in
     ``packed_modules`` order (q, k, v; gate, up); unfused FP8 linears keep their own."""
     policy = unwrap_model(policy)
     groups: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in fp8_weight_sync_tensors(policy, fp8_modules=fp8_modules):
         leaf = name.rpartition(".")[2]
-        if leaf not in ("weight", SCALE_NAME) or (leaf == "weight" and tensor.dtype != torch.float8_e4m3fn):
+        if leaf not in ("weight", SCALE_NAME, CHANNEL_SCALE_NAME) or (
+                leaf == "weight" and tensor.dtype != torch.float8_e4m3fn):
             continue
         target, _, index = engine_name(name, packed_modules)
         groups.setdefault(target, {})[index] = tensor.view(torch.uint8) if leaf == "weight" else tensor
@@ -214,7 +234,9 @@ def expected_engine_fp8_tensors(policy: nn.Module, packed_modules: Mapping[str, 
 
 def engine_fp8_mismatches(vllm_model: nn.Module, policy: nn.Module) -> list[str]:
     """Names of the FP8 tensors of a live vLLM model that differ (shape or bits) from what a sync of ``policy``
-    sends (``expected_engine_fp8_tensors``); empty when the engine serves exactly the trainer's codes and scales."""
+    sends (``expected_engine_fp8_tensors``); empty when the engine serves exactly the trainer's codes and scales.
+    A per-channel engine's FP8 weight, held as the transpose of the loaded [N, K] storage, is compared through
+    that transpose (``vllm_direct_sync.rows_view``)."""
     params = dict(vllm_model.named_parameters())
     bad = []
     for name, want in expected_engine_fp8_tensors(policy).items():
@@ -222,7 +244,8 @@ def engine_fp8_mismatches(vllm_model: nn.Module, policy: nn.Module) -> list[str]
         if got is None:
             bad.append(f"{name}: missing in the engine")
             continue
-        got = got.data.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got.data
+        got = rows_view(got.data)
+        got = got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got
         if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype or not torch.equal(got, want.to(got.device)):
             bad.append(f"{name}: engine {got.dtype} {tuple(got.shape)}, trainer {want.dtype} {tuple(want.shape)}")
     return bad
@@ -238,32 +261,41 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def fp8_quantization_config(model: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> dict:
-    """The block-FP8 ``quantization_config`` for ``model``: its FP8 linears' block size, the rest ignored."""
+    """The ``quantization_config`` for ``model``'s FP8 recipe, the other linears ignored: block-FP8 (its FP8 linears'
+    block size) for blockwise, compressed-tensors per channel for rowwise / tensorwise (calclip.fp8.export)."""
     model = unwrap_model(model)
     if fp8_modules is None:
         fp8_modules = fp8_weight_specs(model)
-    return block_fp8_quantization_config(
-        block_size=shared_block_size(fp8_modules), modules_to_not_convert=bf16_linear_names(model, fp8_modules)
-    )
+    return fp8_quantization_config_for(fp8_modules, bf16_linear_names(model, fp8_modules))
+
+
+# vLLM's ``quantization`` name of each recipe's checkpoint format.
+_VLLM_QUANTIZATION = {"blockwise": "fp8", "rowwise": "compressed-tensors", "tensorwise": "compressed-tensors"}
+_VLLM_LINEAR = {"blockwise": "block-FP8 linear", "rowwise": "per-channel FP8 linear (compressed-tensors)",
+                "tensorwise": "per-channel FP8 linear (compressed-tensors)"}
 
 
 def check_vllm_compatible(
     model: nn.Module, *, tensor_parallel_size: int = 1, keep_field: str = "Fp8Config.keep_patterns"
 ) -> None:
-    """Raise with the modules to keep in BF16 when vLLM's block-FP8 linear cannot serve the model's FP8 layers.
+    """Raise with the modules to keep in BF16 when vLLM's FP8 linear for the model's recipe (block-FP8 for
+    blockwise, per-channel for rowwise / tensorwise) cannot serve the model's FP8 layers as trained.
 
     keep_field: the setting the message tells the user to extend (the trainer passes its config field,
     ``fp8_keep_patterns``); the message lists ready-made regexes for it (``vllm_keep_patterns``).
     """
     model = unwrap_model(model)
     specs = fp8_weight_specs(model)
-    block = next(iter(specs.values())).block_size if specs else 128
-    problems = vllm_block_fp8_problems(linear_shapes(model, specs), block_size=block, tp_size=tensor_parallel_size)
+    if not specs:
+        return
+    recipe = shared_recipe(specs)
+    problems = vllm_fp8_problems(linear_shapes(model, specs), specs, tp_size=tensor_parallel_size)
     if problems:
         lines = "\n".join(f"  {name}: {why}" for name, why in sorted(problems.items()))
         patterns = list(vllm_keep_patterns(problems))
         raise ValueError(
-            f"vLLM's block-FP8 linear cannot serve {len(problems)} FP8 layer(s); keep them in BF16 (with their "
+            f"vLLM's {_VLLM_LINEAR[recipe]} cannot serve {len(problems)} FP8 layer(s) of recipe {recipe!r}; keep "
+            f"them in BF16 (with their "
             f"fused siblings) for training too, one precision flow, by adding these regexes to {keep_field}:\n"
             f"  {patterns}\nLayers:\n{lines}"
         )
@@ -272,17 +304,21 @@ def check_vllm_compatible(
 def fp8_engine_kwargs(
     model: nn.Module, *, export_dir: str | None = None, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None
 ) -> dict[str, Any]:
-    """Extra ``vllm.LLM`` arguments that make the engine block-FP8 with calclip's layer split.
+    """Extra ``vllm.LLM`` arguments that make the engine FP8 with calclip's layer split and the policy's recipe
+    (block-FP8, ``quantization="fp8"``; rowwise / tensorwise: per-channel, ``quantization="compressed-tensors"``).
 
     Without ``export_dir``: keep the engine's model directory (TRL's ``model=<name_or_path>``, or the one
     ``engine_model_kwargs`` writes), override the HF config's ``quantization_config`` and start from dummy weights;
     the first sync loads calclip's codes.
     With ``export_dir`` (a checkpoint from ``export_fp8_checkpoint`` + tokenizer files): load it as is.
     """
+    if fp8_modules is None:
+        fp8_modules = fp8_weight_specs(unwrap_model(model))
+    quantization = _VLLM_QUANTIZATION[shared_recipe(fp8_modules)]
     if export_dir is not None:
-        return {"model": str(export_dir), "quantization": "fp8"}
+        return {"model": str(export_dir), "quantization": quantization}
     return {
-        "quantization": "fp8",
+        "quantization": quantization,
         "hf_overrides": {"quantization_config": fp8_quantization_config(model, fp8_modules)},
         "load_format": "dummy",
     }
@@ -384,6 +420,21 @@ def layerwise_reload_stream(
     end()
 
 
+def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool | None = None,
+                        max_num_batched_tokens: int | None = None) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for the colocated engine's speed options, only those that differ from what TRL 1.16
+    builds today (``LLM(...)`` without kv_cache_dtype / async_scheduling, ``max_num_batched_tokens=4096``), so the
+    defaults change nothing. kv_cache_dtype "auto" is the model's dtype; async_scheduling None is vLLM's choice."""
+    kwargs: dict[str, Any] = {}
+    if kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = kv_cache_dtype
+    if async_scheduling is not None:
+        kwargs["async_scheduling"] = bool(async_scheduling)
+    if max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
+    return kwargs
+
+
 class ColocateEngineMixin:
     """Mix in before TRL's ``VLLMGeneration``: the colocated engine starts for a policy without a loadable
     ``name_or_path`` too (``engine_model_kwargs``); server mode and policies with a path get TRL's ``_init_vllm``.
@@ -391,9 +442,13 @@ class ColocateEngineMixin:
     Attributes read (set them on the class or instance before ``__init__`` runs ``_init_vllm``):
       engine_model_root: where a pathless policy's engine directory is written, one ``rank-<process index>``
         folder per process (each colocated process builds its own engine); None: such a policy is refused.
+      engine_options: extra ``vllm.LLM`` arguments of the colocated engine, BF16 and FP8 alike (the trainer's
+        ``vllm_kv_cache_dtype`` / ``vllm_async_scheduling`` / ``vllm_max_num_batched_tokens``, through
+        ``engine_speed_kwargs``); merged over TRL's arguments.
     """
 
     engine_model_root: str | None = None
+    engine_options: Mapping[str, Any] | None = None
 
     def _init_vllm(self):
         return self._start_engine()
@@ -409,12 +464,13 @@ class ColocateEngineMixin:
             return super()._init_vllm()
         import trl.generation.vllm_generation as trl_vllm_generation
 
-        with merged_call_kwargs(trl_vllm_generation, "LLM", self._engine_kwargs()):
+        extra = {**self._engine_kwargs(), **(self.engine_options or {})}
+        with merged_call_kwargs(trl_vllm_generation, "LLM", extra):
             return super()._init_vllm()  # TRL's: LLM(...), sleep mode, barrier
 
 
 class FP8VLLMGenerationMixin(ColocateEngineMixin):
-    """Mix in before TRL's ``VLLMGeneration``: FP8 weights + scales in the sync, a block-FP8 engine.
+    """Mix in before TRL's ``VLLMGeneration``: FP8 weights + scales in the sync, an FP8 engine of the policy's recipe.
 
     Attributes read (set them on the class or instance before ``__init__`` runs ``_init_vllm``), besides
     ``ColocateEngineMixin``'s:
@@ -466,6 +522,8 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
                 check_vllm_compatible(self.model, tensor_parallel_size=self.tensor_parallel_size)
             self._calclip_fp8_specs = None  # the model's layer split as it is now, for the engine and every sync
             self._direct_sync = None  # a new engine: its layout is checked again after its first sync
+            if shared_recipe(self._fp8_specs()) == "tensorwise":
+                _logger.warning(TENSORWISE_ACTIVATION_NOTE)
         return super()._start_engine()
 
     def _engine_kwargs(self) -> dict[str, Any]:
@@ -558,22 +616,25 @@ def _grpo_generation_class(make: Callable[[type], type], **attributes):
         grpo_module.VLLMGeneration = original
 
 
-def use_vllm_generation(*, engine_model_root: str | None = None):
+def use_vllm_generation(*, engine_model_root: str | None = None, engine_options: Mapping[str, Any] | None = None):
     """While active, ``GRPOTrainer.__init__`` builds a ``CalclipVLLMGeneration``: TRL's BF16 engine and sync, which
     also starts for a policy without a loadable ``name_or_path`` (its directory written under
-    ``engine_model_root``, see ``ColocateEngineMixin``)."""
-    return _grpo_generation_class(vllm_generation_class, engine_model_root=engine_model_root)
+    ``engine_model_root``, see ``ColocateEngineMixin``), with ``engine_options`` merged into its ``LLM(...)``."""
+    return _grpo_generation_class(vllm_generation_class, engine_model_root=engine_model_root,
+                                  engine_options=None if engine_options is None else dict(engine_options))
 
 
 def use_fp8_vllm_generation(
     *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False,
     engine_kwargs: Mapping[str, Any] | None = None, engine_model_root: str | None = None, direct_sync: bool = True,
+    engine_options: Mapping[str, Any] | None = None,
 ):
     """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
 
     ``engine_kwargs``: the colocated engine's extra ``vllm.LLM`` arguments (None: ``fp8_engine_numerics_kwargs()``).
     ``engine_model_root``: see ``ColocateEngineMixin`` (a policy without a loadable ``name_or_path``).
     ``direct_sync``: ``FP8VLLMGenerationMixin.fp8_direct_sync`` (in-place syncs once the engine's layout is checked).
+    ``engine_options``: ``ColocateEngineMixin.engine_options`` (``engine_speed_kwargs``).
     With ``defer_engine`` (what ``CalibratedGRPOTrainer`` uses, since it quantizes after ``super().__init__()``):
 
         with use_fp8_vllm_generation(defer_engine=True):
@@ -585,4 +646,5 @@ def use_fp8_vllm_generation(
         fp8_vllm_generation_class, fp8_export_dir=export_dir, fp8_check_vllm_shapes=check_vllm_shapes,
         fp8_defer_engine=defer_engine, fp8_engine_extra=None if engine_kwargs is None else dict(engine_kwargs),
         engine_model_root=engine_model_root, fp8_direct_sync=direct_sync,
+        engine_options=None if engine_options is None else dict(engine_options),
     )

@@ -3,6 +3,7 @@ linear of calclip keeps: selective conversion, exact BF16 shadow, gradients, non
 generation through the same modules, and refusals where torchao cannot serve."""
 
 import importlib
+import json
 import math
 import sys
 
@@ -15,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from calclip.fp8 import Fp8Config, Fp8Recipe, FP8BlockLinear, bf16_shadow, pop_nonfinite_count  # noqa: E402
 from calclip.fp8.convert import dequantize_model, quantize_model  # noqa: E402
-from calclip.fp8.export import export_fp8_checkpoint, fp8_weight_specs  # noqa: E402
+from calclip.fp8.export import export_fp8_checkpoint, fp8_weight_specs, shared_block_size  # noqa: E402
 from calclip.fp8.torchao_recipes import TorchaoFloat8Linear  # noqa: E402
 
 from _sqnr import sqnr_db  # noqa: E402
@@ -336,12 +337,25 @@ def test_generate_runs_the_quantized_layers(recipe):
         assert torch.equal(model.generate(prompt, **kwargs).sequences, out.sequences)
 
 
-def test_block_fp8_export_refuses_torchao_layers(tmp_path):
+def test_torchao_layers_export_per_channel_never_in_blocks(tmp_path):
+    # (tests/trainers/test_vllm_recipes_sync.py checks the codes and scales against torchao's training forward)
     model = quantize_model(_tiny_llama(layers=1), Fp8Config(recipe="rowwise"))
-    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj' uses FP8 recipe 'rowwise'.*'blockwise'"):
-        fp8_weight_specs(model)
-    with pytest.raises(ValueError, match=r"'blockwise' only"):
-        export_fp8_checkpoint(model, tmp_path, config_dict=model.config.to_dict())
+    specs = fp8_weight_specs(model)
+    assert set(specs) == {f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                          "mlp.down_proj")}
+    assert {spec.recipe for spec in specs.values()} == {"rowwise"}
+    with pytest.raises(ValueError, match=r"weight_block_size is for recipe 'blockwise' only; these layers are "
+                                         r"'rowwise'"):
+        shared_block_size(specs)
+    export_fp8_checkpoint(model, tmp_path, config_dict=model.config.to_dict())
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and "weight_block_size" not in config
+    mixed = quantize_model(_tiny_llama(layers=1), Fp8Config(recipe="rowwise", keep_patterns=("lm_head", "down_proj")))
+    quantize_model(mixed.model.layers[0].mlp, Fp8Config(keep_patterns=("gate_proj", "up_proj")))  # down: blockwise
+    with pytest.raises(ValueError, match=r"must share one FP8 recipe for export and vLLM, got "
+                                         r"\['blockwise', 'rowwise'\]"):
+        export_fp8_checkpoint(mixed, tmp_path / "mixed", config_dict=mixed.config.to_dict())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

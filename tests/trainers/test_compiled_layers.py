@@ -25,9 +25,19 @@ AUTO = dict(device_type="cuda", fp8=True, torch_compile=False, compile_generatio
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
-def test_auto_is_on_for_an_fp8_policy_on_cuda_only():
-    assert resolve_compile_layers(None, **AUTO)[0]
-    for change, reason in [({"device_type": "cpu"}, "cpu"), ({"fp8": False}, "fp8 is off"),
+def test_auto_is_on_for_fp8_and_bf16_policies_on_cuda_only():
+    assert resolve_compile_layers(None, **AUTO) == (True, "compile_layers auto: on (FP8 policy on CUDA)")
+    # BF16 gets the same compilation (a fair baseline); the FP8-only options do not apply to it
+    bf16 = {**AUTO, "fp8": False}
+    assert resolve_compile_layers(None, **bf16) == (True, "compile_layers auto: on (BF16 policy on CUDA)")
+    assert resolve_compile_layers(None, **bf16, fp8_recipe="rowwise", fp8_backward="bf16")[0]
+    ruled_out = [({"device_type": "cpu"}, "cpu"), ({"torch_compile": True}, "torch_compile"),
+                 ({"compile_generation": True}, "decode step"), ({"gradient_checkpointing": True}, "checkpointing"),
+                 ({"sharded": True}, "sharded")]
+    for change, reason in ruled_out:
+        on, why = resolve_compile_layers(None, **{**bf16, **change})
+        assert not on and reason in why, (change, why)
+    for change, reason in [({"device_type": "cpu"}, "cpu"),
                            ({"torch_compile": True}, "torch_compile"), ({"compile_generation": True}, "decode step"),
                            ({"gradient_checkpointing": True}, "checkpointing"), ({"sharded": True}, "sharded"),
                            ({"fp8_recipe": "rowwise"}, "rowwise"), ({"fp8_backward": "bf16"}, "fp8_backward")]:
@@ -73,14 +83,16 @@ def tokenizer():
     return build_tiny_tokenizer()
 
 
-def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_path):
-    """Two optimizer steps of an FP8 policy with compile_layers (aot_eager): both layers run compiled, the
-    parameters move, the metrics stay finite, and Dynamo traced the layer's forward once per grad mode (the
-    training forward and the no-grad old log-probs), never generate's one-token decode calls."""
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_path, fp8):
+    """Two optimizer steps of an FP8 policy, and of a BF16 one (the baseline gets the same compilation), with
+    compile_layers (aot_eager): both layers run compiled, the parameters move, the metrics stay finite, and Dynamo
+    traced the layer's forward once per grad mode (the training forward and the no-grad old log-probs), never
+    generate's one-token decode calls."""
     model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, fp8=True, compile_layers=True,
+        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, fp8=fp8, compile_layers=True,
                                compile_layers_backend="aot_eager")
         assert trainer._layers_compiled
         layers = trainer.model.model.layers
@@ -100,9 +112,10 @@ def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_pat
     assert torch.equal(compiled, eager)
 
 
-def test_auto_leaves_a_cpu_policy_eager(tokenizer, tmp_path):
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_auto_leaves_a_cpu_policy_eager(tokenizer, tmp_path, fp8):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, fp8=True)
+        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, fp8=fp8)
     assert trainer.args.compile_layers is None and not trainer._layers_compiled
     assert compiled_block_count(trainer.model) == 0

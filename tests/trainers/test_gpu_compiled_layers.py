@@ -1,5 +1,6 @@
-"""compile_layers on the GPU: Inductor compiles the FP8 policy's decoder layers by default (auto), the trainer trains
-with them, rollouts stay eager, and the compiled log-prob forward stays close to the eager one."""
+"""compile_layers on the GPU: Inductor compiles the FP8 policy's decoder layers by default (auto), and the BF16
+policy's (the fair baseline), the trainer trains with them, rollouts stay eager, and the compiled log-prob forward
+stays close to the eager one."""
 
 import warnings
 
@@ -17,14 +18,15 @@ from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
-def test_auto_compiles_the_fp8_layers_and_trains(tmp_path):
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_auto_compiles_the_layers_and_trains(tmp_path, fp8):
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, hidden_size=256, intermediate_size=512)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, fp8=True, use_cpu=False, bf16=True,
+        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, fp8=fp8, use_cpu=False, bf16=True,
                                max_steps=4)
-        assert trainer.args.compile_layers is None and trainer._layers_compiled  # auto: FP8 on CUDA
+        assert trainer.args.compile_layers is None and trainer._layers_compiled  # auto: FP8 and BF16 on CUDA
         assert compiled_block_count(trainer.model) == len(trainer.model.model.layers)
         train_and_check(trainer)
     frames = torch._dynamo.utils.counters["frames"]

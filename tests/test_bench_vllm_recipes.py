@@ -1,0 +1,156 @@
+"""benchmarks/bench_vllm.py --recipes on CPU: the mismatch and grpo parts per FP8 recipe (torchao's rowwise /
+tensorwise served per channel), with tests/test_bench_vllm.py's stand-in engine; blockwise keeps its rows and
+arguments."""
+
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_bench_vllm import StandInEngine, bench_vllm, tiny_llama  # noqa: E402  (puts benchmarks/ on the path)
+
+
+
+def test_recipes_default_to_blockwise_and_bad_ones_are_named(capsys):
+    assert bench_vllm.parse_args([]).recipes == ["blockwise"]
+    assert bench_vllm.parse_args(["--recipes", "blockwise,rowwise,tensorwise"]).recipes == [
+        "blockwise", "rowwise", "tensorwise"]
+    for bad in ("rowwise,channelwise", "rowwise,rowwise", ","):
+        with pytest.raises(SystemExit):
+            bench_vllm.parse_args(["--recipes", bad])
+        assert "--recipes" in capsys.readouterr().err
+
+
+def test_mismatch_children_run_one_recipe_each_and_blockwise_keeps_its_arguments():
+    opts = bench_vllm.parse_args(["--parts", "mismatch", "--models", "issue_probe", "--recipes", "blockwise,rowwise",
+                                  "--mismatch-arms", "calclip,bf16"])
+    runs = bench_vllm.child_runs(opts)
+    assert runs == [("mismatch", "issue_probe", "calclip"), ("mismatch", "issue_probe", "calclip@rowwise"),
+                    ("mismatch", "issue_probe", "bf16")]
+    argv = ["--parts", "mismatch", "--recipes", "blockwise,rowwise", "--steps", "2"]
+    assert bench_vllm.child_argv(argv, "mismatch", "m", "/r.json", "calclip@rowwise") == [
+        "--steps", "2", "--parts", "mismatch", "--child-json", "/r.json", "--models", "m", "--mismatch-arms",
+        "calclip", "--recipes", "rowwise"]
+    assert bench_vllm.child_argv(argv, "mismatch", "m", "/r.json", "calclip") == [
+        "--steps", "2", "--parts", "mismatch", "--child-json", "/r.json", "--models", "m", "--mismatch-arms",
+        "calclip"]
+    # decode and grpo children keep every recipe (they run one engine / one process per recipe themselves)
+    assert bench_vllm.child_argv(argv + ["--parts=decode"], "decode", None, "/r.json") == [
+        "--recipes", "blockwise,rowwise", "--steps", "2", "--parts", "decode", "--child-json", "/r.json"]
+
+
+def test_fp8_policy_of_a_torchao_recipe_shares_parameters_and_serves_per_channel():
+    pytest.importorskip("torchao.float8")
+    from calclip.fp8.torchao_recipes import TorchaoFloat8Linear
+
+    base = tiny_llama().float()
+    policy, kept = bench_vllm.fp8_policy(base, "rowwise")
+    assert kept == []  # per channel: no 128 grid to fit
+    q = policy.model.layers[0].self_attn.q_proj
+    assert isinstance(q, TorchaoFloat8Linear) and q.weight is base.model.layers[0].self_attn.q_proj.weight
+    assert bench_vllm.recipe_label("FP8 calclip", "blockwise") == "FP8 calclip"
+    assert bench_vllm.recipe_label("fp8", "tensorwise", "_") == "fp8_tensorwise"
+
+
+def test_grpo_part_runs_every_fp8_arm_per_recipe(monkeypatch, tmp_path):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    commands = []
+    step = {"fp8": 1.0, "fp8_rowwise": 0.8, "bf16": 1.2}
+
+    def run(cmd, capture_output, text, timeout):
+        commands.append(cmd)
+        recipe = cmd[cmd.index("--grpo-recipe") + 1] if "--grpo-recipe" in cmd else None
+        label = cmd[cmd.index("--grpo-worker") + 1] + (f"_{recipe}" if recipe else "")
+        Path(cmd[cmd.index("--grpo-json") + 1]).write_text(json.dumps(
+            {"step_s": [9.0, step[label]], "generate_s": [1.0, 0.5], "sync_s": [0.1, 0.01], "direct_sync": None}))
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-warmup", "1",
+                                                "--recipes", "blockwise,rowwise"]))
+    assert [c[c.index("--grpo-worker") + 1] for c in commands] == ["fp8", "fp8", "bf16"]
+    assert "--grpo-recipe" not in commands[0] and commands[1][commands[1].index("--grpo-recipe") + 1] == "rowwise"
+    grpo = bench_vllm.RESULTS["grpo"]
+    assert grpo["fp8_rowwise"]["step_median_s"] == pytest.approx(0.8)
+    assert grpo["bf16_over_fp8_step"] == pytest.approx(1.2) and grpo["bf16_over_fp8_rowwise_step"] == pytest.approx(1.5)
+
+
+def test_mismatch_part_runs_a_torchao_recipe_engine_on_the_policys_own_codes(monkeypatch, tmp_path):
+    pytest.importorskip("torchao.float8")
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = StandInEngine, lambda **kw: kw
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    reload.initialize_layerwise_reload = lambda model: None
+    reload.finalize_layerwise_reload = lambda model, cfg: None
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    for name in ("vllm.model_executor", "vllm.model_executor.model_loader"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload)
+    monkeypatch.setitem(bench_vllm.MODEL_SPECS, "tiny", (128, 256, 4, 4, 96, 1))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setenv("OUT", str(tmp_path))
+    StandInEngine.instances.clear()
+    opts = bench_vllm.parse_args(["--parts", "mismatch", "--models", "issue_probe", "--mismatch-prompts", "2",
+                                  "--mismatch-tokens", "3", "--prompt-len", "4", "--steps", "1", "--lr", "1e-2",
+                                  "--recipes", "rowwise", "--mismatch-arms", "calclip,bf16"])
+    opts.models, opts.device = ["tiny"], "cpu"
+    bench_vllm.part_mismatch(opts)
+    rows = bench_vllm.RESULTS["mismatch"]
+    assert [(r["stage"], r["arm"]) for r in rows] == [
+        (stage, arm) for stage in ("initial", "after 1 steps + sync") for arm in ("FP8 calclip rowwise", "BF16")]
+    fp8, bf16 = StandInEngine.instances
+    assert fp8.kwargs["quantization"] == "compressed-tensors" and "quantization" not in bf16.kwargs
+    assert {n.rpartition(".")[2] for n, t in fp8.received.items() if t.dtype == torch.float32 and t.dim() == 2} == {
+        "weight_scale"}
+    for r in rows:
+        assert math.isfinite(r["tmpe"]) and r["tmpe"] >= 1.0
+        if r["arm"] != "BF16":
+            assert r["engine_holds_trainer_codes"] == "yes", r  # the torchao codes, after both syncs
+    assert rows[2]["sync_ms"] > 0 and rows[0]["minus_bf16_control"] == pytest.approx(rows[0]["tmpe"] - rows[1]["tmpe"])
+
+
+def test_engine_options_reach_every_part(monkeypatch, tmp_path):
+    from calclip.trainers.config import VLLM_KV_CACHE_DTYPES
+
+    assert bench_vllm.KV_CACHE_DTYPES == VLLM_KV_CACHE_DTYPES  # the trainer's choices
+    default = bench_vllm.parse_args([])
+    assert default.kv_cache_dtype == "auto" and default.async_scheduling is None
+    opts = bench_vllm.parse_args(["--kv-cache-dtype", "fp8", "--async-scheduling", "off"])
+    assert opts.kv_cache_dtype == "fp8" and opts.async_scheduling is False
+    seen = []
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kwargs: seen.append(kwargs) or object()
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    opts.dummy_bf16 = True
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    for kwargs in ({}, {"quantization_config": qc}):
+        bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1, **kwargs)
+    bf16, fp8 = seen
+    assert "kv_cache_dtype" not in bf16 and bf16["async_scheduling"] is False  # the BF16 control keeps its cache
+    assert fp8["kv_cache_dtype"] == "fp8" and fp8["async_scheduling"] is False
+    bench_vllm.make_llm("unused", default, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1,
+                        quantization_config=qc)
+    assert not {"kv_cache_dtype", "async_scheduling"} & set(seen[-1])  # defaults: vLLM's own
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--kv-cache-dtype", "int8"])
+
+    commands = []
+
+    def run(cmd, capture_output, text, timeout):
+        commands.append(cmd)
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--kv-cache-dtype", "fp8",
+                                                "--async-scheduling", "on"]))
+    for cmd in commands:  # every arm's worker, BF16 included
+        assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8" and cmd[cmd.index("--async-scheduling") + 1] == "on"
+    worker = bench_vllm.parse_args(commands[0][2:])
+    assert worker.kv_cache_dtype == "fp8" and worker.async_scheduling is True
