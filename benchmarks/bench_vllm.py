@@ -1070,7 +1070,8 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     on_gpu = device.type == "cuda"
     args = CalibratedGRPOConfig(
         output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm.startswith("fp8"),
-        vllm_fp8_direct_sync=arm != "fp8_reload", vllm_fp8_linear_backend=opts.linear_backend, use_vllm=True, vllm_mode="colocate",
+        vllm_fp8_direct_sync=arm != "fp8_reload", vllm_fp8_linear_backend=getattr(opts, "linear_backend", "cutlass"),
+        use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
         per_device_train_batch_size=completions, num_generations=8, gradient_accumulation_steps=1,
         steps_per_generation=1, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,

@@ -530,9 +530,10 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
         specs = self._fp8_specs()
         fp8 = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=specs)
         numerics = fp8_engine_numerics_kwargs() if self.fp8_engine_extra is None else self.fp8_engine_extra
-        e8m0 = deep_gemm_e8m0_setting(numerics.get("linear_backend"),
-                                      all(spec.power_of_two_scales for spec in specs.values()), os.environ)
-        if e8m0 is not None:  # read by vLLM when the engine picks its kernels, i.e. after this point
+        block_specs = [spec for spec in specs.values() if spec.blockwise]  # DeepGEMM serves block layers only
+        e8m0 = block_specs and deep_gemm_e8m0_setting(
+            numerics.get("linear_backend"), all(spec.power_of_two_scales for spec in block_specs), os.environ)
+        if e8m0:  # read by vLLM when the engine picks its kernels, i.e. after this point
             os.environ[DEEP_GEMM_E8M0_ENV] = e8m0
             cached = getattr(sys.modules.get("vllm.utils.deep_gemm"), "is_deep_gemm_e8m0_used", None)
             if hasattr(cached, "cache_clear"):  # an earlier engine in this process read the old value: read it again
