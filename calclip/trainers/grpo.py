@@ -101,7 +101,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import is_async_callable, nanmax, nanmin
 
 from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, oracle_bounds, torch_distributed_all_gather
-from calclip.calibration.state import FIT_SETTINGS
+from calclip.calibration.state import FIT_SETTINGS, check_state, check_state_against_run
 from calclip.fp8 import (Fp8Config, bf16_shadow, compile_repeated_blocks, frozen_fp8_weights, pop_nonfinite_count,
                          quantize_model)
 from calclip.fp8.regional_compile import eager_blocks, repeated_blocks
@@ -121,6 +121,8 @@ from calclip.trainers.run_lock import claim_output_dir
 from calclip.trainers.checkpoint import (
     CALCLIP_STATE_NAME,
     CalclipStateError,
+    check_resume_checkpoint,
+    check_resume_step,
     latest_complete_checkpoint,
     load_calclip_state,
     save_calclip_state,
@@ -1036,6 +1038,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # resume_from_checkpoint=True: the latest *complete* checkpoint, where transformers' get_last_checkpoint takes
         # the highest-numbered folder even when a kill during its save left it half-written.
+        # An explicit path gets the same check (refused, not skipped: the caller named it) instead of going straight
+        # to transformers, which resumes a folder without optimizer.pt with a fresh optimizer.
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -1043,6 +1047,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                     f"resume_from_checkpoint=True: no complete checkpoint-N folder in output_dir "
                     f"{self.args.output_dir!r}"
                 )
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            resume_from_checkpoint = check_resume_checkpoint(os.fspath(resume_from_checkpoint))
+        if isinstance(resume_from_checkpoint, str):
+            check_resume_step(resume_from_checkpoint, self.args.max_steps)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
@@ -1063,6 +1071,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         calibrator starts fresh with a calibration due at once, and a warning names the changed settings."""
         if not isinstance(state, dict):
             raise ValueError(f"the state must be a dict, got {type(state).__name__}")
+        check_state(state["calibrator"])
+        check_state_against_run(state["calibrator"], **self._resume_limits())
         changed = self.calibrator.load_state_dict(state["calibrator"])
         saved = state.get("settings", {})
         if not isinstance(saved, dict):
@@ -1078,6 +1088,18 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                       "the saved bounds are kept under the new cadence")
             warnings.warn(f"resuming with changed calibration settings {changed + trainer_changed}: {action}",
                           UserWarning, stacklevel=2)
+
+    def _resume_limits(self) -> dict:
+        """What this run could have left in a calibrator state by the resumed ``global_step``
+        (calclip.calibration.state.check_state_against_run)."""
+        every, accumulation = self._generate_every, self.args.gradient_accumulation_steps
+        return {
+            "global_step": self.state.global_step,
+            "step_slack": (every - 1) // accumulation + 1,  # _shadow_due_this_round asks about the round's steps
+            "max_commits": self.state.global_step * accumulation // every + 1,
+            "max_pool_tokens_per_round": every * self.args.per_device_train_batch_size
+            * self.args.max_completion_length * self.accelerator.num_processes,
+        }
 
     def _save_optimizer_and_scheduler(self, output_dir):
         # Written with the optimizer state it resumes with (the mirror of _load_optimizer_and_scheduler), inside

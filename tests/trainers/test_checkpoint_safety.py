@@ -86,6 +86,7 @@ def test_real_state_round_trips_with_weights_only(trainer, tmp_path):
     assert loaded == state and loaded["calibrator"]["alpha"] is not None
     assert loaded["calibrator"]["pool"]["batches"] == 1
 
+    trainer.state.global_step = 3  # the checkpoint's step, which the calibrator's counters are checked against
     trainer._load_optimizer_and_scheduler(folder)
     assert trainer.calibrator.state_dict() == calibrator.state_dict()
     assert trainer.spike_detector.state_dict()["entropy"] == [1.0, 1.1, 0.9, 1.05]
@@ -126,6 +127,7 @@ def _fitted_trainer_state(trainer):
     trainer.calibrator.calibrate(ratios, ratios * 0.9, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4, 16),
                                  step=2)  # fmt: skip
     assert trainer.calibrator.calibrated
+    trainer.state.global_step = 2  # the step of the checkpoint it stands for (a state is checked against it)
     return trainer.calclip_state_dict()
 
 
