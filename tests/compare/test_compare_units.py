@@ -10,6 +10,7 @@ import pytest
 
 from calclip.compare import arms, command, folder, report, runner
 from calclip.trainers import run_outputs as metrics
+from checkpoint_folders import write_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------------- arms
@@ -81,15 +82,45 @@ def _spec(directory: Path, steps: int = 10) -> runner.RunSpec:
 
 def test_attempt_resumes_from_the_last_complete_checkpoint(tmp_path):
     for step, complete in [(2, True), (4, True), (6, False)]:  # checkpoint-6 was being written when killed
-        (tmp_path / f"checkpoint-{step}").mkdir()
-        if complete:
-            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+        write_checkpoint(tmp_path, step)
+        if not complete:
+            os.remove(tmp_path / f"checkpoint-{step}" / "trainer_state.json")
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
     argv, action = runner.attempt_argv(_spec(tmp_path))
     assert argv == ["--config", "x.yaml", "--resume_from_checkpoint", str(tmp_path / "checkpoint-4")]
     assert action == "resume from checkpoint-4"
     assert not (tmp_path / "checkpoint-6").exists() and (tmp_path / "checkpoint-2").exists()
     assert [row["step"] for row in metrics.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("calclip_state", "calclip_state.pt cannot be read as calclip state"),
+    ("optimizer", "missing optimizer.pt"),
+    ("rng_state", "missing rng_state.pth"),
+    ("step", "trainer_state.json says global_step 40 but the folder is checkpoint-4"),
+    ("truncated_weights", "model.safetensors is cut short"),
+])  # fmt: skip
+def test_attempt_falls_back_past_a_checkpoint_the_trainer_would_refuse(tmp_path, damage, reason):
+    """compare's resume uses the trainer's checkpoint check: a newest folder holding trainer_state.json but a corrupt
+    calclip_state.pt (or any other fault) is skipped for the previous one, not resumed (and failed) on every rerun."""
+    write_checkpoint(tmp_path, 2)
+    newest = Path(write_checkpoint(tmp_path, 4))
+    if damage == "calclip_state":
+        (newest / "calclip_state.pt").write_bytes(b"garbage")
+    elif damage == "optimizer":
+        os.remove(newest / "optimizer.pt")
+    elif damage == "rng_state":
+        os.remove(newest / "rng_state.pth")
+    elif damage == "step":
+        (newest / "trainer_state.json").write_text(json.dumps({"global_step": 40, "max_steps": 40}))
+    else:
+        data = (newest / "model.safetensors").read_bytes()
+        (newest / "model.safetensors").write_bytes(data[:-8])
+    argv, action, skipped = runner.attempt_plan(_spec(tmp_path))
+    assert argv == ["--config", "x.yaml", "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")]
+    assert action == "resume from checkpoint-2"
+    assert len(skipped) == 1 and skipped[0].startswith(f"skipped {newest}: {reason}")
+    assert not newest.exists()  # the resumed run saves step 4 again
 
 
 def test_attempt_without_checkpoint_starts_over(tmp_path):
