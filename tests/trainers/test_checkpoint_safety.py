@@ -170,3 +170,50 @@ def test_a_state_saved_under_another_cadence_keeps_its_bounds(trainer, tmp_path)
         trainer._load_optimizer_and_scheduler(folder)
     assert trainer.calibrator.calibrated and trainer.calibrator.bounds == (state["calibrator"]["low"],
                                                                            state["calibrator"]["high"])
+
+
+# ------------------------------------------------------------------ the state against the run it resumes (issue 40)
+# tiny_trainer: steps_per_generation 4 (a generation round of 4 micro-batches) over gradient_accumulation_steps 2,
+# 4 completions of at most 8 tokens a micro-batch, one process, calibration_min_tokens 1; the checkpoint is at step 2.
+# A round looks ahead at most (4 - 1) // 2 + 1 = 2 optimizer steps; 2 steps are 4 micro-batches, one round, so at
+# most 4 // 4 + 1 = 2 commits; a pool holds at most 8 * 1 - 1 tokens kept by a commit plus 4 * 4 * 8 of one round.
+_AHEAD = [("step", 4, 5), ("num_calibrations", 2, 3), ("num_refits", 2, 3), ("last_calibration_step", 2, 3)]
+
+
+@pytest.mark.parametrize(("field", "allowed", "refused"), _AHEAD)
+def test_a_state_ahead_of_the_checkpoint_step_is_refused_naming_the_field(trainer, tmp_path, field, allowed, refused):
+    """A state whose counters are ahead of the trainer's step passed, and calibration never ran again (the bounds
+    frozen until the trainer reached that step, with no warning)."""
+    for value, ok in ((allowed, True), (refused, False)):
+        state = _fitted_trainer_state(trainer)
+        state["calibrator"][field] = value
+        state["calibrator"]["step"] = max(state["calibrator"]["step"], state["calibrator"]["last_calibration_step"])
+        if field == "step":
+            state["calibrator"]["step"] = value
+        (tmp_path / f"{field}-{value}").mkdir()
+        folder = _checkpoint_with(tmp_path / f"{field}-{value}", state)
+        if ok:
+            trainer._load_optimizer_and_scheduler(folder)
+            assert trainer.calibrator.state_dict()[field] == value
+            continue
+        before = trainer.calibrator.state_dict()
+        with pytest.raises(CalclipStateError) as caught:
+            trainer._load_optimizer_and_scheduler(folder)
+        assert f"'{field}' ({refused})" in str(caught.value) and CALCLIP_STATE_NAME in str(caught.value)
+        assert trainer.calibrator.state_dict() == before
+
+
+def test_a_pool_larger_than_the_run_can_hold_between_commits_is_refused(trainer, tmp_path):
+    limit = 8 * 1 - 1 + 4 * 4 * 8
+    for count, ok in ((limit, True), (limit + 1, False)):
+        state = _fitted_trainer_state(trainer)
+        state["calibrator"]["pool"] = {"ratio_bf16": [1.0] * count, "ratio_fp8": [1.0] * count,
+                                       "advantages": [-1.0] * count, "batches": 3}  # fmt: skip
+        (tmp_path / str(count)).mkdir()
+        folder = _checkpoint_with(tmp_path / str(count), state)
+        if ok:
+            trainer._load_optimizer_and_scheduler(folder)
+            assert trainer.calibrator.pool_counts() == (count, 0)
+        else:
+            with pytest.raises(CalclipStateError, match=rf"'pool' holds {count} tokens, more than the {limit}"):
+                trainer._load_optimizer_and_scheduler(folder)
