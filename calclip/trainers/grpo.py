@@ -98,6 +98,7 @@ import weakref
 
 import torch
 from trl import GRPOTrainer
+from trl.generation import vllm_generation as trl_vllm_generation
 from trl.trainer.utils import is_async_callable, nanmax, nanmin
 
 from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, oracle_bounds, torch_distributed_all_gather
@@ -129,7 +130,13 @@ from calclip.trainers.checkpoint import (
 )
 from calclip.trainers.compiled_layers import inductor_options, resolve_compile_layers
 from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
+from calclip.trainers.data_checks import (
+    PROMPT_COLUMN,
+    check_rows,
+    check_train_rows,
+    long_prompt_message,
+    prompt_token_counts,
+)
 from calclip.trainers.generation_cache import KeptStaticCache, generate_wrapped
 from calclip.trainers.grad_guard import NonfiniteGradGuard
 from calclip.trainers.mismatch_outliers import MismatchOutlierLog, burst_counts, logp_gaps, outlier_path
@@ -243,6 +250,13 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 f"{type(self).__name__} takes a CalibratedGRPOConfig (every GRPOConfig field works there), "
                 f"got {type(args).__name__}"
             )
+        # Inputs that cannot train, refused before the model loads: a dataset that makes no generation batch, and
+        # vLLM rollouts without vLLM (TRL fails on it later with an AttributeError that names neither).
+        train_dataset = posargs[0] if posargs else kwargs.get("train_dataset")
+        check_train_rows(train_dataset, prompts_per_generation=args.generation_batch_size // args.num_generations)
+        if args.use_vllm and not trl_vllm_generation.is_vllm_available():  # TRL's own test (tests patch it there)
+            raise ImportError("use_vllm=True needs the vllm package, which is not installed: pip install "
+                              "'calclip[vllm]' (or use_vllm=False to generate with transformers)")
         # One run per output_dir, and a writable one, before TRL loads the model (calclip.trainers.run_lock).
         self._output_dir_lock = claim_output_dir(args)
         if self._output_dir_lock is not None:
