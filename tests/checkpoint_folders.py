@@ -35,7 +35,8 @@ def write_checkpoint(folder, step: int, *, max_steps: int = 10, trainer_state: d
     torch.save({"last_epoch": step}, os.path.join(path, "scheduler.pt"))
     save_calclip_state(calclip_state() if state is None else state, os.path.join(path, CALCLIP_STATE_NAME))
     torch.save({"cpu": torch.get_rng_state()}, os.path.join(path, "rng_state.pth"))
-    content = {"global_step": step, "max_steps": max_steps, "log_history": []} if trainer_state is None else trainer_state
+    content = trainer_state if trainer_state is not None else {"global_step": step, "max_steps": max_steps,
+                                                               "log_history": []}
     with open(os.path.join(path, TRAINER_STATE_NAME), "w") as handle:
         json.dump(content, handle)
     return path

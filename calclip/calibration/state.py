@@ -17,6 +17,10 @@ FIT_SETTINGS = ("eps_low", "eps_high", "upper", "low_rails", "high_rails", "min_
 # Settings of the cadence only: a resumed run applies the new values to the state it has.
 CADENCE_SETTINGS = ("schedule", "interval", "ema")
 SETTINGS = FIT_SETTINGS + CADENCE_SETTINGS
+# A pool of this many times min_tokens commits even if a side is still short (that side keeps its bound, step 5), so
+# a run whose advantages never take one sign cannot grow the pool without end. (Here, not in the calibrator, which
+# imports it, so that check_state_against_run can bound a saved pool with it.)
+POOL_LIMIT_FACTOR = 8
 
 _FLOAT_OR_NONE = {"alpha": (0.0, 1.0), "beta": (0.0, 1.0), "balance_p": (0.0, math.inf)}
 _FLAGS = ("low_fitted", "high_fitted", "pending_recalibration")
@@ -113,8 +117,6 @@ def check_state_against_run(state: dict, *, global_step: int, step_slack: int, m
       fits and empties the pool, so a pool saved between commits holds less than that plus the tokens of one round
       (``max_pool_tokens_per_round``: completions of a round times ``max_completion_length``, over all ranks).
     """
-    from calclip.calibration.calibrator import POOL_LIMIT_FACTOR  # the calibrator imports this module
-
     last = state["last_calibration_step"]
     if last is not None and last > global_step:
         raise ValueError(f"'last_calibration_step' ({last}) is later than the checkpoint's global_step "

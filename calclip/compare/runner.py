@@ -4,8 +4,8 @@ A run folder holds ``command.json`` (the train argv), ``train.log`` (stdout+stde
 ``metrics.jsonl``, the trainer's ``checkpoint-N/`` folders and ``status.json`` (written when an attempt ends).
 A run whose status is ``finished`` is skipped; any other run resumes from its last complete checkpoint (one that
 ``calclip.trainers.checkpoint.checkpoint_problem`` passes, the rule every resume uses: every file present and whole,
-``trainer_state.json``'s step agreeing with the folder and with calclip's state) or starts over. Up to ``parallel`` processes run at once
-(several share one GPU, or are spread over ``gpus``). With a time limit, or on SIGTERM, running processes get
+``trainer_state.json``'s step agreeing with the folder and with calclip's state) or starts over. Up to ``parallel``
+processes run at once (several share one GPU, or are spread over ``gpus``). With a time limit, or on SIGTERM, running processes get
 SIGTERM: they save a checkpoint after the current step and exit (`EXIT_STOPPED`), so the next call continues.
 """
 

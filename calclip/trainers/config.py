@@ -358,7 +358,8 @@ class CalibratedGRPOConfig(GRPOConfig):
         # Every completion token of every optimizer step pooled, an upper bound: a fit needs calibration_min_tokens
         # A<0 tokens (or POOL_LIMIT_FACTOR times as many of both signs), so below it no fit ever comes, the bounds
         # stay at calibration_init_bounds and the pool (saved with every checkpoint) grows every step.
-        completions_per_step = self.generation_batch_size // self.steps_per_generation * self.gradient_accumulation_steps
+        completions_per_step = (self.generation_batch_size // self.steps_per_generation
+                                * self.gradient_accumulation_steps)
         most_tokens = self.max_steps * completions_per_step * self.max_completion_length
         if self.clip_mode == "calibrated" and self.max_steps > 0 and most_tokens < self.calibration_min_tokens:
             warnings.warn(

@@ -250,10 +250,10 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 f"{type(self).__name__} takes a CalibratedGRPOConfig (every GRPOConfig field works there), "
                 f"got {type(args).__name__}"
             )
-        # Inputs that cannot train, refused before the model loads: a dataset that makes no generation batch, and
-        # vLLM rollouts without vLLM (TRL fails on it later with an AttributeError that names neither).
-        train_dataset = posargs[0] if posargs else kwargs.get("train_dataset")
-        check_train_rows(train_dataset, prompts_per_generation=args.generation_batch_size // args.num_generations)
+        # Inputs that cannot train, refused before the model loads: a dataset of no rows (one too small for a
+        # generation batch is refused by train(): a trainer built to compute losses needs none), and vLLM rollouts
+        # without vLLM (TRL fails on it later with an AttributeError that names neither).
+        check_train_rows(posargs[0] if posargs else kwargs.get("train_dataset"), prompts_per_generation=1)
         if args.use_vllm and not trl_vllm_generation.is_vllm_available():  # TRL's own test (tests patch it there)
             raise ImportError("use_vllm=True needs the vllm package, which is not installed: pip install "
                               "'calclip[vllm]' (or use_vllm=False to generate with transformers)")
@@ -1065,6 +1065,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             resume_from_checkpoint = check_resume_checkpoint(os.fspath(resume_from_checkpoint))
         if isinstance(resume_from_checkpoint, str):
             check_resume_step(resume_from_checkpoint, self.args.max_steps)
+        per_generation = self.args.generation_batch_size // self.num_generations  # distinct prompts a round draws
+        check_train_rows(self.train_dataset, prompts_per_generation=per_generation)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
@@ -1087,6 +1089,14 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             raise ValueError(f"the state must be a dict, got {type(state).__name__}")
         check_state(state["calibrator"])
         check_state_against_run(state["calibrator"], **self._resume_limits())
+        detector = state.get("spike_detector")
+        # One update per optimizer step, credited to a step not after the checkpoint's (one more update allowed: a
+        # count does not depend on whether the steps are numbered from 0 or 1).
+        for name, most in (("num_steps", self.state.global_step + 1), ("last_spike_step", self.state.global_step)):
+            value = detector.get(name) if isinstance(detector, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > most:
+                raise ValueError(f"spike_detector.{name} ({value}) is beyond the checkpoint's global_step "
+                                 f"({self.state.global_step}): the state is not this run's")
         changed = self.calibrator.load_state_dict(state["calibrator"])
         saved = state.get("settings", {})
         if not isinstance(saved, dict):

@@ -123,6 +123,9 @@ def test_load_calclip_state_is_weights_only_for_any_caller(tmp_path):
 
 def _fitted_trainer_state(trainer):
     trainer.calibrator = trainer._build_calibrator()
+    # a detector of no steps: another test may have loaded one of more steps than the checkpoint this stands for
+    trainer.spike_detector = EntropySpikeDetector(window=trainer.args.entropy_spike_window,
+                                                  warmup=trainer.args.entropy_spike_warmup)
     ratios = torch.exp(0.2 * torch.randn(4, 16, generator=torch.Generator().manual_seed(1)))
     trainer.calibrator.calibrate(ratios, ratios * 0.9, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4, 16),
                                  step=2)  # fmt: skip
@@ -216,4 +219,26 @@ def test_a_pool_larger_than_the_run_can_hold_between_commits_is_refused(trainer,
             assert trainer.calibrator.pool_counts() == (count, 0)
         else:
             with pytest.raises(CalclipStateError, match=rf"'pool' holds {count} tokens, more than the {limit}"):
+                trainer._load_optimizer_and_scheduler(folder)
+
+
+@pytest.mark.parametrize("field", ["num_steps", "last_spike_step"])
+def test_a_spike_detector_ahead_of_the_checkpoint_step_is_refused(trainer, tmp_path, field):
+    """The detector updates once per optimizer step: a spike after the checkpoint's step (2), or more updates than
+    its steps (one spare for either numbering), are another run's."""
+    allowed = 3 if field == "num_steps" else 2
+    for value, ok in ((allowed, True), (allowed + 1, False)):
+        state = _fitted_trainer_state(trainer)
+        detector = state["spike_detector"]
+        detector["num_steps"] = value if field == "num_steps" else 3
+        if field == "last_spike_step":
+            detector["num_spikes"], detector["last_spike_step"] = 1, value
+        (tmp_path / f"{field}-{value}").mkdir()
+        folder = _checkpoint_with(tmp_path / f"{field}-{value}", state)
+        if ok:
+            trainer._load_optimizer_and_scheduler(folder)
+            assert trainer.spike_detector.state_dict()[field] == value
+        else:
+            with pytest.raises(CalclipStateError, match=rf"spike_detector.{field} \({value}\) is beyond the checkpoint's "
+                                                        r"global_step \(2\)"):
                 trainer._load_optimizer_and_scheduler(folder)

@@ -143,11 +143,7 @@ def test_check_dataset_false_skips_the_scan():
 # batch draws 16 / 4 = 4 distinct prompts, and TRL's RepeatSampler drops a chunk of fewer.
 
 
-@pytest.mark.parametrize(("rows", "message"), [
-    (0, r"train_dataset has 0 rows: there is nothing to train on"),
-    (3, r"train_dataset has 3 row\(s\) but one generation batch draws 4 distinct prompts"),
-])  # fmt: skip
-def test_a_dataset_that_makes_no_generation_batch_is_refused_before_the_model_loads(tmp_path, rows, message):
+def test_a_dataset_of_no_rows_is_refused_before_the_model_loads(tmp_path):
     """A 0-row dataset trained nothing and train() returned; `calclip train` then saved the untrained model."""
     from calclip.testing import tiny_training_args
     from calclip.trainers.config import CalibratedGRPOConfig
@@ -155,11 +151,24 @@ def test_a_dataset_that_makes_no_generation_batch_is_refused_before_the_model_lo
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = tiny_training_args(CalibratedGRPOConfig, tmp_path / "out")
-    dataset = Dataset.from_list(_rows(4)).select(range(rows))
-    with pytest.raises(ValueError, match=message):  # the model name does not exist: nothing is loaded first
+    dataset = Dataset.from_list(_rows(4)).select([])
+    with pytest.raises(ValueError, match=r"train_dataset has 0 rows: there is nothing to train on"):
+        # the model name does not exist: nothing is loaded before the check
         CalibratedGRPOTrainer(model="calclip-test/no-such-model", reward_funcs=digit_share_reward, args=args,
                               train_dataset=dataset)  # fmt: skip
     assert not (tmp_path / "out").exists()  # refused before the output_dir was claimed
+
+
+def test_a_dataset_smaller_than_a_generation_batch_is_refused_by_train(tmp_path):
+    """3 rows, 4 prompts a generation batch: TRL's sampler made no batch, train() returned having trained nothing.
+    (A trainer built only to compute losses, as the parity tests do, still builds.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = tiny_trainer(tmp_path, train_dataset=Dataset.from_list(_rows(3)), fp8=False)
+    with pytest.raises(ValueError, match=r"train_dataset has 3 row\(s\) but one generation batch draws 4 distinct "
+                                         r"prompts"):
+        trainer.train()
+    assert trainer.state.global_step == 0
 
 
 def test_a_dataset_of_one_generation_batch_trains(tmp_path):
