@@ -34,15 +34,19 @@ from calclip.calibration.fit import (
     _select_tokens,
 )
 from calclip.calibration.pool import TokenPool
-from calclip.calibration.state import FIT_SETTINGS, STATE_KEYS, changed_settings, check_settings, check_state
+from calclip.calibration.state import (
+    FIT_SETTINGS,
+    POOL_LIMIT_FACTOR,
+    STATE_KEYS,
+    changed_settings,
+    check_settings,
+    check_state,
+)
 
 SCHEDULES = ("interval", "every_step")
 # Enough A<0 tokens for alpha: at a BF16 clip share of 2%, 256 tokens hold ~5 clipped ones (standard error of alpha
 # ~0.009); one mini-batch of the SmolLM2 evidence runs held 12-45.
 DEFAULT_MIN_TOKENS = 256
-# A pool of this many times min_tokens commits even if a side is still short (that side keeps its bound, step 5), so
-# a run whose advantages never take one sign cannot grow the pool without end.
-POOL_LIMIT_FACTOR = 8
 HIGH_RAIL_MAX = 10.0  # an upper bound above 10 no longer bounds anything
 
 

@@ -17,6 +17,10 @@ FIT_SETTINGS = ("eps_low", "eps_high", "upper", "low_rails", "high_rails", "min_
 # Settings of the cadence only: a resumed run applies the new values to the state it has.
 CADENCE_SETTINGS = ("schedule", "interval", "ema")
 SETTINGS = FIT_SETTINGS + CADENCE_SETTINGS
+# A pool of this many times min_tokens commits even if a side is still short (that side keeps its bound, step 5), so
+# a run whose advantages never take one sign cannot grow the pool without end. (Here, not in the calibrator, which
+# imports it, so that check_state_against_run can bound a saved pool with it.)
+POOL_LIMIT_FACTOR = 8
 
 _FLOAT_OR_NONE = {"alpha": (0.0, 1.0), "beta": (0.0, 1.0), "balance_p": (0.0, math.inf)}
 _FLAGS = ("low_fitted", "high_fitted", "pending_recalibration")
@@ -95,3 +99,40 @@ def check_settings(settings: dict) -> dict:
 def changed_settings(saved: dict, current: dict) -> list[str]:
     """Names of the settings whose saved value differs from the current one, in ``SETTINGS`` order."""
     return [name for name in SETTINGS if saved[name] != current[name]]
+
+
+def check_state_against_run(state: dict, *, global_step: int, step_slack: int, max_commits: int,
+                            max_pool_tokens_per_round: int) -> None:
+    """Raise ValueError naming the first field of a checked ``state`` that the run resuming it could not have
+    produced by ``global_step`` (the trainer's step of the checkpoint).
+
+    A state checked only against itself can hold step counters far ahead of the run: ``needs_calibration`` then
+    waits for a window the trainer reaches only at that step, so the bounds stay frozen with no warning.
+
+    - ``last_calibration_step``: a fit is credited to the trainer step it ran at, so it is at most ``global_step``.
+    - ``step``: the last step the schedule was asked about; a generation round asks about the optimizer steps it
+      feeds, at most ``step_slack`` ahead of ``global_step``.
+    - ``num_calibrations``, ``num_refits``: at most one commit per generation round, at most ``max_commits``.
+    - the shadow pool: a commit below ``POOL_LIMIT_FACTOR * min_tokens`` pooled tokens keeps them, one at or above
+      fits and empties the pool, so a pool saved between commits holds less than that plus the tokens of one round
+      (``max_pool_tokens_per_round``: completions of a round times ``max_completion_length``, over all ranks).
+    """
+    last = state["last_calibration_step"]
+    if last is not None and last > global_step:
+        raise ValueError(f"'last_calibration_step' ({last}) is later than the checkpoint's global_step "
+                         f"({global_step}): calibration would wait for that step with the bounds frozen")
+    if state["step"] > global_step + step_slack:
+        raise ValueError(f"'step' ({state['step']}) is beyond the checkpoint's global_step ({global_step}) plus the "
+                         f"{step_slack} step(s) a generation round looks ahead")
+    for name in ("num_calibrations", "num_refits"):
+        if state[name] > max_commits:
+            raise ValueError(f"'{name}' ({state[name]}) exceeds the {max_commits} generation round(s) of "
+                             f"{global_step} optimizer step(s): the state is not this run's")
+    min_tokens = state["settings"].get("min_tokens")
+    advantages = state["pool"].get("advantages")
+    if _is_count(min_tokens) and isinstance(advantages, list):
+        limit = POOL_LIMIT_FACTOR * min_tokens - 1 + max_pool_tokens_per_round
+        if len(advantages) > limit:
+            raise ValueError(f"'pool' holds {len(advantages)} tokens, more than the {limit} a run can pool between "
+                             f"commits ({POOL_LIMIT_FACTOR} x min_tokens {min_tokens}, less one, plus "
+                             f"{max_pool_tokens_per_round} tokens of a generation round)")

@@ -53,6 +53,11 @@ def train(argv: list[str] | None = None):
     from calclip.trainers.run_lock import claim_output_dir
 
     script_args, training_args = parse_train_args(argv)
+    resume = training_args.resume_from_checkpoint
+    if isinstance(resume, str):  # an explicit path: refused now, before the model and the data load
+        from calclip.trainers.checkpoint import check_resume_checkpoint, check_resume_step
+
+        check_resume_step(check_resume_checkpoint(resume), training_args.max_steps)
     # Before the model and the data load: a folder another run holds, or one this process cannot write, fails now.
     lock = claim_output_dir(training_args)
     try:

@@ -126,7 +126,16 @@ def arm_fields(arms: list[Arm]) -> set[str]:
     return {field for arm in arms for field in arm.overrides}
 
 
+# The files calclip compare writes at the top of its folder, next to the arms' folders (folder.COMPARISON_FILE and its
+# temporary file, folder.LOCK_FILE, report.REPORT_FILE and FIGURE_FILE, the copied config): an arm of one of these
+# names trained every run and then could not write the report. Compared without case (macOS and Windows file names).
+COMPARISON_FILES = ("comparison.json", "comparison.tmp", ".compare.lock", "report.md", "figure.png", "config.yaml")
+
+
 def _checked(arm: Arm) -> Arm:
+    if arm.name.lower() in COMPARISON_FILES:
+        raise ValueError(f"arm name {arm.name!r} is a file calclip compare writes in the comparison folder "
+                         f"({', '.join(COMPARISON_FILES)}); pick another name")
     reserved = sorted(set(arm.overrides) & set(RUN_FIELDS))
     if reserved:
         raise ValueError(f"arm {arm.name!r} sets {', '.join(reserved)}: calclip compare sets these per run")

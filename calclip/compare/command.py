@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import shutil
 import sys
@@ -23,6 +24,7 @@ from calclip.compare import folder, report
 from calclip.compare.arms import (
     DEFAULT_ARMS, PRESETS, RUN_FIELDS, Arm, arm_fields, looks_like_a_flag, parse_arm_spec, resolve_arms,
 )
+from calclip.trainers.field_checks import SEED_MAX
 from calclip.trainers.run_outputs import METRICS_FILE
 from calclip.compare.runner import FAILED, FINISHED, RunSpec, run_grid
 
@@ -95,12 +97,22 @@ def _compare(options, train_flags: list[str], windows) -> int:
         raise ValueError(f"--config {options.config!r}: no such file")
     if options.parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {options.parallel}")
+    # A NaN or negative time made the runner stop at once or never (a NaN compares false with every deadline).
+    if options.time_limit is not None and not (math.isfinite(options.time_limit) and options.time_limit > 0):
+        raise ValueError(f"--time-limit must be a finite number of seconds > 0, got {options.time_limit}")
+    if not (math.isfinite(options.stop_timeout) and options.stop_timeout >= 0):
+        raise ValueError(f"--stop-timeout must be a finite number of seconds >= 0, got {options.stop_timeout}")
     arms = resolve_arms(_split(options.arms, "--arms"), [parse_arm_spec(spec) for spec in options.arm])
     seeds = [_int(seed, "--seeds") for seed in _split(options.seeds, "--seeds")]
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds lists a seed twice: {options.seeds}")
+    refused = [seed for seed in seeds if not 0 <= seed <= SEED_MAX]
+    if refused:  # checked for every seed: the configs are resolved with seed 0 only
+        raise ValueError(f"--seeds: {refused[0]} is not a seed calclip train takes (0 to 2**32 - 1: transformers' "
+                         "set_seed seeds numpy)")
     _check_train_flags(train_flags, arms)
     root = Path(options.output_dir or f"runs/compare-{Path(options.config).stem}")
+    _check_output_dir(root)
     config_path = str(Path(options.config).resolve())
 
     print(f"calclip compare: resolving {len(arms)} arm configs ...", flush=True)
@@ -144,6 +156,17 @@ def _compare(options, train_flags: list[str], windows) -> int:
         print(f"calclip compare: {len(unfinished)} run(s) not finished; run the same command to continue")
         return EXIT_INCOMPLETE
     return EXIT_OK
+
+
+def _check_output_dir(root: Path) -> None:
+    """The comparison folder, or the nearest of its parents that exists, must be a folder: a file there failed with a
+    traceback after the arm configs were resolved."""
+    existing = next((path for path in (root, *root.parents) if path.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == root else f"lies under {existing}, which is a file"
+        raise ValueError(f"--output-dir {root} {where}, not a folder")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output-dir {root}: {existing} is not writable")
 
 
 def _redraw(root: Path, windows, smooth: int, partial: bool) -> int:

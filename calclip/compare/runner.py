@@ -2,9 +2,10 @@
 
 A run folder holds ``command.json`` (the train argv), ``train.log`` (stdout+stderr of every attempt),
 ``metrics.jsonl``, the trainer's ``checkpoint-N/`` folders and ``status.json`` (written when an attempt ends).
-A run whose status is ``finished`` is skipped; any other run resumes from its last complete checkpoint (one with
-``trainer_state.json``, which the trainer writes last) or starts over. Up to ``parallel`` processes run at once
-(several share one GPU, or are spread over ``gpus``). With a time limit, or on SIGTERM, running processes get
+A run whose status is ``finished`` is skipped; any other run resumes from its last complete checkpoint (one that
+``calclip.trainers.checkpoint.checkpoint_problem`` passes, the rule every resume uses: every file present and whole,
+``trainer_state.json``'s step agreeing with the folder and with calclip's state) or starts over. Up to ``parallel``
+processes run at once (several share one GPU, or are spread over ``gpus``). With a time limit, or on SIGTERM, running processes get
 SIGTERM: they save a checkpoint after the current step and exit (`EXIT_STOPPED`), so the next call continues.
 """
 
@@ -73,34 +74,50 @@ def is_finished(directory: Path) -> bool:
     return bool(status) and status.get("status") == FINISHED
 
 
-def complete_checkpoints(directory: Path) -> list[Path]:
-    """checkpoint-N folders holding trainer_state.json, by step."""
+def checkpoint_problems(directory: Path) -> list[tuple[Path, str | None]]:
+    """(checkpoint-N folder, why it cannot be resumed from or None), by step."""
+    from calclip.trainers.checkpoint import checkpoint_problem  # torch: not for `calclip compare --list-arms`
+
     found = []
     for path in Path(directory).glob("checkpoint-*"):
         suffix = path.name.split("-", 1)[1]
-        if path.is_dir() and suffix.isdigit() and (path / "trainer_state.json").is_file():
+        if path.is_dir() and suffix.isdigit():
             found.append((int(suffix), path))
-    return [path for _, path in sorted(found)]
+    return [(path, checkpoint_problem(str(path))) for _, path in sorted(found)]
+
+
+def complete_checkpoints(directory: Path) -> list[Path]:
+    """checkpoint-N folders a run can resume from, by step."""
+    return [path for path, problem in checkpoint_problems(directory) if problem is None]
 
 
 def attempt_argv(spec: RunSpec) -> tuple[list[str], str]:
-    """The argv of the next attempt of an unfinished run and what it does ('resume from checkpoint-N' or 'start').
+    """The argv of the next attempt of an unfinished run and what it does ('resume from checkpoint-N' or 'start')."""
+    argv, action, _ = attempt_plan(spec)
+    return argv, action
 
-    Checkpoint folders without trainer_state.json (a process killed while saving) are removed; without a complete
-    checkpoint the run starts over (its metrics file is rewritten from step 1)."""
+
+def attempt_plan(spec: RunSpec) -> tuple[list[str], str, list[str]]:
+    """``attempt_argv``'s argv and action, and a line per checkpoint folder skipped, naming what is wrong with it.
+
+    Checkpoint folders a run cannot resume from (a process killed while saving, a file cut short or corrupt, a
+    trainer_state.json that disagrees with its folder) are removed: the resumed run saves those steps again.
+    Without a complete checkpoint the run starts over (its metrics file is rewritten from step 1)."""
     directory = spec.directory
-    complete = set(complete_checkpoints(directory))
-    for path in directory.glob("checkpoint-*"):
-        if path.is_dir() and path not in complete:
+    checked = checkpoint_problems(directory)
+    skipped = [f"skipped {path}: {problem}" for path, problem in checked if problem is not None]
+    for path, problem in checked:
+        if problem is not None:
             shutil.rmtree(path)
+    complete = [path for path, problem in checked if problem is None]
     if complete:
-        latest = complete_checkpoints(directory)[-1]
+        latest = complete[-1]
         # The callback drops the later rows too, but only once the model is loaded; the progress display reads
         # the file now.
         truncate_metrics(directory / METRICS_FILE, int(latest.name.split("-", 1)[1]))
-        return [*spec.train_argv, "--resume_from_checkpoint", str(latest)], f"resume from {latest.name}"
+        return [*spec.train_argv, "--resume_from_checkpoint", str(latest)], f"resume from {latest.name}", skipped
     (directory / METRICS_FILE).unlink(missing_ok=True)
-    return list(spec.train_argv), "start"
+    return list(spec.train_argv), "start", skipped
 
 
 def error_tail(log_path: Path, lines: int = ERROR_TAIL_LINES) -> list[str]:
@@ -277,7 +294,9 @@ def run_grid(
 
 def _launch(spec: RunSpec, group, gpus, active, threads, progress) -> _Active:
     spec.directory.mkdir(parents=True, exist_ok=True)
-    argv, action = attempt_argv(spec)
+    argv, action, skipped = attempt_plan(spec)
+    for line in skipped:  # a checkpoint given up is said where the user looks: the progress stream and the log
+        progress.event(f"{spec.label}: {line}")
     (spec.directory / COMMAND_FILE).write_text(json.dumps({"train_argv": spec.train_argv}, indent=1) + "\n")
     # wall_s adds up the attempts that produced the run's steps: a run that starts over starts at 0.
     prior_wall = 0.0 if action == "start" else (read_status(spec.directory) or {}).get("wall_s", 0.0)
@@ -286,6 +305,7 @@ def _launch(spec: RunSpec, group, gpus, active, threads, progress) -> _Active:
         gpu = min(gpus, key=lambda g: sum(run.gpu == g for run in active))
     log = (spec.directory / LOG_FILE).open("a")
     log.write(f"\n=== attempt {time.strftime('%Y-%m-%d %H:%M:%S')}: {action} ===\n")
+    log.writelines(line + "\n" for line in skipped)
     log.flush()
     process = subprocess.Popen(
         [sys.executable, "-m", "calclip.cli", "train", *argv],

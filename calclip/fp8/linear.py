@@ -85,6 +85,7 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
     # -- forward ------------------------------------------------------------------------------------------
 
     def forward(self, x: Tensor) -> Tensor:
+        check_floating_input(self, x)
         if self.bf16_shadow_depth > 0:
             return F.linear(x, self.weight, self.bias)
         device_type = x.device.type
@@ -189,6 +190,14 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
         cfg = self.fp8_config
         return (f"{super().extra_repr()}, block={cfg.block_size}, backward={cfg.backward}, gemm={cfg.gemm}, "
                 f"pow2={cfg.power_of_two_scales}")
+
+
+def check_floating_input(layer: nn.Module, x: Tensor) -> None:
+    """Refuse a non-floating input as nn.Linear does (RuntimeError): the quantizer would otherwise scale integer or
+    bool values and return an integer or bool output. A dtype check: no device work, static under torch.compile."""
+    if not x.is_floating_point():
+        raise RuntimeError(f"{type(layer).__name__} takes a floating-point input, got {x.dtype} (as nn.Linear, which "
+                           f"fails on a non-floating input)")
 
 
 def linear_sharing_parameters(module: nn.Module) -> nn.Linear:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from calclip.fp8.config import TORCHAO_INSTALL_HINT, Fp8Config, Fp8Recipe, get_fp8_recipe
-from calclip.fp8.linear import linear_sharing_parameters
+from calclip.fp8.linear import check_floating_input, linear_sharing_parameters
 
 try:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -158,6 +158,7 @@ class TorchaoFloat8Linear(Float8Linear):
         self.config, self.linear_mm_config = template.config, template.linear_mm_config
 
     def forward(self, x: Tensor) -> Tensor:
+        check_floating_input(self, x)
         if self.bf16_shadow_depth > 0:
             return F.linear(x, self.weight, self.bias)
         if self.fp8_config.gemm == "auto" and self.config.emulate == x.is_cuda:

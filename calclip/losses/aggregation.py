@@ -15,7 +15,8 @@ steps_per_generation``. The trainer passes ``num_items = num_items_in_batch / nu
 the accumulation factor itself; the two agree whenever the global batch has at least one token per rank.
 
 Masked positions are dropped with ``torch.where`` rather than multiplied by 0, so a non-finite value there
-cannot become a NaN loss or gradient; an all-masked batch gives 0 with a zero gradient in every mode.
+cannot become a NaN loss or gradient; an all-masked batch, or one of no rows, gives 0 with a zero gradient in every
+mode.
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ def aggregate(
     masked = torch.where(keep, per_token_loss, zero)  # [B, T]
     if mode == "grpo":
         per_sequence = masked.sum(-1) / keep.sum(-1).clamp(min=1).to(masked.dtype)
+        if per_sequence.numel() == 0:  # no rows: the mean of nothing is NaN; 0, still attached to the graph
+            return masked.sum()
         return per_sequence.mean()
     if mode == "bnpo":
         return masked.sum() / keep.sum().clamp(min=1).to(masked.dtype)
     if mode == "dr_grpo":
-        return masked.sum() / (mask.size(0) * max_completion_length)
+        return masked.sum() / (max(mask.size(0), 1) * max_completion_length)
     # dapo
     if isinstance(num_items, Tensor):
         normalizer = num_items.detach().to(device=masked.device, dtype=masked.dtype).clamp(min=1.0)

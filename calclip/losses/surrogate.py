@@ -16,6 +16,8 @@ so its gradient is zero; FP8 noise raises that share. "clip/neg_low_frac" measur
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -26,10 +28,28 @@ from calclip.losses.sanitize import sanitize_inputs
 
 
 def _check_bounds(low, high, dual_clip_c) -> None:
+    """Number bounds (the static and calibrated modes): finite, low <= high. A NaN bound made every clamp NaN and
+    the loss NaN; an infinite one clips nothing or everything. Tensor bounds are per token (the oracle, whose
+    ``high`` is +inf where a token is not clipped): checking them here would cost a device sync each call, so a
+    token with a NaN bound (or low = +inf, high = -inf) is left out like a non-finite input (``_bad_bound_tokens``)."""
+    for name, bound in (("low", low), ("high", high)):
+        if not isinstance(bound, Tensor) and not math.isfinite(float(bound)):
+            raise ValueError(f"{name} must be a finite ratio bound (e.g. 0.8 and 1.28), got {bound}")
     if not isinstance(low, Tensor) and not isinstance(high, Tensor) and float(low) > float(high):
         raise ValueError(f"low must be <= high (ratio bounds, e.g. 0.8 and 1.28), got low={low}, high={high}")
-    if dual_clip_c is not None and not float(dual_clip_c) > 1.0:
-        raise ValueError(f"dual_clip_c must be > 1 (verl/NeMo dual-clip constant, e.g. 3.0), got {dual_clip_c}")
+    if dual_clip_c is not None and not (math.isfinite(float(dual_clip_c)) and float(dual_clip_c) > 1.0):
+        raise ValueError(f"dual_clip_c must be > 1 and finite (verl/NeMo dual-clip constant, e.g. 3.0), got "
+                         f"{dual_clip_c}")
+
+
+def _bad_bound_tokens(low, high, shape: torch.Size, device: torch.device) -> Tensor | None:
+    """[B, T] bool: tokens whose tensor bound cannot clip (NaN, low = +inf, high = -inf); None for number bounds."""
+    bad = None
+    for bound, wrong in ((low, float("inf")), (high, float("-inf"))):
+        if isinstance(bound, Tensor):
+            flags = (torch.isnan(bound) | (bound == wrong)).to(device).expand(shape)
+            bad = flags if bad is None else bad | flags
+    return bad
 
 
 def _as_bound(bound: float | Tensor, like: Tensor) -> Tensor:
@@ -73,8 +93,9 @@ def clipped_surrogate(
     """Clipped policy loss and its detached statistics.
 
     Tokens with a non-finite logp, old_logp, advantage or IS weight are excluded from the loss and from every
-    statistic and counted in "nonfinite_tokens"; the loss and its gradient stay finite. With no tokens left
-    the loss is 0 with a zero gradient.
+    statistic and counted in "nonfinite_tokens", as are tokens whose per-token (tensor) bound is NaN; the loss and
+    its gradient stay finite. A number bound must be finite (ValueError). With no tokens left, an empty batch (no
+    rows) included, the loss is 0 with a zero gradient and every statistic 0.
 
     Stats (0-dim, detached; fractions over the valid tokens, a sequence-level ratio counted once per token):
       "clip/neg_low_frac"   share of A<0 tokens with r < low   (zero-gradient penalties)
@@ -91,6 +112,13 @@ def clipped_surrogate(
 
     extra = () if is_weights is None else (is_weights.detach(),)
     inputs = sanitize_inputs(logp, old_logp, advantages, mask, *extra)
+    bad = _bad_bound_tokens(low, high, inputs.mask.shape, inputs.mask.device)
+    if bad is not None:  # left out and counted, and given bounds that clip nothing so no NaN is computed
+        with torch.no_grad():
+            inputs = inputs._replace(mask=inputs.mask & ~bad,
+                                     nonfinite_tokens=inputs.nonfinite_tokens + (bad & inputs.mask).sum().float())
+        low = torch.where(bad, 0.0, low) if isinstance(low, Tensor) else low
+        high = torch.where(bad, float("inf"), high) if isinstance(high, Tensor) else high
     ratio, _ = importance_ratio(inputs.logp, inputs.old_logp, inputs.mask, level=level)
     per_token_loss = clipped_surrogate_per_token(ratio, inputs.advantages, low, high, dual_clip_c)
     if is_weights is not None:
@@ -126,11 +154,14 @@ def _surrogate_stats(ratio, advantages, valid, low, high, dual_clip_c) -> dict[s
         count = valid.sum()
         zero = torch.zeros((), dtype=r.dtype, device=r.device)
         stats["ratio/mean"] = torch.where(valid, r, zero).sum() / count.clamp(min=1).to(r.dtype)
-        inf = torch.tensor(float("inf"), dtype=r.dtype, device=r.device)
-        rmin = torch.where(valid, r, inf).amin()
-        rmax = torch.where(valid, r, -inf).amax()
-        stats["ratio/min"] = torch.where(count > 0, rmin, zero)
-        stats["ratio/max"] = torch.where(count > 0, rmax, zero)
+        if valid.numel() == 0:  # an empty batch (no rows or no positions): amin/amax of nothing would raise
+            stats["ratio/min"] = stats["ratio/max"] = zero
+        else:
+            inf = torch.tensor(float("inf"), dtype=r.dtype, device=r.device)
+            rmin = torch.where(valid, r, inf).amin()
+            rmax = torch.where(valid, r, -inf).amax()
+            stats["ratio/min"] = torch.where(count > 0, rmin, zero)
+            stats["ratio/max"] = torch.where(count > 0, rmax, zero)
         stats["tokens"] = count.to(torch.float32)
         # the populations behind the shares, so callers can reduce the shares exactly across ranks
         stats["neg_tokens"] = neg.sum().to(torch.float32)

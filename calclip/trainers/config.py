@@ -366,6 +366,36 @@ class CalibratedGRPOConfig(GRPOConfig):
                 stacklevel=2,
             )
 
+        self._warn_on_calibration_that_cannot_work()
+
+    def _warn_on_calibration_that_cannot_work(self) -> None:
+        """Calibrated settings a run accepts but cannot act on: said at construction, not found in the metrics."""
+        if self.clip_mode in ("calibrated", "oracle") and not self.fp8:
+            warnings.warn(
+                f"clip_mode={self.clip_mode!r} with fp8=False is static clipping: the BF16 shadow is the policy "
+                f"itself, so the fitted bounds reproduce the static [1 - epsilon, 1 + epsilon_high] (the oracle clips "
+                "exactly where static clipping does), at the cost of a shadow forward. Set fp8=True, or "
+                "clip_mode='static'.",
+                UserWarning,
+                stacklevel=3,
+            )
+        # Every completion token of every optimizer step pooled, an upper bound: a fit needs calibration_min_tokens
+        # A<0 tokens (or POOL_LIMIT_FACTOR times as many of both signs), so below it no fit ever comes, the bounds
+        # stay at calibration_init_bounds and the pool (saved with every checkpoint) grows every step.
+        completions_per_step = (self.generation_batch_size // self.steps_per_generation
+                                * self.gradient_accumulation_steps)
+        most_tokens = self.max_steps * completions_per_step * self.max_completion_length
+        if self.clip_mode == "calibrated" and self.max_steps > 0 and most_tokens < self.calibration_min_tokens:
+            warnings.warn(
+                f"calibration_min_tokens={self.calibration_min_tokens} cannot be reached: the whole run generates at "
+                f"most {most_tokens} completion tokens (max_steps {self.max_steps} x {completions_per_step} "
+                f"completions a step x max_completion_length {self.max_completion_length}), so no calibration is "
+                "ever fitted and the bounds stay at calibration_init_bounds. Lower calibration_min_tokens or train "
+                "longer.",
+                UserWarning,
+                stacklevel=3,
+            )
+
     @property
     def calibration_is_meaningful(self) -> bool:
         """True when some mini-batches see a policy that moved since the old log-probs (docs/DESIGN.md, Schedules).

@@ -137,3 +137,25 @@ def long_prompt_message(split: str, index: int, tokens: int, max_prompt_tokens: 
         f"most {max_prompt_tokens} tokens). Shorten or drop such rows, lower max_completion_length, or set "
         "truncate_long_prompts=true to keep the last tokens of each long prompt"
     )
+
+
+def check_train_rows(dataset, *, prompts_per_generation: int, split: str = "train_dataset") -> None:
+    """Refuse a map-style training dataset too small to make one generation batch (an IterableDataset has no length
+    and is not checked).
+
+    TRL's RepeatSampler draws ``prompts_per_generation`` distinct prompts per generation batch
+    (``generation_batch_size // num_generations``) and drops a last chunk of fewer, so a dataset of fewer rows (0
+    among them) yields no batch at all: ``train()`` returned at once, trained nothing, and a script went on to save
+    the untrained model."""
+    if dataset is None or not hasattr(dataset, "__len__"):
+        return
+    rows = len(dataset)
+    if rows == 0:
+        raise ValueError(f"{split} has 0 rows: there is nothing to train on")
+    if rows < prompts_per_generation:
+        raise ValueError(
+            f"{split} has {rows} row(s) but one generation batch draws {prompts_per_generation} distinct prompts "
+            "(generation_batch_size // num_generations: per_device_train_batch_size x steps_per_generation x "
+            "processes / num_generations), and TRL's sampler makes no batch from fewer; training would do nothing. "
+            "Add rows or lower per_device_train_batch_size / steps_per_generation."
+        )

@@ -123,6 +123,9 @@ def _within(low, high, *, low_open=False, high_open=False):
 # exploration anyway.
 TEMPERATURE_MIN = 1e-2
 
+SEED_MAX = 2**32 - 1
+SEED_RANGE = _within(0, SEED_MAX)
+
 # Inherited TrainingArguments / GRPOConfig fields calclip's loss, optimizer set-up and sampling rely on, with the
 # values that have a meaning (transformers and TRL accept the rest silently, or fail deep inside train(): a
 # num_generations of 0 is a ZeroDivisionError in GRPOConfig's own checks, an epsilon_high of inf reaches the clip
@@ -151,6 +154,10 @@ INHERITED_RANGES = {
     "min_p": _within(0.0, 1.0),
     "repetition_penalty": _at_least(0.0, strict=True),
     "beta": _at_least(0.0),
+    # transformers' set_seed seeds numpy, which takes 0 to 2**32 - 1: another seed failed in train(), after the
+    # model loaded (and in calclip compare, after the other runs were launched).
+    "seed": SEED_RANGE,
+    "data_seed": SEED_RANGE,
 }
 
 

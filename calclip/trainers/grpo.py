@@ -98,10 +98,11 @@ import weakref
 
 import torch
 from trl import GRPOTrainer
+from trl.generation import vllm_generation as trl_vllm_generation
 from trl.trainer.utils import is_async_callable, nanmax, nanmin
 
 from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, oracle_bounds, torch_distributed_all_gather
-from calclip.calibration.state import FIT_SETTINGS
+from calclip.calibration.state import FIT_SETTINGS, check_state, check_state_against_run
 from calclip.fp8 import (Fp8Config, bf16_shadow, compile_repeated_blocks, frozen_fp8_weights, pop_nonfinite_count,
                          quantize_model)
 from calclip.fp8.regional_compile import eager_blocks, repeated_blocks
@@ -121,13 +122,21 @@ from calclip.trainers.run_lock import claim_output_dir
 from calclip.trainers.checkpoint import (
     CALCLIP_STATE_NAME,
     CalclipStateError,
+    check_resume_checkpoint,
+    check_resume_step,
     latest_complete_checkpoint,
     load_calclip_state,
     save_calclip_state,
 )
 from calclip.trainers.compiled_layers import inductor_options, resolve_compile_layers
 from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.data_checks import PROMPT_COLUMN, check_rows, long_prompt_message, prompt_token_counts
+from calclip.trainers.data_checks import (
+    PROMPT_COLUMN,
+    check_rows,
+    check_train_rows,
+    long_prompt_message,
+    prompt_token_counts,
+)
 from calclip.trainers.generation_cache import KeptStaticCache, generate_wrapped
 from calclip.trainers.grad_guard import NonfiniteGradGuard
 from calclip.trainers.mismatch_outliers import MismatchOutlierLog, burst_counts, logp_gaps, outlier_path
@@ -242,6 +251,13 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 f"{type(self).__name__} takes a CalibratedGRPOConfig (every GRPOConfig field works there), "
                 f"got {type(args).__name__}"
             )
+        # Inputs that cannot train, refused before the model loads: a dataset of no rows (one too small for a
+        # generation batch is refused by train(): a trainer built to compute losses needs none), and vLLM rollouts
+        # without vLLM (TRL fails on it later with an AttributeError that names neither).
+        check_train_rows(posargs[0] if posargs else kwargs.get("train_dataset"), prompts_per_generation=1)
+        if args.use_vllm and not trl_vllm_generation.is_vllm_available():  # TRL's own test (tests patch it there)
+            raise ImportError("use_vllm=True needs the vllm package, which is not installed: pip install "
+                              "'calclip[vllm]' (or use_vllm=False to generate with transformers)")
         # One run per output_dir, and a writable one, before TRL loads the model (calclip.trainers.run_lock).
         self._output_dir_lock = claim_output_dir(args)
         if self._output_dir_lock is not None:
@@ -1040,6 +1056,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # resume_from_checkpoint=True: the latest *complete* checkpoint, where transformers' get_last_checkpoint takes
         # the highest-numbered folder even when a kill during its save left it half-written.
+        # An explicit path gets the same check (refused, not skipped: the caller named it) instead of going straight
+        # to transformers, which resumes a folder without optimizer.pt with a fresh optimizer.
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -1047,6 +1065,12 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                     f"resume_from_checkpoint=True: no complete checkpoint-N folder in output_dir "
                     f"{self.args.output_dir!r}"
                 )
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            resume_from_checkpoint = check_resume_checkpoint(os.fspath(resume_from_checkpoint))
+        if isinstance(resume_from_checkpoint, str):
+            check_resume_step(resume_from_checkpoint, self.args.max_steps)
+        per_generation = self.args.generation_batch_size // self.num_generations  # distinct prompts a round draws
+        check_train_rows(self.train_dataset, prompts_per_generation=per_generation)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
@@ -1067,6 +1091,16 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         calibrator starts fresh with a calibration due at once, and a warning names the changed settings."""
         if not isinstance(state, dict):
             raise ValueError(f"the state must be a dict, got {type(state).__name__}")
+        check_state(state["calibrator"])
+        check_state_against_run(state["calibrator"], **self._resume_limits())
+        detector = state.get("spike_detector")
+        # One update per optimizer step, credited to a step not after the checkpoint's (one more update allowed: a
+        # count does not depend on whether the steps are numbered from 0 or 1).
+        for name, most in (("num_steps", self.state.global_step + 1), ("last_spike_step", self.state.global_step)):
+            value = detector.get(name) if isinstance(detector, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > most:
+                raise ValueError(f"spike_detector.{name} ({value}) is beyond the checkpoint's global_step "
+                                 f"({self.state.global_step}): the state is not this run's")
         changed = self.calibrator.load_state_dict(state["calibrator"])
         saved = state.get("settings", {})
         if not isinstance(saved, dict):
@@ -1082,6 +1116,18 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                       "the saved bounds are kept under the new cadence")
             warnings.warn(f"resuming with changed calibration settings {changed + trainer_changed}: {action}",
                           UserWarning, stacklevel=2)
+
+    def _resume_limits(self) -> dict:
+        """What this run could have left in a calibrator state by the resumed ``global_step``
+        (calclip.calibration.state.check_state_against_run)."""
+        every, accumulation = self._generate_every, self.args.gradient_accumulation_steps
+        return {
+            "global_step": self.state.global_step,
+            "step_slack": (every - 1) // accumulation + 1,  # _shadow_due_this_round asks about the round's steps
+            "max_commits": self.state.global_step * accumulation // every + 1,
+            "max_pool_tokens_per_round": every * self.args.per_device_train_batch_size
+            * self.args.max_completion_length * self.accelerator.num_processes,
+        }
 
     def _save_optimizer_and_scheduler(self, output_dir):
         # Written with the optimizer state it resumes with (the mirror of _load_optimizer_and_scheduler), inside

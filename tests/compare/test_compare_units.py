@@ -10,6 +10,7 @@ import pytest
 
 from calclip.compare import arms, command, folder, report, runner
 from calclip.trainers import run_outputs as metrics
+from checkpoint_folders import write_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------------- arms
@@ -81,15 +82,45 @@ def _spec(directory: Path, steps: int = 10) -> runner.RunSpec:
 
 def test_attempt_resumes_from_the_last_complete_checkpoint(tmp_path):
     for step, complete in [(2, True), (4, True), (6, False)]:  # checkpoint-6 was being written when killed
-        (tmp_path / f"checkpoint-{step}").mkdir()
-        if complete:
-            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+        write_checkpoint(tmp_path, step)
+        if not complete:
+            os.remove(tmp_path / f"checkpoint-{step}" / "trainer_state.json")
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
     argv, action = runner.attempt_argv(_spec(tmp_path))
     assert argv == ["--config", "x.yaml", "--resume_from_checkpoint", str(tmp_path / "checkpoint-4")]
     assert action == "resume from checkpoint-4"
     assert not (tmp_path / "checkpoint-6").exists() and (tmp_path / "checkpoint-2").exists()
     assert [row["step"] for row in metrics.read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("calclip_state", "calclip_state.pt cannot be read as calclip state"),
+    ("optimizer", "missing optimizer.pt"),
+    ("rng_state", "missing rng_state.pth"),
+    ("step", "trainer_state.json says global_step 40 but the folder is checkpoint-4"),
+    ("truncated_weights", "model.safetensors is cut short"),
+])  # fmt: skip
+def test_attempt_falls_back_past_a_checkpoint_the_trainer_would_refuse(tmp_path, damage, reason):
+    """compare's resume uses the trainer's checkpoint check: a newest folder holding trainer_state.json but a corrupt
+    calclip_state.pt (or any other fault) is skipped for the previous one, not resumed (and failed) on every rerun."""
+    write_checkpoint(tmp_path, 2)
+    newest = Path(write_checkpoint(tmp_path, 4))
+    if damage == "calclip_state":
+        (newest / "calclip_state.pt").write_bytes(b"garbage")
+    elif damage == "optimizer":
+        os.remove(newest / "optimizer.pt")
+    elif damage == "rng_state":
+        os.remove(newest / "rng_state.pth")
+    elif damage == "step":
+        (newest / "trainer_state.json").write_text(json.dumps({"global_step": 40, "max_steps": 40}))
+    else:
+        data = (newest / "model.safetensors").read_bytes()
+        (newest / "model.safetensors").write_bytes(data[:-8])
+    argv, action, skipped = runner.attempt_plan(_spec(tmp_path))
+    assert argv == ["--config", "x.yaml", "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")]
+    assert action == "resume from checkpoint-2"
+    assert len(skipped) == 1 and skipped[0].startswith(f"skipped {newest}: {reason}")
+    assert not newest.exists()  # the resumed run saves step 4 again
 
 
 def test_attempt_without_checkpoint_starts_over(tmp_path):
@@ -484,3 +515,50 @@ def test_redrawing_needs_neither_torch_nor_trl():
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
                             env={**os.environ, "PYTHONPATH": str(root)})
     assert result.returncode == 0, result.stderr
+
+
+def test_command_refuses_runs_that_would_fail_or_clash_before_any_starts(tmp_path, capsys):
+    """A compare output dir that is a file, a seed the trainer refuses and an arm named like a file compare writes
+    failed after launch (a traceback, or every run trained and then the report could not be written): exit 2
+    before anything runs now."""
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
+    (tmp_path / "file").write_text("x")
+    cases = [
+        (["--output-dir", str(tmp_path / "file")], f"--output-dir {tmp_path / 'file'} is a file, not a folder"),
+        (["--output-dir", str(tmp_path / "file" / "c")], f"lies under {tmp_path / 'file'}, which is a file"),
+        (["--seeds", "0,-1"], "--seeds: -1 is not a seed calclip train takes (0 to 2**32 - 1"),
+        (["--seeds", str(2**32)], f"--seeds: {2**32} is not a seed calclip train takes"),
+        (["--time-limit", "-5"], "--time-limit must be a finite number of seconds > 0, got -5.0"),
+        (["--time-limit", "nan"], "--time-limit must be a finite number of seconds > 0, got nan"),
+        (["--stop-timeout", "-1"], "--stop-timeout must be a finite number of seconds >= 0, got -1.0"),
+        (["--stop-timeout", "inf"], "--stop-timeout must be a finite number of seconds >= 0, got inf"),
+    ]
+    for name in arms.COMPARISON_FILES[:2] + arms.COMPARISON_FILES[3:] + ("Report.MD",):
+        cases.append((["--arms", name, "--arm", f"{name}:fp8=false"], f"arm name {name!r} is a file calclip compare "
+                                                                       "writes"))  # fmt: skip
+    for extra, expected in cases:
+        argv = ["--config", config, "--arms", "fp8_static", *extra]
+        if "--output-dir" not in extra:
+            argv += ["--output-dir", str(tmp_path / "c")]
+        assert command.main(argv) == command.EXIT_USAGE, extra
+        assert expected in capsys.readouterr().err, extra
+    assert not (tmp_path / "c").exists()  # nothing was created
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_the_reserved_arm_names_are_the_files_compare_writes():
+    from calclip.compare import report
+
+    written = {folder.COMPARISON_FILE, folder.LOCK_FILE, report.REPORT_FILE, report.FIGURE_FILE, "config.yaml",
+               Path(folder.COMPARISON_FILE).with_suffix(".tmp").name}  # fmt: skip
+    assert set(arms.COMPARISON_FILES) == written
+
+
+def test_the_trainer_refuses_the_seeds_compare_refuses():
+    from calclip.trainers.config import CalibratedGRPOConfig
+
+    for seed in (-1, 2**32):
+        with pytest.raises(ValueError, match=rf"seed must be finite and in \[0, 4294967295\], got {seed}"):
+            CalibratedGRPOConfig(output_dir="unused", use_cpu=True, report_to="none", seed=seed)
+    with pytest.raises(ValueError, match=r"data_seed must be finite and in \[0, 4294967295\], got -3"):
+        CalibratedGRPOConfig(output_dir="unused", use_cpu=True, report_to="none", data_seed=-3)

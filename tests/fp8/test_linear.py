@@ -407,3 +407,19 @@ def test_optimizer_steps_refresh_the_layers_codes_in_place():
     layer(x)  # refreshes the codes the stale forward saved
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y_stale.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.complex64])
+@pytest.mark.parametrize("shadow", [False, True])
+def test_a_non_floating_input_raises_like_nn_linear(dtype, shadow):
+    """The quantizer scaled integer / bool inputs and returned an integer or bool output where nn.Linear raises."""
+    fp8 = FP8BlockLinear(256, 128)
+    x = torch.ones(4, 256).to(dtype)
+    with pytest.raises(RuntimeError):
+        nn.Linear(256, 128)(x)
+    with pytest.raises(RuntimeError, match=rf"FP8BlockLinear takes a floating-point input, got {dtype}"):
+        if shadow:
+            with bf16_shadow(fp8):
+                fp8(x)
+        else:
+            fp8(x)

@@ -415,3 +415,12 @@ def test_compiles_without_graph_breaks_and_counts_inside_the_graph(recipe):
         assert torch.equal(y.nan_to_num(), model(x).nan_to_num())
     rows = 1 if recipe == "rowwise" else 8
     assert int(pop_nonfinite_count(model)) == 2 * 2 * rows  # two layers, compiled call + eager call
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+@pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
+def test_a_non_floating_input_raises_like_nn_linear(recipe, dtype):
+    """torchao's cast scaled integer / bool inputs where nn.Linear raises."""
+    fp8 = quantize_model(nn.Sequential(nn.Linear(256, 192)), Fp8Config(recipe=recipe))
+    with pytest.raises(RuntimeError, match=rf"TorchaoFloat8Linear takes a floating-point input, got {dtype}"):
+        fp8(torch.ones(3, 256).to(dtype))

@@ -366,3 +366,69 @@ def test_huge_log_ratio_stays_finite():
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert stats["ratio/max"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bounds the loss cannot compute with, and batches of no rows (issue 40).
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["low", "high"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_number_bound_is_refused_naming_it(name, value):
+    """A NaN bound made every clamp NaN and returned a NaN loss."""
+    x = torch.zeros(2, 3)
+    bounds = {"low": 0.8, "high": 1.2, name: value}
+    with pytest.raises(ValueError, match=rf"{name} must be a finite ratio bound"):
+        clipped_surrogate(x, x, torch.ones(2), torch.ones(2, 3), **bounds)
+    with pytest.raises(ValueError, match=rf"{name} must be a finite ratio bound"):
+        clipped_surrogate_per_token(torch.ones(2, 3), torch.ones(2, 1), **bounds)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_dual_clip_constant_is_refused(value):
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="dual_clip_c must be > 1 and finite"):
+        clipped_surrogate(x, x, torch.ones(2), torch.ones(2, 3), low=0.8, high=1.2, dual_clip_c=value)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("agg", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_tokens_with_a_bound_that_cannot_clip_are_left_out_and_counted(level, agg):
+    """Per-token bounds (the oracle's) are not checked with a device sync: a token whose bound is NaN, or low = +inf,
+    or high = -inf, is left out like a non-finite input. The result equals the loss with those tokens masked out."""
+    logp, old, adv, mask, _, _, _ = random_batch(7, "B", "float", None)
+    mask[:] = 1.0
+    low, high = np.full((B, T), 0.8), np.full((B, T), np.inf)  # the oracle's "no upper clip" is +inf: allowed
+    low[1, 2], high[2, 0], low[3, 4], high[0, 1] = np.nan, np.nan, np.inf, -np.inf
+    left_out = [(1, 2), (2, 0), (3, 4), (0, 1)]
+    kept = mask.copy()
+    for row, col in left_out:
+        kept[row, col] = 0.0
+    common = dict(level=level, aggregation=agg, max_completion_length=MAX_COMPLETION_LENGTH, num_items=20)
+    logp_t = t64(logp).requires_grad_(True)
+    loss, stats = clipped_surrogate(logp_t, t64(old), t64(adv), t64(mask), low=t64(low), high=t64(high), **common)
+    loss.backward()
+    clean_low, clean_high = np.where(np.isfinite(low), low, 0.8), np.where(np.isnan(high), np.inf, high)
+    clean_high[0, 1] = np.inf
+    logp_ref = t64(logp).requires_grad_(True)
+    expected, expected_stats = clipped_surrogate(logp_ref, t64(old), t64(adv), t64(kept), low=t64(clean_low),
+                                                 high=t64(clean_high), **common)  # fmt: skip
+    expected.backward()
+    assert math.isfinite(loss.item()) and loss.item() == expected.item()
+    assert torch.equal(logp_t.grad, logp_ref.grad) and torch.isfinite(logp_t.grad).all()
+    assert stats["nonfinite_tokens"].item() == len(left_out) and stats["tokens"].item() == B * T - len(left_out)
+    assert stats["clip/neg_low_frac"].item() == expected_stats["clip/neg_low_frac"].item()
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("agg", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_an_empty_batch_gives_zero_loss_zero_gradient_and_zero_stats(shape, level, agg):
+    """A batch of no rows (or no positions) failed inside amin; TRL's grpo mean over no rows would be NaN."""
+    logp = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    loss, stats = clipped_surrogate(
+        logp, torch.zeros(shape, dtype=torch.float64), torch.zeros(shape[0], dtype=torch.float64), torch.ones(shape),
+        low=0.8, high=1.2, dual_clip_c=3.0, level=level, aggregation=agg, max_completion_length=4, num_items=0,
+    )
+    loss.backward()
+    assert loss.item() == 0.0 and logp.grad.shape == shape and not logp.grad.any()
+    assert {name: value.item() for name, value in stats.items()} == dict.fromkeys(stats, 0.0)

@@ -86,6 +86,7 @@ def test_real_state_round_trips_with_weights_only(trainer, tmp_path):
     assert loaded == state and loaded["calibrator"]["alpha"] is not None
     assert loaded["calibrator"]["pool"]["batches"] == 1
 
+    trainer.state.global_step = 3  # the checkpoint's step, which the calibrator's counters are checked against
     trainer._load_optimizer_and_scheduler(folder)
     assert trainer.calibrator.state_dict() == calibrator.state_dict()
     assert trainer.spike_detector.state_dict()["entropy"] == [1.0, 1.1, 0.9, 1.05]
@@ -122,10 +123,14 @@ def test_load_calclip_state_is_weights_only_for_any_caller(tmp_path):
 
 def _fitted_trainer_state(trainer):
     trainer.calibrator = trainer._build_calibrator()
+    # a detector of no steps: another test may have loaded one of more steps than the checkpoint this stands for
+    trainer.spike_detector = EntropySpikeDetector(window=trainer.args.entropy_spike_window,
+                                                  warmup=trainer.args.entropy_spike_warmup)
     ratios = torch.exp(0.2 * torch.randn(4, 16, generator=torch.Generator().manual_seed(1)))
     trainer.calibrator.calibrate(ratios, ratios * 0.9, torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.ones(4, 16),
                                  step=2)  # fmt: skip
     assert trainer.calibrator.calibrated
+    trainer.state.global_step = 2  # the step of the checkpoint it stands for (a state is checked against it)
     return trainer.calclip_state_dict()
 
 
@@ -168,3 +173,72 @@ def test_a_state_saved_under_another_cadence_keeps_its_bounds(trainer, tmp_path)
         trainer._load_optimizer_and_scheduler(folder)
     assert trainer.calibrator.calibrated and trainer.calibrator.bounds == (state["calibrator"]["low"],
                                                                            state["calibrator"]["high"])
+
+
+# ------------------------------------------------------------------ the state against the run it resumes (issue 40)
+# tiny_trainer: steps_per_generation 4 (a generation round of 4 micro-batches) over gradient_accumulation_steps 2,
+# 4 completions of at most 8 tokens a micro-batch, one process, calibration_min_tokens 1; the checkpoint is at step 2.
+# A round looks ahead at most (4 - 1) // 2 + 1 = 2 optimizer steps; 2 steps are 4 micro-batches, one round, so at
+# most 4 // 4 + 1 = 2 commits; a pool holds at most 8 * 1 - 1 tokens kept by a commit plus 4 * 4 * 8 of one round.
+_AHEAD = [("step", 4, 5), ("num_calibrations", 2, 3), ("num_refits", 2, 3), ("last_calibration_step", 2, 3)]
+
+
+@pytest.mark.parametrize(("field", "allowed", "refused"), _AHEAD)
+def test_a_state_ahead_of_the_checkpoint_step_is_refused_naming_the_field(trainer, tmp_path, field, allowed, refused):
+    """A state whose counters are ahead of the trainer's step passed, and calibration never ran again (the bounds
+    frozen until the trainer reached that step, with no warning)."""
+    for value, ok in ((allowed, True), (refused, False)):
+        state = _fitted_trainer_state(trainer)
+        state["calibrator"][field] = value
+        state["calibrator"]["step"] = max(state["calibrator"]["step"], state["calibrator"]["last_calibration_step"])
+        if field == "step":
+            state["calibrator"]["step"] = value
+        (tmp_path / f"{field}-{value}").mkdir()
+        folder = _checkpoint_with(tmp_path / f"{field}-{value}", state)
+        if ok:
+            trainer._load_optimizer_and_scheduler(folder)
+            assert trainer.calibrator.state_dict()[field] == value
+            continue
+        before = trainer.calibrator.state_dict()
+        with pytest.raises(CalclipStateError) as caught:
+            trainer._load_optimizer_and_scheduler(folder)
+        assert f"'{field}' ({refused})" in str(caught.value) and CALCLIP_STATE_NAME in str(caught.value)
+        assert trainer.calibrator.state_dict() == before
+
+
+def test_a_pool_larger_than_the_run_can_hold_between_commits_is_refused(trainer, tmp_path):
+    limit = 8 * 1 - 1 + 4 * 4 * 8
+    for count, ok in ((limit, True), (limit + 1, False)):
+        state = _fitted_trainer_state(trainer)
+        state["calibrator"]["pool"] = {"ratio_bf16": [1.0] * count, "ratio_fp8": [1.0] * count,
+                                       "advantages": [-1.0] * count, "batches": 3}  # fmt: skip
+        (tmp_path / str(count)).mkdir()
+        folder = _checkpoint_with(tmp_path / str(count), state)
+        if ok:
+            trainer._load_optimizer_and_scheduler(folder)
+            assert trainer.calibrator.pool_counts() == (count, 0)
+        else:
+            with pytest.raises(CalclipStateError, match=rf"'pool' holds {count} tokens, more than the {limit}"):
+                trainer._load_optimizer_and_scheduler(folder)
+
+
+@pytest.mark.parametrize("field", ["num_steps", "last_spike_step"])
+def test_a_spike_detector_ahead_of_the_checkpoint_step_is_refused(trainer, tmp_path, field):
+    """The detector updates once per optimizer step: a spike after the checkpoint's step (2), or more updates than
+    its steps (one spare for either numbering), are another run's."""
+    allowed = 3 if field == "num_steps" else 2
+    for value, ok in ((allowed, True), (allowed + 1, False)):
+        state = _fitted_trainer_state(trainer)
+        detector = state["spike_detector"]
+        detector["num_steps"] = value if field == "num_steps" else 3
+        if field == "last_spike_step":
+            detector["num_spikes"], detector["last_spike_step"] = 1, value
+        (tmp_path / f"{field}-{value}").mkdir()
+        folder = _checkpoint_with(tmp_path / f"{field}-{value}", state)
+        if ok:
+            trainer._load_optimizer_and_scheduler(folder)
+            assert trainer.spike_detector.state_dict()[field] == value
+        else:
+            with pytest.raises(CalclipStateError, match=rf"spike_detector.{field} \({value}\) is beyond the checkpoint's "
+                                                        r"global_step \(2\)"):
+                trainer._load_optimizer_and_scheduler(folder)

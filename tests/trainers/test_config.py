@@ -208,3 +208,33 @@ def test_vllm_transformers_backend_is_refused_only_where_it_shares_the_policys_p
     assert make(use_vllm=True, vllm_mode="server", vllm_model_impl="transformers").vllm_model_impl == "transformers"
     assert make(use_vllm=True, vllm_mode="colocate", vllm_model_impl="vllm").vllm_model_impl == "vllm"
     assert make(use_vllm=False, vllm_model_impl="transformers").use_vllm is False  # no engine: nothing to refuse
+
+
+# ------------------------------------------------------------------ calibration settings that cannot work (issue 40)
+
+
+@pytest.mark.parametrize("clip_mode", ["calibrated", "oracle"])
+def test_calibrated_and_oracle_without_fp8_warn_that_they_are_static_clipping(clip_mode):
+    moved = dict(output_dir="unused", **CPU, num_iterations=2)  # a moved policy: no on-policy warning
+    with pytest.warns(UserWarning, match=rf"clip_mode='{clip_mode}' with fp8=False is static clipping"):
+        CalibratedGRPOConfig(**moved, clip_mode=clip_mode, fp8=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*static clipping", category=UserWarning)
+        CalibratedGRPOConfig(**moved, clip_mode=clip_mode, fp8=True)
+        CalibratedGRPOConfig(**moved, clip_mode="static", fp8=False)
+
+
+def test_a_calibration_minimum_the_run_can_never_pool_warns_with_the_numbers():
+    """No fit ever came, the bounds stayed at calibration_init_bounds and the pool grew every step, silently. Here a
+    step is 2 completions (per_device_train_batch_size 2, one accumulation step) of at most 16 tokens: 3 steps
+    generate at most 96."""
+    run = dict(output_dir="unused", **CPU, num_iterations=2, max_steps=3, max_completion_length=16)
+    with pytest.warns(UserWarning, match=r"calibration_min_tokens=97 cannot be reached: the whole run generates at "
+                                         r"most 96 completion tokens \(max_steps 3 x 2 completions a step x "
+                                         r"max_completion_length 16\)"):
+        CalibratedGRPOConfig(**run, calibration_min_tokens=97)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cannot be reached", category=UserWarning)
+        CalibratedGRPOConfig(**run, calibration_min_tokens=96)  # reachable: every token pooled
+        CalibratedGRPOConfig(**run, calibration_min_tokens=97, clip_mode="static")  # no calibration to wait for
+        CalibratedGRPOConfig(**{**run, "max_steps": -1}, calibration_min_tokens=97)  # epochs: not known here

@@ -136,3 +136,62 @@ def test_max_completion_length_reaching_the_positions_warns_and_the_prompt_alone
 
 def test_check_dataset_false_skips_the_scan():
     _trainer(_rows(4, row0={"prompt": [{"role": "user", "content": ""}], "answer": "1"}), check_dataset=False)
+
+
+# ------------------------------------------------------------------ a dataset too small to train (issue 40)
+# tiny_training_args: 4 completions a micro-batch over 4 micro-batches a round, 4 completions a prompt: a generation
+# batch draws 16 / 4 = 4 distinct prompts, and TRL's RepeatSampler drops a chunk of fewer.
+
+
+def test_a_dataset_of_no_rows_is_refused_before_the_model_loads(tmp_path):
+    """A 0-row dataset trained nothing and train() returned; `calclip train` then saved the untrained model."""
+    from calclip.testing import tiny_training_args
+    from calclip.trainers.config import CalibratedGRPOConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = tiny_training_args(CalibratedGRPOConfig, tmp_path / "out")
+    dataset = Dataset.from_list(_rows(4)).select([])
+    with pytest.raises(ValueError, match=r"train_dataset has 0 rows: there is nothing to train on"):
+        # the model name does not exist: nothing is loaded before the check
+        CalibratedGRPOTrainer(model="calclip-test/no-such-model", reward_funcs=digit_share_reward, args=args,
+                              train_dataset=dataset)  # fmt: skip
+    assert not (tmp_path / "out").exists()  # refused before the output_dir was claimed
+
+
+def test_a_dataset_smaller_than_a_generation_batch_is_refused_by_train(tmp_path):
+    """3 rows, 4 prompts a generation batch: TRL's sampler made no batch, train() returned having trained nothing.
+    (A trainer built only to compute losses, as the parity tests do, still builds.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = tiny_trainer(tmp_path, train_dataset=Dataset.from_list(_rows(3)), fp8=False)
+    with pytest.raises(ValueError, match=r"train_dataset has 3 row\(s\) but one generation batch draws 4 distinct "
+                                         r"prompts"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_a_dataset_of_one_generation_batch_trains(tmp_path):
+    from calclip.testing import logged
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = tiny_trainer(tmp_path, train_dataset=Dataset.from_list(_rows(4)), fp8=False, max_steps=1)
+        trainer.train()
+    assert trainer.state.global_step == 1 and len(logged(trainer, "loss")) == 1
+
+
+def test_vllm_rollouts_without_vllm_name_the_package_and_the_extra(tmp_path, monkeypatch):
+    """use_vllm=True without vLLM installed failed with an AttributeError naming neither."""
+    from trl.generation import vllm_generation
+
+    from calclip.testing import tiny_training_args
+    from calclip.trainers.config import CalibratedGRPOConfig
+
+    monkeypatch.setattr(vllm_generation, "is_vllm_available", lambda *a, **k: False)  # as without the package
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = tiny_training_args(CalibratedGRPOConfig, tmp_path / "out", use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(ImportError, match=r"use_vllm=True needs the vllm package.*pip install 'calclip\[vllm\]'"):
+        CalibratedGRPOTrainer(model="calclip-test/no-such-model", reward_funcs=digit_share_reward, args=args,
+                              train_dataset=Dataset.from_list(_rows(4)))  # fmt: skip

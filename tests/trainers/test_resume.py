@@ -201,3 +201,65 @@ def test_resume_from_checkpoint_true_from_yaml_and_command_line(saved_run, tmp_p
     assert args.resume_from_checkpoint is None
     _, args = parse_train_args(["--config", str(config), "--resume_from_checkpoint", str(run / "checkpoint-4")])
     assert args.resume_from_checkpoint == str(run / "checkpoint-4")  # an explicit path is used as given
+
+
+# ------------------------------------------------------------------ an explicit path gets the same check (issue 40)
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "rng_state.pth", "scheduler.pt", CALCLIP_STATE_NAME])
+def test_an_explicit_path_missing_a_file_is_refused_before_training(saved_run, tmp_path, name):
+    """transformers resumed such a folder silently (a fresh AdamW without optimizer.pt, an INFO line without the RNG
+    state) and the run then overwrote the good checkpoint."""
+    from calclip.trainers.checkpoint import CheckpointError
+
+    run = _copy(saved_run, tmp_path)
+    os.remove(run / "checkpoint-4" / name)
+    callback = _StopAtTrainBegin()
+    trainer = _trainer(run, callback)
+    with pytest.raises(CheckpointError, match=rf"checkpoint-4' cannot be resumed from: missing .*{name}"):
+        trainer.train(resume_from_checkpoint=str(run / "checkpoint-4"))
+    assert callback.step is None  # refused before transformers loaded anything
+
+
+def test_an_explicit_path_with_a_step_beyond_the_folder_is_refused(saved_run, tmp_path):
+    from calclip.trainers.checkpoint import CheckpointError
+
+    run = _copy(saved_run, tmp_path)
+    path = run / "checkpoint-4" / "trainer_state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "global_step": 1_000_000, "max_steps": 1_000_000}))
+    with pytest.raises(CheckpointError, match="says global_step 1000000 but the folder is checkpoint-4"):
+        _trainer(run).train(resume_from_checkpoint=str(run / "checkpoint-4"))
+
+
+def test_an_explicit_complete_path_resumes_it(saved_run, tmp_path):
+    run = _copy(saved_run, tmp_path)
+    callback = _StopAtTrainBegin()
+    with pytest.raises(_Resumed):
+        _trainer(run, callback).train(resume_from_checkpoint=str(run / "checkpoint-2"))
+    assert callback.step == 2 and callback.state == _state_without_manifest(saved_run / "checkpoint-2")
+
+
+def test_calclip_train_refuses_a_checkpoint_beyond_max_steps_and_saves_no_model(saved_run, tmp_path):
+    """A checkpoint whose step lies beyond max_steps made train() return at once; `calclip train` exited 0 and saved
+    the weights it had loaded as the final model."""
+    from calclip.cli.train import train
+    from calclip.trainers.checkpoint import CheckpointError
+
+    run = _copy(saved_run, tmp_path)
+    out = tmp_path / "out"
+    argv = ["--output_dir", str(out), "--model_name_or_path", "tiny", "--num_train_examples", "8", "--max_steps", "2",
+            "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+            "--report_to", "none", "--use_cpu", "true", "--resume_from_checkpoint", str(run / "checkpoint-4")]
+    with pytest.raises(CheckpointError, match=r"global_step 4, beyond this run's max_steps 2"):
+        train(argv)
+    assert not (out / "model.safetensors").exists()
+
+
+def test_train_refuses_a_checkpoint_beyond_its_max_steps(saved_run, tmp_path):
+    from calclip.trainers.checkpoint import CheckpointError
+
+    run = _copy(saved_run, tmp_path)
+    trainer = _trainer(run, max_steps=2)
+    for resume in (str(run / "checkpoint-4"), True):  # named, or the newest complete one
+        with pytest.raises(CheckpointError, match=r"checkpoint-4'.*global_step 4, beyond this run's max_steps 2"):
+            trainer.train(resume_from_checkpoint=resume)
