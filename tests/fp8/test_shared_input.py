@@ -65,6 +65,7 @@ def test_groups_q_k_v_and_gate_up_by_default():
         Fp8Config(share_sibling_inputs="yes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"fused_quantizer": True}, {"power_of_two_scales": True}])
 def test_eager_training_equals_each_linear_alone(monkeypatch, options):
     """Outputs, input and weight gradients bit for bit over two AdamW steps; per forward 4 input quantizations per
@@ -120,6 +121,7 @@ def test_a_weight_with_a_nan_block_counts_as_it_does_alone():
     assert n_shared == n_alone and n_alone > 18
 
 
+@pytest.mark.slow
 def test_saved_for_backward_once_per_group():
     """The 128x1 codes of x that q/k/v save for their weight gradients are one tensor, not three copies."""
     shared, alone = _pair()

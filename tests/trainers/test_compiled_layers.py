@@ -73,6 +73,7 @@ def tokenizer():
     return build_tiny_tokenizer()
 
 
+@pytest.mark.slow
 def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_path):
     """Two optimizer steps of an FP8 policy with compile_layers (aot_eager): both layers run compiled, the
     parameters move, the metrics stay finite, and Dynamo traced the layer's forward once per grad mode (the

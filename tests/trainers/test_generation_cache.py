@@ -46,6 +46,7 @@ def kept_tensors(kept, batch):
     return [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
 
 
+@pytest.mark.slow
 def test_same_tokens_as_transformers_own_static_cache_and_stable_addresses(model):
     ids, mask = prompts(3)
     config = GenerationConfig(max_new_tokens=7, do_sample=False, cache_implementation="static", pad_token_id=0)
