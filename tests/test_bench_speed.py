@@ -303,6 +303,7 @@ def test_profile_probe_sorts_kernels_into_categories():
     assert split["FP8 quantize"] == 1.0 and split["GEMM BF16"] == 3.0 and split["other"] == 0.0
 
 
+@pytest.mark.slow
 def test_profile_probe_reports_the_host_side_with_the_weight_refresh(capsys):
     """--tiny on CPU (aot_eager): the host table names each arm; the compiled FP8 arm refreshes its weight codes
     outside the graph once per step (the profiler range the probe times), the compiled BF16 arm never."""

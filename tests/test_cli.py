@@ -91,6 +91,7 @@ def test_train_on_tiny_model_via_python_entry(tmp_path):
     assert reloaded.config.vocab_size == len(tokenizer)
 
 
+@pytest.mark.slow
 def test_train_with_local_dataset_and_dapo(tmp_path):
     import json
 

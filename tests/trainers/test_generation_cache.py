@@ -117,6 +117,7 @@ def test_calls_it_does_not_fit_are_left_alone(model):
     assert own_cache.get_seq_length() > 0  # the caller's cache was used, not replaced
 
 
+@pytest.mark.slow
 def test_trainer_keeps_one_cache_across_rollouts(tokenizer, tmp_path):
     """compile_generation (a static cache; on CPU transformers does not compile) gets one kept cache for all the
     rollouts of a run, and the run trains exactly as with a new cache per rollout (keep_generation_cache off)."""
