@@ -68,6 +68,7 @@ def test_compiled_inference_counts_nonfinite_tokens():
     assert int(pop_nonfinite_count(model)) == 0
 
 
+@pytest.mark.slow
 def test_no_graph_break_inside_the_layers():
     """With the codes refreshed, the layers compile as one graph (fullgraph=True raises on any break)."""
     _, model = _pair()

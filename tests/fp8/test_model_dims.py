@@ -255,6 +255,7 @@ def _chosen(sweep, a_blocks, b_blocks, m, n, k, row_scales=False, out_dtype="tor
     raise KeyError((a_blocks, b_blocks, m, n, k, out_dtype, row_scales))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2.5-7b", "llama3-8b", "qwen3-8b", "llama3-70b"])
 def test_large_families_run_every_training_gemm_on_cublas(sweep, name):
     """At 7B-70B dims with 4 x 2048 tokens every contraction length is a multiple of 512: all 21 GEMMs of a layer

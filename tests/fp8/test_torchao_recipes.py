@@ -243,6 +243,7 @@ def test_pop_nonfinite_count_covers_mixed_recipes():
 # ------------------------------------------------------------------------------------------- train, save, generate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
 def test_training_steps_and_state_dict_round_trip(recipe, tmp_path):
     model = _tiny_llama(layers=2)

@@ -151,6 +151,7 @@ def _reference_bad_rows(x, weight_bad):
     return rows if weight_bad else int((~torch.isfinite(x.float())).reshape(rows, -1).any(dim=-1).sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_bad", [False, True])
 # K = 18944 (Qwen2.5-7B's down projection) and 32769 (ragged last group): rows of many chunks of groups.
 @pytest.mark.parametrize("shape", [(1, 1), (3, 200), (2, 5, 576), (33, 1536), (70, 128 * 17), (3, 16384), (5, 18944),
