@@ -63,6 +63,7 @@ def test_format_metrics_table_hand_worked():
     assert len({len(line) for line in lines}) == 1  # right-aligned columns of equal width
 
 
+@pytest.mark.slow
 def test_train_on_tiny_model_via_python_entry(tmp_path):
     argv = [
         "--config", DEMO_YAML,
