@@ -85,6 +85,7 @@ def test_hub_id_offline_fails_with_transformers_own_error(monkeypatch):
     assert "calclip" not in str(error.value).replace("calclip-tests/no-such-model-anywhere", "")
 
 
+@pytest.mark.slow
 def test_a_gguf_model_loads_untagged_and_saves_as_a_plain_float_model(tmp_path):
     # transformers alone leaves a de-quantized GGUF model tagged as GGUF-quantized, and save_pretrained refuses it
     # (what stopped bench_vllm's SmolLM2 rows on the H200); the benchmark loads it through this same function.

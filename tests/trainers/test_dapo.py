@@ -249,6 +249,7 @@ def test_dynamic_sampling_off_is_plain_generation(tmp_path):
     assert "dynamic_sampling/rounds" not in trainer._metrics["train"]
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_refuses_multimodal_batches(tmp_path, monkeypatch):
     """Image tensors are indexed per image/patch, not per row: selecting rows would misalign them, so a batch
     carrying them is refused by name instead of being silently corrupted."""

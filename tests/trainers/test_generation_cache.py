@@ -70,6 +70,7 @@ def test_same_tokens_as_transformers_own_static_cache_and_stable_addresses(model
     assert "generate" not in vars(model)  # back to the class method
 
 
+@pytest.mark.slow
 def test_sampling_draws_the_same_tokens(model):
     ids, mask = prompts(4, seed=1)
     config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.0, top_k=0,

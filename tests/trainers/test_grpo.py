@@ -195,6 +195,7 @@ def _trainer_logps(trainer, batch):
     return logps
 
 
+@pytest.mark.slow
 def test_rollout_logprobs_on_the_generate_path_are_the_sampling_distribution(tokenizer, tmp_path):
     """Without top-k/top-p the processed scores are logits / temperature: the rollout log-probs equal the trainer's
     log-probs of the same tokens (up to KV-cache numerics). With top-k the sampling distribution is renormalized
@@ -216,6 +217,7 @@ def test_rollout_logprobs_on_the_generate_path_are_the_sampling_distribution(tok
     assert "generate" not in vars(trainer.model)  # the generate wrapper was removed
 
 
+@pytest.mark.slow
 def test_shadow_old_logps_are_computed_only_when_a_calibration_is_due(tokenizer, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
