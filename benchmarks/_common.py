@@ -137,7 +137,7 @@ def scaled_mm_forward(qx, sx, qw, sw, out_dtype=torch.bfloat16):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Kernel profiles: a profiler's CUDA kernels by category (probes/profile_model_step.py, bench_vllm.py decode_profile)
+# Kernel profiles: a profiler's CUDA kernels by category (profile_model_step.py, bench_vllm.py decode_profile)
 
 
 def kernel_category(kernel: str, categories) -> str:

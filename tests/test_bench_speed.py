@@ -284,7 +284,7 @@ def test_summary_has_the_by_layer_columns_when_those_arms_ran():
 
 
 def test_profile_probe_sorts_kernels_into_categories():
-    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import profile_model_step as probe
 
     assert probe.category("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN") == "GEMM FP8"
@@ -303,10 +303,11 @@ def test_profile_probe_sorts_kernels_into_categories():
     assert split["FP8 quantize"] == 1.0 and split["GEMM BF16"] == 3.0 and split["other"] == 0.0
 
 
+@pytest.mark.slow
 def test_profile_probe_reports_the_host_side_with_the_weight_refresh(capsys):
     """--tiny on CPU (aot_eager): the host table names each arm; the compiled FP8 arm refreshes its weight codes
     outside the graph once per step (the profiler range the probe times), the compiled BF16 arm never."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import profile_model_step as probe
 
     assert probe.main(["--tiny", "--arms", "bf16c,fp8c", "--steps", "2", "--warmup", "1"]) == 0

@@ -96,6 +96,7 @@ def test_fp8_policy_keeps_ragged_fused_shards_and_their_siblings_in_bf16():
         assert {f"model.layers.{i}.self_attn.o_proj", f"model.layers.{i}.mlp.down_proj"} <= fp8
 
 
+@pytest.mark.slow
 def test_train_steps_move_the_policy_and_its_fp8_codes():
     base = tiny_llama(kv_heads=4).float()
     policy, _ = bench_vllm.fp8_policy(base)
@@ -132,6 +133,7 @@ def test_child_processes_get_one_part_and_model_and_results_merge():
     assert merged == {"env": {"device": "a"}, "mismatch": [{"model": "x"}, {"model": "y"}], "grpo": {"fp8": {}}}
 
 
+@pytest.mark.slow
 def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monkeypatch, tmp_path):
     """The grpo part's worker on CPU, tiny dims, vLLM replaced by a recorder (TRL 1.16's own generation code runs):
     each arm trains its steps, the FP8 arm syncs inside a layerwise reload, and every timing list is filled."""
@@ -326,6 +328,7 @@ class FlatLogprobsLike:
         return None if step is None else dict(step)
 
 
+@pytest.mark.slow
 def test_mismatch_part_runs_both_stages_syncs_every_engine_and_reports_each_row(monkeypatch, tmp_path, capsys):
     import types
 

@@ -3,6 +3,7 @@ the union of their tokens, with different token counts per rank (and a step wher
 
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -66,6 +67,7 @@ def _union_batch(step):
     return flat_calibration_tokens([_rank_batch(rank, step) for rank in range(WORLD_SIZE)])
 
 
+@pytest.mark.slow
 def test_two_ranks_match_single_process_on_the_union(tmp_path):
     spawn_workers(_worker, tmp_path, WORLD_SIZE, TIMEOUT_S, "distributed calibration")
 

@@ -1,4 +1,4 @@
-"""benchmarks/probes/check_markstein.py: the division-free quantizer step (per-block reciprocal + one FMA correction)
+"""benchmarks/check_markstein.py: the division-free quantizer step (per-block reciprocal + one FMA correction)
 gives the reference's e4m3 codes, and the check is sharp enough to see the plain reciprocal's errors."""
 
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "probes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import check_markstein as mk  # noqa: E402
 
 

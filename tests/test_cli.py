@@ -63,6 +63,7 @@ def test_format_metrics_table_hand_worked():
     assert len({len(line) for line in lines}) == 1  # right-aligned columns of equal width
 
 
+@pytest.mark.slow
 def test_train_on_tiny_model_via_python_entry(tmp_path):
     argv = [
         "--config", DEMO_YAML,
@@ -91,6 +92,7 @@ def test_train_on_tiny_model_via_python_entry(tmp_path):
     assert reloaded.config.vocab_size == len(tokenizer)
 
 
+@pytest.mark.slow
 def test_train_with_local_dataset_and_dapo(tmp_path):
     import json
 
@@ -115,6 +117,7 @@ def test_train_with_local_dataset_and_dapo(tmp_path):
     assert entry["dynamic_sampling/rounds"] == 1 and math.isfinite(entry["loss"])
 
 
+@pytest.mark.slow
 def test_demo_on_tiny_model_prints_table_and_writes_offline_wandb_run(tmp_path, capsys, monkeypatch):
     pytest.importorskip("wandb")
     for name in ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT"):
@@ -142,6 +145,7 @@ def test_diagnose_tiny(capsys):
     assert "token-mult-prob-error" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["one_line_swap.py", "dapo_example.py"])
 def test_examples_run_offline_on_the_tiny_model(script, tmp_path, capsys):
     import runpy

@@ -1,17 +1,17 @@
-"""calclip's internal import graph (benchmarks/probes/import_graph.py reads it from the source with ast): no import
+"""calclip's internal import graph (tests/_import_graph.py reads it from the source with ast): no import
 cycle, and no runtime module imports the test fixtures of calclip.testing."""
 
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "probes"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 
 def _probe():
-    import import_graph
+    import _import_graph
 
-    return import_graph
+    return _import_graph
 
 
 def test_no_import_cycle():

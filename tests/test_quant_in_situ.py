@@ -1,4 +1,4 @@
-"""benchmarks/probes/quant_in_situ.py: its list of a step's quantizer calls is the list FP8BlockLinear really makes."""
+"""benchmarks/quant_in_situ.py: its list of a step's quantizer calls is the list FP8BlockLinear really makes."""
 
 import collections
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "probes")]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_speed  # noqa: E402
 import quant_in_situ  # noqa: E402

@@ -71,6 +71,7 @@ def test_missing_matplotlib_names_the_plot_extra(monkeypatch, tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.slow
 def test_diagnose_plot_on_tiny_model(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "ratios.png"

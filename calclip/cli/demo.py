@@ -19,7 +19,7 @@ from calclip.cli.train import build_trainer
 
 
 # The embedded default run; configs/demo.yaml holds the same values (a test keeps them equal). Sized for <= 5
-# minutes on a 2-core CPU including the ~16 s model load (measured numbers: docs/usage.md). Calibration needs a
+# minutes on a 2-core CPU including the model load (measured numbers: docs/usage.md). Calibration needs a
 # policy that moved since the old log-probs: with steps_per_generation 4 > gradient_accumulation_steps 1, mini-batches
 # 2-4 of every generation batch see a policy 1-3 AdamW updates past the old log-probs, calibration_interval 2 puts a
 # BF16 shadow calibration on two of them, and lr 1e-5 makes the policy move visibly within 8 steps.

@@ -197,9 +197,9 @@ class Fp8Config:
         and k/v dgrad; Qwen2.5-0.5B's every linear) on torch._scaled_mm with the weight's 128x128 scales repeated per
         row, instead of calclip's Triton GEMM: cuBLAS returns wrong results for a 128x128 scale whose K/128 is not a
         multiple of 4, not for one scale per row (``calclip.fp8.gemm``). Same codes and scales, so the same products,
-        summed in cuBLAS' order; costs one small copy of the weight's scales per call. Measured on the H200
-        (docs/benchmarks.md, FP8 at real model shapes): the Qwen2.5-1.5B-dims model row, compiled, 1.10x faster
-        than with it off; 7B/8B dims have no such GEMM (every K/128 a multiple of 4), so nothing changes there.
+        summed in cuBLAS' order; costs one small copy of the weight's scales per call. Faster on the H200 where
+        it applies (docs/benchmarks.md, FP8 at real model shapes: the Qwen2.5-1.5B-dims model row, compiled);
+        7B/8B dims have no such GEMM (every K/128 a multiple of 4), so nothing changes there.
     refresh_graph: on CUDA, once every FP8 layer of a converted model has its code buffers, re-quantize all of them
         after an optimizer step by one CUDA-graph replay instead of three launches per layer (``calclip.fp8.
         refresh_graph``; the root's pre-hook before compiled calls). Same kernels, same codes. Default True;

@@ -93,8 +93,8 @@ def emulated_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_d
 def _dequantized_weight(q: Tensor, s: Tensor, block: int) -> Tensor:
     """dequantize_128x128(q, s), kept on the codes' storage while neither q nor s changes.
 
-    The emulation's cost is dominated by re-dequantizing the weight on every call (CPU decode: ~90% of an
-    FP8BlockLinear call at 16 tokens). FP8BlockLinear's codes are refreshed in place, which bumps their
+    The emulation's cost is dominated by re-dequantizing the weight on every call (most of a CPU decode
+    FP8BlockLinear call). FP8BlockLinear's codes are refreshed in place, which bumps their
     version, so the versions of q and s are the staleness key. The dgrad operand (q.t(), s.t(): views of the
     forward's codes) reuses the forward's dequantization, transposed: elementwise, so the same values.
     Tensors without a version counter (inference mode) and torch.compile's stand-ins are not cached. Memory: one
@@ -127,7 +127,7 @@ def scaled_mm_supports(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out
     """Conservative shape/layout guard for the torch._scaled_mm path (CUDA-side checks not repeated here).
 
     torch checks K % 16 and N % 16; cuBLAS' handling of a ragged last K block is untested, so K % 128 == 0;
-    probe_scaled_mm2/3.py showed that a 128x128 scale whose leading dimension (ceil(K/128)) is not a multiple
+    docs/scaled_mm_layouts.md found that a 128x128 scale whose leading dimension (ceil(K/128)) is not a multiple
     of 4 floats gives silently wrong results, and torch's exact stride checks reject a padded stride; so every
     scale leading dimension must be a multiple of 4 floats (rows of a 1x128 operand, ceil(K/128) of a 128x128
     operand). BF16 output only (measured path).

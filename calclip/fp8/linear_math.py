@@ -8,7 +8,7 @@ backward (quantize dy, dgrad and wgrad GEMMs), and whether a no-grad call takes 
 
 A forward is one 1x128 quantizer launch (which also counts non-finite tokens), one 128x1 launch when a weight
 gradient will be needed, and one GEMM; a backward is two quantizer launches and two GEMMs. The layer was host-bound
-(~0.5 ms of Python per forward on the H200 host, docs/benchmarks-log.md), so which GEMM backend serves a shape is
+(its Python outweighed small GEMMs on the H200, docs/benchmarks-log.md), so which GEMM backend serves a shape is
 decided once per (shape, dtype, device) and cached (``_gemm``). The two quantizations of x (and, in the backward, of
 dy) come from two kernels, or from one fused kernel that reads the tensor once with Fp8Config.fused_quantizer. All
 scales are emitted in the strides torch._scaled_mm reads, so no operand is re-laid out per call.

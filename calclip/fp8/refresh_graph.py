@@ -3,8 +3,8 @@
 Before each compiled call (the whole model compiled, or its layers compiled one by one) the converted root's
 pre-hook re-quantizes every changed weight eagerly, outside the graph. After an optimizer step that is every layer:
 per layer a staleness key, the buffers' checks, ``bad.zero_()``, two requantize launches and four version bumps. On
-the H200 that took 9.1 ms of CPU per step for the 56 layers of the Qwen2.5-1.5B row while the GPU, done with the
-previous step, waited ~3 ms for it (docs/benchmarks-log.md, sixteenth session).
+the H200 that took milliseconds of CPU per step for the 56 layers of the Qwen2.5-1.5B row while the GPU, done with
+the previous step, waited for it (docs/benchmarks-log.md, sixteenth session).
 
 When every layer is stale and already has its code buffers (the steady state of training: after the first backward
 made W^T's), the same launches, on the same tensors, are captured once into a CUDA graph and replayed on later

@@ -1,10 +1,10 @@
 """The policy's decoder layers compiled one by one for the training forwards and backwards (``compile_layers``).
 
 A converted FP8 policy is host-bound in eager mode: each FP8 linear's quantizer and GEMM launches cost host time,
-and nothing fuses the norms, rotary and activations around them. On the H200 (Qwen2.5-1.5B dims, 8 x 2048 tokens,
-docs/benchmarks.md) a training step took 119.8 ms eager and 95.8 ms with the layers compiled one by one. TRL's own
+and nothing fuses the norms, rotary and activations around them. On the H200 a training step runs markedly faster
+with the layers compiled one by one than eager (docs/benchmarks.md, FP8 at real model shapes). TRL's own
 switch, ``TrainingArguments.torch_compile``, compiles the whole model, generation included, and its first steps did
-not end inside a 450 s call there. Here each repeated block (the decoder layers: the members of every
+not end inside one device call there. Here each repeated block (the decoder layers: the members of every
 ``nn.ModuleList`` whose members are all of one class) is compiled in place with ``nn.Module.compile`` (regional
 compilation, ``calclip.fp8.compile_repeated_blocks``): the layers share one traced graph (Dynamo treats their
 parameters as inputs), so the compile cost is one layer's, however deep the model; the state dict, the parameter
@@ -13,13 +13,13 @@ names and the checkpoints stay those of the eager model.
 Only the trainer's own forwards run compiled. Rollouts (HF ``generate``: one token per call, a new shape every step)
 and the BF16 shadow forwards (their FP8 layers switched off; a second graph for an occasional call) run eager inside
 ``calclip.fp8.regional_compile.eager_blocks``, which sets the compiled calls aside rather than entering Dynamo per
-call (under ``torch.compiler.set_stance("force_eager")`` the H200's generation steps took 2.4-2.6 s against 1.9 s
+call (under ``torch.compiler.set_stance("force_eager")`` the H200's generation steps were slower than plain
 eager). Shapes are compiled dynamic from the start: every generation batch has its own sequence length.
 
 Inductor and Triton keep their compiled kernels and autotune results on disk (Inductor's FX graph and AOTAutograd
 caches, under ``TORCHINDUCTOR_CACHE_DIR``, by default /tmp/torchinductor_<user>; calclip's kernels' timings in
-Triton's cache), so a second run on the machine skips most of the first step's cost (H200, 8-layer h2048 trainer:
-43-45 s cold, 19.7 s warm).
+Triton's cache), so a second run on the machine skips most of the first step's cost (docs/benchmarks.md, first-step
+cost).
 
 ``None`` (the default) turns it on where it pays and is known to run: a blockwise FP8 policy (FP8 backward) or a
 BF16 policy (fp8 off) on CUDA, trained without TrainingArguments.torch_compile, compile_generation, gradient

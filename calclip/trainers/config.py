@@ -214,8 +214,8 @@ class CalibratedGRPOConfig(GRPOConfig):
                                 "gate/up once, in training and no-grad forwards (not decode): 4 input "
                                 "quantizations per layer instead of 7 and one saved copy of the 128x1 codes "
                                 "(Fp8Config.share_sibling_inputs, fp8_recipe 'blockwise'; same FP8 codes, outputs "
-                                "and gradients). Measured on the H200: 1.03x (Qwen2.5-1.5B dims) and 1.04x "
-                                "(Qwen2.5-7B dims) faster compiled by layer, 2% less peak memory."}
+                                "and gradients). Faster and lighter on the H200 (docs/benchmarks.md, FP8 at real "
+                                "model shapes)."}
     )
     compile_generation: bool = field(
         default=False,
@@ -287,8 +287,8 @@ class CalibratedGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "With use_vllm, fp8 and vllm_mode colocate: after the first weight sync (through vLLM's "
                   "layerwise reload) compare the engine with the synced tensors byte for byte; where it holds each "
-                  "one as loaded, later syncs are in-place copies into the same storage (on the H200, 4 Llama-3-8B-dims "
-                  "layers: 28 ms in place against 55 ms for the reload, 3.1% against 6.5% of a GRPO step). Any "
+                  "one as loaded, later syncs are in-place copies into the same storage (faster than the reload on "
+                  "the H200; docs/vllm.md). Any "
                   "difference keeps the reload, with a warning naming it. False: every sync through the reload."},
     )
 

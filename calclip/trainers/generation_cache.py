@@ -4,7 +4,7 @@
 static addresses. Inductor's CUDA-graph trees check those addresses on every replay; when a rollout's new cache lands
 elsewhere in memory (a training step between rollouts frees and allocates gigabytes), every decode step of that
 rollout is re-recorded instead of replayed (``Re-recording function=partition_0, reason=static input data pointer
-changed``; measured on the H200 for BF16 and FP8 alike: 16 of 16 decode steps re-recorded, docs/benchmarks-log.md, eighth
+changed``; seen on the H200 for BF16 and FP8 alike: every decode step re-recorded, docs/benchmarks-log.md, eighth
 session). Passing the same cache to every call, reset in place, keeps the addresses, so the graphs recorded by the
 first rollout replay in all later ones.
 

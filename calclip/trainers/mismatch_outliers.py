@@ -1,8 +1,8 @@
 """Completion tokens whose rollout and trainer log-probs disagree by more than a threshold, written to a JSONL file.
 
 The mean rollout-vs-trainer ``mismatch/token_mult_prob_error`` says that the two forwards disagree, not where.
-The first H200 comparison (docs/evidence.md, 2026-12-01) showed it jump from ~1.08 to 1.4e3 for a few mini-batches of
-two FP8 runs, and never in BF16. That means a few tokens with gaps of 7+ nats, and the metrics files cannot say
+The first H200 comparison (docs/evidence.md, 2026-12-01) showed it jump by orders of magnitude for a few mini-batches
+of two FP8 runs, and never in BF16. That means a few tokens with gaps of 7+ nats, and the metrics files cannot say
 which. With ``mismatch_dump_threshold`` set (default 5 nats, a probability ratio of ~148), the trainer appends
 every such token to ``<output_dir>/mismatch_outliers.jsonl`` (``.rank<R>`` before ``.jsonl`` on rank R > 0 of a
 multi-process run). Each row holds: step, rank, the row and position in the micro-batch, the token id and text, the
@@ -21,7 +21,7 @@ import torch
 
 FILE_NAME = "mismatch_outliers.jsonl"
 # mismatch/gap_gt_1nat_frac counts tokens whose rollout and trainer probabilities differ by more than a factor e: far
-# above what two forwards of the same weights should give (BF16 evidence runs: per-step max 0.2-0.85 nats).
+# above what two forwards of the same weights should give (the BF16 evidence runs stayed below it: docs/evidence.md).
 BURST_NATS = 1.0
 PER_STEP_ROWS = 32
 TOTAL_ROWS = 2000

@@ -9,12 +9,11 @@ differ), and block FP8 turns those roundings into different FP8 codes downstream
 trainer's log-probs of the same tokens, from the same FP8 weight codes, differ by the same order as FP8 differs
 from BF16.
 
-Measured on CPU (benchmarks/probes/probe_mismatch_bursts.py, SmolLM2-135M-Instruct, block FP8 on fp32 masters under
-bf16 autocast, 64 rollouts of left-padded arithmetic prompts, ~2300 completion tokens, eager attention): rollout vs
-trainer with TRL's positions max 1.36 nats, 4 tokens more than 1 nat apart, token_mult_prob_error 1.093, identical
-only on the unpadded rows; with generate's positions every log-prob identical. For scale, FP8 vs its BF16 shadow on
-the same tokens: max 1.7-2.6 nats, tmpe 1.17. With models that learn absolute positions (GPT-2) the shift is not
-even the same function.
+Measured on CPU (SmolLM2-135M-Instruct, block FP8 on fp32 masters under bf16 autocast, left-padded arithmetic
+prompts, eager attention; docs/usage.md has the numbers): with TRL's positions rollout and trainer log-probs parted
+by more than 1 nat on some tokens and agreed only on the unpadded rows; with generate's positions every log-prob was
+identical. FP8 against its BF16 shadow parts by more still on the same tokens. With models that learn absolute
+positions (GPT-2) the shift is not even the same function.
 
 ``use_rollout_positions(model)`` registers a forward pre-hook on the model's backbone that fills ``position_ids``
 from the 2-D ``attention_mask`` whenever a call passes none and no KV cache: exactly TRL's log-prob forwards.

@@ -2,9 +2,8 @@
 
 vLLM's supported way to update a block-FP8 engine is its layerwise reload (``vllm_sync.reload_weights_layerwise``):
 every layer is put back into its ``create_weights`` layout, loaded by its own weight loaders, post-processed again
-and copied into the storage its CUDA graphs read. Measured on the H200 (2026-12-02, vLLM 0.24.0, 4 layers of
-Llama-3-8B dims, docs/benchmarks-log.md, fourteenth session) that costs 54 ms per sync: 8.0% of a GRPO step, where
-TRL's per-tensor BF16 sync takes 12 ms (1.8%).
+and copied into the storage its CUDA graphs read. On the H200 that cost several times TRL's per-tensor BF16 sync,
+a visible share of a GRPO step (docs/vllm.md has the measurement).
 
 On the engine this sync targets (block-FP8 on CUTLASS, Hopper, one tensor-parallel rank) the post-processing leaves
 each tensor as loaded: a fused layer's ``weight`` (e4m3 codes) and ``weight_scale_inv`` (fp32 block scales) are its

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 # scaled_mm_row_scales changes the GEMM choice on the H200 only; here it checks that the ops carry the flag through
 # Dynamo and AOTAutograd (their schemas, the backward's saved options) without changing a bit
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"scaled_mm_row_scales": True}])
 def test_compiled_training_equals_eager_across_optimizer_steps(options):
     """Forward, input and weight gradients bit-equal to eager on every step, while a fused AdamW changes the
@@ -67,6 +68,7 @@ def test_compiled_inference_counts_nonfinite_tokens():
     assert int(pop_nonfinite_count(model)) == 0
 
 
+@pytest.mark.slow
 def test_no_graph_break_inside_the_layers():
     """With the codes refreshed, the layers compile as one graph (fullgraph=True raises on any break)."""
     _, model = _pair()
@@ -130,6 +132,7 @@ def test_a_layer_compiled_on_its_own_refreshes_its_codes():
             opt.zero_grad()
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_compile_once_and_equal_eager():
     """torch.compile(dynamic=True): token counts vary (RL batches do) without recompiling, and every size equals
     eager; the layer's per-shape caches are skipped for symbolic sizes while tracing. (Batches of at most 128
@@ -154,6 +157,7 @@ def test_dynamic_shapes_compile_once_and_equal_eager():
     assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 2, graphs  # the later sizes reuse the first graphs
 
 
+@pytest.mark.slow
 def test_dynamic_batch_equal_to_a_scale_dim_is_not_specialized():
     """[batch, tokens, K] inputs whose batch equals a weight-scale dim (K / 128 = 3 here): the weight codes are
     static like parameters, so duck sizing cannot give the batch the scale dim's symbol, which the first graph
@@ -263,6 +267,7 @@ def _graph_breaks(model, *args) -> list[str]:
     return list(counters["graph_break"])
 
 
+@pytest.mark.slow
 def test_frozen_weights_compile_without_the_refresh_graph_break():
     """Inside frozen_fp8_weights the root pre-hook's refresh (a graph break in front of every compiled call) is
     skipped; the codes were refreshed on entry, so the compiled call equals eager; outside, the break is back."""

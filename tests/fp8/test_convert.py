@@ -88,6 +88,7 @@ def test_keep_options_and_filter():
     assert len(model._calclip_fp8_modules) == 4 * PROJ_PER_LAYER + 1
 
 
+@pytest.mark.slow
 def test_training_step_checkpointing_and_save_roundtrip(tmp_path):
     model = _tiny("qwen2", 192, 320).float().train()
     quantize_model(model)
@@ -165,6 +166,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_wrapping(tmp_path):
     """A DDP-wrapped converted model trains and bf16_shadow reaches through the wrapper. In a spawned process with
     a deadline (calclip.testing.spawn_workers): run in pytest's own process (a FileStore group, no deadline), this

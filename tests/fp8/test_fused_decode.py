@@ -530,6 +530,7 @@ def _record_linear_calls(model, records):
     return hooks
 
 
+@pytest.mark.slow
 def test_generate_with_the_fused_decode_matches_the_unfused_model(monkeypatch):
     """A tiny Llama (hidden 192: ragged blocks) converted with quantize_model generates greedily under no_grad:
     with decode_fused_max_m the decode steps' linears take the fused kernel (prefill, 15 rows, does not).
@@ -672,6 +673,7 @@ def _counting_ops(ops: list[str]) -> list[str]:
     return [op for op in ops if "add" in op or "zeros" in op or "full" in op or "isnan" in op]
 
 
+@pytest.mark.slow
 def test_compiled_decode_op_records_one_fused_kernel():
     """The op that compiled no-grad calls take on CUDA decomposes into exactly the fused kernel, one launch, which
     adds to the layer's counter itself: no zeroed count, no add (what the op returned and the layer added before)."""
@@ -680,6 +682,7 @@ def test_compiled_decode_op_records_one_fused_kernel():
     assert not _counting_ops(others), others
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows, gemm, gemm_kernels", [
     (64, "auto", ["_fp8_splitk_gemm_kernel", "_splitk_reduce_kernel"]),  # decode rows: the split-K GEMM
     (300, "triton", ["_fp8_block_gemm_kernel"]),  # more than SPLITK_MAX_M rows

@@ -224,6 +224,7 @@ def _expected_backend(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out_
     return "triton"
 
 
+@pytest.mark.slow
 def test_every_family_dispatches_like_the_layout_rules(sweep):
     """The sweep above ran without an error (the K = 18944 crash fails here), and every GEMM the layers chose is the
     one the rules give; every training GEMM at the families' dims is covered."""
@@ -254,6 +255,7 @@ def _chosen(sweep, a_blocks, b_blocks, m, n, k, row_scales=False, out_dtype="tor
     raise KeyError((a_blocks, b_blocks, m, n, k, out_dtype, row_scales))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2.5-7b", "llama3-8b", "qwen3-8b", "llama3-70b"])
 def test_large_families_run_every_training_gemm_on_cublas(sweep, name):
     """At 7B-70B dims with 4 x 2048 tokens every contraction length is a multiple of 512: all 21 GEMMs of a layer
@@ -346,6 +348,7 @@ def layer_sqnr(model_fp8, model_ref, f: Family, tokens: tuple[int, int], seed: i
 LAYER_SQNR_FLOOR_DB = {"output": 20.0, "dgrad": 17.0, "wgrad": 15.0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-0.5b", "qwen2.5-1.5b"])
 def test_one_layer_emulation_tracks_float32_at_family_dims(name):
     """Ragged 128-blocks (576), head_dim 64 with 14/2 heads, and 8960-wide MLP: forward + backward through the

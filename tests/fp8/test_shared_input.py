@@ -65,6 +65,7 @@ def test_groups_q_k_v_and_gate_up_by_default():
         Fp8Config(share_sibling_inputs="yes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"fused_quantizer": True}, {"power_of_two_scales": True}])
 def test_eager_training_equals_each_linear_alone(monkeypatch, options):
     """Outputs, input and weight gradients bit for bit over two AdamW steps; per forward 4 input quantizations per
@@ -120,6 +121,7 @@ def test_a_weight_with_a_nan_block_counts_as_it_does_alone():
     assert n_shared == n_alone and n_alone > 18
 
 
+@pytest.mark.slow
 def test_saved_for_backward_once_per_group():
     """The 128x1 codes of x that q/k/v save for their weight gradients are one tensor, not three copies."""
     shared, alone = _pair()
@@ -154,6 +156,7 @@ def test_an_in_place_change_between_siblings_quantizes_again():
         assert torch.equal(got, want)
 
 
+@pytest.mark.slow
 def test_frozen_weights_need_no_128x1_codes(monkeypatch):
     """Weights that need no gradient (a LoRA base): the group quantizes x 1x128 only, and dx still flows."""
     shared, alone = _pair()
@@ -171,6 +174,7 @@ def test_frozen_weights_need_no_128x1_codes(monkeypatch):
     assert seen == [False] * 4 and torch.equal(ys[0], ys[1]) and torch.equal(xs[0].grad, xs[1].grad)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_training_equals_eager_and_quantizes_once_per_group():
     """torch.compile (aot_eager: the custom ops, fakes and autograd Inductor sees): one graph, no break; the group's
@@ -209,6 +213,7 @@ def test_compiled_training_equals_eager_and_quantizes_once_per_group():
                                             if isinstance(m, FP8BlockLinear) and m._fp8_share is not None})
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_no_grad_forward_shares_too():
     """A compiled no-grad forward of many rows (old log-probs) shares the quantized input as well."""

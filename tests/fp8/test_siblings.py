@@ -114,6 +114,7 @@ def test_a_weight_with_a_nan_block_counts_as_it_does_alone():
     assert int(pop_nonfinite_count(plain)) == int(pop_nonfinite_count(grouped)) == 0
 
 
+@pytest.mark.slow
 def test_training_steps_refresh_the_group_and_leave_training_forwards_alone(monkeypatch):
     """Grad-enabled forwards run each linear as before (their backward needs saved codes); after optimizer steps
     the grouped decode uses the new codes, written into the group's buffers in place."""
@@ -218,6 +219,7 @@ def test_trainer_config_field(tmp_path):
                            fp8_decode_fused_max_m=0)
 
 
+@pytest.mark.slow
 def test_hf_generate_with_sibling_groups_equals_without(monkeypatch):
     """A tiny Llama (ragged widths) generating greedily: with groups each decode step launches 4 fused kernels per
     layer instead of 7, and logits, tokens and non-finite counts are bit-equal."""

@@ -244,6 +244,7 @@ def test_pop_nonfinite_count_covers_mixed_recipes():
 # ------------------------------------------------------------------------------------------- train, save, generate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
 def test_training_steps_and_state_dict_round_trip(recipe, tmp_path):
     model = _tiny_llama(layers=2)
@@ -303,7 +304,7 @@ def _step_gain_ratio(recipe, power_of_two_scales):
 # small, moves it off the tie in its own direction and its code by a whole e4m3 step, all of them along the
 # gradient. Measured gain ratios over model seeds 0-5, every recipe: exact scales 0.5-12.2, power-of-two scales
 # 33.6-41.0; seed 0 (used here): 2.6-2.8 and 33.6-34.2. (SmolLM2-135M: token-mult-prob-error FP8 vs shadow
-# 1.87 -> 111.7 after one step under torchao's own rowwise recipe, benchmarks/probes/probe_rowwise_drift.py.)
+# 1.87 -> 111.7 after one step under torchao's own rowwise recipe, measured by a one-off probe now in git history at 8843ffb.)
 EXACT_SCALES_MAX_GAIN_RATIO = 15.0
 POW2_SCALES_MIN_GAIN_RATIO = 25.0
 

@@ -151,6 +151,7 @@ def _reference_bad_rows(x, weight_bad):
     return rows if weight_bad else int((~torch.isfinite(x.float())).reshape(rows, -1).any(dim=-1).sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_bad", [False, True])
 # K = 18944 (Qwen2.5-7B's down projection) and 32769 (ragged last group): rows of many chunks of groups.
 @pytest.mark.parametrize("shape", [(1, 1), (3, 200), (2, 5, 576), (33, 1536), (70, 128 * 17), (3, 16384), (5, 18944),
@@ -177,6 +178,7 @@ def test_quantize_1x128_counts_nonfinite_rows_in_kernel(shape, weight_bad):
     assert int(counter) == 5 + _reference_bad_rows(x.cpu(), weight_bad) + _reference_bad_rows(x.cpu(), False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad_weights", [0, 1, 3])
 @pytest.mark.parametrize("shape", [(3, 200), (33, 1536), (5, 18944)])
 def test_quantize_1x128_counts_for_the_linears_sharing_x(shape, bad_weights):
@@ -338,6 +340,7 @@ def _rel_err(y, y_ref):
     return ((y.double().cpu() - y_ref).norm() / y_ref.norm().clamp_min(1e-300)).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
 def test_gemm_three_recipe_layouts_vs_float64(m, n, k):
     x, w, dy = _gemm_operands(m, n, k, seed=m + n + k)

@@ -229,7 +229,7 @@ def test_fused_scale_rows_line_up_when_every_shard_is_whole_blocks():
 def test_ragged_fused_shards_get_misplaced_scales_in_vllm_and_are_refused_by_calclip():
     """SmolLM2-135M q/k/v = 576/192/192: 5 + 2 + 2 = 9 shard scale rows, 8 fused rows. vLLM 0.24 accepts the layer
     (_maybe_allow_fp8_block_shape_mismatch), rounds offsets up and k's second row is overwritten by v's first --
-    what the real 0.24 loaders did on CPU (benchmarks/probes/probe_vllm_reload_cpu.py)."""
+    what the real 0.24 loaders did on CPU (benchmarks/probe_vllm_reload_cpu.py)."""
     rows = [576, 192, 192]
     scales = [torch.full((-(-r // GROUP), 5), float(i + 1)) for i, r in enumerate(rows)]
     scales[1][1] = 2.5  # k's second block row

@@ -36,6 +36,7 @@ def _trainer(tmp_path, callback=None):
     return trainer
 
 
+@pytest.mark.slow
 def test_checkpoint_and_resume_restore_bounds_and_calibrator_state(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -76,6 +77,7 @@ def test_checkpoint_and_resume_restore_bounds_and_calibrator_state(tmp_path):
     assert resumed.spike_detector.num_steps == 4
 
 
+@pytest.mark.slow
 def test_missing_state_file_warns_and_starts_fresh(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -91,6 +93,7 @@ def test_missing_state_file_warns_and_starts_fresh(tmp_path):
     assert fresh.calibrator.bounds == (0.6, 1.8)
 
 
+@pytest.mark.slow
 def test_state_file_is_in_the_checkpoint_before_push_and_rotation(tmp_path, monkeypatch):
     """The hub push and the rotation of old checkpoints both see calclip_state.pt already in the folder."""
     import transformers.trainer

@@ -83,6 +83,7 @@ def tokenizer():
     return build_tiny_tokenizer()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_path, fp8):
     """Two optimizer steps of an FP8 policy, and of a BF16 one (the baseline gets the same compilation), with

@@ -179,6 +179,7 @@ def _generation_batch(trainer):
     return next(iter(trainer.get_train_dataloader()))
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_fills_the_batch_with_informative_groups(tmp_path):
     kinds = ["same", "vary"] * 8
     trainer = _dapo_trainer(tmp_path, kinds)
@@ -203,6 +204,7 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tmp_path):
     assert metrics["dynamic_sampling/underfilled_rows"][-1] == 0
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_caps_rounds_and_keeps_batch_size(tmp_path):
     trainer = _dapo_trainer(tmp_path, ["same"] * 8, dynamic_sampling_max_rounds=2)
     inputs = _generation_batch(trainer)
@@ -216,6 +218,7 @@ def test_dynamic_sampling_caps_rounds_and_keeps_batch_size(tmp_path):
     assert metrics["dynamic_sampling/dropped_groups"][-1] == 8
 
 
+@pytest.mark.slow
 def test_dapo_training_run_updates_parameters_and_logs(tmp_path):
     # The preset as shipped: FP8 policy and calibrated clipping (the shadow log-probs ride through the re-padding).
     trainer = _dapo_trainer(
@@ -246,6 +249,7 @@ def test_dynamic_sampling_off_is_plain_generation(tmp_path):
     assert "dynamic_sampling/rounds" not in trainer._metrics["train"]
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_refuses_multimodal_batches(tmp_path, monkeypatch):
     """Image tensors are indexed per image/patch, not per row: selecting rows would misalign them, so a batch
     carrying them is refused by name instead of being silently corrupted."""

@@ -46,6 +46,7 @@ def kept_tensors(kept, batch):
     return [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
 
 
+@pytest.mark.slow
 def test_same_tokens_as_transformers_own_static_cache_and_stable_addresses(model):
     ids, mask = prompts(3)
     config = GenerationConfig(max_new_tokens=7, do_sample=False, cache_implementation="static", pad_token_id=0)
@@ -69,6 +70,7 @@ def test_same_tokens_as_transformers_own_static_cache_and_stable_addresses(model
     assert "generate" not in vars(model)  # back to the class method
 
 
+@pytest.mark.slow
 def test_sampling_draws_the_same_tokens(model):
     ids, mask = prompts(4, seed=1)
     config = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=1.0, top_k=0,
@@ -116,6 +118,7 @@ def test_calls_it_does_not_fit_are_left_alone(model):
     assert own_cache.get_seq_length() > 0  # the caller's cache was used, not replaced
 
 
+@pytest.mark.slow
 def test_trainer_keeps_one_cache_across_rollouts(tokenizer, tmp_path):
     """compile_generation (a static cache; on CPU transformers does not compile) gets one kept cache for all the
     rollouts of a run, and the run trains exactly as with a new cache per rollout (keep_generation_cache off)."""

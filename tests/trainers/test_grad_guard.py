@@ -119,6 +119,7 @@ def _poison_step(trainer, steps):
     return weight
 
 
+@pytest.mark.slow
 def test_trainer_skips_a_nan_step_and_logs_it(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -132,6 +133,7 @@ def test_trainer_skips_a_nan_step_and_logs_it(tmp_path):
     assert trainer.state.global_step == 3
 
 
+@pytest.mark.slow
 def test_trainer_stops_after_the_streak_with_the_weights_of_before(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -155,6 +157,7 @@ def test_trainer_stops_after_the_streak_with_the_weights_of_before(tmp_path):
                                         for n, p in trainer.model.named_parameters())
 
 
+@pytest.mark.slow
 def test_trainer_guard_off_applies_the_nan_step(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -224,6 +227,7 @@ def test_sharded_ranks_skip_the_same_step(tmp_path):
         assert result == {"skipped": [False, True, False], "total": 1}, (rank, result)
 
 
+@pytest.mark.slow
 def test_trainer_guard_reuses_transformers_norm_on_finite_steps(tmp_path, monkeypatch):
     """transformers computes the gradient norm right before each optimizer step; the trainer's guard decides finite
     steps from it, and computes a norm of its own only for the non-finite one (whose message reports it)."""

@@ -53,6 +53,7 @@ RUNS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_short_run(tokenizer, tmp_path, name):
     overrides = RUNS[name]
@@ -122,6 +123,7 @@ def test_short_run(tokenizer, tmp_path, name):
         assert all(v == 1.0 for v in logged(trainer, "oos/drop_recall") + logged(trainer, "oos/drop_precision"))
 
 
+@pytest.mark.slow
 def test_on_policy_config_never_calibrates(tokenizer, tmp_path):
     with pytest.warns(UserWarning, match="on-policy"):
         trainer = make_trainer(tokenizer, tmp_path, clip_mode="calibrated", fp8=False, steps_per_generation=2)
@@ -132,6 +134,7 @@ def test_on_policy_config_never_calibrates(tokenizer, tmp_path):
     assert trainer.calibrator.bounds == tuple(trainer.args.calibration_init_bounds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("steps_per_generation", "accumulation", "expected_moved"),
     [
@@ -193,6 +196,7 @@ def _trainer_logps(trainer, batch):
     return logps
 
 
+@pytest.mark.slow
 def test_rollout_logprobs_on_the_generate_path_are_the_sampling_distribution(tokenizer, tmp_path):
     """Without top-k/top-p the processed scores are logits / temperature: the rollout log-probs equal the trainer's
     log-probs of the same tokens (up to KV-cache numerics). With top-k the sampling distribution is renormalized
@@ -214,6 +218,7 @@ def test_rollout_logprobs_on_the_generate_path_are_the_sampling_distribution(tok
     assert "generate" not in vars(trainer.model)  # the generate wrapper was removed
 
 
+@pytest.mark.slow
 def test_shadow_old_logps_are_computed_only_when_a_calibration_is_due(tokenizer, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -261,6 +266,7 @@ def test_plain_grpo_config_is_rejected(tokenizer, tmp_path):
         tiny_trainer(tmp_path, tokenizer=tokenizer, args=args, num_prompts=4)
 
 
+@pytest.mark.slow
 def test_compile_generation_undoes_trls_disable_compile(tokenizer, tmp_path):
     """TRL builds GenerationConfig(disable_compile=True); compile_generation lets transformers compile the decode
     step (it does so on CUDA with a static cache), and the default keeps TRL's behaviour."""
@@ -278,6 +284,7 @@ def test_compile_generation_undoes_trls_disable_compile(tokenizer, tmp_path):
         tiny_training_args(CalibratedGRPOConfig, tmp_path / "bad", compile_generation="yes")
 
 
+@pytest.mark.slow
 def test_compile_generation_refuses_what_fails_on_cuda_and_runs_on_cpu(tokenizer, tmp_path):
     """fp32 master weights under bf16/fp16 autocast: CUDA-graphed decode failed on the H200 (static cache dtype),
     so that is refused on CUDA naming the fields; matching dtypes, no autocast, or CPU pass."""
@@ -333,6 +340,7 @@ def test_fp8_share_sibling_inputs_is_on_by_default_and_can_be_turned_off(tokeniz
                if isinstance(m, FP8BlockLinear))
 
 
+@pytest.mark.slow
 def test_torch_compile_trains_the_fp8_policy_as_eager_does(tokenizer, tmp_path):
     """TRL's ``torch_compile`` switch on an FP8 policy (backend aot_eager on CPU: calclip's custom ops and their
     fake implementations, as Inductor sees them on the GPU): the model really runs compiled, and every loss and

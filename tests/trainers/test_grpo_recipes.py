@@ -66,6 +66,7 @@ class _WeightsAtTrainBegin(TrainerCallback):
         self.params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_short_calibrated_run(tmp_path, recipe):
     tokenizer = build_tiny_tokenizer()
@@ -90,6 +91,7 @@ def test_short_calibrated_run(tmp_path, recipe):
     assert trainer.calibrator.calibrated and trainer.calibrator.bounds != tuple(trainer.args.calibration_init_bounds)
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_loads_the_saved_weights_into_the_fp8_layers(tmp_path):
     tokenizer = build_tiny_tokenizer()
     with warnings.catch_warnings():

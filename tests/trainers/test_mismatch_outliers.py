@@ -79,6 +79,7 @@ def test_config_refuses_a_bad_threshold(tmp_path):
     assert tiny_training_args(CalibratedGRPOConfig, tmp_path, mismatch_dump_threshold=None).mismatch_dump_threshold is None
 
 
+@pytest.mark.slow
 def test_trainer_writes_outliers_and_logs_the_step_max(tmp_path):
     """top_k=2 makes generate's processed scores (renormalized over two tokens) differ from the trainer's full
     softmax, so real rollout-vs-trainer gaps exist on the tiny model; each written row must be one of them."""
@@ -104,6 +105,7 @@ def test_trainer_writes_outliers_and_logs_the_step_max(tmp_path):
         assert step_rows == sorted(step_rows, reverse=True) and len(step_rows) <= 32
 
 
+@pytest.mark.slow
 def test_off_writes_nothing_but_still_logs_the_max(tmp_path):
     from calclip.testing import tiny_trainer
 
@@ -130,6 +132,7 @@ def _recording_mismatch(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 def test_step_max_and_burst_share_over_the_micro_batches_of_a_step(tmp_path, monkeypatch, fp8):
     """Two micro-batches per optimizer step (GA=2). With top_k=1 the rollout's log-prob of every sampled token is 0

@@ -79,6 +79,7 @@ def _padded_prompt_trainer(tmp_path, *, fp8: bool):
                                  train_dataset=Dataset.from_list(prompts), processing_class=tokenizer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 def test_rollout_and_trainer_logps_agree_on_left_padded_rows(tmp_path, monkeypatch, fp8):
     """FP8 (or BF16) policy under bf16 autocast, left-padded prompts: with generate's positions the trainer's old

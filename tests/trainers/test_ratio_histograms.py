@@ -33,6 +33,7 @@ def test_merged_concatenates_the_step_micro_batches():
     assert merged["train/ratio_hist/bf16/neg_adv"].abs().max() == 0
 
 
+@pytest.mark.slow
 def test_histograms_logged_on_calibration_steps(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -12,6 +12,7 @@ from calclip.fp8.weight_codes import fp8_layers
 from calclip.testing import tiny_trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
 def test_generate_runs_on_codes_of_the_current_weights(tmp_path, monkeypatch, optim):
     import calclip.trainers.grpo as grpo

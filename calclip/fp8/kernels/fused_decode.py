@@ -66,7 +66,7 @@ def _fused_quant_gemm_step(acc, row_bad, x_ptrs, row_mask, b_ptrs, sb_ptrs, k0, 
     # The masked elements (padding rows of a decode tile, a ragged group's tail) divide 1 instead of 0 and their
     # code is then set to 0, the code 0 / scale gives. A zero dividend over the floor scale takes the IEEE
     # division's slow path, and at decode's M << BLOCK_M nearly every element of the tile is padding: on the H200
-    # M=1 ran slower than M=64 before (55 vs 27 us per call at K=N=576), 15 vs 22 us after (docs/benchmarks-log.md).
+    # M=1 ran slower than M=64 before, faster after (docs/benchmarks-log.md, fourth session).
     codes = _scaled_codes(tl.where(valid, x, 1.0), sa[:, None], nonfinite[:, None])
     a = _e4m3fn_in_registers(tl.where(valid, codes, 0.0), SOFT_FP8)
     b = tl.load(b_ptrs + offs_k[:, None] * stride_bk, mask=k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
@@ -131,7 +131,7 @@ def _fp8_linear_fused_quant_kernel(
 # upcast to f16, which sums a K block with other rounding; one MMA family keeps the outputs independent of which
 # config the autotuner picks, and equal to the unfused path's. Masked rows cost no memory traffic, but every program
 # quantizes its BLOCK_M x 128 x tile per K step (an IEEE division per element): on the H200 the first configs (4
-# warps) took 1.5-31x the GPU time of quantize + GEMM (docs/benchmarks-log.md), so 8-warp configs share that work among
+# warps) took several times the GPU time of quantize + GEMM (docs/benchmarks-log.md), so 8-warp configs share it among
 # more warps; the kernel stays slower than the two launches on the GPU and pays only where the host's time decides.
 # BLOCK_N 32 gives narrow layers (SmolLM2's k/v, N = 192) more programs.
 _FUSED_DEFAULT = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=8, num_stages=3)
@@ -219,8 +219,8 @@ def _launch_fused_quant_gemm(x2: Tensor, qw: Tensor, sw: Tensor, y: Tensor, nonf
 def fp8_linear_decode_unchecked(x2: Tensor, qw: Tensor, sw: Tensor, *, out_dtype: torch.dtype,
                                 nonfinite_count: Tensor, weight_bad: Tensor, pow2: bool = False,
                                 round_to: torch.dtype | None = None, members: int = 1) -> Tensor:
-    """fp8_linear_fused_quant_gemm for FP8BlockLinear's eager decode, without the argument checks: they cost ~4 us
-    of host time per call (decode calls every linear once per token; benchmarks/probes/host_path_fused_decode.py).
+    """fp8_linear_fused_quant_gemm for FP8BlockLinear's eager decode, without the argument checks: they cost host
+    time on every call, and decode calls every linear once per token, where the host's time decides.
     The caller guarantees what the checks would: x2 [M, K] bf16/fp16/fp32 with M >= 1, on the device of the layer's
     own qw [N, K] e4m3fn (K >= 1, N >= 1) and sw [ceil(N/128), ceil(K/128)] fp32, counter int64 [] and flag bool [];
     round_to only with an fp32 x2; out_dtype bf16/fp16/fp32. ``members`` > 1: qw/sw are the stacked codes of that

@@ -105,7 +105,7 @@ class _Tuned:
     ``CALCLIP_TRITON_AUTOTUNE=0`` always use the first (default) config.
 
     The timings persist in Triton's on-disk cache (``cache_results``; off with ``CALCLIP_TRITON_AUTOTUNE_CACHE=0``):
-    in the first H200 comparison (docs/benchmarks-log.md, 2026-12-01) every FP8 process spent ~190 s more than BF16 on
+    in the first H200 comparison (docs/benchmarks-log.md, 2026-12-01) every FP8 process spent minutes more than BF16 on
     its first step, twelve processes compiling and timing the same configs at once.
     """
 
@@ -147,7 +147,7 @@ class _Tuned:
 
 
 # Triton's JITFunction.run re-binds and re-specializes every argument, looks the kernel up and checks globals on
-# every call: tens of microseconds of host time per launch, the largest part of FP8BlockLinear's host time on the
+# every call: host time on every launch, the largest part of FP8BlockLinear's host time on the
 # H200 host (docs/benchmarks-log.md). Once a launch has compiled, later launches with the same specialization call
 # the compiled kernel's C launcher directly. The key holds everything Triton specializes on: each tensor's dtype and 16-byte
 # alignment, each int's ==1 / %16 / 64-bit class, the constexpr values and the launch options.

@@ -114,7 +114,7 @@ _QUANT_1X128_CONFIGS = [
 _quantize_1x128_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_CONFIGS, key=["K", "R_BUCKET"])
 # Counting launches: the same tiles, and the counter restored after each autotune timing run. Until 2026-12-02 they
 # took whole rows per program (one pass up to K = 16384, chunked beyond); at the Qwen2.5-1.5B row's K = 8960 that
-# ran at 19% of copy bandwidth against 79% without counting (probes/quant_in_situ.py, fifteenth session).
+# ran at a fraction of the plain launch's bandwidth (quant_in_situ.py; docs/benchmarks-log.md, fifteenth session).
 # Its table is the plain one less the two configs whose counting code spills registers on sm_90 (ptxas: 8 x 4 at 4
 # warps, 16 x 8 at 8 warps with power-of-two scales), replaced by 8 x 4 and 8 x 8 at 8 warps.
 _QUANT_1X128_COUNT_CONFIGS = [
