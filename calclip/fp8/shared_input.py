@@ -69,6 +69,12 @@ class SharedInput:
         self._pending = (x, key, None if compiled else x._version, others, codes)
         return codes
 
+    def offer(self, x: Tensor, codes: tuple, *, compiled: bool) -> None:
+        """Register ``codes`` (qx, sx, qxt, sxt, laid out and counted as ``codes`` makes them) as every member's
+        quantized x: the producer of x quantized it (calclip.fp8.producers), so no member quantizes it again."""
+        key = (x.dtype, torch.is_grad_enabled())
+        self._pending = (x, key, None if compiled else x._version, set(range(len(self.members))), tuple(codes))
+
     def _bad_weights(self) -> Tensor:
         """int32 []: the members' weights with a non-finite block, with every member's codes brought up to date
         (summed again only when a weight changed: once per refresh, not per call)."""
