@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from calclip.fp8 import quant, reference
 from calclip.fp8.linear_math import _fused_decode_applies
+from calclip.fp8.tracing import is_traced
 
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
@@ -52,10 +53,14 @@ MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
 SILU = ("SiLUActivation", "SiLU")  # transformers' ACT2FN["silu"], and torch's nn.SiLU
 
 
-def _kernels():
-    from calclip.fp8.kernels import producers
+def _impl(x: Tensor, name: str):
+    """``kernels.producers``' ``name`` for a CUDA x, and for a CPU x in eager calls under TRITON_INTERPRET=1 (tests);
+    else its torch twin (a compiled CPU call: the interpreter's kernels cannot be recorded, as for the quantizers)."""
+    if x.is_cuda or not is_traced(x):
+        from calclip.fp8.kernels import producers
 
-    return producers
+        return getattr(producers, name)
+    return _REFERENCES[name]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -89,6 +94,9 @@ def mul_quantize_reference(a: Tensor, b: Tensor, weight_bad: Tensor, *, members:
     """``kernels.producers.mul_quantize`` in torch."""
     y = a * b
     return (y, *_quantize_output(y, weight_bad, members, need_t, pow2))
+
+
+_REFERENCES = {"rms_norm_quantize": rms_norm_quantize_reference, "mul_quantize": mul_quantize_reference}
 
 
 def rms_norm_rstd(x2: Tensor, eps: float) -> Tensor:
@@ -126,7 +134,7 @@ def _rms_norm_quantize_op(x2: Tensor, weight: Tensor, eps: float, weight_bad: Te
                           pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """HF's RMSNorm of x2 [M, K] and its codes -> (y [M, K], rstd [M, 1] fp32, qx, sx, qxt, sxt, count)."""
     rstd = rms_norm_rstd(x2, eps)
-    y, *codes = _kernels().rms_norm_quantize(x2, rstd, weight, weight_bad, members=members, need_t=need_t,
+    y, *codes = _impl(x2, "rms_norm_quantize")(x2, rstd, weight, weight_bad, members=members, need_t=need_t,
                                              pow2=pow2)
     return y, rstd, *codes
 
@@ -149,7 +157,7 @@ _rms_norm_quantize_op.register_autograd(_rms_backward, setup_context=_rms_setup_
 def _mul_quantize_op(a: Tensor, b: Tensor, weight_bad: Tensor, members: int, need_t: bool,
                      pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """a * b (a = act_fn(gate), b = up; [M, K]) and its codes -> (y, qx, sx, qxt, sxt, count)."""
-    return tuple(_kernels().mul_quantize(a, b, weight_bad, members=members, need_t=need_t, pow2=pow2))
+    return tuple(_impl(a, "mul_quantize")(a, b, weight_bad, members=members, need_t=need_t, pow2=pow2))
 
 
 def _mul_setup_context(ctx, inputs, output) -> None:

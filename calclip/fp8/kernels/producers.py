@@ -65,7 +65,7 @@ def _producer_values(a_ptr, b_ptr, r_ptr, rows, cols, M, K, stride_am, stride_bm
     else:
         b = tl.load(b_ptr + rows[:, None] * stride_bm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = _round_to_out(a * b, OUT_BF16, SOFT)
-    return y
+    return tl.where(mask, y, 0.0)  # an Inf weight times a padding row's 0 would be NaN: padding must stay 0
 
 
 @triton.jit
