@@ -282,7 +282,8 @@ def test_autocast_and_the_bf16_shadow_take_the_modules_own_forward(monkeypatch):
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             model(input_ids=ids)
     assert "rms_norm_quantize" not in counter.calls and "mul_quantize" not in counter.calls
-    assert counter.calls["quantize_1x128"] == 2 * 7  # autocast: every linear quantized its own input
+    # autocast: each group quantized its input as without fusion (q/k/v, gate/up, o_proj, down_proj), per layer
+    assert counter.calls["quantize_1x128"] == 4 * 2
 
 
 def test_config_and_dequantize():
@@ -298,3 +299,36 @@ def test_config_and_dequantize():
     assert not any("forward" in m.__dict__ or "_calclip_consumers" in m.__dict__ for m in model.modules())
     off = quantize_model(_tiny("llama"), Fp8Config(fuse_producers=False))
     assert off.model.layers[0].mlp.down_proj._fp8_share is None
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_layers_record_the_producer_ops_and_equal_eager():
+    """compile_repeated_blocks (aot_eager: the ops, their fakes and registered backward as Inductor sees them): each
+    layer's graph records the two norm ops and the multiply op, q/k/v, gate/up and down_proj take the registered codes
+    (fp8_linear_forward_codes) and nothing quantizes them again; logits and gradients equal the eager unfused model's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from calclip.fp8 import compile_repeated_blocks
+
+    base = _tiny("llama")
+    compiled = quantize_model(copy.deepcopy(base), Fp8Config())
+    eager = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=False))
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_repeated_blocks(compiled, backend=counter)
+    ids = torch.randint(0, 97, (2, 70), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    outs = []
+    for model in (compiled, eager):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        outs.append(out)
+    assert _same(outs[0].logits, outs[1].logits) and _same(outs[0].loss, outs[1].loss)
+    for (name, p_c), p_e in zip(compiled.named_parameters(), eager.parameters()):
+        assert _same(p_c.grad, p_e.grad), name
+    ops = [str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+    layers_traced = ops.count("calclip.fp8_mul_quantize")
+    assert layers_traced >= 1
+    assert ops.count("calclip.fp8_rms_norm_quantize") == 2 * layers_traced
+    assert ops.count("calclip.fp8_linear_forward_codes") == 6 * layers_traced
+    assert ops.count("calclip.fp8_linear_forward") == layers_traced  # o_proj alone
+    assert ops.count("calclip.fp8_quantize_input") == 0
