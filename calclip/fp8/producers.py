@@ -17,7 +17,8 @@ without fusion, bit for bit:
   only single fp32 multiplies rounded once to bf16, which is what torch's bf16 elementwise ops compute;
 - the codes are those of ``quantize_1x128`` / ``quantize_128x1`` of that output (same numerics helpers);
 - the producer's backward is HF's autograd formula, op for op (``rms_norm_backward``; the multiply's two products),
-  so its gradients are those autograd computes for HF's module;
+  so its gradients are those autograd computes for HF's module (the MLP's op saves gate and up and recomputes
+  silu(gate) in its backward, where autograd keeps silu(gate) too: one [tokens, intermediate] tensor less per layer);
 - the non-finite count is what the group's members add (``quantize_1x128``'s ``members`` rule), added to its first
   member's counter.
 
@@ -31,7 +32,7 @@ multiply for bf16 and fp32. A call the kernels cannot serve (autocast on, the BF
 decode takes, a device without the kernels) runs the module's own forward.
 
 Eager and compiled: the kernels run inside the torch.library triton ops ``calclip::fp8_rms_norm_quantize`` and
-``calclip::fp8_mul_quantize`` (their fake implementations are the same code on FakeTensors), each with its backward
+``calclip::fp8_silu_mul_quantize`` (their fake implementations are the same code on FakeTensors), each with its backward
 registered; the group bookkeeping is traced like the shared input's.
 """
 
@@ -153,25 +154,27 @@ def _rms_backward(ctx, dy, *_):
 _rms_norm_quantize_op.register_autograd(_rms_backward, setup_context=_rms_setup_context)
 
 
-@torch.library.triton_op("calclip::fp8_mul_quantize", mutates_args=())
-def _mul_quantize_op(a: Tensor, b: Tensor, weight_bad: Tensor, members: int, need_t: bool,
-                     pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """a * b (a = act_fn(gate), b = up; [M, K]) and its codes -> (y, qx, sx, qxt, sxt, count)."""
-    return tuple(_impl(a, "mul_quantize")(a, b, weight_bad, members=members, need_t=need_t, pow2=pow2))
+@torch.library.triton_op("calclip::fp8_silu_mul_quantize", mutates_args=())
+def _silu_mul_quantize_op(gate: Tensor, up: Tensor, weight_bad: Tensor, members: int, need_t: bool,
+                          pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """silu(gate) * up ([M, K]; torch's silu, the kernel's multiply) and its codes -> (y, qx, sx, qxt, sxt, count)."""
+    a = torch.nn.functional.silu(gate)
+    return tuple(_impl(a, "mul_quantize")(a, up, weight_bad, members=members, need_t=need_t, pow2=pow2))
 
 
-def _mul_setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[0], inputs[1])
+def _silu_mul_setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1])  # gate and up: silu(gate) is recomputed, not kept
 
 
-def _mul_backward(ctx, dy, *_):
-    a, b = ctx.saved_tensors
-    # torch's mul backward: grad * other for each side
-    return (dy * b if ctx.needs_input_grad[0] else None), (dy * a if ctx.needs_input_grad[1] else None), \
-        None, None, None, None
+def _silu_mul_backward(ctx, dy, *_):
+    gate, up = ctx.saved_tensors
+    # autograd's formulas for HF's act_fn(gate) * up: mul's grad * other, then silu's silu_backward(grad, gate)
+    d_gate = torch.ops.aten.silu_backward(dy * up, gate) if ctx.needs_input_grad[0] else None
+    d_up = dy * torch.nn.functional.silu(gate) if ctx.needs_input_grad[1] else None
+    return d_gate, d_up, None, None, None, None
 
 
-_mul_quantize_op.register_autograd(_mul_backward, setup_context=_mul_setup_context)
+_silu_mul_quantize_op.register_autograd(_silu_mul_backward, setup_context=_silu_mul_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -241,18 +244,19 @@ def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
 
 
 def _mlp_forward(self, x: Tensor) -> Tensor:
-    """A recognised MLP's forward: down(act(gate(x)) * up(x)), the product's codes registered for down_proj."""
-    gate = self.act_fn(self.gate_proj(x))
+    """A recognised MLP's forward: down(silu(gate(x)) * up(x)), the product's codes registered for down_proj. The
+    fused op keeps gate and up for its backward, as autograd keeps gate for SiLU, not silu(gate) as well."""
+    gate = self.gate_proj(x)
     up = self.up_proj(x)
     group = self.down_proj._fp8_share
     plan = _plan(group, gate, (torch.bfloat16, torch.float32)) if (
         group is not None and gate.dtype == up.dtype and gate.shape == up.shape) else None
     if plan is None:
-        return self.down_proj(gate * up)
+        return self.down_proj(self.act_fn(gate) * up)
     bad, members, need_t, pow2, compiled = plan
     k = gate.shape[-1]
-    y2, *outputs = torch.ops.calclip.fp8_mul_quantize(gate.reshape(-1, k), up.reshape(-1, k), bad, members, need_t,
-                                                      pow2)
+    y2, *outputs = torch.ops.calclip.fp8_silu_mul_quantize(gate.reshape(-1, k), up.reshape(-1, k), bad, members,
+                                                           need_t, pow2)
     y = y2.view(gate.shape)
     _offer(group, y, outputs, need_t, compiled)
     return self.down_proj(y)

@@ -147,7 +147,7 @@ def _hf_rms_norm(x, weight, eps):
 
 
 @pytest.mark.parametrize("shape", [(2, 70, 192), (300, 200), (1, 1)])
-def test_the_ops_backward_is_autogradss_for_hf_modules(shape):
+def test_the_ops_backward_is_autograds_for_hf_modules(shape):
     """Gradients through the fused ops (eager) == autograd through HF's RMSNorm and through a * b, bit for bit."""
     g = torch.Generator().manual_seed(len(shape))
     x = torch.randn(*shape, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -166,14 +166,15 @@ def test_the_ops_backward_is_autogradss_for_hf_modules(shape):
         grads.append((y.detach(), xi.grad, wi.grad))
     for got, want in zip(*grads):
         assert _same(got, want)
-    a, b = (x.clone().requires_grad_() for _ in range(2))
-    b2 = (b.detach() * 0.5).requires_grad_()
-    y = torch.ops.calclip.fp8_mul_quantize(a.reshape(-1, shape[-1]), b2.reshape(-1, shape[-1]), bad, 1, True,
-                                           False)[0]
+    gate, up = x.clone().requires_grad_(), (x * 0.5).detach().requires_grad_()
+    y = torch.ops.calclip.fp8_silu_mul_quantize(gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1]), bad, 1,
+                                                True, False)[0]
     y.view(shape).backward(dy)
-    a_ref, b_ref = x.clone().requires_grad_(), (b.detach() * 0.5).requires_grad_()
-    (a_ref * b_ref).backward(dy)
-    assert _same(a.grad, a_ref.grad) and _same(b2.grad, b_ref.grad)
+    gate_ref, up_ref = x.clone().requires_grad_(), (x * 0.5).detach().requires_grad_()
+    y_ref = torch.nn.functional.silu(gate_ref) * up_ref  # HF's act_fn(gate_proj(x)) * up_proj(x)
+    y_ref.backward(dy)
+    assert _same(y.view(shape), y_ref.detach())
+    assert _same(gate.grad, gate_ref.grad) and _same(up.grad, up_ref.grad)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -326,7 +327,7 @@ def test_compiled_layers_record_the_producer_ops_and_equal_eager():
     for (name, p_c), p_e in zip(compiled.named_parameters(), eager.parameters()):
         assert _same(p_c.grad, p_e.grad), name
     ops = [str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
-    layers_traced = ops.count("calclip.fp8_mul_quantize")
+    layers_traced = ops.count("calclip.fp8_silu_mul_quantize")
     assert layers_traced >= 1
     assert ops.count("calclip.fp8_rms_norm_quantize") == 2 * layers_traced
     assert ops.count("calclip.fp8_linear_forward_codes") == 6 * layers_traced
