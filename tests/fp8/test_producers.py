@@ -198,6 +198,12 @@ def _tiny(arch, dtype=torch.bfloat16):
     return model.to(dtype).to(DEVICE)
 
 
+def _groups(model):
+    groups = {id(m._fp8_share): m._fp8_share for m in model.modules() if getattr(m, "_fp8_share", None) is not None}
+    assert groups
+    return groups.values()
+
+
 class _QuantizerCalls:
     """Counts the activation quantizer calls of the FP8 linears (quant's dispatchers) and the fused producers."""
 
@@ -239,6 +245,7 @@ def test_whole_model_bit_equal_with_fewer_quantizer_calls(arch, monkeypatch):
         with torch.no_grad():
             eval_logits = model(input_ids=ids).logits  # no weight gradient: 1x128 codes only
         results.append((out.logits, out.loss, eval_logits, forward_calls, int(pop_nonfinite_count(model))))
+        assert all(g._pending is None for g in _groups(model))  # every member took the codes
     (logits_on, loss_on, eval_on, calls_on, count_on), (logits_off, loss_off, eval_off, calls_off, count_off) = results
     assert _same(logits_on, logits_off) and _same(loss_on, loss_off) and _same(eval_on, eval_off)
     for (name, p_on), p_off in zip(on.named_parameters(), off.parameters()):
@@ -285,6 +292,7 @@ def test_autocast_and_the_bf16_shadow_take_the_modules_own_forward(monkeypatch):
     assert "rms_norm_quantize" not in counter.calls and "mul_quantize" not in counter.calls
     # autocast: each group quantized its input as without fusion (q/k/v, gate/up, o_proj, down_proj), per layer
     assert counter.calls["quantize_1x128"] == 4 * 2
+    assert all(g._pending is None for g in _groups(model))  # down_proj's group of one keeps nothing past its call
 
 
 def test_config_and_dequantize():
@@ -333,3 +341,7 @@ def test_compiled_layers_record_the_producer_ops_and_equal_eager():
     assert ops.count("calclip.fp8_linear_forward_codes") == 6 * layers_traced
     assert ops.count("calclip.fp8_linear_forward") == layers_traced  # o_proj alone
     assert ops.count("calclip.fp8_quantize_input") == 0
+    graphs = len(counter.graphs)
+    compiled(input_ids=ids, labels=ids).loss.backward()  # the same state for the guards: nothing recompiles
+    assert len(counter.graphs) == graphs
+    assert all(g._pending is None for g in _groups(compiled))
