@@ -91,6 +91,8 @@ class ModelRow:
     layers: int
     head_dim: int | None = None  # None: hidden // heads
     batch: int | None = None
+    arch: str = "llama"  # the transformers family built (ROW_ARCHS): its decoder layer, norms and fused linears
+
 
     @property
     def label(self) -> str:
@@ -107,6 +109,11 @@ NAMED_MODELS = {row.name: row for row in (
     ModelRow("qwen2.5-0.5b", 896, 4864, 14, 2, layers=8, head_dim=64, batch=8),
     ModelRow("qwen3-8b", 4096, 12288, 32, 8, layers=3, head_dim=128, batch=4),
     ModelRow("smollm2-135m", 576, 1536, 9, 3, layers=30, head_dim=64, batch=8),
+    # issue 38's rows of families the tests do not name, built as their own architecture: Phi-3's fused qkv_proj /
+    # gate_up_proj (head dim 96; no shared-input group, so no fused producer: today's path), Mistral-NeMo's
+    # attention width 4096 under hidden 5120
+    ModelRow("phi3-mini", 3072, 8192, 32, 32, layers=4, head_dim=96, batch=8, arch="phi3"),
+    ModelRow("mistral-nemo-12b", 5120, 14336, 32, 8, layers=3, head_dim=128, batch=4, arch="mistral"),
     # the original synthetic rows (head dim 128, no grouped-query attention)
     ModelRow("h2048", 2048, 8192, 16, 16, layers=8),
     ModelRow("h4096", 4096, 14336, 32, 32, layers=4),
@@ -478,9 +485,24 @@ def training_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
+# ModelRow.arch -> transformers config class name
+ROW_ARCHS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+             "phi3": "Phi3Config"}
+
+
 def build_row_model(row: ModelRow, vocab: int, device, seed: int = 0) -> nn.Module:
-    return build_llama(row.layers, row.hidden, row.intermediate, vocab, device, seed, heads=row.heads,
-                       kv_heads=row.kv_heads, head_dim=row.head_dim)
+    if row.arch == "llama":
+        return build_llama(row.layers, row.hidden, row.intermediate, vocab, device, seed, heads=row.heads,
+                           kv_heads=row.kv_heads, head_dim=row.head_dim)
+    import transformers
+
+    config = getattr(transformers, ROW_ARCHS[row.arch])(
+        vocab_size=vocab, hidden_size=row.hidden, intermediate_size=row.intermediate, num_hidden_layers=row.layers,
+        num_attention_heads=row.heads, num_key_value_heads=row.kv_heads, head_dim=row.head_dim or row.hidden // row.heads,
+        max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
 
 
 def parse_model_rows(text: str) -> tuple[ModelRow, ...]:
@@ -547,7 +569,8 @@ def torchao_copy(model: nn.Module, peer) -> nn.Module:
 # "r" arms: each decoder layer compiled on its own (regional compilation, the trainer's compile_layers).
 MODEL_ARMS = {"bf16": "BF16", "bf16c": "BF16 compile", "fp8": "FP8 eager", "fp8c": "FP8 compile",
               "fp8x": "FP8+ eager", "fp8xc": "FP8+ compile", "torchao": "torchao", "torchaoc": "torchao compile",
-              "bf16r": "BF16 by layer", "fp8r": "FP8 by layer", "fp8xr": "FP8+ by layer"}
+              "bf16r": "BF16 by layer", "fp8r": "FP8 by layer", "fp8xr": "FP8+ by layer",
+              "fp8y": "FP8B eager", "fp8yc": "FP8B compile", "fp8yr": "FP8B by layer"}
 
 
 def model_arm_keys(opts) -> list[str]:
@@ -565,10 +588,12 @@ def model_arm_keys(opts) -> list[str]:
         raise ValueError(f"--model-arms: unknown arm(s) {unknown}; choose from {list(MODEL_ARMS)}")
     if any(k.startswith("fp8x") for k in keys) and not opts.fp8_options:
         raise ValueError("--model-arms fp8x/fp8xc/fp8xr need --fp8-options (the Fp8Config fields they change)")
+    if any(k.startswith("fp8y") for k in keys) and not opts.fp8_options_b:
+        raise ValueError("--model-arms fp8y/fp8yc/fp8yr need --fp8-options-b (the Fp8Config fields they change)")
     return ["bf16"] + [k for k in dict.fromkeys(keys) if k != "bf16"]
 
 
-def parse_fp8_options(text: str | None) -> dict:
+def parse_fp8_options(text: str | None, flag: str = "--fp8-options") -> dict:
     """``--fp8-options KEY=VALUE,...`` -> Fp8Config keyword arguments (true/false, ints, None, else strings),
     checked by building an Fp8Config."""
     if not text:
@@ -579,7 +604,7 @@ def parse_fp8_options(text: str | None) -> dict:
     for item in (part.strip() for part in text.split(",") if part.strip()):
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--fp8-options: expected KEY=VALUE, got {item!r}")
+            raise ValueError(f"{flag}: expected KEY=VALUE, got {item!r}")
         lowered = value.strip().lower()
         if lowered in ("true", "false"):
             parsed = lowered == "true"
@@ -594,8 +619,28 @@ def parse_fp8_options(text: str | None) -> dict:
     try:
         Fp8Config(**options)
     except TypeError as err:
-        raise ValueError(f"--fp8-options: {err}") from None
+        raise ValueError(f"{flag}: {err}") from None
     return options
+
+
+def model_arm_makers(base: nn.Module, opts, peer) -> dict[str, Callable[[], nn.Module]]:
+    """--model-arms key -> a function making that arm's model from the BF16 ``base`` (sharing its Parameters)."""
+    return {
+        "bf16": lambda: base,
+        "bf16c": lambda: compile_module(base, opts),
+        "fp8": lambda: calclip_fp8_copy(base),
+        "fp8c": lambda: compile_module(calclip_fp8_copy(base), opts),
+        "fp8x": lambda: calclip_fp8_copy(base, opts.fp8_options),
+        "fp8xc": lambda: compile_module(calclip_fp8_copy(base, opts.fp8_options), opts),
+        "fp8y": lambda: calclip_fp8_copy(base, opts.fp8_options_b),
+        "fp8yc": lambda: compile_module(calclip_fp8_copy(base, opts.fp8_options_b), opts),
+        "torchao": lambda: torchao_copy(base, peer),
+        "torchaoc": lambda: compile_module(torchao_copy(base, peer), opts),
+        "bf16r": lambda: compile_by_layer(sharing_copy(base), opts),
+        "fp8r": lambda: compile_by_layer(calclip_fp8_copy(base), opts),
+        "fp8xr": lambda: compile_by_layer(calclip_fp8_copy(base, opts.fp8_options), opts),
+        "fp8yr": lambda: compile_by_layer(calclip_fp8_copy(base, opts.fp8_options_b), opts),
+    }
 
 
 def model_section(opts, sizes: Sizes) -> None:
@@ -677,18 +722,7 @@ def model_section(opts, sizes: Sizes) -> None:
                 return watch_recompiles(name, sample, tally) if compiled else sample
             return build
 
-        makers = {
-            "bf16c": lambda: compile_module(base, opts),
-            "fp8": lambda: calclip_fp8_copy(base),
-            "fp8c": lambda: compile_module(calclip_fp8_copy(base), opts),
-            "fp8x": lambda: calclip_fp8_copy(base, opts.fp8_options),
-            "fp8xc": lambda: compile_module(calclip_fp8_copy(base, opts.fp8_options), opts),
-            "torchao": lambda: torchao_copy(base, peer),
-            "torchaoc": lambda: compile_module(torchao_copy(base, peer), opts),
-            "bf16r": lambda: compile_by_layer(sharing_copy(base), opts),
-            "fp8r": lambda: compile_by_layer(calclip_fp8_copy(base), opts),
-            "fp8xr": lambda: compile_by_layer(calclip_fp8_copy(base, opts.fp8_options), opts),
-        }
+        makers = model_arm_makers(base, opts, peer)
         arms: dict[str, Arm] = {"BF16": setup_arm("BF16", arm_of("BF16", base, compiled=False, first=True))}
         # weights + optimizer state, common to every arm (the BF16 arm's warm-up created the optimizer state)
         shared["bytes"] = (torch.cuda.memory_allocated() - outside) if cuda else 0
@@ -703,6 +737,11 @@ def model_section(opts, sizes: Sizes) -> None:
         interleave(list(arms.values()), opts.repeats)
         print_model_row(row, batch, sizes, arms, info, names)
         results.append((row, arms, info))
+        if opts.peak_per_process and cuda:
+            del arms, optimizer, base
+            free_memory()
+            print_solo_peaks(row, batch, keys, opts)
+            arms = base = optimizer = None
         del arms, base, optimizer, batches, makers
         free_memory()
     print_model_summary(results, sizes, opts)
@@ -713,22 +752,96 @@ def print_model_row(row: ModelRow, batch: int, sizes: Sizes, arms: dict[str, Arm
     """One model row's table: step ms, speed vs BF16 eager, peak memory, first-step and warm-up seconds, and the
     compiled arms' graphs, graph breaks and graphs compiled during timed rounds (dynamo's counters)."""
     bf16 = arms["BF16"]
+    fastest = fastest_bf16(arms)
     rows = []
     for name in names:
         arm, tally = arms.get(name), info.get(name, {})
         compiled = "graphs" in tally
         rows.append([name, cell(arm, "ms", 1), "1.00x" if name == "BF16" else paired_ratio(bf16, arm, "ms"),
-                     cell(arm, "peak", 2), f"{tally['first_s']:.1f}" if "first_s" in tally else "-",
+                     "-" if fastest is None else paired_ratio(fastest, arm, "ms"), cell(arm, "peak", 2), f"{tally['first_s']:.1f}" if "first_s" in tally else "-",
                      f"{tally['warmup_s']:.1f}" if "warmup_s" in tally else "-",
                      f"{tally['graphs']} / {tally['breaks']} / {tally['recompiled']}" if compiled else "-"])
     print(f"\n### model {row.label}: fwd+bwd+AdamW(fused) step, {batch}x{sizes.seq} tokens, vocab {sizes.vocab} "
           f"(median [min-max] of the rounds)")
-    table(["arm", "ms per step", "BF16 eager / arm", "peak GiB", "first step s", "warm-up s",
-           "graphs / breaks / recompiled in timed rounds"], rows)
+    table(["arm", "ms per step", "BF16 eager / arm", f"fastest BF16 ({fastest.name if fastest else '-'}) / arm",
+           "peak GiB", "first step s", "warm-up s", "graphs / breaks / recompiled in timed rounds"], rows)
     for name in names:
         if info.get(name, {}).get("top_breaks"):
             print(f"   {name} graph breaks: {info[name]['top_breaks']}")
     sys.stdout.flush()
+
+
+def fastest_bf16(arms: dict[str, Arm]) -> Arm | None:
+    """The BF16 arm (eager, compiled or by layer) with the lowest median step time: the baseline issue 38's ratios
+    use (the fastest BF16 configuration measured in the same run)."""
+    timed = [a for n, a in arms.items() if n.startswith("BF16") and a.values("ms")]
+    return min(timed, key=lambda a: statistics.median(a.values("ms"))) if timed else None
+
+
+def row_spec(row: ModelRow, batch: int) -> str | None:
+    """``--models`` text that rebuilds ``row`` in another process (named rows), or None."""
+    if row.name in NAMED_MODELS and dataclasses.replace(NAMED_MODELS[row.name], layers=row.layers,
+                                                        batch=row.batch) == row:
+        return f"{row.name}:{row.layers}:{batch}"
+    return None
+
+
+def print_solo_peaks(row: ModelRow, batch: int, keys: list[str], opts) -> None:
+    """--peak-per-process: each arm's peak memory in a process of its own (the model, its gradients, the AdamW state,
+    the arm's own buffers and its step's transients: what a user's run of that configuration holds), and its ratio to
+    the BF16 arms' lowest."""
+    spec = row_spec(row, batch)
+    if spec is None:
+        print(f"   --peak-per-process: row {row.label} is not a named row; skipped")
+        return
+    import subprocess
+
+    passed = ["--models", spec, "--compile-backend", opts.compile_backend, "--warmup", str(opts.warmup),
+              "--model-steps", str(opts.model_steps)]
+    for flag, value in (("--fp8-options", opts.fp8_options_text), ("--fp8-options-b", opts.fp8_options_b_text),
+                        ("--compile-mode", opts.compile_mode)):
+        if value:
+            passed += [flag, value]
+    peaks: dict[str, float] = {}
+    for key in keys:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--only", "model", "--solo-peak", key,
+                               *passed], capture_output=True, text=True)
+        found = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("SOLO_PEAK_GIB ")]
+        peaks[MODEL_ARMS[key]] = float(found[-1]) if found and done.returncode == 0 else math.nan
+        if not found:
+            print(f"   !! solo peak of {MODEL_ARMS[key]} failed: {(done.stdout + done.stderr)[-800:]}", flush=True)
+    bf16 = [v for n, v in peaks.items() if n.startswith("BF16") and not math.isnan(v)]
+    low = min(bf16) if bf16 else math.nan
+    print(f"\n### model {row.label}: peak GiB, one arm per process (lowest BF16 = {low:.2f} GiB)")
+    table(["arm", "peak GiB", "peak / lowest BF16"], [[n, f"{v:.2f}", f"{v / low:.3f}"] for n, v in peaks.items()])
+    sys.stdout.flush()
+
+
+def solo_peak(opts, sizes: Sizes) -> int:
+    """``--solo-peak KEY``: build the row's model and that one arm, warm it up, then print the process's peak allocated
+    memory over ``--model-steps`` steps (``SOLO_PEAK_GIB x``), for print_solo_peaks."""
+    device = torch.device(sizes.device)
+    row = sizes.model_rows[0]
+    batch = row.batch or sizes.batch
+    peer = torchao_blockwise()[0] if opts.solo_peak.startswith("torchao") else None
+    base = build_row_model(row, sizes.vocab, device)
+    base.train()
+    forward = model_arm_makers(base, opts, peer)[opts.solo_peak]()
+    optimizer = torch.optim.AdamW(base.parameters(), lr=1e-5, fused=device.type == "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(3, sizes.vocab, (batch, sizes.seq), generator=gen).to(device)
+    compiled = opts.solo_peak.endswith(("c", "r"))
+    for i in range((max(opts.warmup, COMPILED_WARMUP) if compiled else opts.warmup) + opts.model_steps):
+        if i == (max(opts.warmup, COMPILED_WARMUP) if compiled else opts.warmup) and device.type == "cuda":
+            sync(device)
+            torch.cuda.reset_peak_memory_stats()
+        training_loss(forward, ids).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else math.nan
+    print(f"SOLO_PEAK_GIB {peak:.4f}", flush=True)
+    return 0
 
 
 # (column, numerator arm, denominator arm, metric): "speed" columns are den time / num time (> 1: num faster); the
@@ -1109,6 +1222,12 @@ def parse_args(argv=None):
     parser.add_argument("--fp8-options", default=None, metavar="KEY=VALUE,...",
                         help="Fp8Config fields of the FP8+ arms (model section), e.g. scaled_mm_row_scales=false: the "
                         "same model with a speed lever changed, beside the default FP8 arms")
+    parser.add_argument("--fp8-options-b", default=None, metavar="KEY=VALUE,...",
+                        help="Fp8Config fields of the FP8B arms (fp8y, fp8yc, fp8yr): a second variant beside FP8+ in the "
+                        "same interleaved run, e.g. resident_dgrad_codes=false")
+    parser.add_argument("--peak-per-process", action="store_true",
+                        help="model section: after each row, each arm's peak memory measured in a process of its own")
+    parser.add_argument("--solo-peak", default=None, help=argparse.SUPPRESS)  # print_solo_peaks' child processes
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode of the compiled arms, e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--no-torchao", action="store_true",
@@ -1168,8 +1287,12 @@ def parse_args(argv=None):
     try:
         if opts.models is not None:
             opts.models = parse_model_rows(opts.models)
+        opts.fp8_options_text, opts.fp8_options_b_text = opts.fp8_options, opts.fp8_options_b
         opts.fp8_options = parse_fp8_options(opts.fp8_options)
+        opts.fp8_options_b = parse_fp8_options(opts.fp8_options_b, "--fp8-options-b")
         opts.model_arm_keys = model_arm_keys(opts)
+        if opts.solo_peak is not None and opts.solo_peak not in MODEL_ARMS:
+            raise ValueError(f"--solo-peak: unknown arm {opts.solo_peak!r}")
     except ValueError as err:
         parser.error(str(err))
     return opts
@@ -1190,6 +1313,8 @@ def main(argv=None) -> int:
     if sizes.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --tiny for the CPU check")
         return 2
+    if opts.solo_peak is not None:
+        return solo_peak(opts, sizes)
     print(header_line(sizes))
     print(f"sections {','.join(opts.sections)}  repeats {opts.repeats}  compile backend {opts.compile_backend}"
           f"  mode {opts.compile_mode or 'default'}",

@@ -210,6 +210,17 @@ class Fp8Config:
         (``calclip.fp8.shared_input``). Same codes, outputs and gradients bit for bit; the non-finite count's total
         is the same, all of it on the member that quantized. Default True (blockwise, backward "fp8", cached
         weights; otherwise nothing is grouped).
+    fuse_producers: quantize those shared inputs, and down_proj's, in the kernels that produce them: a Llama /
+        Mistral / Qwen2 / Qwen3 decoder layer's RMSNorm writes its bf16 output with its FP8 codes (both layouts),
+        its MLP's SiLU(gate) * up likewise (``calclip.fp8.producers``): per layer 3 input quantizations fewer, and
+        each of those tensors read once instead of twice or three times. Same outputs, codes, gradients and
+        non-finite count bit for bit (CPU tests, tiny Llama and Qwen2). Architectures it does not recognise (Phi-3,
+        Gemma) keep today's path. Default True; needs share_sibling_inputs.
+    resident_dgrad_codes: keep the W^T codes that the dgrad GEMM reads resident beside the W codes (a second
+        1-byte-per-parameter copy on CUDA, refreshed with them), or, False, transpose them from the W codes in each
+        backward that needs them (a transposing copy of N x K bytes per layer and backward, freed after its GEMM):
+        FP8's resident weight codes halve. The transpose of 128x128-block codes is exact (each block's scale moves
+        with it), so outputs and gradients are the same bit for bit. Default True until measured on a GPU.
     """
 
     block_size: int = BLOCK
@@ -228,6 +239,8 @@ class Fp8Config:
     scaled_mm_row_scales: bool | None = None
     refresh_graph: bool = True
     share_sibling_inputs: bool = True
+    fuse_producers: bool = True
+    resident_dgrad_codes: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -257,7 +270,8 @@ class Fp8Config:
                 raise ValueError(f"Fp8Config.keep_patterns: invalid regex {pattern!r}: {err}") from None
         object.__setattr__(self, "keep_patterns", patterns)  # lists from YAML become a hashable tuple
         for name in ("cache_weights", "fused_quantizer", "decode_group_siblings", "scaled_mm_row_scales",
-                     "refresh_graph", "share_sibling_inputs"):
+                     "refresh_graph", "share_sibling_inputs", "fuse_producers",
+                     "resident_dgrad_codes"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "scaled_mm_row_scales" and value is None):
                 extra = " or None (automatic)" if name == "scaled_mm_row_scales" else ""

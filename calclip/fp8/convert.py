@@ -33,6 +33,7 @@ from torch import nn
 
 from calclip.fp8.config import Fp8Config
 from calclip.fp8.linear import FP8BlockLinear
+from calclip.fp8.producers import fuse_producers, unfuse_producers
 from calclip.fp8.recipes import fp8_linear_from, is_fp8_linear
 from calclip.fp8.shared_input import share_sibling_inputs
 from calclip.fp8.siblings import group_siblings
@@ -126,6 +127,8 @@ def quantize_model(model: nn.Module, config: Fp8Config | None = None, *,
         group_siblings(model)
     if config.share_sibling_inputs:
         share_sibling_inputs(model)
+        if config.fuse_producers:
+            fuse_producers(model)
     _track_fp8_layers(model)
     return model
 
@@ -151,6 +154,7 @@ def _track_fp8_layers(model: nn.Module) -> None:
 
 def dequantize_model(model: nn.Module) -> nn.Module:
     """Replace every FP8 linear (any recipe) by a plain nn.Linear sharing its Parameters; returns ``model``."""
+    unfuse_producers(model)  # the fused producers' own forwards back (they fed the FP8 linears' groups)
     for fqn, module in list(model.named_modules()):
         if is_fp8_linear(module) and fqn:
             _set_submodule(model, fqn, module.to_linear())

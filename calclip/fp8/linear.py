@@ -166,7 +166,7 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
                                                        self.nonfinite_count, cfg.power_of_two_scales, x2.dtype)
         share = self._fp8_share
         if share is not None and x is not None:
-            qwt, swt = (self._fp8_qwt, self._fp8_swt) if grad else (None, None)
+            qwt, swt = self._compiled_dgrad_operands() if grad else (None, None)
             if grad and qwt is None:
                 raise RuntimeError(_NO_DGRAD_CODES)
             qx, sx, qxt, sxt = share.codes(self, x, x2, compiled=True)
@@ -177,7 +177,7 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
             return torch.ops.calclip.fp8_linear_infer(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                                       self.nonfinite_count, cfg.power_of_two_scales, cfg.gemm,
                                                       x2.dtype, cfg.row_scales)
-        qwt, swt = self._fp8_qwt, self._fp8_swt
+        qwt, swt = self._compiled_dgrad_operands()
         if qwt is None:
             raise RuntimeError(_NO_DGRAD_CODES)
         y, _, _, bad_rows = torch.ops.calclip.fp8_linear_forward(
@@ -185,6 +185,13 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
             cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, x2.dtype, cfg.row_scales)
         self.nonfinite_count.add_(bad_rows)
         return y
+
+    def _compiled_dgrad_operands(self) -> tuple[Tensor | None, Tensor | None]:
+        """The dgrad codes a compiled training call saves: the resident W^T buffers (refreshed before the graph by the
+        root's pre-hook), or views of the W codes transposed (``Fp8Config.resident_dgrad_codes=False``)."""
+        if self.fp8_config.resident_dgrad_codes:
+            return self._fp8_qwt, self._fp8_swt
+        return self._fp8_qw.t(), self._fp8_sw.t()
 
     def extra_repr(self) -> str:
         cfg = self.fp8_config

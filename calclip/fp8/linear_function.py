@@ -42,7 +42,7 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         ctx.cfg, ctx.need = cfg, (need_dx, need_dw)
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         if fp8_backward:
-            saved_w = layer._dgrad_codes() if need_dx else (None, None)
+            saved_w = layer._dgrad_operands() if need_dx else (None, None)
             ctx.save_for_backward(*saved_w, qxt if need_dw else None, sxt if need_dw else None)
         else:
             ctx.save_for_backward(qw if need_dx else None, sw if need_dx else None, x2 if need_dw else None)

@@ -98,6 +98,10 @@ def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, n
               w_dtype: torch.dtype, row_scales: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """dy2 [M, N]; W^T codes qwt [K, N], swt [K/128, N/128]; saved x 128x1 -> (dx [M, K], dW [N, K])."""
     dx = dw = None
+    if need_dx and qwt.is_cuda and not qwt.is_contiguous():
+        # Fp8Config.resident_dgrad_codes=False: W^T made here from the W codes (exact), freed after the GEMM;
+        # torch._scaled_mm reads its second operand K-major
+        qwt, swt = qwt.contiguous(), swt.contiguous()
     if need_dx and need_dw:
         qdy, sdy, qdyt, sdyt = _quantize_both(dy2, pow2, fused)
     elif need_dx:

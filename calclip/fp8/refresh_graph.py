@@ -106,7 +106,7 @@ def _steady_operands(layers: list[nn.Module], for_backward: bool) -> list[tuple]
             return None
         qt = layer._fp8_qwt
         has_transposed = qt is not None and qt.shape == q.t().shape and qt.device == q.device
-        if for_backward and cfg.backward == "fp8" and not has_transposed:
+        if for_backward and cfg.backward == "fp8" and cfg.resident_dgrad_codes and not has_transposed:
             return None  # the first backward still has to make W^T's buffers
         transposed = (qt, layer._fp8_swt) if has_transposed else None
         operands.append((w.detach(), q, layer._fp8_sw, layer._fp8_bad, transposed, cfg.power_of_two_scales))

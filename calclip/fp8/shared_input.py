@@ -66,8 +66,16 @@ class SharedInput:
                                         cfg.power_of_two_scales, cfg.fused_quantizer, len(self.members))
         codes = tuple(codes)
         others = {i for i in range(len(self.members)) if i != index}
-        self._pending = (x, key, None if compiled else x._version, others, codes)
+        # a group of one (down_proj, which its fused producer feeds: calclip.fp8.producers) leaves nothing pending:
+        # no x or codes kept past the call, and the same state for a compiled call's guards every time
+        self._pending = (x, key, None if compiled else x._version, others, codes) if others else None
         return codes
+
+    def offer(self, x: Tensor, codes: tuple, *, compiled: bool) -> None:
+        """Register ``codes`` (qx, sx, qxt, sxt, laid out and counted as ``codes`` makes them) as every member's
+        quantized x: the producer of x quantized it (calclip.fp8.producers), so no member quantizes it again."""
+        key = (x.dtype, torch.is_grad_enabled())
+        self._pending = (x, key, None if compiled else x._version, set(range(len(self.members))), tuple(codes))
 
     def _bad_weights(self) -> Tensor:
         """int32 []: the members' weights with a non-finite block, with every member's codes brought up to date

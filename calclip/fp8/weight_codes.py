@@ -153,6 +153,14 @@ class Fp8WeightCodes:
         self._fp8_dgrad_key = self._fp8_key
         return self._fp8_qwt, self._fp8_swt
 
+    def _dgrad_operands(self) -> tuple[Tensor, Tensor]:
+        """What a backward saves for dx = dy W: the resident W^T codes (``_dgrad_codes``), or with
+        ``Fp8Config.resident_dgrad_codes=False`` views of the W codes transposed, which the backward makes contiguous
+        on CUDA (linear_math._backward) and frees after its GEMM."""
+        if self.fp8_config.resident_dgrad_codes:
+            return self._dgrad_codes()
+        return self._fp8_qw.t(), self._fp8_sw.t()
+
     def _new_counter(self, device: torch.device) -> None:
         old = self.nonfinite_count
         carried = 0 if old is None else int(old)  # a device move: one sync, not per call
@@ -166,7 +174,7 @@ class Fp8WeightCodes:
         self._refresh_weight_codes()
         if for_backward is None:  # grad mode alone: a frozen weight (a LoRA base) still needs W^T for dx
             for_backward = torch.is_grad_enabled()
-        if for_backward and self.fp8_config.backward == "fp8":
+        if for_backward and self.fp8_config.backward == "fp8" and self.fp8_config.resident_dgrad_codes:
             self._dgrad_codes()
 
 
