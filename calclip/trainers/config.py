@@ -9,7 +9,6 @@ calibrated loss does not implement are rejected here (named) rather than silentl
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -17,26 +16,25 @@ from trl import GRPOConfig
 from calclip.calibration import DEFAULT_MIN_TOKENS
 from calclip.calibration import SCHEDULES as CALIBRATION_SCHEDULES
 from calclip.calibration import UPPER_MODES as CALIBRATION_UPPER_MODES
+from calclip.clipping import ClipFields, clip_mode_class, registered_clip_modes
 from calclip.fp8.config import BACKWARD_MODES as FP8_BACKWARD_MODES
 from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
 from calclip.fp8.config import check_fp8_combination, fp8_recipe_names, get_fp8_recipe
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
-from calclip.losses.registry import clip_mode_names
 from calclip.config_file import bounded_repr
 from calclip.trainers.callbacks import SPIKE_WINDOW_MAX
 from calclip.trainers.field_checks import check_field_types, check_inherited_ranges, resume_flag
 
 # The allowed values come from the modules that implement them, so the config and the code cannot disagree.
-CLIP_MODES = clip_mode_names()
+CLIP_MODES = registered_clip_modes()  # the built-in modes (calclip.clipping's registry at import)
 FP8_RECIPES = fp8_recipe_names()
 OLD_LOGPS_SOURCES = ("trainer", "rollout")
 # Aggregations the calibrated loss reproduces exactly (TRL 1.16 normalizations).
 SUPPORTED_LOSS_TYPES = AGGREGATIONS
 _DEFAULT_RAIL_NOTE = (" (unset, calibration_low_max is 1 - epsilon and calibration_high_min is 1 + epsilon_high: the "
                       "calibrated trust region is never tighter than the static one)")
-# DAPO paper (arXiv 2503.14476): clip-higher with eps_low 0.2, eps_high 0.28.
-CLIP_HIGHER_DEFAULT_EPSILON_HIGH = 0.28
+
 
 
 def _fp8_field(name: str) -> str:
@@ -324,23 +322,21 @@ class CalibratedGRPOConfig(GRPOConfig):
         check_inherited_ranges(self)
         super().__post_init__()
         self._validate_calclip_fields()
-        if self.clip_mode == "clip_higher" and self.epsilon_high is None:
-            self.epsilon_high = CLIP_HIGHER_DEFAULT_EPSILON_HIGH
-        if self.clip_mode == "clip_higher" and self.epsilon_high <= self.epsilon:
-            raise ValueError(
-                f"epsilon_high ({self.epsilon_high}) must be > epsilon ({self.epsilon}) with clip_mode='clip_higher'"
-            )
-        if self.clip_mode in ("calibrated", "oracle") and not self.calibration_is_meaningful:
-            warnings.warn(
-                f"clip_mode={self.clip_mode!r} but every mini-batch is on-policy: gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps}) is a multiple of steps_per_generation * num_iterations "
-                f"({self.steps_per_generation} * {self.num_iterations}), so no optimizer step falls inside a "
-                "generation round, TRL computes no old log-probs and the ratio is exactly 1; calibration never "
-                "sees a moved policy and the bounds stay at calibration_init_bounds. Raise steps_per_generation or "
-                "num_iterations (or use old_logps_source='rollout' with vLLM).",
-                UserWarning,
-                stacklevel=2,
-            )
+        self._apply_clip_mode_rules()
+
+    def _apply_clip_mode_rules(self) -> None:
+        """The clip mode's own rules (``ClipPolicy.config_rules``, calclip.clipping) on this config's values; a
+        default the mode fills in (clip_higher's epsilon_high) is written back."""
+        on_policy_reason = None if self.calibration_is_meaningful else (
+            f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) is a multiple of steps_per_generation "
+            f"* num_iterations ({self.steps_per_generation} * {self.num_iterations}), so no optimizer step falls "
+            "inside a generation round, TRL computes no old log-probs and the ratio is exactly 1; calibration never "
+            "sees a moved policy and the bounds stay at calibration_init_bounds. Raise steps_per_generation or "
+            "num_iterations (or use old_logps_source='rollout' with vLLM).")
+        fields = clip_mode_class(self.clip_mode).config_rules(ClipFields(
+            epsilon=self.epsilon, epsilon_high=self.epsilon_high,
+            importance_sampling_level=self.importance_sampling_level, on_policy_reason=on_policy_reason))
+        self.epsilon_high = fields.epsilon_high
 
     @property
     def calibration_is_meaningful(self) -> bool:
@@ -390,7 +386,7 @@ class CalibratedGRPOConfig(GRPOConfig):
                               subject=_fp8_field, mention=_fp8_field)
 
     def _validate_calclip_fields(self) -> None:
-        _one_of("clip_mode", self.clip_mode, CLIP_MODES)
+        clip_mode_class(self.clip_mode)  # a registered clip mode; ValueError naming clip_mode and the keys otherwise
         _one_of("calibration_schedule", self.calibration_schedule, CALIBRATION_SCHEDULES)
         _one_of("calibration_upper", self.calibration_upper, CALIBRATION_UPPER_MODES)
         _one_of("tis_mode", self.tis_mode, TIS_MODES)
@@ -485,11 +481,6 @@ class CalibratedGRPOConfig(GRPOConfig):
             raise ValueError(
                 "vllm_importance_sampling_correction must be False when old_logps_source='rollout': the ratio is "
                 "already pi/pi_rollout, and TRL's correction would weight the loss by pi_old/pi_rollout a second time"
-            )
-        if self.clip_mode in ("calibrated", "oracle") and self.importance_sampling_level != "token":
-            raise ValueError(
-                f"clip_mode={self.clip_mode!r} needs importance_sampling_level='token': the bounds are set on token "
-                f"ratios and would be applied to sequence ratios, got {self.importance_sampling_level!r}"
             )
         needs_rollout_logps = self.tis_mode != "none" or self.old_logps_source == "rollout"
         if self.use_transformers_continuous_batching and needs_rollout_logps:
