@@ -8,6 +8,7 @@ calibrated loss does not implement are rejected here (named) rather than silentl
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from calclip.calibration import UPPER_MODES as CALIBRATION_UPPER_MODES
 from calclip.clipping import ClipFields, clip_mode_class, registered_clip_modes
 from calclip.fp8.config import BACKWARD_MODES as FP8_BACKWARD_MODES
 from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
-from calclip.fp8.config import check_fp8_combination, fp8_recipe_names, get_fp8_recipe
+from calclip.fp8.config import Fp8Config, check_fp8_combination, fp8_recipe_names, get_fp8_recipe
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
 from calclip.config_file import bounded_repr
@@ -35,6 +36,33 @@ SUPPORTED_LOSS_TYPES = AGGREGATIONS
 _DEFAULT_RAIL_NOTE = (" (unset, calibration_low_max is 1 - epsilon and calibration_high_min is 1 + epsilon_high: the "
                       "calibrated trust region is never tighter than the static one)")
 
+# The trainer config's fp8_* fields and the Fp8Config option each one sets: the trainer builds its Fp8Config from
+# this table (``CalibratedGRPOConfig.fp8_config``) and the config applies Fp8Config's rules between options to the
+# same values (``_validate_fp8``), so a new FP8 knob is its field plus one line here. A field is always "fp8_" + the
+# option's name (``_fp8_field`` spells Fp8Config's messages that way).
+FP8_CONFIG_FIELDS: dict[str, str] = {
+    "fp8_recipe": "recipe",
+    "fp8_backward": "backward",
+    "fp8_gemm": "gemm",
+    "fp8_power_of_two_scales": "power_of_two_scales",
+    "fp8_keep_first_n_layers": "keep_first_n_layers",
+    "fp8_keep_last_n_layers": "keep_last_n_layers",
+    "fp8_keep_patterns": "keep_patterns",  # plus "lm_head", always (fp8_config)
+    "fp8_decode_fused_max_m": "decode_fused_max_m",
+    "fp8_decode_group_siblings": "decode_group_siblings",
+    "fp8_share_sibling_inputs": "share_sibling_inputs",
+}
+# fp8_* fields that are the trainer's own, not Fp8Config options (none yet; ``fp8`` itself switches FP8 on).
+TRAINER_ONLY_FP8_FIELDS: tuple[str, ...] = ()
+# Fp8Config options with no trainer field, and why: set by the trainer itself, or left at Fp8Config's default.
+FP8_OPTIONS_WITHOUT_FIELD: dict[str, str] = {
+    "cache_weights": "set by the trainer: off when accelerate shards the parameters (FSDP, ZeRO-3)",
+    "block_size": "128: the only block the GPU kernels and vLLM's block-FP8 layers take",
+    "keep_last_fraction": "fp8_keep_last_n_layers says it in layers",
+    "fused_quantizer": "experimental, slower where measured (docs/usage.md, Experimental FP8 options)",
+    "scaled_mm_row_scales": "automatic: on wherever it applies",
+    "refresh_graph": "on; CALCLIP_REFRESH_GRAPH=0 switches it off for the process",
+}
 
 
 def _fp8_field(name: str) -> str:
@@ -377,13 +405,25 @@ class CalibratedGRPOConfig(GRPOConfig):
                              "FP8 codes serve fp8_recipe 'blockwise' only (block-FP8 weights); use the transformers "
                              "generate path (use_vllm False) or fp8_recipe 'blockwise'")
 
+    def _fp8_options(self) -> dict:
+        """The Fp8Config options of the fp8_* fields (FP8_CONFIG_FIELDS)."""
+        return {option: getattr(self, name) for name, option in FP8_CONFIG_FIELDS.items()}
+
+    def fp8_config(self, **trainer_options) -> Fp8Config:
+        """The Fp8Config of the fp8_* fields, with the options the trainer sets itself (``cache_weights``).
+
+        TRL computes log-probs from lm_head.weight directly (fused LM head), so the LM head always stays BF16."""
+        options = self._fp8_options()
+        options["keep_patterns"] = tuple(dict.fromkeys([*options["keep_patterns"], "lm_head"]))
+        return Fp8Config(**options, **trainer_options)
+
     def _validate_fp8(self) -> None:
-        """Fp8Config's rules between options (calclip.fp8.config.check_fp8_combination), on the fp8_* fields: the
-        trainer builds its Fp8Config from them, so a combination refused there is refused here, before training."""
-        check_fp8_combination(recipe=self.fp8_recipe, backward=self.fp8_backward, gemm=self.fp8_gemm,
-                              decode_fused_max_m=self.fp8_decode_fused_max_m,
-                              decode_group_siblings=self.fp8_decode_group_siblings,
-                              subject=_fp8_field, mention=_fp8_field)
+        """Fp8Config's rules between options (calclip.fp8.config.check_fp8_combination, the one place they are
+        written), on the values ``fp8_config`` hands Fp8Config: a combination refused there is refused here, before
+        training, naming the fp8_* fields."""
+        rule_options = inspect.signature(check_fp8_combination).parameters  # the options the rules read
+        check_fp8_combination(**{option: value for option, value in self._fp8_options().items()
+                                 if option in rule_options}, subject=_fp8_field, mention=_fp8_field)
 
     def _validate_calclip_fields(self) -> None:
         clip_mode_class(self.clip_mode)  # a registered clip mode; ValueError naming clip_mode and the keys otherwise
@@ -499,9 +539,7 @@ class CalibratedGRPOConfig(GRPOConfig):
             if name == "fp8_decode_fused_max_m" and self.fp8_decode_fused_max_m is None:
                 continue  # automatic
             _int_at_least(name, getattr(self, name), 1 if name == "repeat_ngram_size" else 0)
-        for name in ("fp8_decode_group_siblings", "fp8_share_sibling_inputs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        # fp8_decode_group_siblings and fp8_share_sibling_inputs are bools: check_field_types refuses anything else
         if self.fp8:
             self._validate_fp8()
         if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):

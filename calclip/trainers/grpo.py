@@ -103,7 +103,7 @@ from trl.trainer.utils import is_async_callable, nanmax, nanmin
 from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, torch_distributed_all_gather
 from calclip.calibration.state import FIT_SETTINGS
 from calclip.clipping import ClipPolicy, clip_policy_from_fields
-from calclip.fp8 import (Fp8Config, bf16_shadow, compile_repeated_blocks, frozen_fp8_weights, pop_nonfinite_count,
+from calclip.fp8 import (bf16_shadow, compile_repeated_blocks, frozen_fp8_weights, pop_nonfinite_count,
                          quantize_model)
 from calclip.fp8.regional_compile import eager_blocks, repeated_blocks
 from calclip.losses import (
@@ -420,24 +420,11 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ FP8 policy
 
     def _quantize_policy(self) -> None:
-        args = self.args
-        fp8_config = Fp8Config(
-            backward=args.fp8_backward,
-            gemm=args.fp8_gemm,
-            power_of_two_scales=args.fp8_power_of_two_scales,
-            decode_fused_max_m=args.fp8_decode_fused_max_m,
-            decode_group_siblings=args.fp8_decode_group_siblings,
-            share_sibling_inputs=args.fp8_share_sibling_inputs,
-            recipe=args.fp8_recipe,
-            keep_first_n_layers=args.fp8_keep_first_n_layers,
-            keep_last_n_layers=args.fp8_keep_last_n_layers,
-            # TRL computes log-probs from lm_head.weight directly (fused LM head), so the LM head always stays BF16.
-            keep_patterns=tuple(dict.fromkeys([*args.fp8_keep_patterns, "lm_head"])),
-            # Sharded parameters (FSDP, ZeRO-3) reach a layer's forward as a full weight all-gathered for that call
-            # and freed after it: cached codes would keep a full FP8 copy of every layer on every rank (undoing the
-            # sharding), keyed on a gather buffer whose pointer and version do not follow the weight's content.
-            cache_weights=not self._params_sharded(),
-        )
+        # The fp8_* fields through the config's one table (CalibratedGRPOConfig.fp8_config). Sharded parameters
+        # (FSDP, ZeRO-3) reach a layer's forward as a full weight all-gathered for that call and freed after it:
+        # cached codes would keep a full FP8 copy of every layer on every rank (undoing the sharding), keyed on a
+        # gather buffer whose pointer and version do not follow the weight's content.
+        fp8_config = self.args.fp8_config(cache_weights=not self._params_sharded())
         quantize_model(self.accelerator.unwrap_model(self.model), fp8_config)
 
     def _params_sharded(self) -> bool:
