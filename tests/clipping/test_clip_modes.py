@@ -178,3 +178,15 @@ def clip_mode_rows() -> list[str]:
 
 def test_usage_lists_exactly_the_registered_modes():
     assert _usage_rows() == clip_mode_rows(), "\n" + "\n".join(clip_mode_rows())
+
+
+def test_clipping_imports_neither_trl_nor_transformers():
+    # DESIGN.md layering: clipping sits on losses and calibration (torch only); a fresh interpreter, since other tests
+    # in this session may have imported TRL.
+    import subprocess
+    import sys
+
+    code = ("import sys, calclip.clipping\n"
+            "bad = sorted({m.split('.')[0] for m in sys.modules} & {'trl', 'transformers', 'accelerate'})\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT)
