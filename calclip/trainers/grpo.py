@@ -270,8 +270,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         for policy in (self.model, self.ref_model):
             if policy is not None:
                 use_rollout_positions(self.accelerator.unwrap_model(policy))
-        self.clip_policy: ClipPolicy = clip_policy_from_fields(
-            args.clip_mode, epsilon=args.epsilon, epsilon_high=args.clip_epsilon_high, dual_clip_c=args.dual_clip_c)
+        self._clip_policy = self._build_clip_policy()  # at init, so an unregistered clip_mode fails here
         self._prompt_token_limit = self._max_prompt_tokens()
         if args.check_dataset:
             self._check_datasets()
@@ -491,6 +490,23 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         return bf16_shadow(self.accelerator.unwrap_model(self.model))
 
     # ------------------------------------------------------------------------------------------ bounds
+
+    @property
+    def clip_policy(self) -> ClipPolicy:
+        """The run's clip policy (calclip.clipping), built from the config's clip fields. The trainer has always read
+        ``args.epsilon`` and ``args.epsilon_high`` at each step, so a change to them during training (a callback's
+        schedule) still takes effect: the policy is rebuilt when those fields change, and only then."""
+        if self._clip_fields() != self._clip_policy_fields:
+            self._clip_policy = self._build_clip_policy()
+        return self._clip_policy
+
+    def _clip_fields(self) -> tuple:
+        args = self.args
+        return args.clip_mode, args.epsilon, args.clip_epsilon_high, args.dual_clip_c
+
+    def _build_clip_policy(self) -> ClipPolicy:
+        self._clip_policy_fields = clip_mode, epsilon, epsilon_high, dual_clip_c = self._clip_fields()
+        return clip_policy_from_fields(clip_mode, epsilon=epsilon, epsilon_high=epsilon_high, dual_clip_c=dual_clip_c)
 
     @property
     def clip_mode(self) -> str:
