@@ -1,6 +1,6 @@
 """The calibration on enough tokens (docs/DESIGN.md steps 8-10): pooling over mini-batches, the minimum-evidence rule,
-default rails that never make the trust region tighter than static, out-of-sample drop scores, the oracle bounds,
-and the checks of a saved calibrator state."""
+default rails that never make the trust region tighter than static, out-of-sample drop scores
+(the oracle bounds: tests/clipping/test_oracle.py), and the checks of a saved calibrator state."""
 
 import copy
 import math
@@ -13,7 +13,6 @@ from calclip.calibration import (
     calibrate_bounds,
     drop_counts,
     drop_shares,
-    oracle_bounds,
 )
 from calclip.calibration.calibrator import POOL_LIMIT_FACTOR
 from calclip.losses import clipped_surrogate
@@ -160,33 +159,6 @@ def test_drop_counts_by_hand():
     nan_rq = rq.clone()
     nan_rq[0, 0] = float("nan")
     assert drop_counts(nan_rq, adv, mask, 0.8, ratio_bf16=rb, base_low=0.8).tolist() == [2.0, 1.0, 1.0, 0.0]
-
-
-def test_oracle_bounds_drop_exactly_the_tokens_bf16_drops():
-    """With the oracle's per-token bounds the surrogate's gradient is zero exactly on the tokens the BF16 shadow
-    clips (A<0 below 1-eps, A>0 above 1+eps) and equals the unclipped gradient -A*r everywhere else, whatever the
-    FP8 ratio of the token."""
-    gen = torch.Generator().manual_seed(3)
-    logp_old = -torch.rand(4, 12, generator=gen, dtype=torch.float64)
-    logp = (logp_old + 0.4 * torch.randn(4, 12, generator=gen, dtype=torch.float64)).requires_grad_()
-    ratio_bf16 = torch.exp(0.25 * torch.randn(4, 12, generator=gen, dtype=torch.float64))
-    adv = torch.tensor([-1.5, -0.5, 0.7, 2.0], dtype=torch.float64)
-    mask = torch.ones(4, 12, dtype=torch.bool)
-    ratio = torch.exp(logp.detach() - logp_old)
-    low, high = oracle_bounds(ratio, ratio_bf16, adv, base_low=0.8, base_high=1.2)
-    loss, stats = clipped_surrogate(logp, logp_old, adv, mask, low=low, high=high, aggregation="dr_grpo",
-                                    max_completion_length=1)  # sum of per-token losses
-    loss.backward()
-    a = adv.unsqueeze(-1).expand_as(ratio)
-    dropped = ((a < 0) & (ratio_bf16 < 0.8)) | ((a > 0) & (ratio_bf16 > 1.2))
-    assert 0 < int(dropped.sum()) < dropped.numel()
-    assert torch.equal(logp.grad[dropped], torch.zeros_like(logp.grad[dropped]))
-    torch.testing.assert_close(logp.grad[~dropped], (-a * ratio / 4)[~dropped], rtol=1e-12, atol=0)
-    neg = a < 0
-    assert stats["clip/neg_low_frac"].item() == pytest.approx(float(dropped[neg].double().mean()))
-    counts = drop_counts(ratio, adv, mask, low, ratio_bf16=ratio_bf16, base_low=0.8)
-    shares = drop_shares(counts)
-    assert shares["drop_recall"] == 1.0 and shares["drop_precision"] == 1.0
 
 
 # ------------------------------------------------------------------------------------------- saved state checks

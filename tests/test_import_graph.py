@@ -1,6 +1,8 @@
 """calclip's internal import graph (tests/_import_graph.py reads it from the source with ast): no import
-cycle, and no runtime module imports the test fixtures of calclip.testing."""
+cycle, and no runtime module imports the test fixtures of calclip.testing; and no cycle between calclip's
+subpackages, imports inside functions included (read here with ast, on its own)."""
 
+import ast
 import sys
 from pathlib import Path
 
@@ -26,3 +28,82 @@ def test_runtime_modules_do_not_import_the_test_fixtures():
     _, graph = _probe().graph_of(ROOT / "calclip")
     importers = sorted(module for module, imported in graph.items() if "calclip.testing" in imported)
     assert importers == []
+
+
+# ------------------------------------------------------------------------------------ cycles between subpackages
+
+def _unit_graph(root: Path) -> dict[str, set[str]]:
+    """package unit -> the units it imports, read from the source with ast (nothing is imported). A unit is a
+    subpackage (calclip.trainers, with everything under it) or a top-level module (calclip.tasks); every import
+    statement counts, including those inside functions (a deferred import hides a cycle, it does not remove one)."""
+    top = root.name
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def unit(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else top
+
+    graph: dict[str, set[str]] = {unit(module): set() for module in modules}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: against this module's package
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                targets = [f"{base}.{alias.name}" for alias in node.names]  # a submodule, or a name in base
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:  # a name inside a module: the module
+                    target = target.rpartition(".")[0]
+                if target and unit(target) != unit(module):
+                    graph[unit(module)].add(unit(target))
+    return graph
+
+
+def _units_on_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """The units that can reach themselves."""
+    def reachable(start):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            node = todo.pop()
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph.get(node, ()))
+        return seen
+
+    return sorted(node for node in graph if node in reachable(node))
+
+
+def test_the_subpackage_check_sees_imports_inside_functions(tmp_path):
+    package = tmp_path / "pkg"
+    for path, text in {
+        "__init__.py": "",
+        "a/__init__.py": "from pkg.a.inner import thing\n",
+        "a/inner.py": "def thing():\n    from pkg.b import other  # deferred\n    return other\n",
+        "b/__init__.py": "from .mod import other\n",
+        "b/mod.py": "def other():\n    from ..a import inner\n    return inner\n",
+        "c.py": "import pkg.b.mod\n",
+    }.items():
+        (package / path).parent.mkdir(parents=True, exist_ok=True)
+        (package / path).write_text(text)
+    graph = _unit_graph(package)
+    assert graph == {"pkg": set(), "a": {"b"}, "b": {"a"}, "c": {"b"}}
+    assert _units_on_cycles(graph) == ["a", "b"]
+
+
+def test_no_import_cycle_between_subpackages_lazy_imports_included():
+    graph = _unit_graph(ROOT / "calclip")
+    assert {"losses", "calibration"} <= graph["clipping"] and "clipping" in graph["trainers"]  # really read
+    assert "cli" not in graph["compare"]  # calclip compare reads calclip train's arguments from calclip.trainers
+    assert _units_on_cycles(graph) == []
+    # the math rooms import nothing of calclip's above them (fp8 and losses nothing at all)
+    assert graph["losses"] == set() and graph["fp8"] == set() and graph["calibration"] <= {"losses"}
+    assert graph["clipping"] <= {"losses", "calibration"}

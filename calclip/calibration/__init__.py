@@ -11,8 +11,8 @@ on the FP8 ratios so that the same share is clipped (DESIGN.md, "The calibration
 - ``pool``: the tokens a calibration rests on, pooled over mini-batches and ranks (step 8).
 - ``calibrator``: ``ClipCalibrator``, the stateful object a trainer holds (schedules, minimum evidence, EMA,
   rails, ranks, checkpointing); ``state``: the checks of a saved state.
-- ``drops``: which A<0 penalties a bound drops against the ones BF16 drops (out-of-sample scoring, step 10), and
-  the oracle bounds that drop exactly those.
+- ``drops``: which A<0 penalties a bound drops against the ones BF16 drops (out-of-sample scoring, step 10; the
+  bounds that drop exactly those are the oracle clip mode's, ``calclip.clipping.oracle``).
 - ``distributed``: ``torch_distributed_all_gather``, the ``all_gather`` callable for ``ClipCalibrator``.
 
 Imports torch only.
@@ -20,10 +20,10 @@ Imports torch only.
 
 from calclip.calibration.calibrator import DEFAULT_MIN_TOKENS, SCHEDULES, ClipCalibrator
 from calclip.calibration.distributed import AllGather, torch_distributed_all_gather
-from calclip.calibration.drops import drop_counts, drop_shares, oracle_bounds
+from calclip.calibration.drops import drop_counts, drop_shares
 from calclip.calibration.fit import UPPER_MODES, CalibrationResult, calibrate_bounds, fit_bounds
 
 __all__ = [
     "AllGather", "CalibrationResult", "ClipCalibrator", "DEFAULT_MIN_TOKENS", "SCHEDULES", "UPPER_MODES",
-    "calibrate_bounds", "drop_counts", "drop_shares", "fit_bounds", "oracle_bounds", "torch_distributed_all_gather",
+    "calibrate_bounds", "drop_counts", "drop_shares", "fit_bounds", "torch_distributed_all_gather",
 ]  # fmt: skip

@@ -1,5 +1,4 @@
-"""Which negative-advantage penalties a lower bound drops, scored against the ones BF16 drops (DESIGN.md step 10),
-and the oracle bounds that drop exactly those.
+"""Which negative-advantage penalties a lower bound drops, scored against the ones BF16 drops (DESIGN.md step 10).
 
 A token with A < 0 whose ratio is below the lower bound sits on the constant branch of the PPO objective: its
 gradient is zero, its penalty dropped. The set FP8 drops at the bounds in force is compared with the set the BF16
@@ -12,9 +11,7 @@ Scored on tokens the bounds were not fitted on, these say whether a calibration 
 fitted on they say nothing. ``drop_counts`` returns counts, so a trainer sums them over ranks and mini-batches
 before dividing.
 
-``oracle_bounds`` gives per-token bounds under which the clipped surrogate drops exactly the tokens the BF16
-shadow drops (A<0 below 1-eps_low, A>0 above 1+eps_high) and keeps every other token's unclipped gradient: the best
-any calibration of the FP8 ratios can do, as a reference arm.
+The bounds that drop exactly BF16's drops are the ``oracle`` clip mode's (``calclip.clipping.oracle``).
 """
 
 from __future__ import annotations
@@ -72,29 +69,3 @@ def drop_shares(counts: Tensor) -> dict[str, float]:
         shares["drop_precision"] = both / fp8
     return shares
 
-
-def oracle_bounds(
-    ratio_fp8: Tensor,  # [B, T] ratios the loss uses
-    ratio_bf16: Tensor,  # [B, T] BF16 shadow ratios of the same tokens
-    advantages: Tensor,  # [B] or [B, T]
-    *,
-    base_low: float,  # 1 - eps_low
-    base_high: float,  # 1 + eps_high
-) -> tuple[Tensor, Tensor]:
-    """Per-token (low, high) [B, T] with which ``clipped_surrogate`` clips exactly the tokens BF16 clips.
-
-    A token BF16 drops gets low = high = c with c on the clipped side of its own ratio (c = r + 1 > r for A < 0,
-    c = r / 2 < r for A > 0), so min(r*A, clip(r, c, c)*A) = c*A is constant: zero gradient. Every other token gets
-    [0, inf): clip(r) = r, the unclipped gradient. Non-finite ratios get the static bounds.
-    """
-    ratio_fp8 = ratio_fp8.detach()
-    adv = _per_token(advantages, ratio_fp8)
-    drop_neg = (adv < 0) & (ratio_bf16 < base_low)
-    drop_pos = (adv > 0) & (ratio_bf16 > base_high)
-    inf = torch.full_like(ratio_fp8, float("inf"))
-    low = torch.where(drop_neg, ratio_fp8 + 1.0, torch.where(drop_pos, ratio_fp8 / 2, torch.zeros_like(ratio_fp8)))
-    high = torch.where(drop_neg, ratio_fp8 + 1.0, torch.where(drop_pos, ratio_fp8 / 2, inf))
-    finite = torch.isfinite(ratio_fp8) & torch.isfinite(ratio_bf16)
-    low = torch.where(finite, low, torch.full_like(low, base_low))
-    high = torch.where(finite, high, torch.full_like(high, base_high))
-    return low, high

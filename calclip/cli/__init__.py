@@ -1,6 +1,7 @@
 """``calclip train | demo | diagnose | compare``: one module per command (train.py, demo.py, diagnose.py,
-compare.py) and the arguments they share (arguments.py). ``main`` imports only the command it runs, so the
-usage text and ``calclip compare --list-arms`` start without torch or TRL.
+compare.py). The arguments they share are ``calclip.trainers.arguments`` (re-exported as arguments.py), which
+``calclip.compare`` reads too, so the imports run one way: cli -> compare -> trainers. ``main`` imports only the
+command it runs, so the usage text and ``calclip compare --list-arms`` start without torch or TRL.
 
 - ``calclip train --config configs/fp8_calibrated.yaml [--field value ...]``: a training run (train.py).
 - ``calclip demo``: the embedded default run on SmolLM2-135M-Instruct, CPU, with a closing table (demo.py).

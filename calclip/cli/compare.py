@@ -4,10 +4,9 @@ each an ordinary ``calclip train`` run in its own folder; metrics files, a Markd
 
 from __future__ import annotations
 
+from calclip.compare.command import main as compare_main
+
 
 def compare(argv: list[str] | None = None) -> int:
     """``calclip compare`` (calclip.compare.command). Returns the exit status."""
-    from calclip.compare.command import main as compare_main
-
     return compare_main(argv)
-

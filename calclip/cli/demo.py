@@ -13,7 +13,7 @@ import time
 import warnings
 from pathlib import Path
 
-from calclip.cli.arguments import ScriptArguments, config_class, resolve_dtype
+from calclip.trainers.arguments import ScriptArguments, config_class, resolve_dtype
 from calclip.cli.progress import use_compact_progress_bar
 from calclip.cli.train import build_trainer
 

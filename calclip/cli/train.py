@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from calclip.cli.arguments import ScriptArguments, parse_train_args, resolve_dtype
+from calclip.trainers.arguments import ScriptArguments, parse_train_args, resolve_dtype
 
 
 def build_trainer(script_args: ScriptArguments, training_args, *, callbacks=None, model=None, tokenizer=None):

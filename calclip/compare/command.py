@@ -24,9 +24,10 @@ from calclip.compare import folder, report
 from calclip.compare.arms import (
     DEFAULT_ARMS, PRESETS, RUN_FIELDS, Arm, arm_fields, looks_like_a_flag, parse_arm_spec, resolve_arms,
 )
+from calclip.compare.runner import FAILED, FINISHED, RunSpec, run_grid
+from calclip.trainers.arguments import ScriptArguments, parse_train_args
 from calclip.trainers.field_checks import SEED_MAX
 from calclip.trainers.run_outputs import METRICS_FILE
-from calclip.compare.runner import FAILED, FINISHED, RunSpec, run_grid
 
 EXIT_OK, EXIT_FAILED_RUNS, EXIT_USAGE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -194,8 +195,6 @@ def _print_summary(root, report_path, figure, note, windows, partial: bool = Fal
 def _resolve(arm: Arm, config_path: str, train_flags: list[str], root: Path) -> dict:
     """The `calclip train` config of the arm's runs (ScriptArguments + trainer config fields), as TrlParser
     resolves it; a refused value raises ValueError naming the arm."""
-    from calclip.cli.arguments import parse_train_args
-
     argv = _train_argv(arm, config_path, train_flags, 0, folder.run_directory(root, arm.name, 0))
     try:
         script_args, training_args = parse_train_args(argv)
@@ -209,8 +208,7 @@ def _resolve(arm: Arm, config_path: str, train_flags: list[str], root: Path) -> 
 def _field_defaults() -> dict:
     """Every `calclip train` field with a plain default (ScriptArguments, CalibratedGRPOConfig), JSON-normalized like
     the folder's configs: what a field the folder's record lacks stood at when that folder was made."""
-    from calclip.cli.arguments import ScriptArguments
-    from calclip.trainers.config import CalibratedGRPOConfig
+    from calclip.trainers.config import CalibratedGRPOConfig  # imports TRL: only when asked for
 
     defaults = {}
     for cls in (ScriptArguments, CalibratedGRPOConfig):
@@ -257,8 +255,7 @@ def _check_train_flags(flags: list[str], arms: list[Arm]) -> None:
 
 def _train_field_names() -> set[str]:
     """Every field `calclip train` takes (ScriptArguments and the DAPO config, a superset of the GRPO one)."""
-    from calclip.cli.arguments import ScriptArguments
-    from calclip.trainers.config import CalibratedDAPOConfig
+    from calclip.trainers.config import CalibratedDAPOConfig  # imports TRL: only when asked for
 
     return {field.name for cls in (ScriptArguments, CalibratedDAPOConfig) for field in dataclasses.fields(cls)}
 

@@ -1,7 +1,9 @@
-"""Clip modes chosen by name from YAML.
+"""The names of the built-in clip modes.
 
-The keys are the Enum values; ``@unique`` makes a duplicate value an import-time error (a plain Enum would
-silently alias it), and docs list ``clip_mode_names()`` so docs and keys cannot disagree.
+``@unique`` makes a duplicate value an import-time error (a plain Enum would silently alias it). Each name is
+registered with its ``ClipPolicy`` by ``calclip.clipping`` (the registry a config's ``clip_mode`` is looked up in,
+which may hold further modes); the Enum stays here, in the bottom layer, so that ``calclip.losses`` imports nothing
+of calclip's above it.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ calibrated loss does not implement are rejected here (named) rather than silentl
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -17,18 +18,18 @@ from trl import GRPOConfig
 from calclip.calibration import DEFAULT_MIN_TOKENS
 from calclip.calibration import SCHEDULES as CALIBRATION_SCHEDULES
 from calclip.calibration import UPPER_MODES as CALIBRATION_UPPER_MODES
+from calclip.clipping import ClipFields, clip_mode_class, registered_clip_modes
 from calclip.fp8.config import BACKWARD_MODES as FP8_BACKWARD_MODES
 from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
-from calclip.fp8.config import check_fp8_combination, fp8_recipe_names
+from calclip.fp8.config import Fp8Config, check_fp8_combination, fp8_recipe_names
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
-from calclip.losses.registry import clip_mode_names
 from calclip.config_file import bounded_repr
 from calclip.trainers.callbacks import SPIKE_WINDOW_MAX
 from calclip.trainers.field_checks import check_field_types, check_inherited_ranges, resume_flag
 
 # The allowed values come from the modules that implement them, so the config and the code cannot disagree.
-CLIP_MODES = clip_mode_names()
+CLIP_MODES = registered_clip_modes()  # the built-in modes (calclip.clipping's registry at import)
 FP8_RECIPES = fp8_recipe_names()
 OLD_LOGPS_SOURCES = ("trainer", "rollout")
 # vLLM 0.24 kv_cache_dtype values for a dense policy: the model dtype, or FP8 (fp8 is fp8_e4m3 on CUDA).
@@ -37,8 +38,34 @@ VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 SUPPORTED_LOSS_TYPES = AGGREGATIONS
 _DEFAULT_RAIL_NOTE = (" (unset, calibration_low_max is 1 - epsilon and calibration_high_min is 1 + epsilon_high: the "
                       "calibrated trust region is never tighter than the static one)")
-# DAPO paper (arXiv 2503.14476): clip-higher with eps_low 0.2, eps_high 0.28.
-CLIP_HIGHER_DEFAULT_EPSILON_HIGH = 0.28
+
+# The trainer config's fp8_* fields and the Fp8Config option each one sets: the trainer builds its Fp8Config from
+# this table (``CalibratedGRPOConfig.fp8_config``) and the config applies Fp8Config's rules between options to the
+# same values (``_validate_fp8``), so a new FP8 knob is its field plus one line here. A field is always "fp8_" + the
+# option's name (``_fp8_field`` spells Fp8Config's messages that way).
+FP8_CONFIG_FIELDS: dict[str, str] = {
+    "fp8_recipe": "recipe",
+    "fp8_backward": "backward",
+    "fp8_gemm": "gemm",
+    "fp8_power_of_two_scales": "power_of_two_scales",
+    "fp8_keep_first_n_layers": "keep_first_n_layers",
+    "fp8_keep_last_n_layers": "keep_last_n_layers",
+    "fp8_keep_patterns": "keep_patterns",  # plus "lm_head", always (fp8_config)
+    "fp8_decode_fused_max_m": "decode_fused_max_m",
+    "fp8_decode_group_siblings": "decode_group_siblings",
+    "fp8_share_sibling_inputs": "share_sibling_inputs",
+}
+# fp8_* fields that are the trainer's own, not Fp8Config options (none yet; ``fp8`` itself switches FP8 on).
+TRAINER_ONLY_FP8_FIELDS: tuple[str, ...] = ()
+# Fp8Config options with no trainer field, and why: set by the trainer itself, or left at Fp8Config's default.
+FP8_OPTIONS_WITHOUT_FIELD: dict[str, str] = {
+    "cache_weights": "set by the trainer: off when accelerate shards the parameters (FSDP, ZeRO-3)",
+    "block_size": "128: the only block the GPU kernels and vLLM's block-FP8 layers take",
+    "keep_last_fraction": "fp8_keep_last_n_layers says it in layers",
+    "fused_quantizer": "experimental, slower where measured (docs/usage.md, Experimental FP8 options)",
+    "scaled_mm_row_scales": "automatic: on wherever it applies",
+    "refresh_graph": "on; CALCLIP_REFRESH_GRAPH=0 switches it off for the process",
+}
 
 
 def _fp8_field(name: str) -> str:
@@ -348,23 +375,21 @@ class CalibratedGRPOConfig(GRPOConfig):
         check_inherited_ranges(self)
         super().__post_init__()
         self._validate_calclip_fields()
-        if self.clip_mode == "clip_higher" and self.epsilon_high is None:
-            self.epsilon_high = CLIP_HIGHER_DEFAULT_EPSILON_HIGH
-        if self.clip_mode == "clip_higher" and self.epsilon_high <= self.epsilon:
-            raise ValueError(
-                f"epsilon_high ({self.epsilon_high}) must be > epsilon ({self.epsilon}) with clip_mode='clip_higher'"
-            )
-        if self.clip_mode in ("calibrated", "oracle") and not self.calibration_is_meaningful:
-            warnings.warn(
-                f"clip_mode={self.clip_mode!r} but every mini-batch is on-policy: gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps}) is a multiple of steps_per_generation * num_iterations "
-                f"({self.steps_per_generation} * {self.num_iterations}), so no optimizer step falls inside a "
-                "generation round, TRL computes no old log-probs and the ratio is exactly 1; calibration never "
-                "sees a moved policy and the bounds stay at calibration_init_bounds. Raise steps_per_generation or "
-                "num_iterations (or use old_logps_source='rollout' with vLLM).",
-                UserWarning,
-                stacklevel=2,
-            )
+        self._apply_clip_mode_rules()
+
+    def _apply_clip_mode_rules(self) -> None:
+        """The clip mode's own rules (``ClipPolicy.config_rules``, calclip.clipping) on this config's values; a
+        default the mode fills in (clip_higher's epsilon_high) is written back."""
+        on_policy_reason = None if self.calibration_is_meaningful else (
+            f"gradient_accumulation_steps ({self.gradient_accumulation_steps}) is a multiple of steps_per_generation "
+            f"* num_iterations ({self.steps_per_generation} * {self.num_iterations}), so no optimizer step falls "
+            "inside a generation round, TRL computes no old log-probs and the ratio is exactly 1; calibration never "
+            "sees a moved policy and the bounds stay at calibration_init_bounds. Raise steps_per_generation or "
+            "num_iterations (or use old_logps_source='rollout' with vLLM).")
+        fields = clip_mode_class(self.clip_mode).config_rules(ClipFields(
+            epsilon=self.epsilon, epsilon_high=self.epsilon_high,
+            importance_sampling_level=self.importance_sampling_level, on_policy_reason=on_policy_reason))
+        self.epsilon_high = fields.epsilon_high
 
         self._warn_on_calibration_that_cannot_work()
 
@@ -428,16 +453,28 @@ class CalibratedGRPOConfig(GRPOConfig):
         high_min = 1.0 + self.clip_epsilon_high if self.calibration_high_min is None else self.calibration_high_min
         return high_min, self.calibration_high_max
 
+    def _fp8_options(self) -> dict:
+        """The Fp8Config options of the fp8_* fields (FP8_CONFIG_FIELDS)."""
+        return {option: getattr(self, name) for name, option in FP8_CONFIG_FIELDS.items()}
+
+    def fp8_config(self, **trainer_options) -> Fp8Config:
+        """The Fp8Config of the fp8_* fields, with the options the trainer sets itself (``cache_weights``).
+
+        TRL computes log-probs from lm_head.weight directly (fused LM head), so the LM head always stays BF16."""
+        options = self._fp8_options()
+        options["keep_patterns"] = tuple(dict.fromkeys([*options["keep_patterns"], "lm_head"]))
+        return Fp8Config(**options, **trainer_options)
+
     def _validate_fp8(self) -> None:
-        """Fp8Config's rules between options (calclip.fp8.config.check_fp8_combination), on the fp8_* fields: the
-        trainer builds its Fp8Config from them, so a combination refused there is refused here, before training."""
-        check_fp8_combination(recipe=self.fp8_recipe, backward=self.fp8_backward, gemm=self.fp8_gemm,
-                              decode_fused_max_m=self.fp8_decode_fused_max_m,
-                              decode_group_siblings=self.fp8_decode_group_siblings,
-                              subject=_fp8_field, mention=_fp8_field)
+        """Fp8Config's rules between options (calclip.fp8.config.check_fp8_combination, the one place they are
+        written), on the values ``fp8_config`` hands Fp8Config: a combination refused there is refused here, before
+        training, naming the fp8_* fields."""
+        rule_options = inspect.signature(check_fp8_combination).parameters  # the options the rules read
+        check_fp8_combination(**{option: value for option, value in self._fp8_options().items()
+                                 if option in rule_options}, subject=_fp8_field, mention=_fp8_field)
 
     def _validate_calclip_fields(self) -> None:
-        _one_of("clip_mode", self.clip_mode, CLIP_MODES)
+        clip_mode_class(self.clip_mode)  # a registered clip mode; ValueError naming clip_mode and the keys otherwise
         _one_of("calibration_schedule", self.calibration_schedule, CALIBRATION_SCHEDULES)
         _one_of("calibration_upper", self.calibration_upper, CALIBRATION_UPPER_MODES)
         _one_of("tis_mode", self.tis_mode, TIS_MODES)
@@ -542,11 +579,6 @@ class CalibratedGRPOConfig(GRPOConfig):
                 "vllm_importance_sampling_correction must be False when old_logps_source='rollout': the ratio is "
                 "already pi/pi_rollout, and TRL's correction would weight the loss by pi_old/pi_rollout a second time"
             )
-        if self.clip_mode in ("calibrated", "oracle") and self.importance_sampling_level != "token":
-            raise ValueError(
-                f"clip_mode={self.clip_mode!r} needs importance_sampling_level='token': the bounds are set on token "
-                f"ratios and would be applied to sequence ratios, got {self.importance_sampling_level!r}"
-            )
         needs_rollout_logps = self.tis_mode != "none" or self.old_logps_source == "rollout"
         if self.use_transformers_continuous_batching and needs_rollout_logps:
             raise ValueError(
@@ -564,9 +596,7 @@ class CalibratedGRPOConfig(GRPOConfig):
             if name == "fp8_decode_fused_max_m" and self.fp8_decode_fused_max_m is None:
                 continue  # automatic
             _int_at_least(name, getattr(self, name), 1 if name == "repeat_ngram_size" else 0)
-        for name in ("fp8_decode_group_siblings", "fp8_share_sibling_inputs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        # fp8_decode_group_siblings and fp8_share_sibling_inputs are bools: check_field_types refuses anything else
         if self.fp8:
             self._validate_fp8()
         if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):

@@ -101,9 +101,10 @@ from trl import GRPOTrainer
 from trl.generation import vllm_generation as trl_vllm_generation
 from trl.trainer.utils import is_async_callable, nanmax, nanmin
 
-from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, oracle_bounds, torch_distributed_all_gather
+from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, torch_distributed_all_gather
 from calclip.calibration.state import FIT_SETTINGS, check_state, check_state_against_run
-from calclip.fp8 import (Fp8Config, bf16_shadow, compile_repeated_blocks, frozen_fp8_weights, pop_nonfinite_count,
+from calclip.clipping import ClipPolicy, clip_policy_from_fields
+from calclip.fp8 import (bf16_shadow, compile_repeated_blocks, frozen_fp8_weights, pop_nonfinite_count,
                          quantize_model)
 from calclip.fp8.regional_compile import eager_blocks, repeated_blocks
 from calclip.losses import (
@@ -115,7 +116,6 @@ from calclip.losses import (
     token_log_ratio,
     token_mult_prob_error,
 )
-from calclip.losses.registry import ClipMode, get_clip_mode
 from calclip.ratio_distributions import split_ratios
 from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
 from calclip.trainers.run_lock import claim_output_dir
@@ -236,7 +236,9 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     """Drop-in ``GRPOTrainer`` (same arguments) that takes a ``CalibratedGRPOConfig``.
 
     Attributes: ``calibrator`` (``calclip.calibration.ClipCalibrator``), ``spike_detector``
-    (``EntropySpikeDetector``), ``clip_mode`` (``ClipMode``), ``clip_bounds`` (the (low, high) in force).
+    (``EntropySpikeDetector``), ``clip_policy`` (the run's ``calclip.clipping.ClipPolicy``, from ``clip_mode``; the
+    trainer asks it, never the mode's name), ``clip_mode`` (its registry key), ``clip_bounds`` (the (low, high) in
+    force).
     """
 
     _tag_names = [*GRPOTrainer._tag_names, "calclip"]
@@ -288,7 +290,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         for policy in (self.model, self.ref_model):
             if policy is not None:
                 use_rollout_positions(self.accelerator.unwrap_model(policy))
-        self.clip_mode = get_clip_mode(args.clip_mode)
+        self._clip_policy = self._build_clip_policy()  # at init, so an unregistered clip_mode fails here
         self._prompt_token_limit = self._max_prompt_tokens()
         if args.check_dataset:
             self._check_datasets()
@@ -437,24 +439,11 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ FP8 policy
 
     def _quantize_policy(self) -> None:
-        args = self.args
-        fp8_config = Fp8Config(
-            backward=args.fp8_backward,
-            gemm=args.fp8_gemm,
-            power_of_two_scales=args.fp8_power_of_two_scales,
-            decode_fused_max_m=args.fp8_decode_fused_max_m,
-            decode_group_siblings=args.fp8_decode_group_siblings,
-            share_sibling_inputs=args.fp8_share_sibling_inputs,
-            recipe=args.fp8_recipe,
-            keep_first_n_layers=args.fp8_keep_first_n_layers,
-            keep_last_n_layers=args.fp8_keep_last_n_layers,
-            # TRL computes log-probs from lm_head.weight directly (fused LM head), so the LM head always stays BF16.
-            keep_patterns=tuple(dict.fromkeys([*args.fp8_keep_patterns, "lm_head"])),
-            # Sharded parameters (FSDP, ZeRO-3) reach a layer's forward as a full weight all-gathered for that call
-            # and freed after it: cached codes would keep a full FP8 copy of every layer on every rank (undoing the
-            # sharding), keyed on a gather buffer whose pointer and version do not follow the weight's content.
-            cache_weights=not self._params_sharded(),
-        )
+        # The fp8_* fields through the config's one table (CalibratedGRPOConfig.fp8_config). Sharded parameters
+        # (FSDP, ZeRO-3) reach a layer's forward as a full weight all-gathered for that call and freed after it:
+        # cached codes would keep a full FP8 copy of every layer on every rank (undoing the sharding), keyed on a
+        # gather buffer whose pointer and version do not follow the weight's content.
+        fp8_config = self.args.fp8_config(cache_weights=not self._params_sharded())
         quantize_model(self.accelerator.unwrap_model(self.model), fp8_config)
 
     def _params_sharded(self) -> bool:
@@ -523,11 +512,31 @@ class CalibratedGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ bounds
 
     @property
+    def clip_policy(self) -> ClipPolicy:
+        """The run's clip policy (calclip.clipping), built from the config's clip fields. The trainer has always read
+        ``args.epsilon`` and ``args.epsilon_high`` at each step, so a change to them during training (a callback's
+        schedule) still takes effect: the policy is rebuilt when those fields change, and only then."""
+        if self._clip_fields() != self._clip_policy_fields:
+            self._clip_policy = self._build_clip_policy()
+        return self._clip_policy
+
+    def _clip_fields(self) -> tuple:
+        args = self.args
+        return args.clip_mode, args.epsilon, args.clip_epsilon_high, args.dual_clip_c
+
+    def _build_clip_policy(self) -> ClipPolicy:
+        self._clip_policy_fields = clip_mode, epsilon, epsilon_high, dual_clip_c = self._clip_fields()
+        return clip_policy_from_fields(clip_mode, epsilon=epsilon, epsilon_high=epsilon_high, dual_clip_c=dual_clip_c)
+
+    @property
+    def clip_mode(self) -> str:
+        """The clip mode's registry key (``clip_mode`` of the config)."""
+        return self.clip_policy.name
+
+    @property
     def clip_bounds(self) -> tuple[float, float]:
         """(low, high) ratio bounds in force."""
-        if self.clip_mode is ClipMode.CALIBRATED:
-            return self.calibrator.bounds
-        return 1.0 - self.args.epsilon, 1.0 + self.args.clip_epsilon_high
+        return self.clip_policy.bounds_in_force(self.calibrator)
 
     @property
     def _generate_every(self) -> int:
@@ -547,15 +556,15 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         return self.args.old_logps_source == "rollout" or "old_per_token_logps" in inputs
 
     def _shadow_active(self) -> bool:
-        """Shadow calibrations run in calibrated mode, and for FP8-vs-BF16 monitoring in the other modes."""
-        return self.args.fp8 or self.clip_mode in (ClipMode.CALIBRATED, ClipMode.ORACLE)
+        """Shadow forwards run where the clip mode's bounds need them, and with FP8 for FP8-vs-BF16 monitoring."""
+        return self.args.fp8 or self.clip_policy.needs_shadow
 
     def _shadow_due_this_round(self) -> bool:
         """Whether a shadow calibration may fall in the optimizer steps fed by the generation happening now."""
         if not (self._shadow_active() and self.args.calibration_is_meaningful):
             return False
-        if self.clip_mode is ClipMode.ORACLE:
-            return True  # the oracle's bounds are the shadow's clip decisions on every moved mini-batch
+        if self.clip_policy.needs_shadow_this_step(calibration_due=False):
+            return True  # a mode whose bounds need the shadow on every moved mini-batch (the oracle)
         # The round's micro-batches are self._step ... self._step + generate_every - 1; count the optimizer steps they
         # span (one more than generate_every / GA when a round straddles a step boundary).
         accumulation = self.args.gradient_accumulation_steps
@@ -674,7 +683,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         calibration_stats, ratio_fp8, ratio_bf16 = ({}, None, None)
         if mode == "train":
             calibration_stats, ratio_fp8, ratio_bf16 = self._calibrate(inputs, logps, old_logps, advantages, mask)
-        low, high = self._clip_bounds_for(advantages, ratio_fp8, ratio_bf16)
+        low, high, dual_clip_c = self.clip_policy.batch_bounds(self.clip_bounds, ratio_fp8=ratio_fp8,
+                                                               ratio_bf16=ratio_bf16, advantages=advantages)
         if ratio_fp8 is not None:
             self._log_drop_scores(ratio_fp8, ratio_bf16, advantages, mask, low)
         is_weights = self._rollout_correction(inputs, old_logps, mask, stats)
@@ -697,7 +707,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             mask,
             low=low,
             high=high,
-            dual_clip_c=self.args.dual_clip_c if self.clip_mode is ClipMode.DUAL_CLIP else None,
+            dual_clip_c=dual_clip_c,
             level=self.importance_sampling_level,
             aggregation=self.loss_type,
             max_completion_length=self.max_completion_length,
@@ -794,7 +804,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         if not self._shadow_active():
             return {}, ratio_fp8, None  # a BF16 run with static bounds: its own drops are still scored
         due = self.calibrator.needs_calibration(self.state.global_step)
-        if due or self.clip_mode is ClipMode.ORACLE:
+        if self.clip_policy.needs_shadow_this_step(due):
             ratio_bf16, bf16_logps = self._shadow_ratio(inputs, logps, ratio_fp8)
             if ratio_bf16 is None:  # no shadow old log-probs for this round: stays due, the next round has them
                 return {}, ratio_fp8, None
@@ -809,7 +819,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 name = "mismatch/fp8_bf16_token_mult_prob_error"
                 stats.update(self._global_token_means({name: (local_mean * count, count)}))
             return stats, ratio_fp8, ratio_bf16
-        if self.args.calibration_schedule == "every_step" and self.clip_mode is ClipMode.CALIBRATED:
+        if self.args.calibration_schedule == "every_step" and self.clip_policy.uses_calibrator:
             if self.calibrator.calibrated:
                 self.calibrator.observe(None, ratio_fp8, advantages, mask)
         return {}, ratio_fp8, None
@@ -828,13 +838,6 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         for name, value in self.calibrator.commit(self.state.global_step).items():
             if name not in ("calib/low", "calib/high"):  # the bounds in force are logged with every loss
                 self._metrics["train"][name].append(float(value))
-
-    def _clip_bounds_for(self, advantages, ratio_fp8, ratio_bf16):
-        """The (low, high) the loss uses: the bounds in force, or per token the oracle's (when a shadow ran)."""
-        if self.clip_mode is ClipMode.ORACLE and ratio_bf16 is not None:
-            return oracle_bounds(ratio_fp8, ratio_bf16, advantages, base_low=1.0 - self.args.epsilon,
-                                 base_high=1.0 + self.args.clip_epsilon_high)  # fmt: skip
-        return self.clip_bounds
 
     def _log_drop_scores(self, ratio_fp8, ratio_bf16, advantages, mask, low) -> None:
         """Out-of-sample scores of the lower bound in force (DESIGN.md step 10) on a moved mini-batch: counts
@@ -1044,7 +1047,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         if not report.spike:
             return
         message = report.message(step, entropy, entropy_neg)
-        if self.args.recalibrate_on_spike and self.clip_mode is ClipMode.CALIBRATED:
+        if self.args.recalibrate_on_spike and self.clip_policy.uses_calibrator:
             self.calibrator.request_recalibration()
             message += "; recalibration requested"
         warnings.warn(message, RuntimeWarning, stacklevel=2)
@@ -1079,7 +1082,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
 
     def _calibration_settings(self) -> dict:
         """The trainer settings besides the calibrator's own under which its bounds were fitted."""
-        return {"fp8": self.args.fp8, "fp8_recipe": self.args.fp8_recipe, "clip_mode": self.clip_mode.value}
+        return {"fp8": self.args.fp8, "fp8_recipe": self.args.fp8_recipe, "clip_mode": self.clip_mode}
 
     def calclip_state_dict(self) -> dict:
         return {"calibrator": self.calibrator.state_dict(), "spike_detector": self.spike_detector.state_dict(),
