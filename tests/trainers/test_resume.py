@@ -80,6 +80,7 @@ def _copy(saved_run, tmp_path):
     return target
 
 
+@pytest.mark.slow
 def test_a_complete_save_writes_the_expected_files_and_records_them(saved_run):
     for step in (2, 4):
         folder = saved_run / f"checkpoint-{step}"

@@ -48,6 +48,7 @@ def _expected(values):
     return torch.tensor(out, dtype=torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [math.inf, -math.inf])
 def test_infinite_reward_excludes_only_that_completion(tmp_path, broken):
     advantages, metrics, warned = _advantages(tmp_path / "inf", broken)
@@ -84,6 +85,7 @@ def test_exclude_nonfinite_rewards_counts_per_function():
         exclude_nonfinite_rewards(torch.ones(3))
 
 
+@pytest.mark.slow
 def test_a_reward_function_returning_what_trl_cannot_score_is_named(tmp_path):
     """Each value TRL's float32 conversion cannot take fails naming the function, the completion and the value (TRL
     said "too many dimensions 'str'" or OverflowError, naming no function; 1e39 silently became inf). One trainer

@@ -114,6 +114,7 @@ def fake_reload(monkeypatch):
     return recorder
 
 
+@pytest.mark.slow
 def test_module_imports_without_vllm():
     code = ("import sys, calclip.trainers.vllm_sync, calclip.fp8.export; "
             "assert 'vllm' not in sys.modules; assert 'transformers' not in sys.modules")
