@@ -28,13 +28,15 @@ from calclip.losses.sanitize import sanitize_inputs
 
 
 def _check_bounds(low, high, dual_clip_c) -> None:
-    """Number bounds (the static and calibrated modes): finite, low <= high. A NaN bound made every clamp NaN and
-    the loss NaN; an infinite one clips nothing or everything. Tensor bounds are per token (the oracle, whose
-    ``high`` is +inf where a token is not clipped): checking them here would cost a device sync each call, so a
-    token with a NaN bound (or low = +inf, high = -inf) is left out like a non-finite input (``_bad_bound_tokens``)."""
-    for name, bound in (("low", low), ("high", high)):
-        if not isinstance(bound, Tensor) and not math.isfinite(float(bound)):
-            raise ValueError(f"{name} must be a finite ratio bound (e.g. 0.8 and 1.28), got {bound}")
+    """Number bounds (the static and calibrated modes, or a registered mode's): no NaN, low <= high, and no side
+    that clips every token (low = +inf, high = -inf). A NaN bound made every clamp NaN and the loss NaN. An open
+    side (high = +inf, low = -inf) clips nothing on that side, as the oracle's per-token ``high`` of +inf does.
+    Tensor bounds are per token: checking them here would cost a device sync each call, so a token with a NaN
+    bound (or low = +inf, high = -inf) is left out like a non-finite input (``_bad_bound_tokens``)."""
+    for name, bound, wrong in (("low", low, math.inf), ("high", high, -math.inf)):
+        if not isinstance(bound, Tensor) and (math.isnan(float(bound)) or float(bound) == wrong):
+            raise ValueError(f"{name} must be a ratio bound that can clip (e.g. 0.8 and 1.28; high = +inf leaves "
+                             f"the upper side open), got {bound}")
     if not isinstance(low, Tensor) and not isinstance(high, Tensor) and float(low) > float(high):
         raise ValueError(f"low must be <= high (ratio bounds, e.g. 0.8 and 1.28), got low={low}, high={high}")
     if dual_clip_c is not None and not (math.isfinite(float(dual_clip_c)) and float(dual_clip_c) > 1.0):
@@ -94,7 +96,8 @@ def clipped_surrogate(
 
     Tokens with a non-finite logp, old_logp, advantage or IS weight are excluded from the loss and from every
     statistic and counted in "nonfinite_tokens", as are tokens whose per-token (tensor) bound is NaN; the loss and
-    its gradient stay finite. A number bound must be finite (ValueError). With no tokens left, an empty batch (no
+    its gradient stay finite. A number bound must be able to clip: not NaN, no low = +inf or high = -inf
+    (ValueError); high = +inf leaves the upper side open. With no tokens left, an empty batch (no
     rows) included, the loss is 0 with a zero gradient and every statistic 0.
 
     Stats (0-dim, detached; fractions over the valid tokens, a sequence-level ratio counted once per token):

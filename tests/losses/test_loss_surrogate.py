@@ -371,16 +371,24 @@ def test_huge_log_ratio_stays_finite():
 # ----------------------------------------------------------------------------------------------------------
 # Bounds the loss cannot compute with, and batches of no rows (issue 40).
 # ----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["low", "high"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-def test_a_non_finite_number_bound_is_refused_naming_it(name, value):
-    """A NaN bound made every clamp NaN and returned a NaN loss."""
+@pytest.mark.parametrize("name, value", [("low", float("nan")), ("high", float("nan")), ("low", float("inf")),
+                                         ("high", float("-inf"))])
+def test_a_number_bound_that_cannot_clip_is_refused_naming_it(name, value):
+    """A NaN bound made every clamp NaN and returned a NaN loss; low = +inf or high = -inf clip every token."""
     x = torch.zeros(2, 3)
     bounds = {"low": 0.8, "high": 1.2, name: value}
-    with pytest.raises(ValueError, match=rf"{name} must be a finite ratio bound"):
+    with pytest.raises(ValueError, match=rf"{name} must be a ratio bound that can clip"):
         clipped_surrogate(x, x, torch.ones(2), torch.ones(2, 3), **bounds)
-    with pytest.raises(ValueError, match=rf"{name} must be a finite ratio bound"):
+    with pytest.raises(ValueError, match=rf"{name} must be a ratio bound that can clip"):
         clipped_surrogate_per_token(torch.ones(2, 3), torch.ones(2, 1), **bounds)
+
+
+def test_open_number_bounds_leave_the_surrogate_unclipped():
+    """high = +inf and low = -inf clip nothing: the per-token loss is -r * A on every token (worked by hand)."""
+    ratio = torch.tensor([[0.1, 1.0, 9.0]], dtype=torch.float64)
+    adv = torch.tensor([[-1.0, 2.0, 0.5]], dtype=torch.float64)
+    loss = clipped_surrogate_per_token(ratio, adv, low=-math.inf, high=math.inf)
+    torch.testing.assert_close(loss, torch.tensor([[0.1, -2.0, -4.5]], dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
