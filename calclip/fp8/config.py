@@ -215,7 +215,8 @@ class Fp8Config:
         its MLP's SiLU(gate) * up likewise (``calclip.fp8.producers``): per layer 3 input quantizations fewer, and
         each of those tensors read once instead of twice or three times. Same outputs, codes, gradients and
         non-finite count bit for bit (CPU tests, tiny Llama and Qwen2). Architectures it does not recognise (Phi-3,
-        Gemma) keep today's path. Default True; needs share_sibling_inputs.
+        Gemma) keep today's path. Default False until its kernels have run on a GPU (they are tested under Triton's
+        CPU interpreter only); needs share_sibling_inputs.
     resident_dgrad_codes: keep the W^T codes that the dgrad GEMM reads resident beside the W codes (a second
         1-byte-per-parameter copy on CUDA, refreshed with them), or, False, transpose them from the W codes in each
         backward that needs them (a transposing copy of N x K bytes per layer and backward, freed after its GEMM):
@@ -239,7 +240,7 @@ class Fp8Config:
     scaled_mm_row_scales: bool | None = None
     refresh_graph: bool = True
     share_sibling_inputs: bool = True
-    fuse_producers: bool = True
+    fuse_producers: bool = False
     resident_dgrad_codes: bool = True
 
     def __post_init__(self) -> None:

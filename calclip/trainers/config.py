@@ -54,6 +54,8 @@ FP8_CONFIG_FIELDS: dict[str, str] = {
     "fp8_decode_fused_max_m": "decode_fused_max_m",
     "fp8_decode_group_siblings": "decode_group_siblings",
     "fp8_share_sibling_inputs": "share_sibling_inputs",
+    "fp8_fuse_producers": "fuse_producers",
+    "fp8_resident_dgrad_codes": "resident_dgrad_codes",
 }
 # fp8_* fields that are the trainer's own, not Fp8Config options (none yet; ``fp8`` itself switches FP8 on).
 TRAINER_ONLY_FP8_FIELDS: tuple[str, ...] = ()
@@ -243,6 +245,18 @@ class CalibratedGRPOConfig(GRPOConfig):
                                 "(Fp8Config.share_sibling_inputs, fp8_recipe 'blockwise'; same FP8 codes, outputs "
                                 "and gradients). Faster and lighter on the H200 (docs/benchmarks.md, FP8 at real "
                                 "model shapes)."}
+    )
+    fp8_fuse_producers: bool = field(
+        default=False, metadata={"help": "Quantize a decoder layer's shared inputs (RMSNorm -> q/k/v and gate/up, "
+                                 "SiLU(gate)*up -> down_proj) in the kernels that produce them (Fp8Config."
+                                 "fuse_producers, calclip.fp8.producers; Llama / Mistral / Qwen2 / Qwen3 layers, "
+                                 "others keep the separate quantizers). Same outputs, codes and gradients bit for bit "
+                                 "(CPU tests); off until measured on a GPU. Needs fp8_share_sibling_inputs."}
+    )
+    fp8_resident_dgrad_codes: bool = field(
+        default=True, metadata={"help": "Keep the W^T weight codes the backward's dgrad GEMM reads resident beside "
+                                "the W codes; false transposes them from the W codes in each backward (exact), "
+                                "halving FP8's resident weight codes (Fp8Config.resident_dgrad_codes)."}
     )
     compile_generation: bool = field(
         default=False,

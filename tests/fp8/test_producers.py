@@ -298,8 +298,9 @@ def test_autocast_and_the_bf16_shadow_take_the_modules_own_forward(monkeypatch):
 def test_config_and_dequantize():
     with pytest.raises(ValueError, match="fuse_producers must be a bool"):
         Fp8Config(fuse_producers="yes")
+    assert Fp8Config().fuse_producers is False  # off by default until its kernels have run on a GPU
     model = _tiny("llama")
-    quantize_model(model, Fp8Config())
+    quantize_model(model, Fp8Config(fuse_producers=True))
     layer = model.model.layers[0]
     assert layer.mlp.down_proj._fp8_share is not None and layer.mlp.down_proj._fp8_share.members == [
         layer.mlp.down_proj]
