@@ -199,7 +199,8 @@ def _tiny(arch, dtype=torch.bfloat16):
 
 
 def _groups(model):
-    groups = {id(m._fp8_share): m._fp8_share for m in model.modules() if getattr(m, "_fp8_share", None) is not None}
+    groups = {id(g): g for m in model.modules() for g in (getattr(m, "_fp8_share", None),
+                                                          getattr(m, "_fp8_producer_group", None)) if g is not None}
     assert groups
     return groups.values()
 
@@ -301,13 +302,14 @@ def test_config_and_dequantize():
     model = _tiny("llama")
     quantize_model(model, Fp8Config())
     layer = model.model.layers[0]
-    assert layer.mlp.down_proj._fp8_share is not None and layer.mlp.down_proj._fp8_share.members == [
-        layer.mlp.down_proj]
+    down = layer.mlp.down_proj
+    assert down._fp8_share is None and down._fp8_producer_group.members == [down]  # apart from the sibling groups
     assert P.fuse_producers(model) == 0  # fused already
     dequantize_model(model)
     assert not any("forward" in m.__dict__ or "_calclip_consumers" in m.__dict__ for m in model.modules())
+    assert down._fp8_producer_group is None  # the FP8 layer dequantize_model replaced
     off = quantize_model(_tiny("llama"), Fp8Config(fuse_producers=False))
-    assert off.model.layers[0].mlp.down_proj._fp8_share is None
+    assert off.model.layers[0].mlp.down_proj._fp8_producer_group is None
 
 
 @pytest.mark.slow
