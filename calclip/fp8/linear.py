@@ -65,6 +65,9 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
         # Shared input (shared_input.py, Fp8Config.share_sibling_inputs): q/k/v, gate/up quantize their x once.
         self._fp8_share = None
         self._fp8_share_index = 0
+        # A group of one fed by the op that produces this layer's input (producers.py, Fp8Config.fuse_producers:
+        # down_proj, fed by its MLP's SiLU-multiply): the same seam, apart from the sibling groups.
+        self._fp8_producer_group = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8Config | None = None) -> "FP8BlockLinear":
@@ -111,7 +114,7 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
 
     def _eager_forward(self, x2: Tensor, cfg: Fp8Config, x: Tensor | None = None) -> Tensor:
         self._refresh_weight_codes()
-        share = self._fp8_share
+        share = self._fp8_share or self._fp8_producer_group
         # x: the caller's tensor, the key of the input a sibling may have quantized already (shared_input.py)
         codes = share.codes(self, x, x2, compiled=False) if share is not None and x is not None else None
         return _FP8BlockLinearFn.apply(x2, self.weight, self._fp8_qw, self._fp8_sw, self._fp8_bad,
@@ -164,7 +167,7 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
         if x2.is_cuda and _fused_decode_applies(x2, cfg, compiled=True) and _fused_decode_kernel(x2) is not None:
             return torch.ops.calclip.fp8_linear_decode(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
                                                        self.nonfinite_count, cfg.power_of_two_scales, x2.dtype)
-        share = self._fp8_share
+        share = self._fp8_share or self._fp8_producer_group
         if share is not None and x is not None:
             qwt, swt = self._compiled_dgrad_operands() if grad else (None, None)
             if grad and qwt is None:

@@ -248,7 +248,7 @@ def _mlp_forward(self, x: Tensor) -> Tensor:
     fused op keeps gate and up for its backward, as autograd keeps gate for SiLU, not silu(gate) as well."""
     gate = self.gate_proj(x)
     up = self.up_proj(x)
-    group = self.down_proj._fp8_share
+    group = self.down_proj._fp8_producer_group
     plan = _plan(group, gate, (torch.bfloat16, torch.float32)) if (
         group is not None and gate.dtype == up.dtype and gate.shape == up.shape) else None
     if plan is None:
@@ -298,7 +298,7 @@ def _plain_rms_norm(norm: nn.Module) -> bool:
 def fuse_producers(model: nn.Module) -> int:
     """Fuse the input quantization of ``model``'s FP8 linears into their producers where recognised (module
     docstring; needs ``share_sibling_inputs`` groups, i.e. run after it); returns how many producers were fused.
-    down_proj gets a shared-input group of its own, which its MLP's product feeds."""
+    down_proj gets a shared-input group of its own (``_fp8_producer_group``), which its MLP's product feeds."""
     from calclip.fp8.linear import FP8BlockLinear
     from calclip.fp8.shared_input import SharedInput
 
@@ -324,9 +324,10 @@ def fuse_producers(model: nn.Module) -> int:
         cfg = down.fp8_config
         if not (cfg.fuse_producers and cfg.share_sibling_inputs and cfg.cache_weights and cfg.backward == "fp8"):
             continue
-        if down._fp8_share is None:
-            down._fp8_share, down._fp8_share_index = SharedInput([down]), 0
-        fused += _install(mlp, _mlp_forward)
+        if down._fp8_share is None and down._fp8_producer_group is None:
+            down._fp8_producer_group = SharedInput([down])  # its index in the group: 0, as every layer's default
+        if down._fp8_producer_group is not None:
+            fused += _install(mlp, _mlp_forward)
     return fused
 
 
@@ -337,5 +338,8 @@ def unfuse_producers(model: nn.Module) -> int:
         if module.__dict__.pop("_calclip_fused_producer", False):
             module.__dict__.pop("forward", None)
             module.__dict__.pop("_calclip_consumers", None)
+            down = module._modules.get("down_proj")
+            if getattr(down, "_fp8_producer_group", None) is not None:
+                down._fp8_producer_group = None
             count += 1
     return count
