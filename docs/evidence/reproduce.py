@@ -2,6 +2,7 @@
 
     python docs/evidence/reproduce.py                      # run 4's numbers (the page's run-4 sections and summary)
     python docs/evidence/reproduce.py --tables DIR         # DIR's window tables, as its report.md has them
+    python docs/evidence/reproduce.py --old-oos DIR        # runs 2-3: out-of-sample shares ("Corrections")
 
 Each data file holds, per run (arm x seed) and logged optimizer step, the metrics the runs wrote to their
 ``metrics.jsonl`` (every field of calclip.trainers.run_outputs but ``time``, ``loss``, ``reward_std``; 7 significant
@@ -153,6 +154,19 @@ def run4_numbers(runs: list[Run]) -> dict:
     return out
 
 
+def old_runs_oos(runs: list[Run]) -> dict[str, list[float]]:
+    """Runs 2-3 ("Corrections (2026-12-02)"): per arm and seed, the mean of ``clip/neg_low_frac_fp8`` over the
+    off-policy steps that are not calibration steps (steps 1, 5, 9, ... are on-policy with steps_per_generation 4; a
+    calibration step, ``clip/neg_low_frac_fp8_static`` logged, scored the bounds on their own tokens), as
+    benchmarks/probes/oos_old_runs.py read the raw files."""
+    shares: dict[str, list[float]] = {}
+    for run in sorted(runs, key=lambda run: (run.arm, run.seed)):
+        values = [row["clip/neg_low_frac_fp8"] for row in run.rows if (row["step"] - 1) % 4 != 0
+                  and row.get("clip/neg_low_frac_fp8_static") is None and row.get("clip/neg_low_frac_fp8") is not None]
+        shares.setdefault(run.arm, []).append(math.fsum(values) / len(values))
+    return shares
+
+
 def print_run4(numbers: dict) -> None:
     for name, value in numbers.items():
         print(f"{name}: {_show(value)}")
@@ -183,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tables", metavar="DIR", help="print DIR's window tables instead of run 4's numbers")
     parser.add_argument("--windows", default="", help="with --tables: FIRST-LAST,... (default: the report's)")
+    parser.add_argument("--old-oos", metavar="DIR", help="print runs 2-3's out-of-sample shares of DIR")
     options = parser.parse_args(argv)
+    if options.old_oos:
+        for arm, values in old_runs_oos(load_runs(Path(options.old_oos))).items():
+            print(f"{arm}: {statistics.fmean(values):.2%} +- {statistics.stdev(values):.2%} per seed "
+                  + ", ".join(f"{v:.2%}" for v in values))
+        return 0
     if options.tables:
         from calclip.compare.report import parse_windows
 
