@@ -27,6 +27,7 @@ from pathlib import Path
 
 from calclip.compare.report import (
     DEGENERATE_LENGTH,
+    bootstrap_interval,
     DEGENERATE_REPEAT,
     Run,
     Window,
@@ -116,6 +117,16 @@ def run4_numbers(runs: list[Run]) -> dict:
     out["reward_76_92_mean"] = {arm: statistics.fmean(v) for arm, v in reached.items()}
     out["vs_bf16_76_92"] = {arm: (statistics.fmean(reached[arm]) - statistics.fmean(reached["bf16_static"]),
                                   permutation_p(reached[arm], reached["bf16_static"])[0]) for arm in RUN4_ARMS[1:]}
+    # The summary table's reward contrasts: difference, 95% bootstrap interval over seeds, exact permutation p.
+    def contrast(values: dict[str, list[float]], arm: str, reference: str) -> tuple[float, tuple[float, float], float]:
+        a, b = values[arm], values[reference]
+        return (statistics.fmean(a) - statistics.fmean(b), bootstrap_interval(a, b), permutation_p(a, b)[0])
+
+    out["contrasts_last_quarter"] = {f"{arm} - {ref}": contrast(quarter, arm, ref) for arm, ref in (
+        ("fp8_static", "bf16_static"), ("fp8_tis", "fp8_static"), ("fp8_calibrated", "fp8_static"),
+        ("fp8_oracle", "fp8_static"), ("fp8_tis", "bf16_static"), ("fp8_calibrated", "bf16_static"),
+        ("fp8_oracle", "bf16_static"))}
+    out["contrasts_76_92"] = {f"{arm} - bf16_static": contrast(reached, arm, "bf16_static") for arm in RUN4_ARMS[1:]}
     out["smallest_p_4_vs_4"] = permutation_p([1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0])[0]
     # Power of run 4's design (4 seeds) and the seeds a 0.10 difference needs at 80% power, per contrast.
     sd = {arm: mean_std(v)[1] for arm, v in quarter.items()}
@@ -141,6 +152,11 @@ def run4_numbers(runs: list[Run]) -> dict:
     out["oos_dropped"], out["oos_shadow"] = dropped, shadow
     out["oos_recall"] = share("oos/shadow_both_drop", "oos/shadow_bf16_drops")
     out["oos_precision"] = share("oos/shadow_both_drop", "oos/shadow_fp8_drops")
+    # Calibrated's dropped share minus its own shadow's, per seed (the same tokens), and a bootstrap over seeds.
+    paired = [window_share(run.rows, "oos/fp8_drops", "oos/neg_tokens", DROPS_WINDOW)
+              - window_share(run.rows, "oos/shadow_bf16_drops", "oos/shadow_neg_tokens", DROPS_WINDOW)
+              for run in arms["fp8_calibrated"]]
+    out["calibrated_minus_shadow"] = (statistics.fmean(paired), bootstrap_interval(paired, [0.0]))
     static, calibrated = dropped["fp8_static"][0], dropped["fp8_calibrated"][0]
     # Share of static's excess that the calibrated bound removed, against two floors: the BF16 arm's own drop
     # share (a different population: BF16 training's own ratios) and static's own BF16 shadow (the same tokens
