@@ -146,7 +146,8 @@ def out_of_sample_summary(log_history: list[dict], min_tokens: int) -> str:
     if not neg:
         return head + " No A<0 token was scored after the first one, so there is nothing out of sample to report."
     return (
-        f"{head} Out of sample (steps {', '.join(map(str, scored))}: {int(neg)} A<0 tokens of moved mini-batches, "
+        f"{head} Out of sample (step{'s' if len(scored) > 1 else ''} {', '.join(map(str, scored))}: {int(neg)} A<0 "
+        "tokens of moved mini-batches, "
         f"scored with bounds fitted on earlier rounds), the calibrated lower bound dropped {fp8 / neg:.1%} of the "
         f"A<0 penalties ({int(fp8)}); static clipping at 1-eps would have dropped {static / neg:.1%} ({int(static)}) "
         f"under FP8, and the BF16 shadow {bf16 / neg:.1%} ({int(bf16)}), what BF16 training drops."
