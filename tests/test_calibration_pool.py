@@ -15,6 +15,7 @@ from calclip.calibration import (
     drop_shares,
 )
 from calclip.calibration.calibrator import POOL_LIMIT_FACTOR
+from calclip.calibration.pool import StarvationWatch
 from calclip.losses import clipped_surrogate
 from calclip.testing import flat_calibration_tokens
 
@@ -247,3 +248,65 @@ def test_round_trip_through_torch_save_keeps_the_pool(tmp_path):
     cal.load_state_dict(loaded)
     assert cal.state_dict() == state
     assert all(math.isfinite(v) for v in loaded["pool"]["ratio_fp8"])
+
+
+def _short(neg, pos):
+    return {"calib/fit": 0.0, "calib/pool_neg_tokens": float(neg), "calib/pool_pos_tokens": float(pos)}
+
+
+def test_starvation_warns_at_three_short_rounds_then_at_doubling_streaks():
+    watch = StarvationWatch(256, needs_positive=True)
+    warned = []
+    for round_index in range(1, 13):  # 12 short rounds, 40 A<0 and 50 A>0 tokens each
+        metrics, message = watch.record(_short(40 * round_index, 50 * round_index))
+        assert metrics == {"calib/short_rounds": float(round_index), "calib/pool_tokens": 40.0 * round_index}
+        if message:
+            warned.append(round_index)
+    assert warned == [3, 6, 12]  # once, then each time the streak doubles
+    # A fit ends the streak; the next streak must reach twice the last warning's length (24) before warning again.
+    assert watch.record({"calib/fit": 1.0, "calib/neg_tokens": 300.0}) == (
+        {"calib/short_rounds": 0.0, "calib/pool_tokens": 300.0}, None)
+    assert all(watch.record(_short(10, 10))[1] is None for _ in range(23))
+    assert watch.record(_short(10, 10))[1] is not None
+    # Rounds without a shadow calibration (no calib/fit) neither count nor reset.
+    assert watch.record({}) == ({}, None) and watch.short_rounds == 24
+
+
+def test_starvation_message_names_the_pool_the_minimum_and_the_settings():
+    watch = StarvationWatch(256, needs_positive=True)
+    for neg, pos in ((30, 100), (60, 200)):
+        assert watch.record(_short(neg, pos))[1] is None
+    _, message = watch.record(_short(90, 300))
+    assert "3 generation rounds in a row" in message
+    assert "90 A<0 tokens" in message and "A>0" not in message.split("(")[0]  # 300 A>0 is enough: not named short
+    assert "about 30 A<0 per round" in message and "calibration_min_tokens 256" in message
+    for setting in ("per_device_train_batch_size", "num_generations", "steps_per_generation",
+                    "max_completion_length", "calibration_min_tokens"):
+        assert setting in message
+    # A short positive side is named when the upper rule needs it, and not under upper="fixed".
+    both = StarvationWatch(100, needs_positive=True, after=1)
+    assert "120 A<0 and 7 A>0" not in both.record(_short(120, 7))[1] and "7 A>0 tokens" in both.message(120, 7)
+    fixed = StarvationWatch(100, needs_positive=False, after=1)
+    assert "A>0 tokens" not in fixed.record(_short(50, 7))[1].split("(")[0]
+
+
+def test_starvation_watch_follows_a_real_calibrator():
+    """The watch reads ClipCalibrator.commit's own stats: short rounds below the minimum, reset by the fit."""
+    batches = [_batch(seed) for seed in range(4)]
+    need = sum(n for n, _ in (_neg_pos(b) for b in batches[:3])) + 1  # four batches reach it, three do not
+    cal = ClipCalibrator(min_tokens=need, upper="fixed", low_rails=(0.0, 1.0))
+    watch = StarvationWatch(need, needs_positive=False)
+    messages = []
+    for step, batch in enumerate(batches):
+        cal.observe(*batch)
+        metrics, message = watch.record(cal.commit(step=step))
+        messages.append(message)
+        if step < 3:
+            assert metrics["calib/short_rounds"] == step + 1
+    assert [m is not None for m in messages] == [False, False, True, False]
+    assert metrics == {"calib/short_rounds": 0.0, "calib/pool_tokens": float(sum(_neg_pos(b)[0] for b in batches))}
+
+
+def test_starvation_watch_refuses_a_bad_streak_length():
+    with pytest.raises(ValueError, match="after"):
+        StarvationWatch(256, needs_positive=True, after=0)

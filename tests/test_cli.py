@@ -11,7 +11,7 @@ import torch
 
 from calclip import cli
 from calclip.cli.arguments import parse_train_args
-from calclip.cli.demo import DEMO_TABLE_COLUMNS, demo, format_metrics_table
+from calclip.cli.demo import DEMO_TABLE_COLUMNS, demo, format_metrics_table, out_of_sample_summary
 from calclip.cli.diagnose import diagnose
 from calclip.cli.train import build_trainer, train
 
@@ -49,18 +49,55 @@ def test_format_metrics_table_hand_worked():
         {"reward": 0.75, "calib/low": 0.7125, "calib/high": 1.5, "clip/neg_low_frac_fp8": 0.25,
          "clip/neg_low_frac_fp8_static": 0.125, "clip/neg_low_frac_bf16": 0.0,
          "mismatch/token_mult_prob_error": 1.0312,
-         "mismatch/fp8_bf16_token_mult_prob_error": float("nan"), "step": 2},
-        {"train_runtime": 3.0, "step": 2},  # the end-of-training summary is not a row
+         "mismatch/fp8_bf16_token_mult_prob_error": float("nan"), "calib/fit": 1.0, "step": 2},
+        {"calib/low": 0.7125, "calib/high": 1.5, "calib/fit": 0.0, "step": 3},
+        {"train_runtime": 3.0, "step": 3},  # the end-of-training summary is not a row
     ]
     lines = format_metrics_table(history).splitlines()
-    assert len(lines) == 4
+    assert len(lines) == 5
     assert [cell.strip() for cell in lines[0].split("  ") if cell.strip()] == [
         title for title, _, _ in DEMO_TABLE_COLUMNS
     ]
     assert set(lines[1]) == {"-", " "}
-    assert lines[2].split() == ["1", "0.500", "1.250", "0.600", "1.800", "-", "-", "-", "-", "-"]
-    assert lines[3].split() == ["2", "0.750", "-", "0.713", "1.500", "0.250", "0.125", "0.000", "1.0312", "-"]  # NaN
+    assert lines[2].split() == ["1", "0.500", "1.250", "0.600", "1.800", "-", "-", "-", "-", "-", "-"]
+    # NaN shows as "-"; the calib column marks a committed calibration "fit", a round below the minimum "short"
+    assert lines[3].split() == ["2", "0.750", "-", "0.713", "1.500", "fit", "0.250", "0.125", "0.000", "1.0312", "-"]
+    assert lines[4].split() == ["3", "-", "-", "0.713", "1.500", "short", "-", "-", "-", "-", "-"]
     assert len({len(line) for line in lines}) == 1  # right-aligned columns of equal width
+
+
+def _oos(step, tokens, fp8, bf16, static_share, **extra):
+    return {"step": step, "oos/shadow_neg_tokens": float(tokens), "oos/shadow_fp8_drops": float(fp8),
+            "oos/shadow_bf16_drops": float(bf16), "clip/neg_low_frac_fp8_static": static_share, **extra}
+
+
+def test_out_of_sample_summary_hand_worked():
+    """Only the steps after the first committed fit count (their bounds were fitted on earlier rounds' tokens):
+    steps 6 and 8 here, 50 + 20 = 70 A<0 tokens. Calibrated drops 2 + 1 = 3 (4.3%); static at 1-eps
+    0.1 * 50 + 0.25 * 20 = 10 (14.3%); the BF16 shadow 2 + 1 = 3 (4.3%)."""
+    history = [
+        {"step": 1, "reward": 0.5},
+        _oos(2, 20, 9, 0, 0.5, **{"calib/fit": 0.0, "calib/pool_neg_tokens": 20.0}),  # initial bounds: not counted
+        {"step": 3},
+        _oos(4, 30, 7, 1, 0.2, **{"calib/fit": 1.0, "calib/neg_tokens": 40.0}),  # scored before its own fit
+        _oos(6, 50, 2, 2, 0.1, **{"calib/fit": 1.0}),
+        {"step": 7},
+        _oos(8, 20, 1, 1, 0.25, **{"calib/fit": 0.0}),
+        {"train_runtime": 3.0, "step": 8},
+    ]
+    text = out_of_sample_summary(history, min_tokens=32)
+    assert text.startswith("Pooled calibrations committed at the end of steps 4, 6.")
+    assert "steps 6, 8: 70 A<0 tokens" in text
+    assert "dropped 4.3% of the A<0 penalties (3)" in text
+    assert "would have dropped 14.3% (10) under FP8" in text
+    assert "the BF16 shadow 4.3% (3)" in text
+
+
+def test_out_of_sample_summary_without_a_fit_names_the_pool_and_the_minimum():
+    history = [{"step": 1}, _oos(2, 12, 1, 0, 0.1, **{"calib/fit": 0.0, "calib/pool_neg_tokens": 12.0}),
+               _oos(4, 9, 0, 0, 0.0, **{"calib/fit": 0.0, "calib/pool_neg_tokens": 21.0})]
+    text = out_of_sample_summary(history, min_tokens=32)
+    assert text.startswith("No pooled calibration committed (the pool held 21 A<0 tokens; calibration_min_tokens 32)")
 
 
 @pytest.mark.slow

@@ -98,3 +98,59 @@ class TokenPool:
             if column.numel():
                 self._parts[name].append(column)
         self.batches = batches
+
+
+# A round ends short when its pool is below the minimum; this many short rounds in a row earn the first warning.
+STARVED_AFTER_ROUNDS = 3
+
+
+class StarvationWatch:
+    """Counts the generation rounds in a row whose pool stayed below the minimum, so that a run whose rounds never
+    reach ``min_tokens`` (small batches, short completions) says so instead of training at its initial bounds in
+    silence.
+
+    ``record(stats)`` takes a calibrator commit's stats: ``calib/fit`` 1 ends a streak, 0 (with
+    ``calib/pool_neg_tokens`` / ``calib/pool_pos_tokens``) extends it, a commit without ``calib/fit`` (no shadow round)
+    leaves it. It returns ``(metrics, message)``: ``calib/short_rounds`` (the streak, 0 after a fit) and
+    ``calib/pool_tokens`` (the pool's A<0 tokens, after a fit the tokens it used) for the log, and a warning text or
+    None. The warning comes when a streak first reaches ``after`` rounds, then each time the streak reaches twice the
+    length of the last warning's (3, 6, 12, ... rounds: once, then rate-limited), over the whole run.
+    """
+
+    def __init__(self, min_tokens: int, *, needs_positive: bool, after: int = STARVED_AFTER_ROUNDS) -> None:
+        if isinstance(after, bool) or not isinstance(after, int) or after < 1:
+            raise ValueError(f"after must be an integer >= 1 (rounds), got {after!r}")
+        self.min_tokens = min_tokens
+        self.needs_positive = needs_positive  # a `balance` or `quantile` upper bound needs min_tokens A>0 tokens too
+        self.short_rounds = 0
+        self._next_warning = after
+
+    def record(self, stats: dict) -> tuple[dict[str, float], str | None]:
+        if "calib/fit" not in stats:
+            return {}, None
+        if stats["calib/fit"]:
+            self.short_rounds = 0
+            return {"calib/short_rounds": 0.0, "calib/pool_tokens": float(stats.get("calib/neg_tokens", 0.0))}, None
+        self.short_rounds += 1
+        neg = int(stats["calib/pool_neg_tokens"])
+        pos = int(stats["calib/pool_pos_tokens"])
+        metrics = {"calib/short_rounds": float(self.short_rounds), "calib/pool_tokens": float(neg)}
+        if self.short_rounds < self._next_warning:
+            return metrics, None
+        self._next_warning = 2 * self.short_rounds
+        return metrics, self.message(neg, pos)
+
+    def message(self, neg: int, pos: int) -> str:
+        rounds = self.short_rounds
+        short = [f"{neg} A<0"] if neg < self.min_tokens else []
+        if self.needs_positive and pos < self.min_tokens:
+            short.append(f"{pos} A>0")
+        held = " and ".join(short) or f"{neg} A<0 and {pos} A>0"
+        per_round = max(neg, 1) / rounds
+        return (
+            f"calibration: {rounds} generation rounds in a row without a fit; the pool holds {held} tokens "
+            f"(about {per_round:.0f} A<0 per round) against calibration_min_tokens {self.min_tokens}, so the clip "
+            f"bounds in force have not changed. Put more tokens in each round (per_device_train_batch_size, "
+            f"num_generations, steps_per_generation, max_completion_length) or lower calibration_min_tokens "
+            f"(a fit on fewer tokens is noisier)."
+        )

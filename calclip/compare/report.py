@@ -14,7 +14,9 @@ last logged step. A failed run never counts.
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +194,119 @@ def arm_summary(runs: list[Run], metric: str | tuple[str, str], window: Window,
     return mean, std, len(means)
 
 
+# The contrasts section (`contrasts_table`): each arm against REFERENCE_ARM (or the comparison's first arm when it has
+# none) on the primary endpoint, `reward` over the last window. Permutation p: exact over every relabelling while
+# there are at most EXACT_PERMUTATION_LIMIT of them (4 vs 4 seeds: 70), else Monte Carlo with MONTE_CARLO_PERMUTATIONS
+# random relabellings, p = (1 + hits) / (1 + draws) (never 0). Bootstrap: percentile interval of the difference of
+# means over BOOTSTRAP_RESAMPLES resamples of each arm's seeds. Power: the chance this design (its n per arm, the two
+# arms' pooled seed SD) detects a true difference of DETECTABLE_DIFFERENCE at two-sided ALPHA (normal approximation).
+REFERENCE_ARM = "fp8_static"
+PRIMARY_METRIC = "reward"
+EXACT_PERMUTATION_LIMIT = 20_000
+MONTE_CARLO_PERMUTATIONS = 20_000
+BOOTSTRAP_RESAMPLES = 10_000
+DETECTABLE_DIFFERENCE = 0.10
+ALPHA = 0.05
+POWER = 0.80
+
+
+def permutation_p(a: list[float], b: list[float], *, draws: int = MONTE_CARLO_PERMUTATIONS,
+                  seed: int = 0) -> tuple[float, str]:
+    """Two-sided permutation p of mean(a) - mean(b): the share of relabellings of the pooled values into groups of
+    len(a) and len(b) whose |difference of means| is at least the observed one (a 1e-12 relative tolerance, so ties
+    count). Returns (p, how): "exact, N relabellings" or "Monte Carlo, N draws"."""
+    if len(a) < 1 or len(b) < 1:
+        raise ValueError(f"permutation_p needs at least one value per group, got {len(a)} and {len(b)}")
+    pooled = [*a, *b]
+    total, n_a = math.fsum(pooled), len(a)
+
+    def difference(first_sum: float) -> float:
+        return abs(first_sum / n_a - (total - first_sum) / len(b))
+
+    observed = difference(math.fsum(a)) * (1 - 1e-12)
+    relabellings = math.comb(len(pooled), n_a)
+    if relabellings <= EXACT_PERMUTATION_LIMIT:
+        hits = sum(difference(math.fsum(pooled[i] for i in chosen)) >= observed
+                   for chosen in itertools.combinations(range(len(pooled)), n_a))
+        return hits / relabellings, f"exact, {relabellings} relabellings"
+    rng = random.Random(seed)
+    hits = sum(difference(math.fsum(rng.sample(pooled, n_a))) >= observed for _ in range(draws))
+    return (1 + hits) / (1 + draws), f"Monte Carlo, {draws} draws"
+
+
+def bootstrap_interval(a: list[float], b: list[float], *, resamples: int = BOOTSTRAP_RESAMPLES, level: float = 0.95,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of mean(a) - mean(b), each arm's seeds resampled with replacement."""
+    if len(a) < 1 or len(b) < 1:
+        raise ValueError(f"bootstrap_interval needs at least one value per group, got {len(a)} and {len(b)}")
+    rng = random.Random(seed)
+    diffs = sorted(math.fsum(rng.choices(a, k=len(a))) / len(a) - math.fsum(rng.choices(b, k=len(b))) / len(b)
+                   for _ in range(resamples))
+    tail = (1 - level) / 2
+    return diffs[int(math.floor(tail * (resamples - 1)))], diffs[int(math.ceil((1 - tail) * (resamples - 1)))]
+
+
+def two_sample_power(n: int, sd: float, difference: float = DETECTABLE_DIFFERENCE, alpha: float = ALPHA) -> float:
+    """Power of a two-sided two-sample test with n per arm and seed SD ``sd`` to detect ``difference`` (normal
+    approximation: Phi(d / (sd * sqrt(2 / n)) - z_(1 - alpha/2)), the far tail neglected)."""
+    if n < 1 or not sd > 0:
+        raise ValueError(f"two_sample_power needs n >= 1 and sd > 0, got n={n!r}, sd={sd!r}")
+    normal = statistics.NormalDist()
+    return normal.cdf(difference / (sd * math.sqrt(2.0 / n)) - normal.inv_cdf(1 - alpha / 2))
+
+
+def seeds_for_power(sd: float, difference: float = DETECTABLE_DIFFERENCE, alpha: float = ALPHA,
+                    power: float = POWER) -> int:
+    """Seeds per arm for a two-sided two-sample test to reach ``power`` at ``difference``: the normal-approximation
+    n = 2 sd^2 (z_(1-alpha/2) + z_power)^2 / difference^2 plus z_(1-alpha/2)^2 / 4 (Guenther's correction for
+    estimating sd from the seeds: it matches the t test's n within one), rounded up."""
+    if not sd > 0 or not difference > 0:
+        raise ValueError(f"seeds_for_power needs sd > 0 and difference > 0, got sd={sd!r}, difference={difference!r}")
+    normal = statistics.NormalDist()
+    z_alpha, z_power = normal.inv_cdf(1 - alpha / 2), normal.inv_cdf(power)
+    n = 2 * sd**2 * (z_alpha + z_power) ** 2 / difference**2 + z_alpha**2 / 4
+    return math.ceil(n - 1e-9)
+
+
+def endpoint_values(runs: list[Run], window: Window, partial: bool = False,
+                    metric: str = PRIMARY_METRIC) -> list[float]:
+    """Per counted run (`counts`), its window mean of ``metric``: the values a contrast compares."""
+    return [m for run in runs if counts(run, window, partial) for m in [window_mean(run.rows, metric, window)]
+            if m is not None]
+
+
+def contrasts_table(record: dict, runs: list[Run], window: Window, partial: bool = False,
+                    reference: str | None = None) -> str:
+    """Each arm against ``reference`` on the primary endpoint over ``window``: difference of means, its bootstrap
+    interval, the permutation p, the pooled seed SD and the power this design had to detect DETECTABLE_DIFFERENCE."""
+    arms = list(record["arms"])
+    reference = reference or (REFERENCE_ARM if REFERENCE_ARM in arms else arms[0])
+    if reference not in arms:
+        raise ValueError(f"reference arm {reference!r} is not one of this comparison's arms {arms}")
+    base = endpoint_values([run for run in runs if run.arm == reference], window, partial)
+    lines = [f"| arm - {reference} | n | difference | 95% bootstrap interval | permutation p | pooled seed SD | "
+             f"power at {DETECTABLE_DIFFERENCE:g} |", "|---|---|---|---|---|---|---|"]
+    for arm in arms:
+        if arm == reference:
+            continue
+        values = endpoint_values([run for run in runs if run.arm == arm], window, partial)
+        if not values or not base:
+            lines.append(f"| {arm} | {len(values)} vs {len(base)} | - | - | - | - | - |")
+            continue
+        diff = math.fsum(values) / len(values) - math.fsum(base) / len(base)
+        low, high = bootstrap_interval(values, base)
+        p, how = permutation_p(values, base)
+        if len(values) > 1 and len(base) > 1:
+            sd = math.sqrt((statistics.variance(values) + statistics.variance(base)) / 2)
+            sd_text = f"{sd:.3f}"
+            power = f"{two_sample_power(min(len(values), len(base)), sd):.2f}" if sd > 0 else "-"
+        else:
+            sd_text = power = "-"
+        lines.append(f"| {arm} | {len(values)} vs {len(base)} | {diff:+.3f} | [{low:+.3f}, {high:+.3f}] | "
+                     f"{p:.3f} ({how}) | {sd_text} | {power} |")
+    return "\n".join(lines)
+
+
 def format_cell(summary) -> str:
     if summary is None:
         return "-"
@@ -294,6 +409,15 @@ def render_report(root: Path, record: dict, runs: list[Run], windows: list[Windo
                  "`--partial`)" if partial else "finished seeds")
               + " ± their sample standard deviation (n-1; no ± with one seed). `-`: never logged in the window.", ""]
     lines.append(markdown_tables(record, runs, windows, partial))
+    primary = windows[-1] if windows else None
+    if primary is not None and len(arms) > 1:
+        lines += [f"## Primary endpoint: `{PRIMARY_METRIC}` over {primary.title()}, each arm against the reference",
+                  "", f"Per run its window mean; difference of the arms' means; {BOOTSTRAP_RESAMPLES} bootstrap "
+                  "resamples of the seeds; two-sided permutation p of the difference of means (exact while there are "
+                  f"at most {EXACT_PERMUTATION_LIMIT} relabellings, else Monte Carlo); power: the chance that this "
+                  f"many seeds at the two arms' pooled SD detect a true difference of {DETECTABLE_DIFFERENCE:g} "
+                  f"(two-sided alpha {ALPHA:g}, normal approximation).", "",
+                  contrasts_table(record, runs, primary, partial), ""]
     lines += ["## Degenerated runs", "",
               f"A finished run degenerated when, over the last quarter of its steps, its mean completion length exceeds "
               f"{DEGENERATE_LENGTH:g} tokens or its mean share of repeated n-grams exceeds {DEGENERATE_REPEAT:g}.", "",

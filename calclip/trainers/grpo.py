@@ -102,6 +102,7 @@ from trl.generation import vllm_generation as trl_vllm_generation
 from trl.trainer.utils import is_async_callable, nanmax, nanmin
 
 from calclip.calibration import ClipCalibrator, drop_counts, drop_shares, torch_distributed_all_gather
+from calclip.calibration.pool import StarvationWatch
 from calclip.calibration.state import FIT_SETTINGS, check_state, check_state_against_run
 from calclip.clipping import ClipPolicy, clip_policy_from_fields
 from calclip.fp8 import (bf16_shadow, compile_repeated_blocks, frozen_fp8_weights, pop_nonfinite_count,
@@ -303,6 +304,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         if fp8_vllm:
             self._start_fp8_vllm()
         self.calibrator = self._build_calibrator()
+        self._starvation = StarvationWatch(args.calibration_min_tokens, needs_positive=args.calibration_upper != "fixed")
         self.spike_detector = EntropySpikeDetector(
             window=args.entropy_spike_window, warmup=args.entropy_spike_warmup, z_threshold=args.entropy_spike_z
         )
@@ -835,9 +837,22 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         round (DESIGN.md step 8), so they apply from the next round on and every mini-batch is trained with bounds
         fitted on other tokens; below calibration_min_tokens the bounds in force stay (calib/fit 0). Every rank
         commits together; the pool is global, so they agree."""
-        for name, value in self.calibrator.commit(self.state.global_step).items():
+        stats = self.calibrator.commit(self.state.global_step)
+        for name, value in stats.items():
             if name not in ("calib/low", "calib/high"):  # the bounds in force are logged with every loss
                 self._metrics["train"][name].append(float(value))
+        self._report_starvation(stats)
+
+    def _report_starvation(self, stats: dict) -> None:
+        """calib/short_rounds and calib/pool_tokens at each round end of a calibrated run, and a warning when rounds
+        in a row stay below calibration_min_tokens (StarvationWatch: once, then rate-limited)."""
+        if not self.clip_policy.uses_calibrator:
+            return  # modes whose bounds are not the calibrator's never apply a fit: a short pool changes nothing
+        metrics, message = self._starvation.record(stats)
+        for name, value in metrics.items():
+            self._metrics["train"][name].append(value)
+        if message and self.accelerator.is_main_process:
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def _log_drop_scores(self, ratio_fp8, ratio_bf16, advantages, mask, low) -> None:
         """Out-of-sample scores of the lower bound in force (DESIGN.md step 10) on a moved mini-batch: counts

@@ -365,3 +365,35 @@ def test_torch_compile_trains_the_fp8_policy_as_eager_does(tokenizer, tmp_path):
     assert counters["stats"]["unique_graphs"] >= 1  # the policy's forward ran as a compiled graph
     assert len(logs) == compiled.args.max_steps == 2
     assert logs == eager
+
+
+def test_a_calibrated_run_whose_rounds_stay_below_the_minimum_says_so(tokenizer, tmp_path):
+    """Three rounds (steps_per_generation 2 > gradient_accumulation 1: the second mini-batch of each is moved) whose
+    pools stay far below calibration_min_tokens: the bounds stay initial, calib/short_rounds counts 1, 2, 3 at the
+    round ends with the pool's A<0 tokens in calib/pool_tokens, and the third round end warns once, naming the
+    minimum and the settings that fill a round."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tokenizer, tmp_path, clip_mode="calibrated", fp8=True, max_steps=6,
+                               gradient_accumulation_steps=1, steps_per_generation=2, calibration_min_tokens=100_000)
+        trainer.train()
+    assert not trainer.calibrator.calibrated
+    assert logged(trainer, "calib/fit") == [0.0, 0.0, 0.0]
+    assert logged(trainer, "calib/short_rounds") == [1.0, 2.0, 3.0]
+    pool = logged(trainer, "calib/pool_tokens")
+    assert pool == logged(trainer, "calib/pool_neg_tokens") and 0 < pool[0] < pool[1] < pool[2]
+    starved = [str(w.message) for w in caught if "rounds in a row without a fit" in str(w.message)]
+    assert len(starved) == 1
+    assert f"{int(pool[2])} A<0" in starved[0] and "calibration_min_tokens 100000" in starved[0]
+    assert "per_device_train_batch_size" in starved[0]
+
+
+def test_a_static_run_logs_no_starvation(tokenizer, tmp_path):
+    """Static bounds never apply a fit: a short shadow pool there is not a problem to report."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(tokenizer, tmp_path, clip_mode="static", fp8=True, max_steps=6,
+                               gradient_accumulation_steps=1, steps_per_generation=2, calibration_min_tokens=100_000)
+        trainer.train()
+    assert logged(trainer, "calib/short_rounds") == []
+    assert not any("rounds in a row without a fit" in str(w.message) for w in caught)
