@@ -10,7 +10,7 @@ tokens' log-probs taken from the processed scores as calclip's trainer records t
 through full forwards as the trainer computes its old log-probs:
 
     trainer, TRL pos   no position_ids: positions count from each row's first column, pads included (TRL 1.16)
-    trainer, gen pos   positions from the attention mask, as generate numbered them (calclip.trainers.positions)
+    trainer, gen pos   positions from the attention mask, as generate numbered them (calclip.rollout.positions)
     shadow, gen pos    the FP8 model's BF16 shadow (same Parameters, FP8 off): the size of FP8's own noise
 
 Per pair it prints the max |dlogp| over completion tokens, token_mult_prob_error (mean exp|dlogp|), the share and
@@ -106,7 +106,7 @@ def rollout(model: nn.Module, ids, mask, new_tokens: int, pad: int, seed: int):
 def trainer_logps(model, ids, mask, completion, completion_mask, positions: str, chunk: int = 16) -> torch.Tensor:
     """Full forwards of prompt + completion, as the trainer's old log-probs (chunks of ``chunk`` rows, like TRL's
     per_device_train_batch_size): ``positions`` "trl" passes none, "gen" passes generate's."""
-    from calclip.trainers.positions import positions_from_attention_mask
+    from calclip.rollout.positions import positions_from_attention_mask
 
     full, attention = torch.cat([ids, completion], 1), torch.cat([mask, completion_mask], 1)
     out = []

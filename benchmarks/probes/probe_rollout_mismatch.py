@@ -35,7 +35,7 @@ from torch import nn  # noqa: E402
 
 def _load(name: str, device: torch.device) -> nn.Module:
     if name == "tiny":
-        from calclip.testing import build_tiny_model, build_tiny_tokenizer
+        from calclip.models.tiny import build_tiny_model, build_tiny_tokenizer
 
         model = build_tiny_model(build_tiny_tokenizer(), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, seed=0).float()

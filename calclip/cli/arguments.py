@@ -44,7 +44,8 @@ class ScriptArguments:
         metadata={"help": "Local JSON/JSONL/parquet/CSV file (or save_to_disk folder) with a 'prompt' column and the "
                   "columns the task's rewards read ('answer' for arithmetic). Unset: the task generates prompts."},
     )
-    # TRL's ScriptArguments dataset fields, same names and meaning (calclip.prompts loads them as trl/scripts/grpo.py).
+    # TRL's ScriptArguments dataset fields, same names and meaning (calclip.tasks.prompts loads them as
+    # trl/scripts/grpo.py does).
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "Dataset for datasets.load_dataset: a hub id or a local folder/file; its rows need a "
@@ -70,7 +71,7 @@ class ScriptArguments:
     metrics_file: str | None = field(
         default=None,
         metadata={"help": "Also write one JSON line per logged step to this file (the fields of "
-                  "calclip.trainers.run_outputs.METRIC_FIELDS; calclip compare sets it)."},
+                  "calclip.run.run_outputs.METRIC_FIELDS; calclip compare sets it)."},
     )
     checkpoint_on_sigterm: bool = field(
         default=False,
@@ -79,8 +80,8 @@ class ScriptArguments:
     )
 
     def __post_init__(self):
+        from calclip.run.field_checks import check_field_types
         from calclip.tasks import task_names
-        from calclip.trainers.field_checks import check_field_types
 
         check_field_types(self)  # save_final_model: [false] from YAML would be truthy
 
@@ -118,9 +119,9 @@ def _requested_trainer(argv: list[str], config: dict) -> str:
 
 
 def _config_file_values(argv: list[str]) -> dict:
-    """The ``--config`` YAML of ``argv`` read by calclip.config_file (bounded aliases, no repeated keys), {} without
+    """The ``--config`` YAML of ``argv`` read by calclip.run.config_file (bounded aliases, no repeated keys), {} without
     one. TrlParser reads the file again afterwards: by then it is known to be a small, well-formed mapping."""
-    from calclip.config_file import ConfigFileError, load_config_file
+    from calclip.run.config_file import ConfigFileError, load_config_file
 
     if "--config" not in argv:
         return {}
@@ -140,7 +141,7 @@ def parse_train_args(argv: list[str] | None = None):
     import torch
     from trl import TrlParser
 
-    from calclip.config_file import bounded_repr
+    from calclip.run.config_file import bounded_repr
 
     argv = list(sys.argv[1:] if argv is None else argv)
     config = _config_file_values(argv)
@@ -159,7 +160,7 @@ def parse_train_args(argv: list[str] | None = None):
 
 def _check_config_file_fields(config: dict, argv: list[str], config_class) -> None:
     """Unknown keys of the --config YAML, named (TrlParser's own message would print their values in full)."""
-    from calclip.config_file import bounded_repr
+    from calclip.run.config_file import bounded_repr
 
     known = {f.name for cls in (ScriptArguments, config_class) for f in dataclasses.fields(cls)} | {"env"}
     unknown = [key for key in config if key not in known]

@@ -23,8 +23,8 @@ from calclip.compare import folder, report
 from calclip.compare.arms import (
     DEFAULT_ARMS, PRESETS, RUN_FIELDS, Arm, arm_fields, looks_like_a_flag, parse_arm_spec, resolve_arms,
 )
-from calclip.trainers.run_outputs import METRICS_FILE
 from calclip.compare.runner import FAILED, FINISHED, RunSpec, run_grid
+from calclip.run.run_outputs import METRICS_FILE
 
 EXIT_OK, EXIT_FAILED_RUNS, EXIT_USAGE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 

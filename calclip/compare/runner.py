@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from calclip.compare.folder import COMMAND_FILE
-from calclip.trainers.run_outputs import EXIT_STOPPED, METRICS_FILE, last_step, truncate_metrics
+from calclip.run.run_outputs import EXIT_STOPPED, METRICS_FILE, last_step, truncate_metrics
 
 STATUS_FILE = "status.json"
 LOG_FILE = "train.log"

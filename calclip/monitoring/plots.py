@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from calclip.ratio_distributions import RatioSamples, dropped_shares
+from calclip.monitoring.ratio_distributions import RatioSamples, dropped_shares
 
 PLOT_INSTALL_HINT = 'pip install "calclip[plot]"  (or pip install matplotlib)'
 
@@ -52,7 +52,7 @@ def plot_ratio_histograms(
     num_bins: int = 80,
 ) -> dict[str, float]:
     """Write the figure to ``path`` (format from the suffix: .png, .pdf, .svg); return the dropped shares it
-    shows (`calclip.ratio_distributions.dropped_shares`)."""
+    shows (`calclip.monitoring.ratio_distributions.dropped_shares`)."""
     plt = _pyplot()
     shares = dropped_shares(samples, low=low, high=high, eps_low=eps_low, eps_high=eps_high)
     logs = samples.log_ratios()
@@ -98,9 +98,9 @@ def require_matplotlib() -> None:
 
 def probe_and_plot(model, input_ids, attention_mask, path: str | Path, *, update_steps: int, lr: float,
                    eps_low: float, eps_high: float, title: str = "") -> dict[str, float]:
-    """`calclip.ratio_probe.probe_moved_policy` on the batch, then `plot_ratio_histograms` of its ratios with its
-    calibrated bounds; returns the bounds, the dropped shares and the log-ratio spreads."""
-    from calclip.ratio_probe import probe_moved_policy
+    """`calclip.monitoring.ratio_probe.probe_moved_policy` on the batch, then `plot_ratio_histograms` of its ratios
+    with its calibrated bounds; returns the bounds, the dropped shares and the log-ratio spreads."""
+    from calclip.monitoring.ratio_probe import probe_moved_policy
 
     require_matplotlib()
     probe = probe_moved_policy(model, input_ids, attention_mask, update_steps=update_steps, lr=lr,

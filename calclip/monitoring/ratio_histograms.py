@@ -1,7 +1,7 @@
 """W&B histograms of the FP8 and BF16-shadow log ratios on shadow-calibration steps.
 
-The distributions of ``calclip diagnose --plot`` (`calclip.ratio_distributions`), logged while training so a user
-sees them move: on every optimizer step that ran a BF16 shadow calibration, four ``wandb.Histogram`` of log r
+The distributions of ``calclip diagnose --plot`` (`calclip.monitoring.ratio_distributions`), logged while training so a
+user sees them move: on every optimizer step that ran a BF16 shadow calibration, four ``wandb.Histogram`` of log r
 over the main process's completion tokens of that step (all its calibrated micro-batches), at the step's
 ``train/global_step`` (the x-axis transformers' WandbCallback sets), next to the scalar ``calib/low`` /
 ``calib/high``:
@@ -21,7 +21,7 @@ import importlib.util
 import torch
 from transformers import TrainerCallback
 
-from calclip.ratio_distributions import RatioSamples
+from calclip.monitoring.ratio_distributions import RatioSamples
 
 HISTOGRAM_PREFIX = "train/ratio_hist/"
 NUM_BINS = 64  # wandb.Histogram's limit is 512; 64 keeps a run's history small and the shape readable

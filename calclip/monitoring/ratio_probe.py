@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from calclip.calibration import CalibrationResult, calibrate_bounds
 from calclip.fp8.convert import quantize_model
 from calclip.fp8.shadow import bf16_shadow
-from calclip.ratio_distributions import RatioSamples, split_ratios
+from calclip.monitoring.ratio_distributions import RatioSamples, split_ratios
 
 
 @dataclass(frozen=True)

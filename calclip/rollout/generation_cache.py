@@ -15,7 +15,7 @@ recorder, as an instance attribute removed afterwards): when the call would buil
 one is built for a new batch size, or when a call needs more positions than the kept one holds (then with the larger
 length: transformers itself keeps the largest length seen). Lengths are rounded up to a multiple of ``granularity``
 (64) positions, so prompts of varying length (TRL pads each batch to its longest) rarely need a new cache, i.e. new
-graphs. Tokens are those of transformers' own static cache (tests/trainers/test_generation_cache.py). Memory: the
+graphs. Tokens are those of transformers' own static cache (tests/rollout/test_generation_cache.py). Memory: the
 caches stay allocated between rollouts, i.e. during the training steps; ``release()`` frees them (the trainer does at
 the end of ``train``).
 """

@@ -15,7 +15,7 @@ FP8 engine, fail to load them). Three small seams change that, and nothing of TR
    ``start_weight_update`` / ``finish_weight_update``. Server mode needs nothing: TRL 1.16's client already wraps
    every ``update_named_params`` in ``/start_weight_update`` ... ``/finish_weight_update``. After the first reload
    the engine's layout is checked byte for byte; where it holds every tensor as loaded, later colocate syncs are
-   in-place copies instead (``calclip.trainers.vllm_direct_sync``, ``fp8_direct_sync``).
+   in-place copies instead (``calclip.rollout.vllm_direct_sync``, ``fp8_direct_sync``).
 3. ``_init_vllm``: the engine is built block-FP8: ``quantization="fp8"`` plus ``hf_overrides`` carrying the
    checkpoint's ``quantization_config`` (weight_block_size [128, 128], ignored layers) and ``load_format="dummy"``
    (TRL syncs the real weights before the first rollout: ``_last_loaded_step`` starts at -1), or, with
@@ -72,7 +72,7 @@ from calclip.fp8.export import (
     vllm_block_fp8_problems,
     vllm_keep_patterns,
 )
-from calclip.trainers.vllm_direct_sync import DirectSync, engine_name
+from calclip.rollout.vllm_direct_sync import DirectSync, engine_name
 
 # The two hooks of vLLM's layerwise reload (vllm/model_executor/model_loader/reload/__init__.py, the releases
 # TRL 1.16 supports: vllm>=0.22,<=0.31).
@@ -428,7 +428,7 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
         (``modules_to_not_convert``) must come from the quantized model, not be predicted from a config.
       fp8_direct_sync: colocate mode only: after the first sync (through vLLM's layerwise reload), check the
         engine's layout and, where it holds every tensor as loaded, do the later syncs as in-place copies
-        (``calclip.trainers.vllm_direct_sync``; default True). False: every sync goes through the reload.
+        (``calclip.rollout.vllm_direct_sync``; default True). False: every sync goes through the reload.
     """
 
     fp8_export_dir: str | None = None

@@ -50,7 +50,7 @@ def _has_content(message) -> bool:
 
 def prompt_problem(prompt) -> str | None:
     """What is wrong with the shape of one ``prompt`` value (None when nothing): see the module docstring."""
-    from calclip.config_file import bounded_repr
+    from calclip.run.config_file import bounded_repr
 
     if isinstance(prompt, str) or prompt is None:
         return None  # emptiness is _is_empty_prompt's

@@ -19,7 +19,7 @@ import os
 import types
 import typing
 
-from calclip.config_file import bounded_repr
+from calclip.run.config_file import bounded_repr
 
 
 def resume_flag(value):

@@ -35,7 +35,7 @@ class RewardFunctionError(ValueError):
 def check_reward_values(values, name: str, expected: int | None):
     """``values`` unchanged when it holds ``expected`` rewards, each None or a number within float32's range;
     RewardFunctionError naming ``name``, the completion and the value otherwise."""
-    from calclip.config_file import bounded_repr
+    from calclip.run.config_file import bounded_repr
 
     if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
         raise RewardFunctionError(f"reward function '{name}' returned {bounded_repr(values)} "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from calclip.trainers.run_outputs import EXIT_STOPPED, metrics_row, read_metrics, truncate_metrics
+from calclip.run.run_outputs import EXIT_STOPPED, metrics_row, read_metrics, truncate_metrics
 
 
 class MetricsFileCallback(TrainerCallback):

@@ -9,8 +9,8 @@ _LAZY = {
     "CalibratedDAPOConfig": "calclip.trainers.config",
     "CalibratedGRPOTrainer": "calclip.trainers.grpo",
     "CalibratedDAPOTrainer": "calclip.trainers.dapo",
-    "EntropySpikeDetector": "calclip.trainers.callbacks",
-    "repeated_ngram_fraction": "calclip.trainers.callbacks",
+    "EntropySpikeDetector": "calclip.monitoring.callbacks",
+    "repeated_ngram_fraction": "calclip.monitoring.callbacks",
 }
 
 
