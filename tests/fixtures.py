@@ -1,6 +1,6 @@
 """Offline fixtures for tests and benchmarks: tiny prompt datasets, a dense reward, CPU-sized configs and trainers,
-process-group helpers. The tiny tokenizer and model themselves are ``calclip.tiny_model`` (re-exported here);
-no runtime module of calclip imports this one (tests/test_import_graph.py checks it).
+process-group helpers. The tiny tokenizer and model themselves are ``calclip.models.tiny`` (re-exported here);
+no module of calclip imports this one (tests/test_layout_rules.py checks it).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from unittest import mock
 
 import torch
 
-from calclip.tiny_model import build_tiny_model, build_tiny_tokenizer  # re-exported for tests and benchmarks
+from calclip.models.tiny import build_tiny_model, build_tiny_tokenizer  # re-exported for tests and benchmarks
 
 
 def flat_calibration_tokens(batches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,7 +75,7 @@ def tiny_training_args(config_cls, output_dir, **overrides):
     )
     if "calibration_min_tokens" in getattr(config_cls, "__dataclass_fields__", {}):
         # A tiny round holds a few dozen A<0 tokens, far below a real run's minimum: fit on whatever it has, so that
-        # a two-step test run calibrates (tests/test_calibration_pool.py covers the minimum itself).
+        # a two-step test run calibrates (tests/calibration/test_calibration_pool.py covers the minimum itself).
         defaults["calibration_min_tokens"] = 1
     defaults.update(overrides)
     return config_cls(**defaults)

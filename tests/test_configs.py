@@ -26,7 +26,7 @@ EXPECTED = {
 
 def with_line(path: Path, line: str) -> str:
     """The YAML at ``path`` with ``line`` (``key: value``) replacing that key's line, or appended (a repeated key
-    is an error: tests/test_config_file.py)."""
+    is an error: tests/run/test_config_file.py)."""
     key = line.split(":", 1)[0]
     lines = [text for text in path.read_text().splitlines() if not text.startswith(key + ":")]
     return "\n".join(lines + [line]) + "\n"

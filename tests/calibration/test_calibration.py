@@ -21,7 +21,7 @@ from calclip.calibration import (
 EPS = 0.2  # base bounds [0.8, 1.2] unless a test says otherwise
 # The stateful tests below check the fit arithmetic, smoothing and schedules on one small batch at a time: a
 # calibrator that fits on any number of tokens, with the rails open to [0, 1] and [1, 10]. The minimum-evidence
-# rule and the default rails have tests of their own (tests/test_calibration_pool.py).
+# rule and the default rails have tests of their own (tests/calibration/test_calibration_pool.py).
 ONE_BATCH = dict(min_tokens=1, low_rails=(0.0, 1.0), high_rails=(1.0, 10.0))
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from calclip.calibration import ClipCalibrator, torch_distributed_all_gather
-from calclip.testing import flat_calibration_tokens, spawn_workers
+from tests.fixtures import flat_calibration_tokens, spawn_workers
 
 WORLD_SIZE = 2
 STEPS = 6

@@ -17,7 +17,7 @@ from calclip.calibration import (
 )
 from calclip.calibration.calibrator import POOL_LIMIT_FACTOR
 from calclip.losses import clipped_surrogate
-from calclip.testing import flat_calibration_tokens
+from tests.fixtures import flat_calibration_tokens
 
 EPS = 0.2
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from calclip import models
-from calclip.model_dtype import cast_model_dtype
+from calclip.models.dtype import cast_model_dtype
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_default_model_dir_finds_the_gguf_without_importing_the_package():
@@ -117,7 +117,7 @@ def test_a_gguf_model_loads_untagged_and_saves_as_a_plain_float_model(tmp_path):
 def test_casting_a_model_keeps_its_rope_frequencies_float32_and_its_function():
     import torch
 
-    from calclip.tiny_model import build_tiny_model, build_tiny_tokenizer
+    from calclip.models.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     reference = build_tiny_model(tokenizer)  # float32

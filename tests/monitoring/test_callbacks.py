@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from calclip.trainers.callbacks import (
+from calclip.monitoring.callbacks import (
     EntropySpikeDetector,
     repeated_ngram_counts,
     repeated_ngram_fraction,

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from calclip.trainers.mismatch_outliers import (
+from calclip.monitoring.mismatch_outliers import (
     BURST_NATS,
     FILE_NAME,
     MismatchOutlierLog,
@@ -70,8 +70,8 @@ def test_bad_threshold_and_rank_file_names(tmp_path):
 
 
 def test_config_refuses_a_bad_threshold(tmp_path):
-    from calclip.testing import tiny_training_args
     from calclip.trainers.config import CalibratedGRPOConfig
+    from tests.fixtures import tiny_training_args
 
     for bad in (0, -1.0, "high"):
         with pytest.raises(ValueError, match="mismatch_dump_threshold"):
@@ -82,7 +82,7 @@ def test_config_refuses_a_bad_threshold(tmp_path):
 def test_trainer_writes_outliers_and_logs_the_step_max(tmp_path):
     """top_k=2 makes generate's processed scores (renormalized over two tokens) differ from the trainer's full
     softmax, so real rollout-vs-trainer gaps exist on the tiny model; each written row must be one of them."""
-    from calclip.testing import tiny_trainer
+    from tests.fixtures import tiny_trainer
 
     threshold = 0.05
     with pytest.warns(UserWarning, match="nats apart"):
@@ -105,7 +105,7 @@ def test_trainer_writes_outliers_and_logs_the_step_max(tmp_path):
 
 
 def test_off_writes_nothing_but_still_logs_the_max(tmp_path):
-    from calclip.testing import tiny_trainer
+    from tests.fixtures import tiny_trainer
 
     trainer = tiny_trainer(tmp_path, fp8=False, top_k=2, gradient_accumulation_steps=1, steps_per_generation=2,
                            max_steps=1, mismatch_dump_threshold=None)
@@ -136,10 +136,10 @@ def test_step_max_and_burst_share_over_the_micro_batches_of_a_step(tmp_path, mon
     and the trainer's is log p(argmax); an LM head scaled x10 makes that p vary around 1/e across tokens, so some gaps
     are above 1 nat and some below. The logged max must be the larger micro-batch max (not their mean) and the burst
     share the token-weighted share over both micro-batches, recomputed here in float64 from the log-probs."""
-    from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
-    from calclip.testing import tiny_training_args
     from calclip.trainers.config import CalibratedGRPOConfig
     from calclip.trainers.grpo import CalibratedGRPOTrainer
+    from tests.fixtures import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+    from tests.fixtures import tiny_training_args
 
     calls = _recording_mismatch(monkeypatch)
     tokenizer = build_tiny_tokenizer()

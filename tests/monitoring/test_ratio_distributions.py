@@ -1,11 +1,11 @@
-"""calclip.ratio_distributions: the split by advantage sign and the dropped shares, worked by hand."""
+"""calclip.monitoring.ratio_distributions: the split by advantage sign and the dropped shares, worked by hand."""
 
 import math
 
 import pytest
 import torch
 
-from calclip.ratio_distributions import dropped_shares, split_ratios
+from calclip.monitoring.ratio_distributions import dropped_shares, split_ratios
 
 
 def hand_batch():

@@ -5,9 +5,9 @@ import warnings
 import pytest
 import torch
 
-from calclip.ratio_distributions import split_ratios
-from calclip.testing import tiny_trainer
-from calclip.trainers.ratio_histograms import RatioHistogramCallback, histogram_keys
+from calclip.monitoring.ratio_distributions import split_ratios
+from calclip.monitoring.ratio_histograms import RatioHistogramCallback, histogram_keys
+from tests.fixtures import tiny_trainer
 
 
 def make_trainer(tmp_path, **overrides):

@@ -5,11 +5,11 @@ import sys
 import pytest
 import torch
 
-from calclip.cli.diagnose import diagnose
 from calclip.calibration import calibrate_bounds
-from calclip.ratio_distributions import dropped_shares
-from calclip.ratio_probe import probe_moved_policy, synthetic_advantages
-from calclip.testing import build_tiny_model, build_tiny_tokenizer
+from calclip.cli.diagnose import diagnose
+from calclip.monitoring.ratio_distributions import dropped_shares
+from calclip.monitoring.ratio_probe import probe_moved_policy, synthetic_advantages
+from tests.fixtures import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_probe_rejects_a_policy_that_cannot_move():
 
 def test_plot_writes_a_png_and_returns_the_shares_it_shows(probe, tmp_path):
     pytest.importorskip("matplotlib")
-    from calclip.plots import plot_ratio_histograms
+    from calclip.monitoring.plots import plot_ratio_histograms
 
     _, _, result = probe
     low, high = result.calibration.bounds()

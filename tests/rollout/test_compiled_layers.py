@@ -3,7 +3,7 @@
 On CPU with backend aot_eager (the same Dynamo/AOTAutograd tracing as Inductor, without generating kernels): the
 auto rule, the blocks found, that a short run trains with one traced layer graph per grad mode while generate stays
 eager, and that the compiled forward's log-probs equal the eager ones bit for bit. On the GPU (Inductor) in
-tests/trainers/test_gpu_compiled_layers.py.
+tests/rollout/test_gpu_compiled_layers.py.
 """
 
 import warnings
@@ -14,9 +14,9 @@ from torch import nn
 
 from calclip.fp8 import compile_repeated_blocks
 from calclip.fp8.regional_compile import compiled_block_count, eager_blocks, repeated_blocks
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer, tiny_training_args, train_and_check
-from calclip.trainers.compiled_layers import resolve_compile_layers
+from calclip.rollout.compiled_layers import resolve_compile_layers
 from calclip.trainers.config import CalibratedGRPOConfig
+from tests.fixtures import build_tiny_model, build_tiny_tokenizer, tiny_trainer, tiny_training_args, train_and_check
 
 AUTO = dict(device_type="cuda", fp8=True, torch_compile=False, compile_generation=False,
             gradient_checkpointing=False, sharded=False)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import GenerationConfig, StaticCache
 
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, logged, tiny_trainer
-from calclip.trainers.generation_cache import KeptStaticCache, _cache_keyword
+from calclip.rollout.generation_cache import KeptStaticCache, _cache_keyword
+from tests.fixtures import build_tiny_model, build_tiny_tokenizer, logged, tiny_trainer
 
 
 @pytest.fixture(scope="module")

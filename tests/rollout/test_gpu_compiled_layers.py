@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from calclip.fp8.regional_compile import compiled_block_count, eager_blocks  # noqa: E402
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer, train_and_check  # noqa: E402
+from tests.fixtures import build_tiny_model, build_tiny_tokenizer, tiny_trainer, train_and_check  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py

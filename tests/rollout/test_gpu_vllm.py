@@ -4,7 +4,7 @@ policy built from a config; fp8 true on a policy with a local path).
 Needs CUDA and vllm (0.22-0.31; written against 0.24.0); the trainer tests also need trl and datasets.
 Skipped otherwise.
 
-    PYTHONPATH=/tmp/vsite[:/tmp/site] python -m pytest -q tests/trainers/test_gpu_vllm.py
+    PYTHONPATH=/tmp/vsite[:/tmp/site] python -m pytest -q tests/rollout/test_gpu_vllm.py
 
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as in TRL's colocate mode) with CUDA graphs on;
 each trainer runs in its own process (each owns a colocated engine).
@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 from calclip.fp8 import Fp8Config, quantize_model  # noqa: E402
 from calclip.losses import token_mult_prob_error  # noqa: E402
-from calclip.trainers.vllm_sync import (  # noqa: E402
+from calclip.rollout.vllm_sync import (  # noqa: E402
     engine_fp8_mismatches,
     fp8_engine_kwargs,
     fp8_engine_numerics_kwargs,
@@ -127,9 +127,9 @@ def test_engine_serves_the_trainers_codes_and_follows_every_sync(engine):
 TRAINER_SCRIPT = textwrap.dedent("""
     import json, os, sys, tempfile
     import torch
-    from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+    from calclip.rollout.vllm_sync import engine_fp8_mismatches, vllm_engine_model
     from calclip.trainers import CalibratedGRPOConfig, CalibratedGRPOTrainer
-    from calclip.trainers.vllm_sync import engine_fp8_mismatches, vllm_engine_model
+    from tests.fixtures import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
 
     fp8, with_path = sys.argv[1].startswith("fp8"), sys.argv[1].endswith("-path")
     tokenizer = build_tiny_tokenizer()
@@ -147,7 +147,7 @@ TRAINER_SCRIPT = textwrap.dedent("""
         gradient_accumulation_steps=2, steps_per_generation=4, max_completion_length=16, max_steps=2,
         learning_rate=1e-2, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False)
     import trl.generation.vllm_generation as trl_vllm_generation
-    from calclip.trainers.vllm_sync import merged_call_kwargs
+    from calclip.rollout.vllm_sync import merged_call_kwargs
     backend = {"attention_backend": os.environ["CALCLIP_VLLM_ATTENTION"]} if os.environ.get("CALCLIP_VLLM_ATTENTION") else {}
     with merged_call_kwargs(trl_vllm_generation, "LLM", backend):  # TRL's LLM(...) plus the attention backend
         trainer = CalibratedGRPOTrainer(model=model, reward_funcs=digit_share_reward, args=args,

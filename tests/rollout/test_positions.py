@@ -1,11 +1,12 @@
-"""The trainer's log-prob forwards use the positions generate used (calclip.trainers.positions): the hook itself, and a
+"""The trainer's log-prob forwards use the positions generate used (calclip.rollout.positions): the hook itself, and a
 short FP8 run whose rollout and trainer log-probs of left-padded rows then agree to fp32 rounding."""
 
 import pytest
 import torch
 from torch import nn
 
-from calclip.testing import (
+from calclip.rollout.positions import positions_from_attention_mask, use_rollout_positions
+from tests.fixtures import (
     build_tiny_model,
     build_tiny_tokenizer,
     digit_share_reward,
@@ -13,7 +14,6 @@ from calclip.testing import (
     tiny_prompt_dataset,
     tiny_training_args,
 )
-from calclip.trainers.positions import positions_from_attention_mask, use_rollout_positions
 
 
 def test_positions_count_each_rows_real_tokens_from_zero():

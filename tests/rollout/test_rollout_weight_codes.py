@@ -9,7 +9,7 @@ import torch
 
 from calclip.fp8 import quantize_128x128
 from calclip.fp8.weight_codes import fp8_layers
-from calclip.testing import tiny_trainer
+from tests.fixtures import tiny_trainer
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])

@@ -1,4 +1,4 @@
-"""In-place weight syncs into a colocated engine once its layout is checked (calclip.trainers.vllm_direct_sync),
+"""In-place weight syncs into a colocated engine once its layout is checked (calclip.rollout.vllm_direct_sync),
 through TRL 1.16's own ``sync_weights``. The engine is a stand-in: an nn.Module with vLLM's parameter names (fused
 qkv_proj / gate_up_proj, a padded vocabulary table) whose ``load_weights`` writes each incoming tensor where vLLM's
 weight loaders put it (q, k, v stacked along dim 0; codes and block scales alike), written out here with its own
@@ -12,8 +12,8 @@ from torch import nn
 
 pytest.importorskip("trl.generation.vllm_generation")
 
-from calclip.trainers.vllm_direct_sync import DirectSync  # noqa: E402
-from calclip.trainers.vllm_sync import engine_fp8_mismatches, expected_engine_fp8_tensors  # noqa: E402
+from calclip.rollout.vllm_direct_sync import DirectSync  # noqa: E402
+from calclip.rollout.vllm_sync import engine_fp8_mismatches, expected_engine_fp8_tensors  # noqa: E402
 from tests.trainers.test_vllm_sync import fake_reload, make_generation, tiny_fp8_llama  # noqa: E402,F401
 
 FP8 = torch.float8_e4m3fn
@@ -107,7 +107,7 @@ def test_later_syncs_copy_in_place_once_the_engine_holds_every_tensor_as_loaded(
     policy = tiny_fp8_llama()
     gen, engine = engine_gen(fake_reload, policy)
     storage = {n: p.data.data_ptr() for n, p in engine.named_parameters()}
-    with caplog.at_level(logging.INFO, logger="calclip.trainers.vllm_sync"):
+    with caplog.at_level(logging.INFO, logger="calclip.rollout.vllm_sync"):
         gen.sync_weights()  # TRL 1.16's own method
     first = kinds(fake_reload)
     assert first[0] == "init" and "finalize" in first and first[-1] == "reset" and "load" in first
@@ -136,7 +136,7 @@ def test_later_syncs_copy_in_place_once_the_engine_holds_every_tensor_as_loaded(
 def test_an_engine_with_another_layout_keeps_the_reload_and_says_why(fake_reload, caplog, options, why):
     policy = tiny_fp8_llama()
     gen, engine = engine_gen(fake_reload, policy, **options)
-    with caplog.at_level(logging.WARNING, logger="calclip.trainers.vllm_sync"):
+    with caplog.at_level(logging.WARNING, logger="calclip.rollout.vllm_sync"):
         gen.sync_weights()
     direct = gen._direct_sync
     assert not direct.verified and why in direct.reason
@@ -202,7 +202,7 @@ def test_verify_places_shards_that_arrive_before_their_predecessors():
 
 
 def test_engine_name_maps_shards_to_their_fused_layer_and_leaves_the_rest():
-    from calclip.trainers.vllm_direct_sync import engine_name
+    from calclip.rollout.vllm_direct_sync import engine_name
 
     assert engine_name("model.layers.0.self_attn.k_proj.weight", PACKED) == (
         "model.layers.0.self_attn.qkv_proj.weight", "qkv_proj", 1)

@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 trl_vllm_generation = pytest.importorskip("trl.generation.vllm_generation")
 
 from calclip.fp8 import Fp8Config, FP8BlockLinear, quantize_model  # noqa: E402
-from calclip.trainers.vllm_sync import (  # noqa: E402
+from calclip.rollout.vllm_sync import (  # noqa: E402
     DEEP_GEMM_E8M0_ENV,
     deep_gemm_e8m0_setting,
     ENGINE_MODEL_DIRNAME,
@@ -115,7 +115,7 @@ def fake_reload(monkeypatch):
 
 
 def test_module_imports_without_vllm():
-    code = ("import sys, calclip.trainers.vllm_sync, calclip.fp8.export; "
+    code = ("import sys, calclip.rollout.vllm_sync, calclip.fp8.export; "
             "assert 'vllm' not in sys.modules; assert 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -212,7 +212,7 @@ def test_use_fp8_vllm_generation_swaps_trl_class_only_inside():
 # object, TRL's _init_vllm builds the engine, TRL's _generate_single_turn syncs and generates; only vLLM's names
 # (LLM, SamplingParams, VLLMClient, the layerwise-reload hooks) are fakes that record what they receive.
 
-from calclip.testing import (  # noqa: E402
+from tests.fixtures import (  # noqa: E402
     build_tiny_model,
     build_tiny_tokenizer,
     tiny_prompt_dataset,
@@ -422,7 +422,7 @@ def test_bf16_vllm_trainer_keeps_trl_engine_untouched(fake_vllm, tokenizer, tmp_
 
 
 def test_sync_fp8_weights_reloads_layerwise_and_resets_the_prefix_cache(fake_reload):
-    from calclip.trainers.vllm_sync import sync_fp8_weights
+    from calclip.rollout.vllm_sync import sync_fp8_weights
 
     model = tiny_fp8_llama()
     loads = []
@@ -445,7 +445,7 @@ def test_reload_drops_only_the_rotary_fallback_warning(fake_reload, caplog):
     the sync drops that one record while it runs and nothing else, and leaves the logger as it found it."""
     import logging
 
-    from calclip.trainers.vllm_sync import reload_weights_layerwise
+    from calclip.rollout.vllm_sync import reload_weights_layerwise
 
     layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     reload = sys.modules["vllm.model_executor.model_loader.reload"]
@@ -540,7 +540,7 @@ def test_rollout_logps_come_from_the_fp8_engine(fake_vllm, tokenizer, tmp_path, 
 
 
 def test_expected_engine_tensors_stack_shards_in_vllms_fused_order_and_mismatches_are_named():
-    from calclip.trainers.vllm_sync import engine_fp8_mismatches, expected_engine_fp8_tensors
+    from calclip.rollout.vllm_sync import engine_fp8_mismatches, expected_engine_fp8_tensors
 
     model = tiny_fp8_llama()  # hidden 256, kv 2 x 64: q 256, k 128, v 128 rows
     expected = expected_engine_fp8_tensors(model)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from calclip.testing import tiny_trainer
-from calclip.trainers.checkpoint import CHECKPOINT_FILES_KEY
+from calclip.run.checkpoint import CHECKPOINT_FILES_KEY
 from calclip.trainers.grpo import CALCLIP_STATE_NAME
+from tests.fixtures import tiny_trainer
 
 # Two generation rounds of 2 optimizer steps; calibration every 2 steps, so steps 2 and 4 calibrate on their
 # moved mini-batches and the checkpoint at step 2 holds a calibrated, non-initial state.
@@ -43,7 +43,7 @@ def test_checkpoint_and_resume_restore_bounds_and_calibrator_state(tmp_path):
         uninterrupted.train()
     checkpoint = tmp_path / "checkpoint-2"
     saved = torch.load(checkpoint / CALCLIP_STATE_NAME, weights_only=True)  # plain values only
-    # the folder's files at the time of writing (crash-safe resume, tests/trainers/test_resume.py), not state
+    # the folder's files at the time of writing (crash-safe resume, tests/run/test_resume.py), not state
     assert "optimizer.pt" in saved.pop(CHECKPOINT_FILES_KEY)
     assert os.path.exists(tmp_path / "checkpoint-4" / CALCLIP_STATE_NAME)  # every checkpoint carries it
 

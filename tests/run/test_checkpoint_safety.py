@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from calclip.calibration import ClipCalibrator
-from calclip.testing import tiny_trainer
-from calclip.trainers.callbacks import EntropySpikeDetector
-from calclip.trainers.checkpoint import CalclipStateError, load_calclip_state
+from calclip.monitoring.callbacks import EntropySpikeDetector
+from calclip.run.checkpoint import CalclipStateError, load_calclip_state
 from calclip.trainers.grpo import CALCLIP_STATE_NAME
+from tests.fixtures import tiny_trainer
 
 
 class _CreatesMarker:

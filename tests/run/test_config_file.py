@@ -1,11 +1,11 @@
-"""calclip.config_file: a YAML config is read with bounded alias expansion, no repeated keys and bounded error
+"""calclip.run.config_file: a YAML config is read with bounded alias expansion, no repeated keys and bounded error
 messages, before TrlParser sees it (tests/test_configs.py runs the same files through ``parse_train_args``)."""
 
 import time
 
 import pytest
 
-from calclip.config_file import MAX_EXPANDED_NODES, ConfigFileError, bounded_repr, load_config_file
+from calclip.run.config_file import MAX_EXPANDED_NODES, ConfigFileError, bounded_repr, load_config_file
 
 
 def laughs(levels: int, field: str = "fp8_keep_patterns") -> str:

@@ -5,10 +5,10 @@ import warnings
 import pytest
 from datasets import Dataset
 
+from calclip.run.data_checks import required_reward_columns
 from calclip.tasks import arithmetic_reward, format_reward
-from calclip.testing import build_tiny_tokenizer, digit_share_reward, tiny_trainer
-from calclip.trainers.data_checks import required_reward_columns
 from calclip.trainers.grpo import CalibratedGRPOTrainer
+from tests.fixtures import build_tiny_tokenizer, digit_share_reward, tiny_trainer
 
 MAX_POSITIONS = 512  # build_tiny_model's max_position_embeddings
 COMPLETION = 8  # tiny_training_args' max_completion_length

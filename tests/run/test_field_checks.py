@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from calclip.cli.arguments import ScriptArguments, parse_train_args
+from calclip.run.field_checks import INHERITED_RANGES, resume_flag
 from calclip.trainers.config import CalibratedDAPOConfig, CalibratedGRPOConfig
-from calclip.trainers.field_checks import INHERITED_RANGES, resume_flag
 
 
 def _config(config_class=CalibratedGRPOConfig, **fields):
@@ -86,7 +86,7 @@ def test_the_temperature_floor_keeps_logits_finite_in_fp16():
     overflows."""
     import torch
 
-    from calclip.trainers.field_checks import TEMPERATURE_MIN
+    from calclip.run.field_checks import TEMPERATURE_MIN
 
     logits = torch.tensor([655.0, -655.0, 30.0, 29.0], dtype=torch.float16)
     assert torch.isfinite(logits / TEMPERATURE_MIN).all()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from calclip.trainers.grad_guard import NonfiniteGradGuard, NonfiniteGradientsError
+from calclip.run.grad_guard import NonfiniteGradGuard, NonfiniteGradientsError
 
 NAN, INF = float("nan"), float("inf")
 
@@ -107,7 +107,7 @@ def test_max_consecutive_must_be_a_positive_int(bad):
 
 
 def _trainer(tmp_path, **overrides):
-    from calclip.testing import tiny_trainer
+    from tests.fixtures import tiny_trainer
 
     return tiny_trainer(tmp_path, **overrides)  # the tiny model's default dims: hidden 128, intermediate 256
 
@@ -216,7 +216,7 @@ def _fsdp2_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_sharded_ranks_skip_the_same_step(tmp_path):
-    from calclip.testing import spawn_workers
+    from tests.fixtures import spawn_workers
 
     spawn_workers(_fsdp2_worker, tmp_path, 2, 120, "FSDP2 grad-guard workers")
     for rank in range(2):
@@ -227,7 +227,7 @@ def test_sharded_ranks_skip_the_same_step(tmp_path):
 def test_trainer_guard_reuses_transformers_norm_on_finite_steps(tmp_path, monkeypatch):
     """transformers computes the gradient norm right before each optimizer step; the trainer's guard decides finite
     steps from it, and computes a norm of its own only for the non-finite one (whose message reports it)."""
-    from calclip.trainers import grad_guard
+    from calclip.run import grad_guard
 
     calls = []
     real = grad_guard._total_norm
@@ -246,7 +246,7 @@ def test_trainer_guard_reuses_transformers_norm_on_finite_steps(tmp_path, monkey
 def test_a_known_finite_norm_decides_without_a_second_one(monkeypatch):
     """A known finite norm applies the step without computing one; a known non-finite one is recomputed (for the
     message) and the step is skipped."""
-    from calclip.trainers import grad_guard
+    from calclip.run import grad_guard
 
     calls = []
     real = grad_guard._total_norm

@@ -16,9 +16,9 @@ import torch
 import transformers
 from transformers import TrainerCallback
 
-from calclip.testing import tiny_trainer
-from calclip.trainers.checkpoint import CHECKPOINT_FILES_KEY, checkpoint_problem, latest_complete_checkpoint
+from calclip.run.checkpoint import CHECKPOINT_FILES_KEY, checkpoint_problem, latest_complete_checkpoint
 from calclip.trainers.grpo import CALCLIP_STATE_NAME
+from tests.fixtures import tiny_trainer
 
 RUN = dict(
     clip_mode="calibrated", fp8=True, max_steps=4, calibration_interval=2, calibration_ema=0.3,

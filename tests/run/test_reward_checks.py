@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-from calclip.testing import tiny_prompt_dataset, tiny_trainer
-from calclip.trainers.rewards import exclude_nonfinite_rewards
+from calclip.run.reward_checks import exclude_nonfinite_rewards
+from tests.fixtures import tiny_prompt_dataset, tiny_trainer
 
 # Fixed rewards by position in the generation batch (2 prompts x 4 completions); the broken entry is position 1.
 BASE = [0.1, 0.7, 0.4, 0.9, 0.2, 0.5, 0.3, 0.8]
@@ -89,7 +89,7 @@ def test_a_reward_function_returning_what_trl_cannot_score_is_named(tmp_path):
     said "too many dimensions 'str'" or OverflowError, naming no function; 1e39 silently became inf). One trainer
     serves every case (its reward functions read the value to return from ``returned``); the second, async function
     shows the check wraps async functions too and leaves them async (TRL awaits them)."""
-    from calclip.trainers.rewards import RewardFunctionError
+    from calclip.run.reward_checks import RewardFunctionError
 
     returned = {"sync": 0.5, "async": 0.5}
 
@@ -128,7 +128,7 @@ def test_a_reward_function_returning_what_trl_cannot_score_is_named(tmp_path):
 def test_check_reward_values_passes_what_trl_takes():
     import numpy as np
 
-    from calclip.trainers.rewards import FLOAT32_MAX, RewardFunctionError, check_reward_values
+    from calclip.run.reward_checks import FLOAT32_MAX, RewardFunctionError, check_reward_values
 
     good = [1, 0.5, None, True, np.float32(2.0), np.int64(3), torch.tensor(0.25), math.inf, -FLOAT32_MAX]
     assert check_reward_values(good, "f", len(good)) is good  # returned unchanged: TRL converts it as before

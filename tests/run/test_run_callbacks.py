@@ -1,4 +1,4 @@
-"""The callbacks of a `calclip train` run that a supervisor reads from (calclip.trainers.run_callbacks): the metrics
+"""The callbacks of a `calclip train` run that a supervisor reads from (calclip.run.run_callbacks): the metrics
 file as the trainer logs, and a checkpoint then exit status EXIT_STOPPED on SIGTERM at a generation-cycle end."""
 
 import json
@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from calclip.trainers import run_outputs
+from calclip.run import run_outputs
 
 
 def test_generation_cycle_boundaries():
-    from calclip.trainers.run_callbacks import ends_generation_cycle
+    from calclip.run.run_callbacks import ends_generation_cycle
 
     grpo = SimpleNamespace(gradient_accumulation_steps=1, steps_per_generation=4, num_iterations=1)
     assert [step for step in range(1, 13) if ends_generation_cycle(grpo, step)] == [4, 8, 12]
@@ -20,7 +20,7 @@ def test_generation_cycle_boundaries():
 
 
 def test_metrics_callback_resumes_the_file_at_the_checkpoint_step(tmp_path):
-    from calclip.trainers.run_callbacks import MetricsFileCallback
+    from calclip.run.run_callbacks import MetricsFileCallback
 
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps({"step": s, "time": float(s)}) + "\n" for s in (1, 2, 3)))
@@ -43,7 +43,7 @@ def test_metrics_callback_resumes_the_file_at_the_checkpoint_step(tmp_path):
 def test_sigterm_checkpoints_and_exits_resumable():
     from transformers import TrainerControl
 
-    from calclip.trainers.run_callbacks import CheckpointOnSigtermCallback
+    from calclip.run.run_callbacks import CheckpointOnSigtermCallback
 
     callback = CheckpointOnSigtermCallback()
     # Generation every 4 micro-steps, 2 micro-steps per optimizer step: cycles end at optimizer steps 2, 4, 6, ...

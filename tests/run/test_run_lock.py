@@ -1,4 +1,4 @@
-"""One run owns an output_dir (calclip.trainers.run_lock): a second process is refused naming the holder, a dead
+"""One run owns an output_dir (calclip.run.run_lock): a second process is refused naming the holder, a dead
 holder's lock is taken over with a warning, an unwritable folder fails, all before any model loads; processes that
 do not save (ranks > 0) take no lock (tests/trainers/test_launch_modes.py checks that under accelerate)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from calclip.cli.train import train
-from calclip.trainers import run_lock
-from calclip.trainers.run_lock import (
+from calclip.run import run_lock
+from calclip.run.run_lock import (
     LOCK_NAME, OutputDirInUseError, OutputDirNotWritableError, claim_directory, claim_output_dir,
 )
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # A process that claims the folder in argv[1], says so, and holds it until its stdin closes.
 _HOLDER = """
 import sys
-from calclip.trainers.run_lock import claim_directory
+from calclip.run.run_lock import claim_directory
 lock = claim_directory(sys.argv[1])
 print("held", flush=True)
 sys.stdin.read()
@@ -134,7 +134,7 @@ def test_calclip_train_refuses_an_unwritable_folder_before_loading(tmp_path, no_
 def test_the_trainer_claims_its_folder_before_trl_loads_the_model(tmp_path, monkeypatch):
     from trl import GRPOTrainer
 
-    from calclip.testing import tiny_trainer
+    from tests.fixtures import tiny_trainer
 
     trainer = tiny_trainer(tmp_path / "free", max_steps=1)
     record = json.loads((tmp_path / "free" / LOCK_NAME).read_text())

@@ -1,10 +1,10 @@
-"""The per-run metrics file (calclip.trainers.run_outputs): rows keep the trainer's names, nulls and non-finite
+"""The per-run metrics file (calclip.run.run_outputs): rows keep the trainer's names, nulls and non-finite
 values; reading keeps the last row of a step and skips a killed writer's unterminated line; truncation for resume."""
 
 import json
 import math
 
-from calclip.trainers import run_outputs
+from calclip.run import run_outputs
 
 
 def test_metrics_row_keeps_trainer_names_nulls_and_nonfinite():

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from calclip import prompts
 from calclip.cli.arguments import ScriptArguments, parse_train_args
 from calclip.cli.train import build_trainer
+from calclip.tasks import prompts
 
 
 def write_split(folder, split, rows):
@@ -72,7 +72,7 @@ def test_dataset_name_and_dataset_path_together_are_refused():
 
 def test_train_builds_on_dataset_name_with_eval_split(local_dataset, tmp_path):
     script_args, args = parse_train_args([
-        "--config", str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"),
+        "--config", str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"),
         "--model_name_or_path", "tiny", "--dataset_name", str(local_dataset), "--output_dir", str(tmp_path / "out"),
         "--report_to", "none", "--eval_strategy", "steps", "--eval_steps", "10", "--per_device_eval_batch_size", "4",
     ])
@@ -98,7 +98,7 @@ def test_train_hub_model_id_goes_to_trl_and_fails_offline_in_transformers(tmp_pa
 
 
 def test_train_local_folder_model_loaded_by_trl(tmp_path):
-    from calclip.testing import build_tiny_model, build_tiny_tokenizer
+    from tests.fixtures import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     build_tiny_model(tokenizer).save_pretrained(tmp_path / "model")

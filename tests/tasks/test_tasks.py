@@ -161,6 +161,6 @@ def test_rewards_on_loaded_dataset(tmp_path):
 def test_usage_doc_lists_every_task():
     from pathlib import Path
 
-    usage = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    usage = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
     for name in task_names():
         assert f"| `{name}` |" in usage, name

@@ -13,8 +13,8 @@ from trl import TrlParser
 pytest.importorskip("torchao.float8")
 
 from calclip.fp8.torchao_recipes import TorchaoFloat8Linear  # noqa: E402
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, logged, tiny_trainer  # noqa: E402
 from calclip.trainers.config import CalibratedGRPOConfig  # noqa: E402
+from tests.fixtures import build_tiny_model, build_tiny_tokenizer, logged, tiny_trainer  # noqa: E402
 
 CPU = dict(output_dir="unused", report_to="none", use_cpu=True, bf16=False, num_generations=2,
            per_device_train_batch_size=2)
