@@ -14,7 +14,7 @@ pytest.importorskip("trl.generation.vllm_generation")
 
 from calclip.rollout.vllm_direct_sync import DirectSync  # noqa: E402
 from calclip.rollout.vllm_sync import engine_fp8_mismatches, expected_engine_fp8_tensors  # noqa: E402
-from tests.trainers.test_vllm_sync import fake_reload, make_generation, tiny_fp8_llama  # noqa: E402,F401
+from tests.rollout.test_vllm_sync import fake_reload, make_generation, tiny_fp8_llama  # noqa: E402,F401
 
 FP8 = torch.float8_e4m3fn
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
