@@ -25,7 +25,7 @@ Sections (``--only``):
   transformers compiles the decode step with CUDA graphs; the fused arm's linears are then the triton op
   ``calclip::fp8_linear_decode``), and ``graphed_reuse`` (graphed with one StaticCache passed to every call: a
   fresh cache per call moves its addresses, and the CUDA-graph trees re-record every decode step; see
-  ``calclip.trainers.generation_cache``). ``--models`` picks the models (``8L``, ``smollm``). More arms (``--arms``):
+  ``calclip.rollout.generation_cache``). ``--models`` picks the models (``8L``, ``smollm``). More arms (``--arms``):
   ``grouped`` (fused with ``decode_group_siblings``, eager only) and ``frozen`` (FP8's two launches with ``generate``
   inside ``frozen_fp8_weights``, as calclip's trainer calls it: no refresh graph break in front of the compiled
   decode step; graphed only), ``frozen_cublas`` (frozen with ``gemm="scaled_mm"``: cuBLAS' blockwise GEMM at every M
@@ -222,7 +222,7 @@ def _same_output(fp8_layer: nn.Module, fused_layer: nn.Module, x: torch.Tensor) 
 # decode (HF generate)
 
 
-# graphed_reuse: graphed with one StaticCache passed to every generate call (calclip.trainers.generation_cache, what
+# graphed_reuse: graphed with one StaticCache passed to every generate call (calclip.rollout.generation_cache, what
 # the trainer's compile_generation does), so the CUDA graphs recorded in the warm-up replay instead of re-recording
 # every decode step of every call
 SETTINGS = {"eager": {}, "graphed": {"cache_implementation": "static"},
@@ -235,7 +235,7 @@ def decode_section(opts) -> None:
     from transformers import LogitsProcessorList
 
     from calclip.fp8 import Fp8Config, frozen_fp8_weights, quantize_model
-    from calclip.trainers.generation_cache import KeptStaticCache
+    from calclip.rollout.generation_cache import KeptStaticCache
 
     transformers.logging.set_verbosity_error()
     device = torch.device(opts.device)

@@ -23,7 +23,7 @@ from every rank, and this script checks and prints as a Markdown table:
 
 Needs on the GPU machine: torch, transformers, accelerate (present on the H200 image) plus the wheels of trl 1.16,
 datasets (and its dependencies), and deepspeed for zero3 (``pip install deepspeed``; its ops are not needed: the
-trainer's optimizer is torch AdamW). No hub access: the tokenizer is calclip.testing's character tokenizer and the
+trainer's optimizer is torch AdamW). No hub access: the tokenizer is calclip.models.tiny's character tokenizer and the
 weights are random. NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set for every launch (NVLink
 multicast is not available on the lent machines).
 """
@@ -79,9 +79,10 @@ def run_worker(args) -> None:
     from transformers import TrainerCallback
 
     from calclip.fp8 import FP8BlockLinear
-    from calclip.testing import build_tiny_model, build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+    from calclip.models.tiny import build_tiny_model, build_tiny_tokenizer
     from calclip.trainers.config import CalibratedGRPOConfig
     from calclip.trainers.grpo import CalibratedGRPOTrainer
+    from tests.fixtures import digit_share_reward, tiny_prompt_dataset
 
     cuda = torch.cuda.is_available() and not args.dry_run
     tokenizer = build_tiny_tokenizer()

@@ -331,7 +331,7 @@ def compile_by_layer(module: nn.Module, opts) -> nn.Module:
     """Each decoder layer compiled in place as the trainer's compile_layers does (calclip.fp8.compile_repeated_blocks,
     dynamic shapes, its Inductor options), with the run's --compile-backend and --compile-mode."""
     from calclip.fp8 import compile_repeated_blocks
-    from calclip.trainers.compiled_layers import inductor_options
+    from calclip.rollout.compiled_layers import inductor_options
 
     backend = opts.compile_backend or "inductor"
     compile_repeated_blocks(module, backend=backend, mode=opts.compile_mode, options=inductor_options(backend))
@@ -1053,8 +1053,9 @@ def trainer_runs(bts) -> dict[str, dict]:
 
 def trainer_section(opts, sizes: Sizes) -> None:
     import bench_trainer_step as bts
-    from calclip.testing import build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+    from calclip.models.tiny import build_tiny_tokenizer
     from calclip.trainers import CalibratedGRPOConfig, CalibratedGRPOTrainer
+    from tests.fixtures import digit_share_reward, tiny_prompt_dataset
 
     known = trainer_runs(bts)
     runs = [r.strip() for r in opts.trainer_runs.split(",") if r.strip()]

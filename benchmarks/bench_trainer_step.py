@@ -22,10 +22,17 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+# Run as `python benchmarks/bench_trainer_step.py`: the repository root on sys.path for calclip and tests.fixtures.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 
 def _sync():
@@ -59,7 +66,7 @@ RUNS = {
 
 def model_builder(tokenizer, *, layers: int, hidden: int, intermediate: int):
     """A zero-argument function building the benchmark's random Llama (BF16 weights, head dim 128)."""
-    from calclip.testing import build_tiny_model
+    from calclip.models.tiny import build_tiny_model
 
     def model_fn():
         return build_tiny_model(
@@ -141,8 +148,9 @@ def main():
     parser.add_argument("--json", default=None)
     opts = parser.parse_args()
 
-    from calclip.testing import build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+    from calclip.models.tiny import build_tiny_tokenizer
     from calclip.trainers import CalibratedGRPOConfig, CalibratedGRPOTrainer
+    from tests.fixtures import digit_share_reward, tiny_prompt_dataset
 
     tokenizer = build_tiny_tokenizer()
     dataset = tiny_prompt_dataset(256)

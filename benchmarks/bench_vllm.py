@@ -239,7 +239,7 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
     (weights from ``model_dir``, or dummy with ``opts.dummy_bf16``)."""
     from vllm import LLM
 
-    from calclip.trainers.vllm_sync import fp8_engine_kwargs, fp8_engine_numerics_kwargs, sync_fp8_weights
+    from calclip.rollout.vllm_sync import fp8_engine_kwargs, fp8_engine_numerics_kwargs, sync_fp8_weights
 
     kwargs = dict(model=model_dir, dtype="bfloat16", gpu_memory_utilization=gpu_util, max_model_len=max_model_len,
                   max_num_seqs=max_num_seqs, seed=0, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
@@ -267,7 +267,7 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
     if getattr(opts, "model_impl", "auto") != "auto":  # "transformers": HF's modeling code inside the engine
         kwargs["model_impl"] = opts.model_impl
     # the trainer's engine options (--kv-cache-dtype: FP8 engines only, so the BF16 engine stays the control)
-    from calclip.trainers.vllm_sync import engine_speed_kwargs
+    from calclip.rollout.vllm_sync import engine_speed_kwargs
 
     kwargs.update(engine_speed_kwargs(kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto") if fp8 else "auto",
                                       async_scheduling=getattr(opts, "async_scheduling", None)))
@@ -297,7 +297,7 @@ def shutdown(llm) -> None:
 
 def sync_bf16(llm, base) -> None:
     """TRL 1.16's colocate sync with fp8 off: model.load_weights per parameter, then reset the prefix cache."""
-    from calclip.trainers.vllm_sync import vllm_engine_model
+    from calclip.rollout.vllm_sync import vllm_engine_model
 
     model, _ = vllm_engine_model(llm)
     for name, param in base.named_parameters():
@@ -486,7 +486,7 @@ def mismatch_diagnostics(llm, reference, prompts: torch.Tensor, tokens: torch.Te
                              trainer_top[:, prompts.shape[1] - 1])
     out = {**stats, "prompt_ids_echoed": echoed, "runner": engine_runner(llm)}
     if base is not None:
-        from calclip.trainers.vllm_sync import vllm_engine_model
+        from calclip.rollout.vllm_sync import vllm_engine_model
 
         compared, bad = engine_weight_mismatches(vllm_engine_model(llm)[0], base)
         out["bf16_tensors"] = {"compared": compared, "differ": len(bad), "first": bad[:4]}
@@ -629,7 +629,7 @@ def part_ops(opts) -> None:
 
 
 def part_mismatch(opts) -> None:
-    from calclip.trainers.vllm_sync import engine_fp8_mismatches, vllm_engine_model
+    from calclip.rollout.vllm_sync import engine_fp8_mismatches, vllm_engine_model
 
     device = torch.device(opts.device)
     rows, diag_rows, results = [], [], RESULTS.setdefault("mismatch", [])
@@ -683,7 +683,7 @@ def part_mismatch(opts) -> None:
                 losses = train_steps(policy, prompts, fp8_tokens, opts.steps, opts.lr)
                 print(f"   {opts.steps} AdamW steps (lr {opts.lr}) on the FP8 policy: NLL {losses[0]:.3f} -> "
                       f"{losses[-1]:.3f}", flush=True)
-                from calclip.trainers.vllm_sync import sync_fp8_weights
+                from calclip.rollout.vllm_sync import sync_fp8_weights
 
                 for arm, llm in engines.items():
                     sync = (lambda llm=llm: sync_bf16(llm, base)) if arm == "BF16" else (
@@ -1054,8 +1054,9 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     with a tiny model and a recorded engine)."""
     from transformers import TrainerCallback
 
-    from calclip.testing import build_tiny_tokenizer, digit_share_reward, tiny_prompt_dataset
+    from calclip.models.tiny import build_tiny_tokenizer
     from calclip.trainers import CalibratedGRPOConfig, CalibratedGRPOTrainer
+    from tests.fixtures import digit_share_reward, tiny_prompt_dataset
 
     device = torch.device(device)
     tokenizer = build_tiny_tokenizer()
@@ -1095,7 +1096,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     # bundle was checked with Triton attention; vLLM 0.24 has no environment variable for it).
     import trl.generation.vllm_generation as trl_vllm_generation
 
-    from calclip.trainers.vllm_sync import merged_call_kwargs
+    from calclip.rollout.vllm_sync import merged_call_kwargs
 
     backend = {"attention_backend": opts.attention_backend} if opts.attention_backend else {}
     with merged_call_kwargs(trl_vllm_generation, "LLM", backend):

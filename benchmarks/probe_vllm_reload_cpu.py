@@ -21,7 +21,7 @@ block-FP8 kernel class is CutlassFp8BlockScaledMMKernel with its CUDA-capability
 needs AMX). Nothing runs a GEMM; the loading and post-processing code is the CUDA path's (the CUTLASS kernel's
 process_weights_after_loading keeps weight and weight_scale_inv as they are on NVIDIA GPUs).
 
-``--direct N``: then calclip's direct sync (``calclip.trainers.vllm_direct_sync``) against this real model: its
+``--direct N``: then calclip's direct sync (``calclip.rollout.vllm_direct_sync``) against this real model: its
 layout check after the reloads, and N steps of in-place copies, each compared byte for byte with what vLLM's
 layerwise reload writes for the same weights.
 
@@ -78,7 +78,7 @@ def build_policy(shape: str, out_dir: str):
     import transformers
 
     from calclip.fp8 import Fp8Config, quantize_model
-    from calclip.trainers.vllm_sync import fp8_quantization_config
+    from calclip.rollout.vllm_sync import fp8_quantization_config
 
     hidden, inter, heads, kv = SHAPES[shape]
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def check_direct_sync(cfg, model, vllm_config, policy, steps: int, label: str) -
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     from calclip.fp8.export import LLAMA_PACKED_MODULES, fp8_weight_sync_tensors
-    from calclip.trainers.vllm_direct_sync import DirectSync
+    from calclip.rollout.vllm_direct_sync import DirectSync
 
     direct = DirectSync(LLAMA_PACKED_MODULES)
     ok = direct.verify(dict(model.named_parameters()), fp8_weight_sync_tensors(policy))

@@ -72,7 +72,7 @@ def profile_arm(model, prompt, new_tokens: int, extra: dict, device: torch.devic
 
     from transformers import MaxLengthCriteria, StoppingCriteriaList
 
-    from calclip.trainers.generation_cache import KeptStaticCache
+    from calclip.rollout.generation_cache import KeptStaticCache
 
     mask = torch.ones_like(prompt)
     kept = KeptStaticCache() if reuse and extra else None

@@ -1,5 +1,5 @@
 """A checkpoint folder with every file a resume reads, written in transformers' order without training (for tests of
-the checkpoint check and compare's resume planning; tests/trainers/test_resume.py checks the same rule on a real
+the checkpoint check and compare's resume planning; tests/run/test_resume.py checks the same rule on a real
 run's folders)."""
 
 import json
@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from calclip.calibration import ClipCalibrator
-from calclip.trainers.callbacks import EntropySpikeDetector
-from calclip.trainers.checkpoint import CALCLIP_STATE_NAME, TRAINER_STATE_NAME, save_calclip_state
+from calclip.monitoring.callbacks import EntropySpikeDetector
+from calclip.run.checkpoint import CALCLIP_STATE_NAME, TRAINER_STATE_NAME, save_calclip_state
 
 # The files of a complete save, in the order Trainer._save_checkpoint writes them (trainer_state.json last).
 MODEL_FILES = ("model.safetensors", "config.json", "training_args.bin")

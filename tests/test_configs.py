@@ -26,7 +26,7 @@ EXPECTED = {
 
 def with_line(path: Path, line: str) -> str:
     """The YAML at ``path`` with ``line`` (``key: value``) replacing that key's line, or appended (a repeated key
-    is an error: tests/test_config_file.py)."""
+    is an error: tests/run/test_config_file.py)."""
     key = line.split(":", 1)[0]
     lines = [text for text in path.read_text().splitlines() if not text.startswith(key + ":")]
     return "\n".join(lines + [line]) + "\n"
@@ -141,7 +141,7 @@ def test_config_aliases_cannot_blow_up_the_parse(tmp_path):
     """A 500-byte YAML whose nested aliases stand for 59,049 strings in a list field is refused at load, naming the
     file and the limit; one within the limit (6,561 strings, a wrong type) is refused by the field check with a
     message of bounded length (it used to print the expanded value: 9 levels took minutes and gigabytes)."""
-    from test_config_file import laughs
+    from tests.run.test_config_file import laughs
 
     big = tmp_path / "laughs.yaml"
     big.write_text(laughs(4))

@@ -95,8 +95,8 @@ def diagnose(argv: list[str] | None = None) -> dict:
                         "(SmolLM2-135M-Instruct, ~30 s) or a local directory")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per row of the measurement batch")
     parser.add_argument("--plot", metavar="PATH", help="also move the policy a few AdamW steps with synthetic "
-                        "advantages (calclip/ratio_probe.py) and draw the FP8 and BF16-shadow log-ratio histograms "
-                        "with the static and calibrated bounds to PATH (.png/.pdf/.svg; the plot extra)")
+                        "advantages (calclip/monitoring/ratio_probe.py) and draw the FP8 and BF16-shadow log-ratio "
+                        "histograms with the static and calibrated bounds to PATH (.png/.pdf/.svg; the plot extra)")
     parser.add_argument("--update-steps", type=int, default=4, help="AdamW steps between old and new log-probs "
                         "(--plot)")
     # 1e-6: docs/DESIGN.md's measured setting for SmolLM2; 4 steps at 1e-5 on one fixed batch move it so far (std of
@@ -106,7 +106,7 @@ def diagnose(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epsilon", type=float, default=0.2, help="static bounds 1-eps / 1+eps (--plot)")
     options = parser.parse_args(argv)
     if options.plot:
-        from calclip.plots import require_matplotlib
+        from calclip.monitoring.plots import require_matplotlib
 
         require_matplotlib()  # the install hint now, not after the model load
 
@@ -141,8 +141,8 @@ def _diagnose_plot(model, tokenizer, options) -> dict:
     """``diagnose --plot``: the moved-policy probe on natural text (random ids for the tiny model), drawn."""
     import torch
 
-    from calclip.plots import probe_and_plot
-    from calclip.ratio_probe import PROBE_TEXTS, text_batch
+    from calclip.monitoring.plots import probe_and_plot
+    from calclip.monitoring.ratio_probe import PROBE_TEXTS, text_batch
 
     if options.model == "tiny":
         input_ids = torch.randint(0, model.config.vocab_size, (len(PROBE_TEXTS), options.seq_len),

@@ -9,8 +9,8 @@ from calclip.trainers.arguments import ScriptArguments, parse_train_args, resolv
 def build_trainer(script_args: ScriptArguments, training_args, *, callbacks=None, model=None, tokenizer=None):
     """The trainer a `calclip train` run uses: model, task rewards and dataset from ``script_args``."""
     from calclip.models import EMBEDDED_MODEL_NAMES, load_model
-    from calclip.prompts import load_prompt_datasets
     from calclip.tasks import get_task
+    from calclip.tasks.prompts import load_prompt_datasets
 
     if model is None and script_args.model_name_or_path in EMBEDDED_MODEL_NAMES:
         model, tokenizer = load_model(script_args.model_name_or_path, dtype=resolve_dtype(script_args.model_dtype))
@@ -49,13 +49,13 @@ def build_trainer(script_args: ScriptArguments, training_args, *, callbacks=None
 
 def train(argv: list[str] | None = None):
     """``calclip train``: parse, build, train, save. Returns the trainer."""
-    from calclip.trainers.run_callbacks import train_callbacks
-    from calclip.trainers.run_lock import claim_output_dir
+    from calclip.run.run_callbacks import train_callbacks
+    from calclip.run.run_lock import claim_output_dir
 
     script_args, training_args = parse_train_args(argv)
     resume = training_args.resume_from_checkpoint
     if isinstance(resume, str):  # an explicit path: refused now, before the model and the data load
-        from calclip.trainers.checkpoint import check_resume_checkpoint, check_resume_step
+        from calclip.run.checkpoint import check_resume_checkpoint, check_resume_step
 
         check_resume_step(check_resume_checkpoint(resume), training_args.max_steps)
     # Before the model and the data load: a folder another run holds, or one this process cannot write, fails now.

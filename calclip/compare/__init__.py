@@ -6,6 +6,6 @@
 - `report`: the Markdown table (window means +- std over seeds) and the figure.
 - `command`: the command line (``calclip.cli.compare`` calls `command.main`).
 
-The runs write what ``calclip.trainers.run_outputs`` defines (the metrics file, the exit status of a stopped run),
-through the callbacks of ``calclip.trainers.run_callbacks``: any `calclip train` run can, compare only reads them.
+The runs write what ``calclip.run.run_outputs`` defines (the metrics file, the exit status of a stopped run),
+through the callbacks of ``calclip.run.run_callbacks``: any `calclip train` run can, compare only reads them.
 """

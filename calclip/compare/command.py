@@ -26,8 +26,8 @@ from calclip.compare.arms import (
 )
 from calclip.compare.runner import FAILED, FINISHED, RunSpec, run_grid
 from calclip.trainers.arguments import ScriptArguments, parse_train_args
-from calclip.trainers.field_checks import SEED_MAX
-from calclip.trainers.run_outputs import METRICS_FILE
+from calclip.run.field_checks import SEED_MAX
+from calclip.run.run_outputs import METRICS_FILE
 
 EXIT_OK, EXIT_FAILED_RUNS, EXIT_USAGE, EXIT_INCOMPLETE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from calclip.compare import folder
-from calclip.trainers.run_outputs import FIELD_NAMES, METRIC_FIELDS, METRICS_FILE, read_metrics
 from calclip.compare.runner import FAILED, FINISHED, RUNNING, STOPPED, read_status
+from calclip.run.run_outputs import FIELD_NAMES, METRIC_FIELDS, METRICS_FILE, read_metrics
 
 REPORT_FILE = "report.md"
 FIGURE_FILE = "figure.png"

@@ -3,7 +3,7 @@
 A run folder holds ``command.json`` (the train argv), ``train.log`` (stdout+stderr of every attempt),
 ``metrics.jsonl``, the trainer's ``checkpoint-N/`` folders and ``status.json`` (written when an attempt ends).
 A run whose status is ``finished`` is skipped; any other run resumes from its last complete checkpoint (one that
-``calclip.trainers.checkpoint.checkpoint_problem`` passes, the rule every resume uses: every file present and whole,
+``calclip.run.checkpoint.checkpoint_problem`` passes, the rule every resume uses: every file present and whole,
 ``trainer_state.json``'s step agreeing with the folder and with calclip's state) or starts over. Up to ``parallel``
 processes run at once (several share one GPU, or are spread over ``gpus``). With a time limit, or on SIGTERM, running processes get
 SIGTERM: they save a checkpoint after the current step and exit (`EXIT_STOPPED`), so the next call continues.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from calclip.compare.folder import COMMAND_FILE
-from calclip.trainers.run_outputs import EXIT_STOPPED, METRICS_FILE, last_step, truncate_metrics
+from calclip.run.run_outputs import EXIT_STOPPED, METRICS_FILE, last_step, truncate_metrics
 
 STATUS_FILE = "status.json"
 LOG_FILE = "train.log"
@@ -76,7 +76,7 @@ def is_finished(directory: Path) -> bool:
 
 def checkpoint_problems(directory: Path) -> list[tuple[Path, str | None]]:
     """(checkpoint-N folder, why it cannot be resumed from or None), by step."""
-    from calclip.trainers.checkpoint import checkpoint_problem  # torch: not for `calclip compare --list-arms`
+    from calclip.run.checkpoint import checkpoint_problem  # torch: not for `calclip compare --list-arms`
 
     found = []
     for path in Path(directory).glob("checkpoint-*"):

@@ -23,7 +23,7 @@ Names and shapes were checked against the consumers' sources (see docs/vllm.md f
   therefore writes both keys with the same list. ``Fp8LinearMethod.create_weights`` registers ``weight`` and
   ``weight_scale_inv`` (the checkpoint format) in every version read; the post-load step keeps
   ``weight_scale_inv`` in older releases and renames it to ``weight_scale`` in newer ones, which is why the sync
-  stream sends the CHECKPOINT format inside vLLM's layerwise reload (``calclip.trainers.vllm_sync``).
+  stream sends the CHECKPOINT format inside vLLM's layerwise reload (``calclip.rollout.vllm_sync``).
 
 Rowwise and tensorwise (torchao's recipes, ``calclip.fp8.torchao_recipes``) export per output channel instead, in
 the ``compressed-tensors`` format vLLM serves with its per-channel FP8 linear (``CompressedTensorsW8A8Fp8``, weights
@@ -258,7 +258,7 @@ def fp8_weight_sync_tensors(
 
     FP8 linears: ``weight`` float8_e4m3fn [N, K] and ``weight_scale_inv`` float32 [ceil(N/128), ceil(K/128)];
     other parameters unchanged (tied parameters once, as ``named_parameters`` yields them). Send these inside
-    vLLM's layerwise reload (checkpoint format); ``calclip.trainers.vllm_sync`` does that for TRL.
+    vLLM's layerwise reload (checkpoint format); ``calclip.rollout.vllm_sync`` does that for TRL.
     """
     if fp8_modules is None:
         fp8_modules = fp8_weight_specs(model)

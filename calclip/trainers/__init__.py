@@ -1,7 +1,9 @@
-"""TRL integration: the calibrated trainers, their configs and monitoring callbacks.
+"""TRL integration: the calibrated trainers and their configs, the glue over calclip's rooms (rollout, run,
+monitoring and the math). ``EntropySpikeDetector`` and ``repeated_ngram_fraction`` live in
+``calclip.monitoring.callbacks`` and stay importable from here.
 
-The only part of calclip that imports TRL. Submodules are imported lazily so that importing the config does not
-import the trainer (and its FP8/loss dependencies).
+With ``calclip.rollout``, the part of calclip that imports TRL. Submodules are imported lazily so that importing the
+config does not import the trainer (and its FP8/loss dependencies).
 """
 
 _LAZY = {
@@ -9,8 +11,8 @@ _LAZY = {
     "CalibratedDAPOConfig": "calclip.trainers.config",
     "CalibratedGRPOTrainer": "calclip.trainers.grpo",
     "CalibratedDAPOTrainer": "calclip.trainers.dapo",
-    "EntropySpikeDetector": "calclip.trainers.callbacks",
-    "repeated_ngram_fraction": "calclip.trainers.callbacks",
+    "EntropySpikeDetector": "calclip.monitoring.callbacks",
+    "repeated_ngram_fraction": "calclip.monitoring.callbacks",
 }
 
 

@@ -18,9 +18,9 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 
-from calclip.config_file import ConfigFileError, bounded_repr, load_config_file
+from calclip.run.config_file import ConfigFileError, bounded_repr, load_config_file
 from calclip.tasks import task_names
-from calclip.trainers.field_checks import check_field_types
+from calclip.run.field_checks import check_field_types
 
 TRAINERS = ("grpo", "dapo")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -54,7 +54,7 @@ class ScriptArguments:
         metadata={"help": "Local JSON/JSONL/parquet/CSV file (or save_to_disk folder) with a 'prompt' column and the "
                   "columns the task's rewards read ('answer' for arithmetic). Unset: the task generates prompts."},
     )
-    # TRL's ScriptArguments dataset fields, same names and meaning (calclip.prompts loads them as trl/scripts/grpo.py).
+    # TRL's ScriptArguments dataset fields, same names and meaning (calclip.tasks.prompts loads them as trl/scripts/grpo.py).
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "Dataset for datasets.load_dataset: a hub id or a local folder/file; its rows need a "
@@ -80,7 +80,7 @@ class ScriptArguments:
     metrics_file: str | None = field(
         default=None,
         metadata={"help": "Also write one JSON line per logged step to this file (the fields of "
-                  "calclip.trainers.run_outputs.METRIC_FIELDS; calclip compare sets it)."},
+                  "calclip.run.run_outputs.METRIC_FIELDS; calclip compare sets it)."},
     )
     checkpoint_on_sigterm: bool = field(
         default=False,
@@ -125,7 +125,7 @@ def _requested_trainer(argv: list[str], config: dict) -> str:
 
 
 def _config_file_values(argv: list[str]) -> dict:
-    """The ``--config`` YAML of ``argv`` read by calclip.config_file (bounded aliases, no repeated keys), {} without
+    """The ``--config`` YAML of ``argv`` read by calclip.run.config_file (bounded aliases, no repeated keys), {} without
     one. TrlParser reads the file again afterwards: by then it is known to be a small, well-formed mapping."""
     if "--config" not in argv:
         return {}

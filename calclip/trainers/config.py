@@ -24,9 +24,9 @@ from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
 from calclip.fp8.config import Fp8Config, check_fp8_combination, fp8_recipe_names
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
-from calclip.config_file import bounded_repr
-from calclip.trainers.callbacks import SPIKE_WINDOW_MAX
-from calclip.trainers.field_checks import check_field_types, check_inherited_ranges, resume_flag
+from calclip.run.config_file import bounded_repr
+from calclip.monitoring.callbacks import SPIKE_WINDOW_MAX
+from calclip.run.field_checks import check_field_types, check_inherited_ranges, resume_flag
 
 # The allowed values come from the modules that implement them, so the config and the code cannot disagree.
 CLIP_MODES = registered_clip_modes()  # the built-in modes (calclip.clipping's registry at import)
@@ -284,7 +284,7 @@ class CalibratedGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "With compile_generation: pass one static KV cache, reset in place, to every rollout instead "
                   "of letting transformers build a new one per call, whose moved addresses make the CUDA graphs "
-                  "re-record every decode step (calclip.trainers.generation_cache). The cache stays allocated "
+                  "re-record every decode step (calclip.rollout.generation_cache). The cache stays allocated "
                   "between rollouts."},
     )
     vllm_fp8_linear_backend: str | None = field(
@@ -337,7 +337,7 @@ class CalibratedGRPOConfig(GRPOConfig):
     check_dataset: bool = field(
         default=True,
         metadata={"help": "Check every row of the (map-style) datasets before training: empty prompts, columns the "
-                  "reward functions require, prompts too long for the model (calclip.trainers.data_checks)."},
+                  "reward functions require, prompts too long for the model (calclip.run.data_checks)."},
     )
     truncate_long_prompts: bool = field(
         default=False,

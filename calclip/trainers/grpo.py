@@ -7,15 +7,15 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   (``calclip.fp8.quantize_model`` reuses the Parameters, and the optimizer and ``accelerator.prepare`` only run in
   ``train()``, so swapping after TRL's set-up is safe). The same quantized modules serve generation and training:
   one precision flow. The reference model (``beta > 0``) stays in its own dtype. With ``use_vllm`` the rollout engine
-  runs the same FP8 codes (``calclip.trainers.vllm_sync``): TRL's generation object is built block-FP8, its colocated
+  runs the same FP8 codes (``calclip.rollout.vllm_sync``): TRL's generation object is built block-FP8, its colocated
   engine starts only after the quantization (its ``modules_to_not_convert`` are the quantized model's BF16 linears),
   and every weight sync sends FP8 codes + ``weight_scale_inv`` for exactly the FP8 layers. With or without FP8, a
   colocated engine of a policy without a loadable ``name_or_path`` starts from the config and tokenizer written
   under ``output_dir`` and the weights TRL syncs before the first rollout.
 - ``__init__``: the policy's (and reference model's) backbone gets a pre-hook that gives TRL's log-prob forwards the
-  positions ``generate`` used for left-padded rows (``calclip.trainers.positions``): with TRL's own positions the
+  positions ``generate`` used for left-padded rows (``calclip.rollout.positions``): with TRL's own positions the
   rollout's and the trainer's FP8 log-probs of the same tokens differed by over 1 nat on some tokens.
-- ``__init__`` / ``_tokenize_prompts``: the datasets are checked before training (``calclip.trainers.data_checks``:
+- ``__init__`` / ``_tokenize_prompts``: the datasets are checked before training (``calclip.run.data_checks``:
   empty prompts, columns the rewards require, prompts too long for the model's positions); with
   ``truncate_long_prompts`` TRL's prompt token ids are left-truncated to fit.
 - ``_generate_single_turn``: on the transformers ``generate`` path TRL has no rollout log-probs. We ask ``generate``
@@ -25,12 +25,12 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   ``sampling_per_token_logps``. Cost: the scores of one generation (B x T x V floats) are held until it ends.
   The call runs inside ``frozen_fp8_weights`` (FP8 codes refreshed once; no refresh graph break in compiled decode),
   and with ``compile_generation`` gets one static KV cache kept across rollouts (``keep_generation_cache``,
-  ``calclip.trainers.generation_cache``: a new cache per call re-records the CUDA graphs of every decode step).
+  ``calclip.rollout.generation_cache``: a new cache per call re-records the CUDA graphs of every decode step).
 - ``_generate_and_score_completions``: after ``super()``, when a shadow calibration may fall in the optimizer steps
   this generation batch feeds, the BF16 shadow old log-probs are computed with the same (not yet updated) weights
   TRL just used for ``old_per_token_logps``; also logs the garbled-output signal.
 - ``_calculate_rewards``: after ``super()``, a completion with a +-inf reward is made unscorable like TRL's ``None``
-  rewards (``calclip.trainers.rewards``), counted in ``reward/nonfinite_count`` and warned about by function name.
+  rewards (``calclip.run.reward_checks``), counted in ``reward/nonfinite_count`` and warned about by function name.
 - ``_compute_loss`` (replaced; TRL's body is not copied): per-token log-probs from TRL's
   ``_get_per_token_logps_and_entropies``, bounds from the clip mode / calibrator, then
   ``calclip.losses.clipped_surrogate`` with TRL's normalization (``grpo``/``bnpo``/``dr_grpo`` divided by the
@@ -42,9 +42,9 @@ Seams (TRL 1.16; every override calls ``super()`` except the loss):
   ``calibration_min_tokens``), in force from the next round on (DESIGN.md step 8).
 - ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: calibrator and spike-detector state in every
   checkpoint (``calclip_state.pt``, written with the optimizer state, so before the hub push and checkpoint
-  rotation), restored on ``resume_from_checkpoint`` (read with ``weights_only=True``: calclip.trainers.checkpoint).
+  rotation), restored on ``resume_from_checkpoint`` (read with ``weights_only=True``: calclip.run.checkpoint).
 - ``create_optimizer``: after ``super()``, an optimizer step pre-hook skips steps whose gradients are NaN/inf and stops
-  the run after ``max_nonfinite_grad_skips`` in a row (``calclip.trainers.grad_guard``); ``_get_grad_norm`` (after
+  the run after ``max_nonfinite_grad_skips`` in a row (``calclip.run.grad_guard``); ``_get_grad_norm`` (after
   ``super()``) hands it transformers' norm of the step, so finite steps cost the guard no second norm.
 - ``train``: ``resume_from_checkpoint=True`` resolves to the latest complete checkpoint (incomplete ones, left by a
   kill during a save, are skipped with a warning), then ``super().train()``.
@@ -117,10 +117,10 @@ from calclip.losses import (
     token_log_ratio,
     token_mult_prob_error,
 )
-from calclip.ratio_distributions import split_ratios
-from calclip.trainers.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
-from calclip.trainers.run_lock import claim_output_dir
-from calclip.trainers.checkpoint import (
+from calclip.monitoring.ratio_distributions import split_ratios
+from calclip.monitoring.callbacks import EntropySpikeDetector, repeated_ngram_counts, send_wandb_alert
+from calclip.run.run_lock import claim_output_dir
+from calclip.run.checkpoint import (
     CALCLIP_STATE_NAME,
     CalclipStateError,
     check_resume_checkpoint,
@@ -129,22 +129,22 @@ from calclip.trainers.checkpoint import (
     load_calclip_state,
     save_calclip_state,
 )
-from calclip.trainers.compiled_layers import inductor_options, resolve_compile_layers
+from calclip.rollout.compiled_layers import inductor_options, resolve_compile_layers
 from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.data_checks import (
+from calclip.run.data_checks import (
     PROMPT_COLUMN,
     check_rows,
     check_train_rows,
     long_prompt_message,
     prompt_token_counts,
 )
-from calclip.trainers.generation_cache import KeptStaticCache, generate_wrapped
-from calclip.trainers.grad_guard import NonfiniteGradGuard
-from calclip.trainers.mismatch_outliers import MismatchOutlierLog, burst_counts, logp_gaps, outlier_path
-from calclip.trainers.positions import use_rollout_positions
-from calclip.trainers.rewards import checked_reward_function, exclude_nonfinite_rewards
-from calclip.trainers.ratio_histograms import attach_ratio_histograms
-from calclip.trainers.vllm_sync import (
+from calclip.rollout.generation_cache import KeptStaticCache, generate_wrapped
+from calclip.run.grad_guard import NonfiniteGradGuard
+from calclip.monitoring.mismatch_outliers import MismatchOutlierLog, burst_counts, logp_gaps, outlier_path
+from calclip.rollout.positions import use_rollout_positions
+from calclip.run.reward_checks import checked_reward_function, exclude_nonfinite_rewards
+from calclip.monitoring.ratio_histograms import attach_ratio_histograms
+from calclip.rollout.vllm_sync import (
     ENGINE_MODEL_DIRNAME,
     check_vllm_compatible,
     engine_speed_kwargs,
@@ -261,13 +261,13 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         if args.use_vllm and not trl_vllm_generation.is_vllm_available():  # TRL's own test (tests patch it there)
             raise ImportError("use_vllm=True needs the vllm package, which is not installed: pip install "
                               "'calclip[vllm]' (or use_vllm=False to generate with transformers)")
-        # One run per output_dir, and a writable one, before TRL loads the model (calclip.trainers.run_lock).
+        # One run per output_dir, and a writable one, before TRL loads the model (calclip.run.run_lock).
         self._output_dir_lock = claim_output_dir(args)
         if self._output_dir_lock is not None:
             weakref.finalize(self, self._output_dir_lock.release)
         fp8_vllm = args.use_vllm and args.fp8
         # A colocated engine of a policy without a loadable name_or_path (built from a config) is started from its
-        # config and tokenizer written here, and the weights TRL syncs (calclip.trainers.vllm_sync).
+        # config and tokenizer written here, and the weights TRL syncs (calclip.rollout.vllm_sync).
         engine_model_root = os.path.join(args.output_dir, ENGINE_MODEL_DIRNAME)
         engine_options = engine_speed_kwargs(kv_cache_dtype=args.vllm_kv_cache_dtype,
                                              async_scheduling=args.vllm_async_scheduling,
@@ -287,7 +287,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         with vllm_hook:
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
         self._check_reward_outputs()
-        # TRL's log-prob forwards number a left-padded row's positions as generate did (calclip.trainers.positions)
+        # TRL's log-prob forwards number a left-padded row's positions as generate did (calclip.rollout.positions)
         for policy in (self.model, self.ref_model):
             if policy is not None:
                 use_rollout_positions(self.accelerator.unwrap_model(policy))
@@ -337,7 +337,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
 
     def create_optimizer(self, *args, **kwargs):
         """transformers' optimizer, with the non-finite-gradient guard (``max_nonfinite_grad_skips``) as a step
-        pre-hook: a NaN/inf gradient step is skipped instead of making the weights NaN (calclip.trainers.grad_guard)."""
+        pre-hook: a NaN/inf gradient step is skipped instead of making the weights NaN (calclip.run.grad_guard)."""
         optimizer = super().create_optimizer(*args, **kwargs)
         if self.args.max_nonfinite_grad_skips and optimizer is not None and not hasattr(optimizer, "_calclip_guard"):
             hint = (" FP8 is on: fp8/nonfinite_tokens counts the tokens whose FP8 linear output was non-finite; "
@@ -391,7 +391,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
 
     def _check_reward_outputs(self) -> None:
         """Wrap every reward function (reward models aside) so what it returns is checked naming it
-        (calclip.trainers.rewards.checked_reward_function)."""
+        (calclip.run.reward_checks.checked_reward_function)."""
         self.reward_funcs = [
             func if isinstance(func, torch.nn.Module) or getattr(func, "calclip_checked", False)
             else checked_reward_function(func, name, is_async=is_async_callable(func))
@@ -399,7 +399,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         ]
 
     def _check_datasets(self) -> None:
-        """calclip.trainers.data_checks on the train and eval datasets, before anything is generated."""
+        """calclip.run.data_checks on the train and eval datasets, before anything is generated."""
         splits = [("train_dataset", self.train_dataset)]
         if isinstance(self.eval_dataset, dict):
             splits += [(f"eval_dataset[{name!r}]", dataset) for name, dataset in self.eval_dataset.items()]
@@ -477,7 +477,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
 
     def _compile_policy_layers(self) -> bool:
         """Compile the policy's decoder layers for the training forwards (``compile_layers``; null chooses,
-        calclip.trainers.compiled_layers); return whether they are."""
+        calclip.rollout.compiled_layers); return whether they are."""
         args = self.args
         on, why = resolve_compile_layers(
             args.compile_layers, device_type=self.accelerator.device.type, fp8=args.fp8,
@@ -1001,7 +1001,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
 
     def _mismatch_outliers(self, mode, inputs, old_logps, rollout, mask, stats, token_sums) -> None:
         """mismatch/max_abs_logp_diff, mismatch/gap_gt_1nat_frac, and in training the tokens above
-        mismatch_dump_threshold written out (calclip.trainers.mismatch_outliers)."""
+        mismatch_dump_threshold written out (calclip.monitoring.mismatch_outliers)."""
         old_logps = old_logps.detach()
         gaps = logp_gaps(old_logps, rollout, mask)
         stats["mismatch/max_abs_logp_diff"] = gaps.max() if gaps.numel() else gaps.new_zeros(())

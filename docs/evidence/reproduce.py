@@ -5,7 +5,7 @@
     python docs/evidence/reproduce.py --old-oos DIR        # runs 2-3: out-of-sample shares ("Corrections")
 
 Each data file holds, per run (arm x seed) and logged optimizer step, the metrics the runs wrote to their
-``metrics.jsonl`` (every field of calclip.trainers.run_outputs but ``time``, ``loss``, ``reward_std``; 7 significant
+``metrics.jsonl`` (every field of calclip.run.run_outputs but ``time``, ``loss``, ``reward_std``; 7 significant
 digits, counts exact) and the run's status when the folder was packed (``finished``, or ``interrupted``: the device
 time ran out). The raw per-seed files (metrics.jsonl, train.log.xz, status.json, command.json,
 mismatch_outliers.jsonl) left the tree on 2026-12-04; they are in the git history (docs/evidence/ at commit 8843ffb).

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from calclip.clipping import ClipPolicy, register_clip_mode, unregister_clip_mode
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, tiny_trainer
+from tests.fixtures import build_tiny_model, build_tiny_tokenizer, tiny_trainer
 from calclip.trainers.config import CalibratedGRPOConfig
 
 B, P, T = 4, 5, 8  # tiny_training_args: 4 completions a mini-batch, 8-token completions

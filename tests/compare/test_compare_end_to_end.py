@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from calclip.compare import command, report, runner
-from calclip.trainers import run_outputs as metrics
+from calclip.run import run_outputs as metrics
 
 pytestmark = pytest.mark.slow  # three `calclip train` processes (~5-10 s each on the 2-core machine), then one more
 

@@ -1,5 +1,5 @@
 """calclip.compare pieces without training: arms, resume planning, fingerprint, table. (The metrics file and the
-callbacks that write it: tests/trainers/test_run_outputs.py, test_run_callbacks.py.)"""
+callbacks that write it: tests/run/test_run_outputs.py, test_run_callbacks.py.)"""
 
 import json
 import os
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from calclip.compare import arms, command, folder, report, runner
-from calclip.trainers import run_outputs as metrics
-from checkpoint_folders import write_checkpoint
+from calclip.run import run_outputs as metrics
+from tests.checkpoint_folders import write_checkpoint
 
 
 # ---------------------------------------------------------------------------------------------------- arms

@@ -169,9 +169,9 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.slow
 def test_ddp_wrapping(tmp_path):
     """A DDP-wrapped converted model trains and bf16_shadow reaches through the wrapper. In a spawned process with
-    a deadline (calclip.testing.spawn_workers): run in pytest's own process (a FileStore group, no deadline), this
+    a deadline (tests.fixtures.spawn_workers): run in pytest's own process (a FileStore group, no deadline), this
     test was where CI's output stopped until its 90-minute limit (2026-12-02); a worker that hangs fails it in 120 s."""
-    from calclip.testing import spawn_workers
+    from tests.fixtures import spawn_workers
 
     spawn_workers(_ddp_worker, tmp_path, 1, 120, "the DDP worker")
     result = torch.load(tmp_path / "ddp.pt")

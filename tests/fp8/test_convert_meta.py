@@ -7,7 +7,7 @@ import torch
 
 from calclip.fp8 import quantize_model
 from calclip.fp8.linear import FP8BlockLinear
-from calclip.testing import build_tiny_model, build_tiny_tokenizer
+from tests.fixtures import build_tiny_model, build_tiny_tokenizer
 
 
 def test_meta_model_raises_clearly_until_materialized_then_matches_a_converted_real_model():

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from calclip.fp8 import Fp8Config, FP8BlockLinear, quantize_model
-from calclip.testing import spawn_workers
+from tests.fixtures import spawn_workers
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120

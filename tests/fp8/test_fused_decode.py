@@ -541,7 +541,7 @@ def test_generate_with_the_fused_decode_matches_the_unfused_model(monkeypatch):
     unfused Triton and the default CPU backend (emulated: one fp32 matmul per linear), and every step's top-1
     margin is far above the logits' differences, so the equality follows from the bound, not from luck."""
     pytest.importorskip("transformers")
-    from calclip.testing import build_tiny_model, build_tiny_tokenizer
+    from tests.fixtures import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     models = {}

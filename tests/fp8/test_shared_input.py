@@ -232,7 +232,7 @@ def test_compiled_no_grad_forward_shares_too():
 
 def _llama_pair(**options):
     """A tiny transformers Llama (ragged 192-wide blocks) converted with and without shared inputs."""
-    from calclip.tiny_model import build_tiny_model
+    from calclip.models.tiny import build_tiny_model
 
     base = build_tiny_model(hidden_size=192, intermediate_size=320, num_hidden_layers=2)
     shared = quantize_model(copy.deepcopy(base), Fp8Config(**options))

@@ -207,8 +207,8 @@ def test_grouping_needs_the_fused_decode_and_one_config():
 
 def test_trainer_config_field(tmp_path):
     pytest.importorskip("trl")
-    from calclip.testing import tiny_training_args
     from calclip.trainers.config import CalibratedGRPOConfig
+    from tests.fixtures import tiny_training_args
 
     assert tiny_training_args(CalibratedGRPOConfig, tmp_path, fp8=True).fp8_decode_group_siblings is False
     assert tiny_training_args(CalibratedGRPOConfig, tmp_path, fp8=True, fp8_decode_group_siblings=True)
@@ -224,7 +224,7 @@ def test_hf_generate_with_sibling_groups_equals_without(monkeypatch):
     """A tiny Llama (ragged widths) generating greedily: with groups each decode step launches 4 fused kernels per
     layer instead of 7, and logits, tokens and non-finite counts are bit-equal."""
     pytest.importorskip("transformers")
-    from calclip.testing import build_tiny_model, build_tiny_tokenizer
+    from tests.fixtures import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     models = {}

@@ -339,7 +339,7 @@ def test_generate_runs_the_quantized_layers(recipe):
 
 
 def test_torchao_layers_export_per_channel_never_in_blocks(tmp_path):
-    # (tests/trainers/test_vllm_recipes_sync.py checks the codes and scales against torchao's training forward)
+    # (tests/rollout/test_vllm_recipes_sync.py checks the codes and scales against torchao's training forward)
     model = quantize_model(_tiny_llama(layers=1), Fp8Config(recipe="rowwise"))
     specs = fp8_weight_specs(model)
     assert set(specs) == {f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",

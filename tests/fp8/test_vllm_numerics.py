@@ -2,7 +2,7 @@
 of calclip/fp8/reference.py). Each ``vllm_*`` helper below is written from the vLLM code it names (read, not
 copied: vllm 0.24.0 wheel, commit ee0da84ab, and csrc/ from vllm-project/vllm), so these tests pin down which of
 vLLM's paths reproduce calclip's codes bit for bit and which do not. docs/vllm.md ("Numerics") lists the same
-differences with the consequences calclip draws (``calclip.trainers.vllm_sync.fp8_engine_numerics_kwargs``).
+differences with the consequences calclip draws (``calclip.rollout.vllm_sync.fp8_engine_numerics_kwargs``).
 
 No vLLM is imported: CI has none. Where vLLM uses a CUDA intrinsic, the helper uses the IEEE operation the SASS of
 the 0.24 build shows (``FCHK`` + refinement: ``div.rn.f32``), which torch's CPU float32 division also is.

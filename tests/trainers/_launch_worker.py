@@ -135,7 +135,7 @@ def main(out_dir: Path) -> None:
     from transformers import TrainerCallback
 
     from calclip.calibration import ClipCalibrator
-    from calclip.testing import tiny_trainer
+    from tests.fixtures import tiny_trainer
 
     warnings.simplefilter("ignore")
     trainer = tiny_trainer(out_dir / "run", num_prompts=16, disable_tqdm=True, **RUN)

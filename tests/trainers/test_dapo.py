@@ -136,9 +136,9 @@ def kind_reward(completions, kind, **kwargs):
 
 
 def _dapo_trainer(tmp_path, kinds, **overrides):
-    from calclip.testing import build_tiny_model, build_tiny_tokenizer
     from calclip.trainers.config import CalibratedDAPOConfig
     from calclip.trainers.dapo import CalibratedDAPOTrainer
+    from tests.fixtures import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     values = dict(

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from calclip.testing import free_port
+from tests.fixtures import free_port
 
 WORLD_SIZE = 2
 RUN = dict(clip_mode="calibrated", fp8=True, max_steps=2, calibration_interval=5, per_device_train_batch_size=4)
@@ -69,7 +69,7 @@ def test_two_ranks_apply_identical_global_bounds(tmp_path):
 
 
 def _worker(out_dir: Path) -> None:
-    from calclip.testing import tiny_trainer
+    from tests.fixtures import tiny_trainer
 
     warnings.simplefilter("ignore")
     trainer = tiny_trainer(out_dir / "run", num_prompts=16, disable_tqdm=True, **RUN)

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from calclip.fp8 import FP8BlockLinear
-from calclip.testing import (
+from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.grpo import BF16_OLD_LOGPS_KEY
+from tests.fixtures import (
     build_tiny_model,
     build_tiny_tokenizer,
     logged,
@@ -20,8 +22,6 @@ from calclip.testing import (
     tiny_trainer,
     tiny_training_args,
 )
-from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.grpo import BF16_OLD_LOGPS_KEY
 
 
 @pytest.fixture(scope="module")

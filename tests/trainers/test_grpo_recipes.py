@@ -13,8 +13,8 @@ from trl import TrlParser
 pytest.importorskip("torchao.float8")
 
 from calclip.fp8.torchao_recipes import TorchaoFloat8Linear  # noqa: E402
-from calclip.testing import build_tiny_model, build_tiny_tokenizer, logged, tiny_trainer  # noqa: E402
 from calclip.trainers.config import CalibratedGRPOConfig  # noqa: E402
+from tests.fixtures import build_tiny_model, build_tiny_tokenizer, logged, tiny_trainer  # noqa: E402
 
 CPU = dict(output_dir="unused", report_to="none", use_cpu=True, bf16=False, num_generations=2,
            per_device_train_batch_size=2)
@@ -35,7 +35,7 @@ def test_fp8_recipe_field_validation():
         with pytest.raises(ValueError, match=rf"fp8_recipe='rowwise' \(torchao\) cannot honour {option}={value!r}"):
             _config(fp8_recipe="rowwise", **{option: value})
         _config(fp8_recipe="rowwise", fp8=False, **{option: value})  # FP8 off: the recipe is not used
-    # vLLM rollouts serve every recipe (rowwise / tensorwise per channel: tests/trainers/test_vllm_recipes_sync.py)
+    # vLLM rollouts serve every recipe (rowwise / tensorwise per channel: tests/rollout/test_vllm_recipes_sync.py)
     assert _config(fp8_recipe="tensorwise", use_vllm=True).use_vllm
 
 

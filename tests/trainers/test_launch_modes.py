@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from calclip.calibration import ClipCalibrator
-from calclip.testing import free_port
+from tests.fixtures import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_launch_worker.py")

@@ -8,16 +8,16 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from calclip.testing import (
+from calclip.rollout.positions import use_rollout_positions
+from calclip.trainers.config import CalibratedGRPOConfig
+from calclip.trainers.grpo import CalibratedGRPOTrainer
+from tests.fixtures import (
     build_tiny_model,
     build_tiny_tokenizer,
     digit_share_reward,
     tiny_prompt_dataset,
     tiny_training_args,
 )
-from calclip.trainers.config import CalibratedGRPOConfig
-from calclip.trainers.grpo import CalibratedGRPOTrainer
-from calclip.trainers.positions import use_rollout_positions
 
 B, P, T = 6, 7, 9
 
@@ -49,7 +49,7 @@ def _trainers(base, tmp_path, **overrides):
             train_dataset=dataset,
             processing_class=tokenizer,
         )
-    # calclip numbers a left-padded row's positions as generate does (calclip.trainers.positions), TRL from its first
+    # calclip numbers a left-padded row's positions as generate does (calclip.rollout.positions), TRL from its first
     # pad: the same function, rounded differently in fp32 (up to 3e-6 on gradients of ~10). The stock model gets the
     # same positions, so what is compared is the loss and its gradients, not the rounding of rotary angles.
     assert use_rollout_positions(stock.model)

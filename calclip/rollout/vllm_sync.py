@@ -1,0 +1,651 @@
+"""vLLM rollouts on the same FP8 weights the policy trains with (TRL 1.16's ``VLLMGeneration``).
+
+TRL pushes BF16 parameters into vLLM, which would then quantize them again with its own arithmetic (or, for an
+FP8 engine, fail to load them). Three small seams change that, and nothing of TRL's generation code is copied:
+
+1. ``_iter_named_params`` (the one stream both sync paths read): every FP8 linear's ``weight`` is replaced by
+   calclip's FP8 codes + ``weight_scale_inv`` (``calclip.fp8.export.quantize_named_params``), i.e. the
+   checkpoint format of a block-FP8 model. TRL derives the server-mode metadata (name, dtype, shape) from this
+   same stream, so server mode announces ``float8_e4m3fn`` / ``float32`` tensors by itself.
+2. Colocate mode: TRL calls ``model.load_weights`` tensor by tensor. vLLM's FP8 layers are post-processed after
+   loading (``weight_scale_inv`` becomes ``weight_scale`` in newer releases, scales may be re-laid out for
+   DeepGEMM), so the checkpoint-format tensors are loaded inside vLLM's layerwise reload: the stream calls
+   ``initialize_layerwise_reload(model)`` before its first tensor and ``finalize_layerwise_reload(model,
+   model_config)`` after its last one — exactly what vLLM's own weight-transfer engine does on
+   ``start_weight_update`` / ``finish_weight_update``. Server mode needs nothing: TRL 1.16's client already wraps
+   every ``update_named_params`` in ``/start_weight_update`` ... ``/finish_weight_update``. After the first reload
+   the engine's layout is checked byte for byte; where it holds every tensor as loaded, later colocate syncs are
+   in-place copies instead (``calclip.rollout.vllm_direct_sync``, ``fp8_direct_sync``).
+3. ``_init_vllm``: the engine is built block-FP8: ``quantization="fp8"`` plus ``hf_overrides`` carrying the
+   checkpoint's ``quantization_config`` (weight_block_size [128, 128], ignored layers) and ``load_format="dummy"``
+   (TRL syncs the real weights before the first rollout: ``_last_loaded_step`` starts at -1), or, with
+   ``export_dir``, the engine loads a checkpoint written by ``calclip.fp8.export.export_fp8_checkpoint``. TRL
+   builds ``LLM(...)`` with fixed arguments, so the extra ones are merged in by wrapping the ``LLM`` name that
+   ``trl.generation.vllm_generation`` calls, for the duration of ``_init_vllm`` only. The engine's layer split is
+   read from the quantized model; a trainer that quantizes after ``GRPOTrainer.__init__`` (which constructs the
+   generation object) defers the engine start to ``start_fp8_engine()`` (``fp8_defer_engine``).
+4. Engine numerics (``fp8_engine_numerics_kwargs``, merged in the same place): vLLM 0.24's defaults would not run
+   the trainer's arithmetic on the trainer's codes. ``linear_backend="cutlass"`` keeps the FP32 block scales (on
+   Hopper with DeepGEMM installed vLLM's automatic choice requantizes every weight to power-of-two UE8M0 scales,
+   ``VLLM_USE_DEEP_GEMM_E8M0`` defaulting to 1); the ``fuse_norm_quant`` / ``fuse_act_quant`` passes are switched
+   off (their kernels quantize SiLU(gate)*up from unrounded FP32 values and floor every group scale at
+   1/(448*512)), and Inductor emulates eager's BF16 rounding of intermediates (``emulate_precision_casts``), as
+   the trainer's HF forward rounds them. docs/vllm.md lists each difference with its source.
+
+5. A policy without a loadable ``name_or_path`` (built from a config: ``''``), FP8 or not: TRL would hand vLLM
+   ``LLM(model='')``, which vLLM tries to download from the Hub. ``ColocateEngineMixin`` writes the policy's config
+   and tokenizer to ``<output_dir>/_vllm_engine_model/rank-<process index>`` and merges ``model=<that directory>``,
+   ``load_format="dummy"``: the weights come from TRL's first sync, as in 3. A hub id or an existing path is TRL's.
+
+6. Rowwise and tensorwise (torchao's recipes) take the same path with another format: the stream carries each FP8
+   linear's torchao codes and per-row ``weight_scale`` [N, 1] (tensorwise: its one scale repeated), the engine is
+   built ``quantization="compressed-tensors"`` with static per-channel weights and dynamic activations
+   (``calclip.fp8.export.channel_fp8_quantization_config``), which vLLM 0.24 serves with its per-channel CUTLASS
+   FP8 GEMM keeping every shard's codes and scales as loaded; the direct sync compares its transposed ``weight``
+   through the transpose (``vllm_direct_sync.rows_view``). vLLM 0.24 quantizes the activations of these layers per
+   token (the rowwise scheme); tensorwise's per-tensor activation scale has no dynamic equivalent there on CUDA
+   (``TENSORWISE_ACTIVATION_NOTE``).
+
+Log-probs: TRL requests ``logprobs_mode="processed_logprobs"`` and returns them as ``sampling_per_token_logps``;
+they now come from the FP8 engine, so TIS / bypass corrections compare FP8 rollout and FP8 training forward.
+
+vLLM is imported lazily (only inside the engine hooks); this module imports without vLLM.
+Version notes and everything that has not run against a live engine: docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from calclip.fp8.export import (
+    CHANNEL_SCALE_NAME,
+    LLAMA_PACKED_MODULES,
+    SCALE_NAME,
+    Fp8WeightSpec,
+    bf16_linear_names,
+    fp8_quantization_config_for,
+    fp8_weight_specs,
+    fp8_weight_sync_tensors,
+    linear_shapes,
+    quantize_named_params,
+    shared_recipe,
+    vllm_fp8_problems,
+    vllm_keep_patterns,
+)
+from calclip.rollout.vllm_direct_sync import DirectSync, engine_name, rows_view
+
+# The two hooks of vLLM's layerwise reload (vllm/model_executor/model_loader/reload/__init__.py, the releases
+# TRL 1.16 supports: vllm>=0.22,<=0.31).
+_RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
+_logger = logging.getLogger(__name__)
+
+
+# What the engine must run so that its FP8 linears compute what FP8BlockLinear computes (docs/vllm.md, "Numerics").
+DEFAULT_LINEAR_BACKEND = "cutlass"
+
+
+# What an engine of the tensorwise recipe does differently from the trainer (logged when one starts).
+TENSORWISE_ACTIVATION_NOTE = (
+    "fp8_recipe 'tensorwise' on vLLM 0.24: the engine holds the trainer's FP8 weight codes and scales exactly, but "
+    "quantizes activations per token (CompressedTensorsW8A8Fp8 and Fp8LinearMethod pick dynamic per-token scales on "
+    "CUDA with CUTLASS FP8; no per-tensor dynamic mode is reachable), where the trainer uses one scale per tensor; "
+    "the rollout/training mismatch includes that difference (docs/vllm.md, Rowwise and tensorwise)")
+
+
+def fp8_engine_numerics_kwargs(*, linear_backend: str | None = DEFAULT_LINEAR_BACKEND,
+                               match_trainer: bool = True) -> dict[str, Any]:
+    """``vllm.LLM`` arguments (vLLM 0.24 names) that make a block-FP8 engine run the trainer's FP8 arithmetic.
+
+    linear_backend: vLLM's ``kernel_config.linear_backend`` for the FP8 linears. "cutlass" (default) serves the
+        checkpoint's FP32 block scales as they are; None leaves vLLM's automatic choice, which on Hopper with
+        DeepGEMM installed requantizes the weights to power-of-two scales (the trainer's codes are then not the
+        engine's unless the policy trains with ``power_of_two_scales``).
+    match_trainer: switch off the RMSNorm+quant and SiLU*up+quant fusion passes (whose kernels quantize values
+        the trainer never sees: an unrounded FP32 SiLU(gate)*up, scales floored at 1/(448*512)) and let Inductor
+        round BF16 intermediates as eager PyTorch (the trainer's HF forward) does. False: vLLM's defaults.
+    """
+    kwargs: dict[str, Any] = {}
+    if linear_backend is not None:
+        kwargs["linear_backend"] = linear_backend
+    if match_trainer:
+        kwargs["compilation_config"] = {
+            "pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False},
+            "inductor_compile_config": {"emulate_precision_casts": True},
+        }
+    return kwargs
+
+
+# vLLM's switch for DeepGEMM's UE8M0 path (vllm/envs.py; default 1): with it on, DeepGEMM's post-processing
+# requantizes every block-FP8 weight to power-of-two scales (``requant_weight_ue8m0_inplace``) and rounds the
+# activation scales up to powers of two, so the engine would no longer hold the trainer's codes. With it off, on
+# Hopper, DeepGEMM keeps the checkpoint's FP32 128x128 weight scales and codes as loaded, and its activation
+# quantizer computes FP32 1x128 scales as calclip's does (docs/vllm.md, Numerics).
+DEEP_GEMM_E8M0_ENV = "VLLM_USE_DEEP_GEMM_E8M0"
+_DEEP_GEMM_BACKENDS = (None, "auto", "deep_gemm")  # the choices under which vLLM 0.24 may pick DeepGEMM
+
+
+def deep_gemm_e8m0_setting(linear_backend: str | None, power_of_two_scales: bool,
+                           env: Mapping[str, str]) -> str | None:
+    """The value ``VLLM_USE_DEEP_GEMM_E8M0`` must take before a block-FP8 engine starts, or None to leave it.
+
+    Under a backend that may run DeepGEMM and a policy whose scales are not all powers of two, UE8M0 must be off;
+    an environment that switched it on explicitly is refused (the engine would silently serve requantized weights).
+    Power-of-two policies are served bit for bit either way, so their setting is the user's."""
+    if linear_backend not in _DEEP_GEMM_BACKENDS or power_of_two_scales:
+        return None
+    value = env.get(DEEP_GEMM_E8M0_ENV)
+    if value is None:
+        return "0"
+    if value.strip() not in ("0", ""):
+        raise ValueError(
+            f"{DEEP_GEMM_E8M0_ENV}={value} makes vLLM's DeepGEMM requantize the policy's FP8 weights to power-of-two "
+            f"scales, so the engine would not run the trainer's codes: unset it (calclip then sets 0), train with "
+            f"power_of_two_scales (fp8_power_of_two_scales), or set vllm_fp8_linear_backend='cutlass'")
+    return None
+
+
+def vllm_engine_model(llm) -> tuple[nn.Module, Any]:
+    """(the in-process model, its ModelConfig) of a ``vllm.LLM`` whose engine core runs in this process
+    (colocate: TRL's ``external_launcher``, or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); TRL 1.16 reads the same path."""
+    engine = llm.llm_engine
+    runner = engine.model_executor.driver_worker.model_runner
+    # With full CUDA graphs (vLLM 0.24's default FULL_AND_PIECEWISE) runner.model is a CUDAGraphWrapper that forwards
+    # attribute access to the model; get_model() returns the nn.Module itself (same parameters either way).
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    return model, engine.model_config
+
+
+class _RotaryReloadNotice(logging.Filter):
+    """Drops vLLM 0.24's "RotaryEmbedding: Failed to load weights" (``reload/layerwise.py``, a warning on every
+    reload, not once): a rotary layer holds a cos/sin cache built from the config, which no checkpoint carries, and
+    the reload puts that cache back unchanged (its fallback for layers that loaded nothing). Seen on the H200 at
+    every sync, i.e. every optimizer step. Any other layer that loads nothing still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == "%s: Failed to load weights" and args and "Rotary" in str(args[0]))
+
+
+_RELOAD_LOGGER = _RELOAD_MODULE + ".layerwise"
+
+
+def reload_weights_layerwise(model: nn.Module, model_config, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                             ) -> int:
+    """Load checkpoint-format tensors into a live vLLM ``model`` through vLLM's layerwise reload: every layer is
+    restored to its ``create_weights`` layout, loaded by its own weight loaders (q/k/v and gate/up shards into the
+    fused layers, ``weight_scale_inv`` blocks included), post-processed again, and copied into the storage the
+    engine's CUDA graphs read. Returns the number of tensors loaded."""
+    reload = __import__(_RELOAD_MODULE, fromlist=["initialize_layerwise_reload"])
+    count = 0
+    stream = layerwise_reload_stream(
+        named_tensors,
+        begin=lambda: reload.initialize_layerwise_reload(model),
+        end=lambda: reload.finalize_layerwise_reload(model, model_config),
+    )
+    logger, notice = logging.getLogger(_RELOAD_LOGGER), _RotaryReloadNotice()
+    logger.addFilter(notice)
+    try:
+        for name, tensor in stream:
+            model.load_weights([(name, tensor)])
+            count += 1
+    finally:
+        logger.removeFilter(notice)
+    return count
+
+
+def sync_fp8_weights(llm, policy: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> int:
+    """Push ``policy``'s FP8 codes + scales (and its other parameters) into a colocated block-FP8 ``llm`` the way
+    ``FP8VLLMGenerationMixin`` does inside TRL, then reset the prefix cache (its KV blocks were computed with the
+    old weights). For scripts and tests that drive ``vllm.LLM`` without TRL. Returns the number of tensors sent."""
+    policy = unwrap_model(policy)
+    model, model_config = vllm_engine_model(llm)
+    count = reload_weights_layerwise(model, model_config, fp8_weight_sync_tensors(policy, fp8_modules=fp8_modules))
+    llm.reset_prefix_cache()
+    return count
+
+
+def expected_engine_fp8_tensors(policy: nn.Module, packed_modules: Mapping[str, tuple[str, ...]] = LLAMA_PACKED_MODULES,
+                                fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> dict[str, torch.Tensor]:
+    """The FP8 tensors an FP8 vLLM model must hold after a sync of ``policy``, under vLLM's names, in the checkpoint's
+    orientation: each fused layer's ``weight`` (codes viewed as uint8, [N, K]) and scale (``weight_scale_inv``
+    blocks; ``weight_scale`` [N, 1] for rowwise / tensorwise) are its shards' stacked along dim 0 in
+    ``packed_modules`` order (q, k, v; gate, up); unfused FP8 linears keep their own."""
+    policy = unwrap_model(policy)
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in fp8_weight_sync_tensors(policy, fp8_modules=fp8_modules):
+        leaf = name.rpartition(".")[2]
+        if leaf not in ("weight", SCALE_NAME, CHANNEL_SCALE_NAME) or (
+                leaf == "weight" and tensor.dtype != torch.float8_e4m3fn):
+            continue
+        target, _, index = engine_name(name, packed_modules)
+        groups.setdefault(target, {})[index] = tensor.view(torch.uint8) if leaf == "weight" else tensor
+    return {name: torch.cat([parts[i] for i in sorted(parts)]) for name, parts in groups.items()}
+
+
+def engine_fp8_mismatches(vllm_model: nn.Module, policy: nn.Module) -> list[str]:
+    """Names of the FP8 tensors of a live vLLM model that differ (shape or bits) from what a sync of ``policy``
+    sends (``expected_engine_fp8_tensors``); empty when the engine serves exactly the trainer's codes and scales.
+    A per-channel engine's FP8 weight, held as the transpose of the loaded [N, K] storage, is compared through
+    that transpose (``vllm_direct_sync.rows_view``)."""
+    params = dict(vllm_model.named_parameters())
+    bad = []
+    for name, want in expected_engine_fp8_tensors(policy).items():
+        got = params.get(name)
+        if got is None:
+            bad.append(f"{name}: missing in the engine")
+            continue
+        got = rows_view(got.data)
+        got = got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype or not torch.equal(got, want.to(got.device)):
+            bad.append(f"{name}: engine {got.dtype} {tuple(got.shape)}, trainer {want.dtype} {tuple(want.shape)}")
+    return bad
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module whose parameter names are the checkpoint's (DDP/accelerate ``.module``, torch.compile)."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def fp8_quantization_config(model: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> dict:
+    """The ``quantization_config`` for ``model``'s FP8 recipe, the other linears ignored: block-FP8 (its FP8 linears'
+    block size) for blockwise, compressed-tensors per channel for rowwise / tensorwise (calclip.fp8.export)."""
+    model = unwrap_model(model)
+    if fp8_modules is None:
+        fp8_modules = fp8_weight_specs(model)
+    return fp8_quantization_config_for(fp8_modules, bf16_linear_names(model, fp8_modules))
+
+
+# vLLM's ``quantization`` name of each recipe's checkpoint format.
+_VLLM_QUANTIZATION = {"blockwise": "fp8", "rowwise": "compressed-tensors", "tensorwise": "compressed-tensors"}
+_VLLM_LINEAR = {"blockwise": "block-FP8 linear", "rowwise": "per-channel FP8 linear (compressed-tensors)",
+                "tensorwise": "per-channel FP8 linear (compressed-tensors)"}
+
+
+def check_vllm_compatible(
+    model: nn.Module, *, tensor_parallel_size: int = 1, keep_field: str = "Fp8Config.keep_patterns"
+) -> None:
+    """Raise with the modules to keep in BF16 when vLLM's FP8 linear for the model's recipe (block-FP8 for
+    blockwise, per-channel for rowwise / tensorwise) cannot serve the model's FP8 layers as trained.
+
+    keep_field: the setting the message tells the user to extend (the trainer passes its config field,
+    ``fp8_keep_patterns``); the message lists ready-made regexes for it (``vllm_keep_patterns``).
+    """
+    model = unwrap_model(model)
+    specs = fp8_weight_specs(model)
+    if not specs:
+        return
+    recipe = shared_recipe(specs)
+    problems = vllm_fp8_problems(linear_shapes(model, specs), specs, tp_size=tensor_parallel_size)
+    if problems:
+        lines = "\n".join(f"  {name}: {why}" for name, why in sorted(problems.items()))
+        patterns = list(vllm_keep_patterns(problems))
+        raise ValueError(
+            f"vLLM's {_VLLM_LINEAR[recipe]} cannot serve {len(problems)} FP8 layer(s) of recipe {recipe!r}; keep "
+            f"them in BF16 (with their "
+            f"fused siblings) for training too, one precision flow, by adding these regexes to {keep_field}:\n"
+            f"  {patterns}\nLayers:\n{lines}"
+        )
+
+
+def fp8_engine_kwargs(
+    model: nn.Module, *, export_dir: str | None = None, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None
+) -> dict[str, Any]:
+    """Extra ``vllm.LLM`` arguments that make the engine FP8 with calclip's layer split and the policy's recipe
+    (block-FP8, ``quantization="fp8"``; rowwise / tensorwise: per-channel, ``quantization="compressed-tensors"``).
+
+    Without ``export_dir``: keep the engine's model directory (TRL's ``model=<name_or_path>``, or the one
+    ``engine_model_kwargs`` writes), override the HF config's ``quantization_config`` and start from dummy weights;
+    the first sync loads calclip's codes.
+    With ``export_dir`` (a checkpoint from ``export_fp8_checkpoint`` + tokenizer files): load it as is.
+    """
+    if fp8_modules is None:
+        fp8_modules = fp8_weight_specs(unwrap_model(model))
+    quantization = _VLLM_QUANTIZATION[shared_recipe(fp8_modules)]
+    if export_dir is not None:
+        return {"model": str(export_dir), "quantization": quantization}
+    return {
+        "quantization": quantization,
+        "hf_overrides": {"quantization_config": fp8_quantization_config(model, fp8_modules)},
+        "load_format": "dummy",
+    }
+
+
+# Under the trainer's output_dir; a leading "_" keeps it out of transformers' hub uploads (ignore_patterns "_*").
+ENGINE_MODEL_DIRNAME = "_vllm_engine_model"
+
+
+def loadable_model_name(name: Any) -> bool:
+    """Whether vLLM can take ``name`` as ``LLM(model=...)``: an existing local path, or a valid Hub repo id (which
+    vLLM downloads; whether that repo exists is not checked, TRL does not check it either)."""
+    if not isinstance(name, (str, os.PathLike)):
+        return False
+    name = os.fspath(name)
+    if os.path.exists(name):
+        return True
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def write_engine_model_dir(model: nn.Module, processing_class: Any, directory: str) -> str:
+    """Write what vLLM reads from a model directory besides the weights into ``directory`` (emptied first): the
+    policy's config with ``architectures`` and ``dtype`` filled in as ``save_pretrained`` does, its generation
+    config, and the processing class's files (tokenizer, processor). Returns ``directory``."""
+    model = unwrap_model(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the wrapped model
+    config = copy.deepcopy(base.config)
+    config.architectures = config.architectures or [type(base).__name__.removeprefix("FSDP")]
+    config.dtype = str(base.dtype).removeprefix("torch.")  # vLLM's dtype="auto" reads it
+    shutil.rmtree(directory, ignore_errors=True)  # no file of an earlier run's model is left for vLLM to read
+    os.makedirs(directory)
+    config.save_pretrained(directory)
+    generation_config = getattr(base, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(directory)
+    processing_class.save_pretrained(directory)
+    return directory
+
+
+def engine_model_kwargs(model: nn.Module, processing_class: Any, directory: str | None) -> dict[str, Any]:
+    """Extra ``vllm.LLM`` arguments for a colocated engine of ``model``, whose ``LLM(model=model.name_or_path)``
+    TRL builds: none when ``name_or_path`` is an existing path or a Hub id (TRL's engine, untouched); otherwise
+    (a policy built from a config has ``''``) ``model=<directory>`` written by ``write_engine_model_dir`` and
+    ``load_format="dummy"``: TRL syncs the policy's weights before the first rollout (``_last_loaded_step``
+    starts at -1). Raises ValueError naming ``model.name_or_path`` when there is nothing to write the directory
+    from, or nowhere to write it."""
+    name = getattr(model, "name_or_path", None)
+    if loadable_model_name(name):
+        return {}
+    if directory is None:
+        problem = "no directory was given to write its config and tokenizer to"
+    elif processing_class is None or not hasattr(processing_class, "save_pretrained"):
+        problem = "there is no processing class (tokenizer) to write next to its config for vLLM"
+    elif not hasattr(getattr(unwrap_model(model), "config", None), "save_pretrained"):
+        problem = "the policy has no transformers config to write for vLLM"
+    else:
+        return {"model": write_engine_model_dir(model, processing_class, directory), "load_format": "dummy"}
+    raise ValueError(
+        f"vLLM's colocated engine is built from model.name_or_path, which is {name!r} (neither an existing local path "
+        f"nor a Hub repo id), and {problem}. Save the policy and its tokenizer with save_pretrained(<dir>) and set "
+        "model.name_or_path = <dir> before building the trainer."
+    )
+
+
+@contextlib.contextmanager
+def merged_call_kwargs(namespace: Any, attr: str, extra: Mapping[str, Any]):
+    """Temporarily replace ``namespace.attr`` (a callable) by one that merges ``extra`` into its kwargs."""
+    original = getattr(namespace, attr)
+
+    def call(*args, **kwargs):
+        return original(*args, **{**kwargs, **extra})
+
+    setattr(namespace, attr, call)
+    try:
+        yield
+    finally:
+        setattr(namespace, attr, original)
+
+
+def layerwise_reload_stream(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    begin: Callable[[], None],
+    end: Callable[[], None],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``named_tensors``, calling ``begin()`` before the first item and ``end()`` after the last one.
+
+    ``end`` runs only when the stream is exhausted: a sync that fails half-way leaves vLLM in reload state and
+    the exception propagates (the engine must not generate from half-loaded weights).
+    """
+    begin()
+    yield from named_tensors
+    end()
+
+
+def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool | None = None,
+                        max_num_batched_tokens: int | None = None) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for the colocated engine's speed options, only those that differ from what TRL 1.16
+    builds today (``LLM(...)`` without kv_cache_dtype / async_scheduling, ``max_num_batched_tokens=4096``), so the
+    defaults change nothing. kv_cache_dtype "auto" is the model's dtype; async_scheduling None is vLLM's choice."""
+    kwargs: dict[str, Any] = {}
+    if kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = kv_cache_dtype
+    if async_scheduling is not None:
+        kwargs["async_scheduling"] = bool(async_scheduling)
+    if max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
+    return kwargs
+
+
+class ColocateEngineMixin:
+    """Mix in before TRL's ``VLLMGeneration``: the colocated engine starts for a policy without a loadable
+    ``name_or_path`` too (``engine_model_kwargs``); server mode and policies with a path get TRL's ``_init_vllm``.
+
+    Attributes read (set them on the class or instance before ``__init__`` runs ``_init_vllm``):
+      engine_model_root: where a pathless policy's engine directory is written, one ``rank-<process index>``
+        folder per process (each colocated process builds its own engine); None: such a policy is refused.
+      engine_options: extra ``vllm.LLM`` arguments of the colocated engine, BF16 and FP8 alike (the trainer's
+        ``vllm_kv_cache_dtype`` / ``vllm_async_scheduling`` / ``vllm_max_num_batched_tokens``, through
+        ``engine_speed_kwargs``); merged over TRL's arguments.
+    """
+
+    engine_model_root: str | None = None
+    engine_options: Mapping[str, Any] | None = None
+
+    def _init_vllm(self):
+        return self._start_engine()
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """The extra ``vllm.LLM`` arguments of the colocated engine."""
+        root = self.engine_model_root
+        directory = None if root is None else os.path.join(root, f"rank-{self.accelerator.process_index}")
+        return engine_model_kwargs(self.model, self.processing_class, directory)
+
+    def _start_engine(self):
+        if self.mode != "colocate":
+            return super()._init_vllm()
+        import trl.generation.vllm_generation as trl_vllm_generation
+
+        extra = {**self._engine_kwargs(), **(self.engine_options or {})}
+        with merged_call_kwargs(trl_vllm_generation, "LLM", extra):
+            return super()._init_vllm()  # TRL's: LLM(...), sleep mode, barrier
+
+
+class FP8VLLMGenerationMixin(ColocateEngineMixin):
+    """Mix in before TRL's ``VLLMGeneration``: FP8 weights + scales in the sync, an FP8 engine of the policy's recipe.
+
+    Attributes read (set them on the class or instance before ``__init__`` runs ``_init_vllm``), besides
+    ``ColocateEngineMixin``'s:
+      fp8_export_dir: optional checkpoint directory for the engine (see ``fp8_engine_kwargs``).
+      fp8_check_vllm_shapes: raise early when vLLM cannot serve an FP8 layer (default True).
+      fp8_engine_extra: extra ``vllm.LLM`` arguments merged into the colocated engine's (default:
+        ``fp8_engine_numerics_kwargs()``); the trainer passes its ``vllm_fp8_*`` fields through it.
+      fp8_defer_engine: colocate mode only: ``__init__`` does not start the engine; ``start_fp8_engine()`` does,
+        once the policy has been quantized (default False). TRL constructs the generation object inside
+        ``GRPOTrainer.__init__``, before a trainer can quantize its policy; the engine's layer split
+        (``modules_to_not_convert``) must come from the quantized model, not be predicted from a config.
+      fp8_direct_sync: colocate mode only: after the first sync (through vLLM's layerwise reload), check the
+        engine's layout and, where it holds every tensor as loaded, do the later syncs as in-place copies
+        (``calclip.rollout.vllm_direct_sync``; default True). False: every sync goes through the reload.
+    """
+
+    fp8_export_dir: str | None = None
+    fp8_check_vllm_shapes: bool = True
+    fp8_defer_engine: bool = False
+    fp8_engine_extra: Mapping[str, Any] | None = None
+    fp8_direct_sync: bool = True
+    _fp8_engine_pending: bool = False
+    _direct_sync: DirectSync | None = None
+
+    def _fp8_specs(self) -> dict[str, Fp8WeightSpec]:
+        specs = getattr(self, "_calclip_fp8_specs", None)
+        if specs is None:
+            specs = fp8_weight_specs(unwrap_model(self.model))
+            if not specs:  # an FP8 engine would be fed BF16 weights it cannot load
+                raise ValueError("FP8 vLLM generation needs an FP8 policy: convert it with quantize_model first")
+            self._calclip_fp8_specs = specs
+        return specs
+
+    def _init_vllm(self):
+        if self.mode == "colocate" and self.fp8_defer_engine:
+            self._fp8_engine_pending = True  # start_fp8_engine() builds it
+            return None
+        return self._start_engine()
+
+    def start_fp8_engine(self) -> None:
+        """Start the engine deferred by ``fp8_defer_engine`` (no-op when none is pending, e.g. server mode)."""
+        if self._fp8_engine_pending:
+            self._start_engine()
+            self._fp8_engine_pending = False
+
+    def _start_engine(self):
+        if self.mode == "colocate":  # a server was started from the exported checkpoint (docs/vllm.md)
+            if self.fp8_check_vllm_shapes:
+                check_vllm_compatible(self.model, tensor_parallel_size=self.tensor_parallel_size)
+            self._calclip_fp8_specs = None  # the model's layer split as it is now, for the engine and every sync
+            self._direct_sync = None  # a new engine: its layout is checked again after its first sync
+            if shared_recipe(self._fp8_specs()) == "tensorwise":
+                _logger.warning(TENSORWISE_ACTIVATION_NOTE)
+        return super()._start_engine()
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        specs = self._fp8_specs()
+        fp8 = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=specs)
+        numerics = fp8_engine_numerics_kwargs() if self.fp8_engine_extra is None else self.fp8_engine_extra
+        block_specs = [spec for spec in specs.values() if spec.blockwise]  # DeepGEMM serves block layers only
+        e8m0 = block_specs and deep_gemm_e8m0_setting(
+            numerics.get("linear_backend"), all(spec.power_of_two_scales for spec in block_specs), os.environ)
+        if e8m0:  # read by vLLM when the engine picks its kernels, i.e. after this point
+            os.environ[DEEP_GEMM_E8M0_ENV] = e8m0
+            cached = getattr(sys.modules.get("vllm.utils.deep_gemm"), "is_deep_gemm_e8m0_used", None)
+            if hasattr(cached, "cache_clear"):  # an earlier engine in this process read the old value: read it again
+                cached.cache_clear()
+        model_dir = {} if self.fp8_export_dir is not None else super()._engine_kwargs()  # the export has its own
+        return {**model_dir, **numerics, **fp8}
+
+    def sync_weights(self):
+        if self._fp8_engine_pending:
+            raise RuntimeError("the FP8 vLLM engine has not been started: call start_fp8_engine() after quantizing")
+        return super().sync_weights()
+
+    def _vllm_model_and_config(self):
+        return vllm_engine_model(self.llm)
+
+    def _checkpoint_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """TRL's parameter stream with every FP8 linear's weight as codes + ``weight_scale_inv``."""
+        return quantize_named_params(super()._iter_named_params(), self._fp8_specs(), scale_name=SCALE_NAME)
+
+    def _iter_named_params(self):
+        stream = self._checkpoint_stream()
+        if self.mode != "colocate":
+            return stream
+        model, model_config = self._vllm_model_and_config()
+        if self.fp8_direct_sync and self._direct_sync is None:
+            self._direct_sync = DirectSync(LLAMA_PACKED_MODULES)
+        direct = self._direct_sync if self.fp8_direct_sync else None
+        if direct is not None and direct.verified:
+            return _consume(lambda: direct.copy(dict(model.named_parameters()), stream))
+        reload = __import__(_RELOAD_MODULE, fromlist=["initialize_layerwise_reload"])
+
+        def end() -> None:
+            reload.finalize_layerwise_reload(model, model_config)
+            if direct is not None and not direct.checked:
+                self._check_direct_sync(direct, model)
+
+        return layerwise_reload_stream(stream, begin=lambda: reload.initialize_layerwise_reload(model), end=end)
+
+    def _check_direct_sync(self, direct: DirectSync, model: nn.Module) -> None:
+        """After the engine's first reload: compare it with a second pass of the stream (``DirectSync.verify``)."""
+        if direct.verify(dict(model.named_parameters()), self._checkpoint_stream()):
+            _logger.info("vLLM weight sync: the engine holds every tensor as loaded; later syncs copy in place")
+        else:
+            _logger.warning("vLLM weight sync stays on vLLM's layerwise reload (slower): %s", direct.reason)
+
+
+def _consume(work: Callable[[], Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An empty stream that runs ``work`` when iterated: TRL's colocate loop then loads nothing itself."""
+    work()
+    yield from ()
+
+
+def vllm_generation_class(base: type | None = None) -> type:
+    """``CalclipVLLMGeneration``: ``ColocateEngineMixin`` over TRL's ``VLLMGeneration`` (BF16 rollouts)."""
+    if base is None:
+        from trl.generation.vllm_generation import VLLMGeneration as base
+    return type("CalclipVLLMGeneration", (ColocateEngineMixin, base), {})
+
+
+def fp8_vllm_generation_class(base: type | None = None) -> type:
+    """``FP8VLLMGeneration``: the mixin over TRL's ``VLLMGeneration`` (imported lazily; TRL needs no vLLM)."""
+    if base is None:
+        from trl.generation.vllm_generation import VLLMGeneration as base
+    return type("FP8VLLMGeneration", (FP8VLLMGenerationMixin, base), {})
+
+
+@contextlib.contextmanager
+def _grpo_generation_class(make: Callable[[type], type], **attributes):
+    """While active, ``GRPOTrainer.__init__`` builds ``make(TRL's VLLMGeneration)`` with ``attributes`` set on the
+    class. ``trl.trainer.grpo_trainer`` imports ``VLLMGeneration`` into its namespace and calls it once there."""
+    import trl.trainer.grpo_trainer as grpo_module
+
+    original = grpo_module.VLLMGeneration
+    cls = make(original)
+    for name, value in attributes.items():
+        setattr(cls, name, value)
+    grpo_module.VLLMGeneration = cls
+    try:
+        yield cls
+    finally:
+        grpo_module.VLLMGeneration = original
+
+
+def use_vllm_generation(*, engine_model_root: str | None = None, engine_options: Mapping[str, Any] | None = None):
+    """While active, ``GRPOTrainer.__init__`` builds a ``CalclipVLLMGeneration``: TRL's BF16 engine and sync, which
+    also starts for a policy without a loadable ``name_or_path`` (its directory written under
+    ``engine_model_root``, see ``ColocateEngineMixin``), with ``engine_options`` merged into its ``LLM(...)``."""
+    return _grpo_generation_class(vllm_generation_class, engine_model_root=engine_model_root,
+                                  engine_options=None if engine_options is None else dict(engine_options))
+
+
+def use_fp8_vllm_generation(
+    *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False,
+    engine_kwargs: Mapping[str, Any] | None = None, engine_model_root: str | None = None, direct_sync: bool = True,
+    engine_options: Mapping[str, Any] | None = None,
+):
+    """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
+
+    ``engine_kwargs``: the colocated engine's extra ``vllm.LLM`` arguments (None: ``fp8_engine_numerics_kwargs()``).
+    ``engine_model_root``: see ``ColocateEngineMixin`` (a policy without a loadable ``name_or_path``).
+    ``direct_sync``: ``FP8VLLMGenerationMixin.fp8_direct_sync`` (in-place syncs once the engine's layout is checked).
+    ``engine_options``: ``ColocateEngineMixin.engine_options`` (``engine_speed_kwargs``).
+    With ``defer_engine`` (what ``CalibratedGRPOTrainer`` uses, since it quantizes after ``super().__init__()``):
+
+        with use_fp8_vllm_generation(defer_engine=True):
+            super().__init__(...)
+        quantize_model(self.model, fp8_config)
+        self.vllm_generation.start_fp8_engine()
+    """
+    return _grpo_generation_class(
+        fp8_vllm_generation_class, fp8_export_dir=export_dir, fp8_check_vllm_shapes=check_vllm_shapes,
+        fp8_defer_engine=defer_engine, fp8_engine_extra=None if engine_kwargs is None else dict(engine_kwargs),
+        engine_model_root=engine_model_root, fp8_direct_sync=direct_sync,
+        engine_options=None if engine_options is None else dict(engine_options),
+    )

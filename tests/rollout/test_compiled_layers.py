@@ -1,0 +1,122 @@
+"""compile_layers: the policy's decoder layers compiled one by one for the training forwards, rollouts eager.
+
+On CPU with backend aot_eager (the same Dynamo/AOTAutograd tracing as Inductor, without generating kernels): the
+auto rule, the blocks found, that a short run trains with one traced layer graph per grad mode while generate stays
+eager, and that the compiled forward's log-probs equal the eager ones bit for bit. On the GPU (Inductor) in
+tests/rollout/test_gpu_compiled_layers.py.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from calclip.fp8 import compile_repeated_blocks
+from calclip.fp8.regional_compile import compiled_block_count, eager_blocks, repeated_blocks
+from calclip.rollout.compiled_layers import resolve_compile_layers
+from calclip.trainers.config import CalibratedGRPOConfig
+from tests.fixtures import build_tiny_model, build_tiny_tokenizer, tiny_trainer, tiny_training_args, train_and_check
+
+AUTO = dict(device_type="cuda", fp8=True, torch_compile=False, compile_generation=False,
+            gradient_checkpointing=False, sharded=False)
+
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
+
+
+def test_auto_is_on_for_fp8_and_bf16_policies_on_cuda_only():
+    assert resolve_compile_layers(None, **AUTO) == (True, "compile_layers auto: on (FP8 policy on CUDA)")
+    # BF16 gets the same compilation (a fair baseline); the FP8-only options do not apply to it
+    bf16 = {**AUTO, "fp8": False}
+    assert resolve_compile_layers(None, **bf16) == (True, "compile_layers auto: on (BF16 policy on CUDA)")
+    assert resolve_compile_layers(None, **bf16, fp8_recipe="rowwise", fp8_backward="bf16")[0]
+    ruled_out = [({"device_type": "cpu"}, "cpu"), ({"torch_compile": True}, "torch_compile"),
+                 ({"compile_generation": True}, "decode step"), ({"gradient_checkpointing": True}, "checkpointing"),
+                 ({"sharded": True}, "sharded")]
+    for change, reason in ruled_out:
+        on, why = resolve_compile_layers(None, **{**bf16, **change})
+        assert not on and reason in why, (change, why)
+    for change, reason in [({"device_type": "cpu"}, "cpu"),
+                           ({"torch_compile": True}, "torch_compile"), ({"compile_generation": True}, "decode step"),
+                           ({"gradient_checkpointing": True}, "checkpointing"), ({"sharded": True}, "sharded"),
+                           ({"fp8_recipe": "rowwise"}, "rowwise"), ({"fp8_backward": "bf16"}, "fp8_backward")]:
+        on, why = resolve_compile_layers(None, **{**AUTO, **change})
+        assert not on and reason in why, (change, why)
+    assert resolve_compile_layers(True, **{**AUTO, "device_type": "cpu", "fp8": False})[0]  # the user's choice
+    assert not resolve_compile_layers(False, **AUTO)[0]
+
+
+@pytest.mark.parametrize("field", ["torch_compile", "compile_generation"])
+def test_explicit_true_with_a_whole_model_compile_raises_naming_both(field):
+    with pytest.raises(ValueError, match=f"compile_layers.*{field}|{field}.*compile_layers"):
+        resolve_compile_layers(True, **{**AUTO, field: True})
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_config_rejects_a_non_bool_compile_layers(tmp_path, value):
+    with pytest.raises(ValueError, match="compile_layers must be a boolean"):
+        tiny_training_args(CalibratedGRPOConfig, tmp_path, compile_layers=value)
+    with pytest.raises(ValueError, match="compile_layers_backend"):
+        tiny_training_args(CalibratedGRPOConfig, tmp_path, compile_layers_backend=" ")
+
+
+def test_repeated_blocks_are_the_outermost_lists_of_one_class():
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])  # inside a block: compiled with it
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Layer(), Layer(), Layer()])
+    model.heads = nn.ModuleList([nn.Linear(4, 4), nn.ReLU()])  # mixed classes: not a repeated block
+    model.empty = nn.ModuleList()
+    assert repeated_blocks(model) == list(model.layers)
+    model.single = nn.ModuleList([nn.Linear(4, 4)])  # a one-layer model's layers
+    assert repeated_blocks(model) == [*model.layers, model.single[0]]
+    with pytest.raises(ValueError, match="Linear has no repeated blocks"):
+        compile_repeated_blocks(nn.Linear(4, 4))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_path, fp8):
+    """Two optimizer steps of an FP8 policy, and of a BF16 one (the baseline gets the same compilation), with
+    compile_layers (aot_eager): both layers run compiled, the parameters move, the metrics stay finite, and Dynamo
+    traced the layer's forward once per grad mode (the training forward and the no-grad old log-probs), never
+    generate's one-token decode calls."""
+    model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, fp8=fp8, compile_layers=True,
+                               compile_layers_backend="aot_eager")
+        assert trainer._layers_compiled
+        layers = trainer.model.model.layers
+        assert compiled_block_count(trainer.model) == len(layers) == 2
+        train_and_check(trainer)
+    frames = torch._dynamo.utils.counters["frames"]
+    assert 1 <= frames["ok"] <= 4, dict(frames)  # decode steps (one per token) would each add a frame
+
+    # the compiled training forward gives the eager forward's log-probs, bit for bit
+    ids = torch.randint(5, 40, (4, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row
+    with torch.no_grad():
+        compiled, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8)
+        with eager_blocks(trainer.model):
+            eager, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8)
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_auto_leaves_a_cpu_policy_eager(tokenizer, tmp_path, fp8):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, fp8=fp8)
+    assert trainer.args.compile_layers is None and not trainer._layers_compiled
+    assert compiled_block_count(trainer.model) == 0

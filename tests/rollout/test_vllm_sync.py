@@ -1,0 +1,686 @@
+"""FP8 weight sync through TRL 1.16's own ``VLLMGeneration`` code paths, with the vLLM engine replaced by
+recorders (no vLLM can run here). What runs for real: TRL's ``sync_weights`` / ``_iter_named_params`` /
+``_init_vllm`` (trl 1.16.0, trl/generation/vllm_generation.py) with calclip's overrides; what is faked: the
+``vllm.LLM`` object, its model's ``load_weights``, the server client, and vLLM's layerwise-reload hooks
+(``vllm.model_executor.model_loader.reload.initialize_layerwise_reload(model)`` /
+``finalize_layerwise_reload(model, model_config)``, the calls vLLM's NCCL weight-transfer engine makes on
+start/finish_weight_update).
+
+Expected tensor spec = vLLM ``Fp8LinearMethod.create_weights`` with block quant
+(vllm/model_executor/layers/quantization/fp8.py, read at vllm-project/vllm commits 0071b24b and 1436674b):
+``weight`` float8_e4m3fn [N, K] and ``weight_scale_inv`` float32 [ceil(N/128), ceil(K/128)].
+"""
+
+import ast
+import functools
+import os
+import re
+import subprocess
+import warnings
+import sys
+import types
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+trl_vllm_generation = pytest.importorskip("trl.generation.vllm_generation")
+
+from calclip.fp8 import Fp8Config, FP8BlockLinear, quantize_model  # noqa: E402
+from calclip.rollout.vllm_sync import (  # noqa: E402
+    DEEP_GEMM_E8M0_ENV,
+    deep_gemm_e8m0_setting,
+    ENGINE_MODEL_DIRNAME,
+    check_vllm_compatible,
+    engine_model_kwargs,
+    fp8_engine_kwargs,
+    fp8_vllm_generation_class,
+    use_fp8_vllm_generation,
+    use_vllm_generation,
+    vllm_generation_class,
+)
+
+FP8 = torch.float8_e4m3fn
+
+
+def tiny_fp8_llama(hidden=256, intermediate=384):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    return quantize_model(model, Fp8Config())
+
+
+def vllm_spec(model):
+    spec = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FP8BlockLinear):
+            n, k = m.out_features, m.in_features
+            spec[f"{name}.weight"] = ("float8_e4m3fn", [n, k])
+            spec[f"{name}.weight_scale_inv"] = ("float32", [-(-n // 128), -(-k // 128)])
+    return spec
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+
+def make_generation(model, mode, recorder, cls=None):
+    """An FP8VLLMGeneration (or ``cls``) with TRL's __init__ skipped (it would start an engine) and fakes wired in."""
+    cls = cls or fp8_vllm_generation_class()
+    gen = cls.__new__(cls)
+    gen.model = model
+    gen.processing_class = None
+    gen.mode = mode
+    gen.enable_sleep_mode = False
+    gen.tensor_parallel_size = 1
+    gen._weight_metadata = None
+    gen.accelerator = types.SimpleNamespace(is_main_process=True)
+    gen._dist = types.SimpleNamespace(is_fsdp=False, gather_params=lambda params: nullcontext())
+
+    vllm_model = types.SimpleNamespace(  # no parameters: the direct-sync check after the first reload refuses
+        load_weights=lambda weights: recorder.events.extend(("load", n, t) for n, t in weights),
+        named_parameters=lambda: iter(()))
+    engine = types.SimpleNamespace(
+        model_executor=types.SimpleNamespace(
+            driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=vllm_model))),
+        model_config="MODEL_CONFIG")
+    gen.llm = types.SimpleNamespace(llm_engine=engine, reset_prefix_cache=lambda: recorder.events.append(("reset",)))
+    gen._fake_vllm_model = vllm_model
+
+    def update_named_params(metadata, stream):
+        recorder.events.append(("metadata", metadata))
+        recorder.events.extend(("send", n, t) for n, t in stream)
+
+    gen.vllm_client = types.SimpleNamespace(
+        update_named_params=update_named_params, reset_prefix_cache=lambda: recorder.events.append(("reset",)))
+    return gen
+
+
+@pytest.fixture
+def fake_reload(monkeypatch):
+    recorder = Recorder()
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    reload.initialize_layerwise_reload = lambda model: recorder.events.append(("init", model))
+    reload.finalize_layerwise_reload = lambda model, cfg: recorder.events.append(("finalize", model, cfg))
+    names = ["vllm", "vllm.model_executor", "vllm.model_executor.model_loader"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload)
+    return recorder
+
+
+@pytest.mark.slow
+def test_module_imports_without_vllm():
+    code = ("import sys, calclip.rollout.vllm_sync, calclip.fp8.export; "
+            "assert 'vllm' not in sys.modules; assert 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_colocate_sync_loads_fp8_checkpoint_tensors_inside_layerwise_reload(fake_reload):
+    model = tiny_fp8_llama()
+    gen = make_generation(model, "colocate", fake_reload)
+    gen.sync_weights()  # TRL 1.16's own method
+    events = fake_reload.events
+    assert events[0] == ("init", gen._fake_vllm_model)
+    assert events[-2] == ("finalize", gen._fake_vllm_model, "MODEL_CONFIG") and events[-1] == ("reset",)
+    loads = {name: t for kind, name, t in (e for e in events if e[0] == "load")}
+    assert len(loads) == sum(e[0] == "load" for e in events)  # each tensor once
+    expected = vllm_spec(model)
+    got = {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in loads.items() if n in expected}
+    assert got == expected
+    assert set(loads) - set(expected) == {n for n, _ in model.named_parameters()} - set(expected)
+    # the codes are the training codes
+    q, s, _ = model.get_submodule("model.layers.1.mlp.down_proj").quantized_weight()
+    assert torch.equal(loads["model.layers.1.mlp.down_proj.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(loads["model.layers.1.mlp.down_proj.weight_scale_inv"], s)
+
+
+def test_server_sync_announces_fp8_metadata_matching_the_stream(fake_reload):
+    model = tiny_fp8_llama()
+    gen = make_generation(model, "server", fake_reload)
+    gen.sync_weights()
+    events = fake_reload.events
+    assert not any(e[0] in ("init", "finalize") for e in events)  # the server wraps start/finish itself
+    (metadata,) = [e[1] for e in events if e[0] == "metadata"]
+    sent = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for kind, n, t in
+            (e for e in events if e[0] == "send")]
+    assert [tuple(m) for m in metadata] == sent
+    expected = vllm_spec(model)
+    assert {n: (d, s) for n, d, s in sent if n in expected} == expected
+    assert events[-1] == ("reset",)
+
+
+def colocate_init(monkeypatch, model, *, cls=None, process_index=0, num_processes=1):
+    """A colocate-mode generation over ``model`` whose TRL ``_init_vllm`` builds a recorded fake ``LLM``: returns
+    (generation, the kwargs of each ``LLM(...)`` call, TRL's ``LLM`` to check it is restored). Call
+    ``gen._init_vllm()`` after setting what the test varies."""
+    calls = []
+    monkeypatch.setattr(trl_vllm_generation, "LLM", lambda **kw: calls.append(kw) or "ENGINE", raising=False)
+    monkeypatch.setattr(trl_vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(trl_vllm_generation, "ensure_master_addr_port", lambda: None)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(var, "0")
+    gen = make_generation(model, "colocate", Recorder(), cls=cls)
+    gen.gpu_memory_utilization, gen.max_model_length, gen.max_num_seqs = 0.3, 128, 8
+    gen.model_impl, gen.trust_remote_code = "vllm", False
+    gen.accelerator = types.SimpleNamespace(num_processes=num_processes, process_index=process_index,
+                                            local_process_index=process_index, wait_for_everyone=lambda: None,
+                                            is_main_process=process_index == 0)
+    return gen, calls, trl_vllm_generation.LLM
+
+
+def test_init_vllm_builds_a_block_fp8_engine_and_restores_trl(monkeypatch, tmp_path):
+    model = tiny_fp8_llama()
+    gen, calls, original_llm = colocate_init(monkeypatch, model)
+    model.name_or_path = "base-model"
+    gen._init_vllm()
+    (kw,) = calls
+    assert gen.llm == "ENGINE" and trl_vllm_generation.LLM is original_llm
+    assert kw["quantization"] == "fp8" and kw["load_format"] == "dummy" and kw["model"] == "base-model"
+    qc = kw["hf_overrides"]["quantization_config"]
+    assert qc["weight_block_size"] == [128, 128] and qc["modules_to_not_convert"] == ["lm_head"]
+    assert kw["logprobs_mode"] == "processed_logprobs"  # TRL's own argument survives (TIS needs it)
+    assert fp8_engine_kwargs(model, export_dir=str(tmp_path)) == {"model": str(tmp_path), "quantization": "fp8"}
+
+
+def test_ragged_model_is_refused_before_the_engine_starts():
+    with pytest.raises(ValueError, match="keep them in BF16"):
+        check_vllm_compatible(tiny_fp8_llama(192, 320))
+    check_vllm_compatible(tiny_fp8_llama())
+
+
+def test_use_fp8_vllm_generation_swaps_trl_class_only_inside():
+    import trl.trainer.grpo_trainer as grpo_module
+
+    original = grpo_module.VLLMGeneration
+    with use_fp8_vllm_generation(export_dir="/ckpt") as cls:
+        assert grpo_module.VLLMGeneration is cls and issubclass(cls, original)
+        assert cls.fp8_export_dir == "/ckpt"
+    assert grpo_module.VLLMGeneration is original
+    with use_vllm_generation(engine_model_root="/out/_vllm_engine_model") as cls:  # fp8 false
+        assert grpo_module.VLLMGeneration is cls and issubclass(cls, original)
+        assert cls.engine_model_root == "/out/_vllm_engine_model" and not hasattr(cls, "fp8_export_dir")
+    assert grpo_module.VLLMGeneration is original
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CalibratedGRPOTrainer(use_vllm=True, fp8=True): TRL 1.16's GRPOTrainer.__init__ builds the (calclip) generation
+# object, TRL's _init_vllm builds the engine, TRL's _generate_single_turn syncs and generates; only vLLM's names
+# (LLM, SamplingParams, VLLMClient, the layerwise-reload hooks) are fakes that record what they receive.
+
+from tests.fixtures import (  # noqa: E402
+    build_tiny_model,
+    build_tiny_tokenizer,
+    tiny_prompt_dataset,
+    tiny_trainer,
+    tiny_training_args,
+)
+from calclip.trainers.config import CalibratedGRPOConfig  # noqa: E402
+
+# What the fake engine "samples" for every prompt (token characters) and the log-probs it reports for them.
+FAKE_COMPLETION = "12"
+FAKE_LOGPROBS = [-0.5, -1.25, -2.0]  # the two digits, then EOS
+
+
+class FakeVLLM:
+    """Stands in for ``vllm.LLM`` (colocate) and TRL's ``VLLMClient`` (server); records every call."""
+
+    def __init__(self, recorder, tokenizer):
+        self.recorder, self.tokenizer = recorder, tokenizer
+        self.engine_kwargs = []
+        self.fp8_modules_at_engine_start = None
+
+    def llm(self, model_of):
+        fake = self
+
+        class LLM:
+            def __init__(self, **kwargs):
+                fake.engine_kwargs.append(kwargs)
+                fake.fp8_modules_at_engine_start = sorted(
+                    n for n, m in model_of().named_modules() if isinstance(m, FP8BlockLinear))
+                vllm_model = types.SimpleNamespace(load_weights=lambda weights: fake.recorder.events.extend(
+                    ("load", n, t) for n, t in weights), named_parameters=lambda: iter(()))
+                self.vllm_model = vllm_model
+                self.llm_engine = types.SimpleNamespace(
+                    model_executor=types.SimpleNamespace(
+                        driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=vllm_model))),
+                    model_config=types.SimpleNamespace(max_model_len=512))
+
+            def reset_prefix_cache(self):
+                fake.recorder.events.append(("reset",))
+
+            def generate(self, prompts, sampling_params, use_tqdm):
+                fake.recorder.events.append(("generate", len(prompts)))
+                return [fake.request_output(p["prompt_token_ids"]) for p in prompts]
+
+        return LLM
+
+    def request_output(self, prompt_ids):
+        ids = [*self.tokenizer.convert_tokens_to_ids(list(FAKE_COMPLETION)), self.tokenizer.eos_token_id]
+        logprobs = [{i: types.SimpleNamespace(rank=1, logprob=lp)} for i, lp in zip(ids, FAKE_LOGPROBS)]
+        return types.SimpleNamespace(prompt_token_ids=prompt_ids,
+                                     outputs=[types.SimpleNamespace(token_ids=ids, logprobs=logprobs)])
+
+    def client(self):
+        fake = self
+
+        class VLLMClient:
+            def __init__(self, **kwargs):
+                pass
+
+            def init_communicator(self, device):
+                pass
+
+            def get_server_info(self):
+                return {"model_config": {"logprobs_mode": "processed_logprobs"}}
+
+            def update_named_params(self, metadata, stream):
+                fake.recorder.events.append(("metadata", metadata))
+                fake.recorder.events.extend(("load", n, t) for n, t in stream)
+
+            def reset_prefix_cache(self):
+                fake.recorder.events.append(("reset",))
+
+        return VLLMClient
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, fake_reload, tokenizer):
+    fake = FakeVLLM(fake_reload, tokenizer)
+    holder = {}
+    monkeypatch.setattr(trl_vllm_generation, "LLM", fake.llm(lambda: holder["model"]), raising=False)
+    monkeypatch.setattr(trl_vllm_generation, "SamplingParams", lambda **kw: kw, raising=False)
+    monkeypatch.setattr(trl_vllm_generation, "VLLMClient", fake.client())
+    monkeypatch.setattr(trl_vllm_generation, "is_vllm_available", lambda *a, **k: True)
+    monkeypatch.setattr(trl_vllm_generation, "ensure_master_addr_port", lambda: None)
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        # TRL's _init_vllm sets these; they must be unset while the training arguments are built (accelerate would
+        # see a multi-process launch) and unset again afterwards: setenv records the original, delenv clears it.
+        monkeypatch.setenv(var, "0")
+        monkeypatch.delenv(var)
+    fake.holder = holder
+    return fake
+
+
+def make_vllm_trainer(fake, tokenizer, tmp_path, *, num_key_value_heads=4, model_path=None, **overrides):
+    """hidden 128, 4 heads of 32, kv heads 4: every projection is a whole number of 128x128 blocks. The policy is
+    built from a config (``name_or_path == ""``) unless ``model_path``: then it is saved there with the tokenizer
+    and carries that path, as ``from_pretrained`` gives it."""
+    model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256,
+                             num_key_value_heads=num_key_value_heads, dtype=torch.bfloat16)
+    if model_path is not None:
+        model.save_pretrained(model_path)
+        tokenizer.save_pretrained(model_path)
+        model.name_or_path = str(model_path)
+    fake.holder["model"] = model
+    options = dict(use_vllm=True, vllm_mode="colocate", fp8=True, fp8_keep_last_n_layers=1)
+    return tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, **{**options, **overrides})
+
+
+LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+FP8_LAYERS = [f"model.layers.0.{m}" for m in LAYER_LINEARS]  # fp8_keep_last_n_layers=1 keeps layer 1 in BF16
+BF16_LAYERS = [f"model.layers.1.{m}" for m in LAYER_LINEARS] + ["lm_head"]
+
+
+def test_trainer_builds_block_fp8_engine_after_quantizing(fake_vllm, tokenizer, tmp_path):
+    import trl.trainer.grpo_trainer as grpo_module
+
+    original = grpo_module.VLLMGeneration
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path)
+    assert grpo_module.VLLMGeneration is original  # TRL's class is back once __init__ is done
+    (kw,) = fake_vllm.engine_kwargs
+    # the engine started once, after the policy's quantization: its layer split is the trained one
+    assert fake_vllm.fp8_modules_at_engine_start == sorted(FP8_LAYERS)
+    assert kw["quantization"] == "fp8" and kw["load_format"] == "dummy"
+    assert kw["hf_overrides"]["quantization_config"] == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+        "modules_to_not_convert": BF16_LAYERS, "ignored_layers": BF16_LAYERS,
+    }
+    assert kw["logprobs_mode"] == "processed_logprobs"  # TRL's own argument survives: TIS/bypass need it
+    assert trainer.vllm_generation.llm is not None and not trainer.vllm_generation._fp8_engine_pending
+    # the engine runs the trainer's arithmetic: FP32 block scales (no UE8M0 requant), no quant-fusion kernels
+    assert kw["linear_backend"] == "cutlass"
+    assert kw["compilation_config"] == {"pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False},
+                                        "inductor_compile_config": {"emulate_precision_casts": True}}
+
+
+def test_trainer_engine_numerics_follow_the_config(fake_vllm, tokenizer, tmp_path):
+    make_vllm_trainer(fake_vllm, tokenizer, tmp_path, vllm_fp8_linear_backend=None,
+                      vllm_fp8_match_trainer_numerics=False)
+    (kw,) = fake_vllm.engine_kwargs
+    assert "linear_backend" not in kw and "compilation_config" not in kw  # vLLM's own defaults
+    assert kw["quantization"] == "fp8"
+
+
+@pytest.mark.parametrize("backend", ["deep_gemm", None])
+def test_deep_gemm_engine_keeps_fp32_scales_by_switching_ue8m0_off(fake_vllm, tokenizer, tmp_path, monkeypatch,
+                                                                  backend):
+    """A backend under which vLLM may run DeepGEMM: the engine starts with VLLM_USE_DEEP_GEMM_E8M0=0 (DeepGEMM then
+    keeps the policy's FP32 block scales and codes), whatever vLLM cached for it before."""
+    import types
+
+    monkeypatch.delenv(DEEP_GEMM_E8M0_ENV, raising=False)
+    reads = []
+
+    @functools.cache
+    def is_deep_gemm_e8m0_used():  # vLLM caches its first read of the variable
+        reads.append(os.environ.get(DEEP_GEMM_E8M0_ENV))
+        return os.environ.get(DEEP_GEMM_E8M0_ENV, "1") == "1"
+
+    assert is_deep_gemm_e8m0_used()  # an earlier engine in this process read the default
+    module = types.ModuleType("vllm.utils.deep_gemm")
+    module.is_deep_gemm_e8m0_used = is_deep_gemm_e8m0_used
+    monkeypatch.setitem(sys.modules, "vllm.utils.deep_gemm", module)
+    make_vllm_trainer(fake_vllm, tokenizer, tmp_path, vllm_fp8_linear_backend=backend)
+    (kw,) = fake_vllm.engine_kwargs
+    assert kw.get("linear_backend") == backend
+    assert os.environ[DEEP_GEMM_E8M0_ENV] == "0"
+    assert not is_deep_gemm_e8m0_used() and reads == [None, "0"]
+
+
+def test_deep_gemm_e8m0_setting_rules():
+    env_off, env_on = {DEEP_GEMM_E8M0_ENV: "0"}, {DEEP_GEMM_E8M0_ENV: "1"}
+    assert deep_gemm_e8m0_setting("cutlass", False, env_on) is None  # CUTLASS never requantizes
+    assert deep_gemm_e8m0_setting("deep_gemm", False, {}) == "0"
+    assert deep_gemm_e8m0_setting(None, False, {}) == "0"
+    assert deep_gemm_e8m0_setting("deep_gemm", False, env_off) is None  # already off
+    assert deep_gemm_e8m0_setting("deep_gemm", True, env_on) is None  # power-of-two scales survive UE8M0
+    with pytest.raises(ValueError, match="VLLM_USE_DEEP_GEMM_E8M0=1.*power_of_two_scales.*cutlass"):
+        deep_gemm_e8m0_setting("deep_gemm", False, env_on)
+    with pytest.raises(ValueError, match="VLLM_USE_DEEP_GEMM_E8M0"):
+        deep_gemm_e8m0_setting(None, False, env_on)
+
+
+@pytest.mark.parametrize("value", ["", "   ", 3])
+def test_bad_linear_backend_is_named(tmp_path, value):
+    with pytest.raises(ValueError, match="vllm_fp8_linear_backend"):
+        tiny_training_args(CalibratedGRPOConfig, tmp_path, vllm_fp8_linear_backend=value)
+
+
+def test_bf16_vllm_trainer_keeps_trl_engine_untouched(fake_vllm, tokenizer, tmp_path):
+    """fp8 false, a policy with a local path: TRL's own LLM(...) arguments and per-tensor BF16 sync."""
+    path = str(tmp_path / "policy")
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=False, fp8_keep_last_n_layers=0, model_path=path)
+    (kw,) = fake_vllm.engine_kwargs
+    assert kw["model"] == path and not (tmp_path / ENGINE_MODEL_DIRNAME).exists()
+    assert "quantization" in kw and kw["quantization"] is None
+    assert not {"hf_overrides", "load_format", "linear_backend", "compilation_config"} & set(kw)
+    trainer.vllm_generation.sync_weights()
+    loads = {name: t for kind, name, t, *rest in (e for e in fake_vllm.recorder.events if e[0] == "load")}
+    assert loads and all(t.dtype == torch.bfloat16 for t in loads.values())
+    assert not any(e[0] in ("init", "finalize") for e in fake_vllm.recorder.events)
+
+
+def test_sync_fp8_weights_reloads_layerwise_and_resets_the_prefix_cache(fake_reload):
+    from calclip.rollout.vllm_sync import sync_fp8_weights
+
+    model = tiny_fp8_llama()
+    loads = []
+    vllm_model = types.SimpleNamespace(load_weights=lambda weights: loads.extend(weights) or
+                                       fake_reload.events.append(("load",)))
+    llm = types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(model_config="MODEL_CONFIG", model_executor=types.SimpleNamespace(
+            driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=vllm_model)))),
+        reset_prefix_cache=lambda: fake_reload.events.append(("reset",)))
+    count = sync_fp8_weights(llm, model)
+    kinds = [e[0] for e in fake_reload.events]
+    assert kinds == ["init", *["load"] * count, "finalize", "reset"]
+    sent = dict(loads)
+    assert {n: (str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sent.items()
+            if n in vllm_spec(model)} == vllm_spec(model)
+
+
+def test_reload_drops_only_the_rotary_fallback_warning(fake_reload, caplog):
+    """vLLM 0.24 warns "RotaryEmbedding: Failed to load weights" at every reload (seen on the H200 at every sync);
+    the sync drops that one record while it runs and nothing else, and leaves the logger as it found it."""
+    import logging
+
+    from calclip.rollout.vllm_sync import reload_weights_layerwise
+
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    reload = sys.modules["vllm.model_executor.model_loader.reload"]
+
+    def finalize(model, cfg):
+        layerwise.warning("%s: Failed to load weights", "RotaryEmbedding")
+        layerwise.warning("%s: Failed to load weights", "Llama3RotaryEmbedding")
+        layerwise.warning("%s: Failed to load weights", "QKVParallelLinear")
+
+    reload.finalize_layerwise_reload = finalize
+    model = types.SimpleNamespace(load_weights=lambda weights: None)
+    filters = list(layerwise.filters)
+    with caplog.at_level(logging.WARNING, logger=layerwise.name):
+        assert reload_weights_layerwise(model, "CFG", [("a.weight", torch.zeros(1))]) == 1
+    assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]
+    assert layerwise.filters == filters
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=layerwise.name):  # outside a sync nothing is filtered
+        layerwise.warning("%s: Failed to load weights", "RotaryEmbedding")
+    assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_trainer_sync_sends_training_fp8_codes_for_exactly_the_fp8_layers(fake_vllm, tokenizer, tmp_path, mode):
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, vllm_mode=mode)
+    model = trainer.model
+    fake_vllm.recorder.events.clear()
+    trainer.vllm_generation.sync_weights()  # TRL 1.16's own method, on the trainer's generation object
+    events = fake_vllm.recorder.events
+    loads = {name: t for kind, name, t in (e for e in events if e[0] == "load")}
+    assert len(loads) == sum(e[0] == "load" for e in events)  # each tensor once
+    if mode == "colocate":
+        assert events[0][0] == "init" and events[-2][0] == "finalize" and events[-1] == ("reset",)
+
+    scaled = sorted(n.removesuffix(".weight_scale_inv") for n in loads if n.endswith(".weight_scale_inv"))
+    assert scaled == sorted(FP8_LAYERS)
+    for name in FP8_LAYERS:
+        q, s, _ = model.get_submodule(name).quantized_weight()
+        weight, scale = loads[f"{name}.weight"], loads[f"{name}.weight_scale_inv"]
+        assert weight.dtype == FP8 and scale.dtype == torch.float32
+        assert torch.equal(weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale, s)
+    for name in BF16_LAYERS:
+        assert loads[f"{name}.weight"].dtype == torch.bfloat16
+        assert torch.equal(loads[f"{name}.weight"], model.get_submodule(name).weight)
+    assert set(loads) == {n for n, _ in model.named_parameters()} | {f"{n}.weight_scale_inv" for n in FP8_LAYERS}
+
+
+def test_trainer_refuses_layers_vllm_cannot_serve_and_names_the_fix(fake_vllm, tokenizer, tmp_path):
+    # 2 kv heads of 32: k_proj/v_proj have N = 64, so the fused qkv_proj cannot be block-FP8 in vLLM
+    with pytest.raises(ValueError, match="fp8_keep_patterns") as err:
+        make_vllm_trainer(fake_vllm, tokenizer, tmp_path, num_key_value_heads=2)
+    message = str(err.value)
+    assert "model.layers.0.self_attn.k_proj: N=64 is not a multiple of 128 in fused qkv_proj" in message
+    assert not fake_vllm.engine_kwargs  # refused before any engine starts
+    # the message proposes regexes that keep the bad layers and their fused sibling q_proj; they are the fix
+    suggested = ast.literal_eval(message.split("fp8_keep_patterns:\n", 1)[1].split("\n", 1)[0].strip())
+    kept = {f"model.layers.0.self_attn.{m}_proj" for m in "qkv"}
+    assert {n for n in kept if any(re.search(p, n) for p in suggested)} == kept
+    make_vllm_trainer(fake_vllm, tokenizer, tmp_path, num_key_value_heads=2,
+                      fp8_keep_patterns=["lm_head", *suggested])
+    assert fake_vllm.engine_kwargs and not any("self_attn.q_proj" in n or "self_attn.k_proj" in n
+                                              for n in fake_vllm.fp8_modules_at_engine_start)
+
+
+@pytest.mark.parametrize("options", [dict(old_logps_source="rollout", vllm_importance_sampling_correction=False),
+                                     dict(tis_mode="token_truncate", vllm_importance_sampling_correction=False)])
+def test_rollout_logps_come_from_the_fp8_engine(fake_vllm, tokenizer, tmp_path, options):
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, **options)
+    fake_vllm.recorder.events.clear()
+    trainer.model.train()
+    inputs = [row for row in tiny_prompt_dataset(1) for _ in range(trainer.num_generations)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batch = trainer._generate_and_score_completions(inputs)
+    kinds = [e[0] for e in fake_vllm.recorder.events]
+    assert kinds.index("finalize") < kinds.index("generate")  # FP8 weights synced before the first rollout
+    mask = batch["completion_mask"].bool()
+    expected = torch.tensor(FAKE_LOGPROBS).expand(mask.size(0), -1)
+    assert torch.equal(batch["sampling_per_token_logps"][mask].view(mask.size(0), -1), expected)
+    logps = torch.zeros_like(batch["sampling_per_token_logps"])
+    if trainer.args.old_logps_source == "rollout":  # bypass: the old log-probs are the engine's
+        assert torch.equal(trainer._old_logps(batch, logps), batch["sampling_per_token_logps"])
+        assert trainer._policy_moved(batch)
+        # ... and no second correction weight: TRL's own vLLM correction is off (the config requires it)
+        assert trainer._rollout_correction(batch, logps, batch["completion_mask"], {}) is None
+    else:  # TIS weights compare the trainer's FP8 old log-probs with the engine's
+        stats = {}
+        weights = trainer._rollout_correction(batch, trainer._old_logps(batch, logps), batch["completion_mask"], stats)
+        old = trainer._old_logps(batch, logps)
+        ratio = torch.exp(old - batch["sampling_per_token_logps"]).clamp(max=trainer.args.tis_cap)
+        assert torch.allclose(weights[mask], ratio[mask]) and "tis/weight_mean" in stats
+
+
+def test_expected_engine_tensors_stack_shards_in_vllms_fused_order_and_mismatches_are_named():
+    from calclip.rollout.vllm_sync import engine_fp8_mismatches, expected_engine_fp8_tensors
+
+    model = tiny_fp8_llama()  # hidden 256, kv 2 x 64: q 256, k 128, v 128 rows
+    expected = expected_engine_fp8_tensors(model)
+    prefix = "model.layers.0.self_attn"
+    assert set(expected) == {f"model.layers.{i}.{m}.{leaf}" for i in range(2) for leaf in ("weight", "weight_scale_inv")
+                             for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    qkv = expected[f"{prefix}.qkv_proj.weight"]
+    assert qkv.dtype == torch.uint8 and tuple(qkv.shape) == (512, 256)
+    k_codes, k_scale, _ = model.get_submodule(f"{prefix}.k_proj").quantized_weight()
+    assert torch.equal(qkv[256:384], k_codes.view(torch.uint8))  # k after q's 256 rows, before v
+    assert torch.equal(expected[f"{prefix}.qkv_proj.weight_scale_inv"][2:3], k_scale)
+
+    engine = torch.nn.Module()  # a stand-in holding vLLM's parameter names and dtypes
+    for name, t in expected.items():
+        module_name, _, leaf = name.rpartition(".")
+        holder = engine
+        for part in module_name.split("."):
+            if not hasattr(holder, part):
+                holder.add_module(part, torch.nn.Module())
+            holder = getattr(holder, part)
+        value = t.view(FP8) if leaf == "weight" else t
+        holder.register_parameter(leaf, torch.nn.Parameter(value.clone(), requires_grad=False))
+    assert engine_fp8_mismatches(engine, model) == []
+    engine.get_parameter(f"{prefix}.qkv_proj.weight_scale_inv").data[2, 0] *= 2
+    assert engine_fp8_mismatches(engine, model) == [
+        f"{prefix}.qkv_proj.weight_scale_inv: engine torch.float32 (4, 2), trainer torch.float32 (4, 2)"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A policy without a loadable name_or_path (built from a config: ""): TRL 1.16 would build LLM(model=""), which
+# vLLM tries to download from the Hub (HFValidationError, seen on the H200). The engine starts from a directory
+# holding the policy's config and tokenizer, with dummy weights that TRL's first sync replaces.
+
+
+def sync_before_first_generate(events):
+    """{name: tensor} that reached the fake engine before its first generate call."""
+    first = [e[0] for e in events].index("generate")
+    return {name: t for kind, name, t in (e for e in events[:first] if e[0] == "load")}
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_pathless_policy_engine_starts_from_its_written_config_and_gets_the_weights_first(
+        fake_vllm, tokenizer, tmp_path, fp8):
+    options = {} if fp8 else {"fp8_keep_last_n_layers": 0}
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=fp8, **options)
+    model = trainer.model
+    assert model.name_or_path == ""
+    (kw,) = fake_vllm.engine_kwargs
+    assert kw["model"] == str(tmp_path / ENGINE_MODEL_DIRNAME / "rank-0") and kw["load_format"] == "dummy"
+    assert kw["quantization"] == ("fp8" if fp8 else None) and ("hf_overrides" in kw) == fp8
+    assert kw["logprobs_mode"] == "processed_logprobs"  # the rest of TRL's arguments stay
+    # what vLLM reads from the directory: the policy's config (with the architecture to build and the dtype), its
+    # tokenizer, no weights
+    config = transformers.AutoConfig.from_pretrained(kw["model"])
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert str(config.dtype).removeprefix("torch.") == str(model.dtype).removeprefix("torch.") == "bfloat16"
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads",
+                "max_position_embeddings", "eos_token_id", "tie_word_embeddings"):
+        assert getattr(config, key) == getattr(model.config, key), key
+    assert transformers.AutoTokenizer.from_pretrained(kw["model"]).get_vocab() == tokenizer.get_vocab()
+    assert not [f for f in os.listdir(kw["model"]) if f.endswith((".safetensors", ".bin"))]
+    assert model.config.architectures is None  # the policy's own config is not changed
+
+    # TRL's own rollout path pushes every policy weight before the engine generates
+    fake_vllm.recorder.events.clear()
+    model.train()
+    inputs = [row for row in tiny_prompt_dataset(1) for _ in range(trainer.num_generations)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer._generate_and_score_completions(inputs)
+    loads = sync_before_first_generate(fake_vllm.recorder.events)
+    assert {n for n, _ in model.named_parameters()} <= set(loads)
+    for name, param in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, FP8BlockLinear) and name.endswith(".weight"):
+            assert torch.equal(loads[name].view(torch.uint8), module.quantized_weight()[0].view(torch.uint8))
+        else:
+            assert torch.equal(loads[name], param), name
+    assert any(isinstance(m, FP8BlockLinear) for m in model.modules()) == fp8
+
+
+def test_pathless_policy_in_server_mode_writes_nothing(fake_vllm, tokenizer, tmp_path):
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=False, fp8_keep_last_n_layers=0,
+                                vllm_mode="server")
+    assert trainer.vllm_generation.vllm_client is not None
+    assert not fake_vllm.engine_kwargs and not (tmp_path / ENGINE_MODEL_DIRNAME).exists()
+
+
+@pytest.mark.parametrize("name", ["org/tiny-model", "tiny-model", "DIR", "FILE"])
+def test_loadable_name_or_path_passes_through(tokenizer, tmp_path, name):
+    """Hub ids (not checked for existence, as TRL does not) and existing local paths are TRL's to pass on."""
+    (tmp_path / "DIR").mkdir()
+    (tmp_path / "FILE").write_text("")
+    model = build_tiny_model(tokenizer)
+    model.name_or_path = str(tmp_path / name) if name.isupper() else name
+    assert engine_model_kwargs(model, tokenizer, str(tmp_path / "engine")) == {}
+    assert not (tmp_path / "engine").exists()
+
+
+@pytest.mark.parametrize("name", ["", "not a repo id", "/no/such/dir", "./missing", "a/b/c", None])
+def test_unloadable_name_or_path_gets_a_fresh_engine_directory(tokenizer, tmp_path, name):
+    model = build_tiny_model(tokenizer)
+    model.name_or_path = name
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "preprocessor_config.json").write_text("{}")  # an earlier run's file: vLLM must not read it
+    assert engine_model_kwargs(model, tokenizer, str(engine)) == {"model": str(engine), "load_format": "dummy"}
+    assert {"config.json", "generation_config.json", "tokenizer_config.json"} <= set(os.listdir(engine))
+    assert "preprocessor_config.json" not in os.listdir(engine)
+    assert transformers.AutoConfig.from_pretrained(engine).dtype == torch.float32  # build_tiny_model's default
+
+
+def test_pathless_policy_without_tokenizer_or_directory_is_refused_naming_name_or_path(tokenizer, tmp_path):
+    model = build_tiny_model(tokenizer)
+    with pytest.raises(ValueError, match=r"model\.name_or_path, which is '' .*no processing class"):
+        engine_model_kwargs(model, None, str(tmp_path / "engine"))
+    with pytest.raises(ValueError, match=r"model\.name_or_path, which is '' .*no directory"):
+        engine_model_kwargs(model, tokenizer, None)
+    assert not (tmp_path / "engine").exists()
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_each_colocated_process_writes_its_own_engine_directory(monkeypatch, tokenizer, tmp_path, fp8):
+    model = tiny_fp8_llama() if fp8 else build_tiny_model(tokenizer)
+    gen, calls, original_llm = colocate_init(monkeypatch, model, cls=None if fp8 else vllm_generation_class(),
+                                             process_index=1, num_processes=2)
+    gen.processing_class, gen.engine_model_root = tokenizer, str(tmp_path)
+    gen._init_vllm()
+    (kw,) = calls
+    assert gen.llm == "ENGINE" and trl_vllm_generation.LLM is original_llm
+    assert kw["model"] == str(tmp_path / "rank-1") and kw["load_format"] == "dummy"
+    assert os.path.isfile(tmp_path / "rank-1" / "config.json") and not (tmp_path / "rank-0").exists()
+    assert kw["quantization"] == ("fp8" if fp8 else None)
+
+
+def test_fp8_export_dir_is_the_engine_model_even_for_a_pathless_policy(monkeypatch, tmp_path):
+    gen, calls, _ = colocate_init(monkeypatch, tiny_fp8_llama())
+    gen.fp8_export_dir, gen.engine_model_root = str(tmp_path / "export"), str(tmp_path / "engine")
+    gen._init_vllm()
+    (kw,) = calls
+    assert kw["model"] == str(tmp_path / "export") and "load_format" not in kw  # the checkpoint's own weights
+    assert not (tmp_path / "engine").exists()
