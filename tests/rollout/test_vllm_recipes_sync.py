@@ -46,7 +46,7 @@ from calclip.rollout.vllm_sync import (  # noqa: E402
 )
 from tests.fixtures import tiny_training_args  # noqa: E402
 from calclip.trainers.config import CalibratedGRPOConfig  # noqa: E402
-from tests.trainers.test_vllm_sync import (  # noqa: E402,F401
+from tests.rollout.test_vllm_sync import (  # noqa: E402,F401
     BF16_LAYERS,
     FP8_LAYERS,
     fake_reload,
