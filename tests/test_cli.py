@@ -202,3 +202,24 @@ def test_train_flags_toggle_compile_layers(tmp_path):
     assert parse_train_args(base + ["--compile_layers", "false"])[1].compile_layers is False
     _, args = parse_train_args(base + ["--compile_layers", "true", "--compile_layers_backend", "aot_eager"])
     assert args.compile_layers is True and args.compile_layers_backend == "aot_eager"
+
+
+def test_calclip_train_exits_2_naming_what_the_command_line_got_wrong(tmp_path, capsys):
+    """Arguments refused before any run starts: an unknown field, a bad value, an explicit resume path that is no
+    checkpoint. `calclip train` printed a traceback and exited 1; the function itself still raises (scripts, tests)."""
+    from calclip.cli import main
+    from calclip.cli.train import train
+
+    base = ["train", "--model_name_or_path", "tiny", "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+    cases = (
+        (["--no_such_field", "1"], "no_such_field"),
+        (["--calibration_min_tokens", "-3"], "calibration_min_tokens"),
+        (["--resume_from_checkpoint", str(tmp_path / "checkpoint-7")], "checkpoint-7"),
+    )
+    for extra, named in cases:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("calclip train: error: ") and named in err, err
+        with pytest.raises(ValueError):
+            train(base[1:] + extra)
+    assert not (tmp_path / "out").exists()  # refused before the output dir was claimed

@@ -11,6 +11,7 @@ command it runs, so the usage text and ``calclip compare --list-arms`` start wit
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 
@@ -31,6 +32,18 @@ USAGE = (
 )
 
 
+@contextlib.contextmanager
+def usage_errors():
+    """Marks a ValueError raised inside as the command line's fault (a field, a value, a resume path refused before
+    any run starts): ``main`` then prints it and exits 2, as argparse does. The error itself is re-raised unchanged,
+    so callers of the command's function (tests, scripts) see the same exception."""
+    try:
+        yield
+    except ValueError as err:
+        err.calclip_usage_error = True
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -41,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calclip: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2
     module, function = COMMANDS[command]
-    result = getattr(importlib.import_module(module), function)(rest)
+    try:
+        result = getattr(importlib.import_module(module), function)(rest)
+    except ValueError as err:
+        if not getattr(err, "calclip_usage_error", False):
+            raise  # a failure of the run itself keeps its traceback
+        print(f"calclip {command}: error: {err}", file=sys.stderr)
+        return 2
     return result if isinstance(result, int) else 0  # compare returns its exit status; the others objects
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from calclip.cli import usage_errors
 from calclip.trainers.arguments import ScriptArguments, parse_train_args, resolve_dtype
 
 
@@ -52,12 +53,13 @@ def train(argv: list[str] | None = None):
     from calclip.run.run_callbacks import train_callbacks
     from calclip.run.run_lock import claim_output_dir
 
-    script_args, training_args = parse_train_args(argv)
-    resume = training_args.resume_from_checkpoint
-    if isinstance(resume, str):  # an explicit path: refused now, before the model and the data load
-        from calclip.run.checkpoint import check_resume_checkpoint, check_resume_step
+    with usage_errors():  # what the command line got wrong: `calclip train` exits 2 on it, before any run starts
+        script_args, training_args = parse_train_args(argv)
+        resume = training_args.resume_from_checkpoint
+        if isinstance(resume, str):  # an explicit path: refused now, before the model and the data load
+            from calclip.run.checkpoint import check_resume_checkpoint, check_resume_step
 
-        check_resume_step(check_resume_checkpoint(resume), training_args.max_steps)
+            check_resume_step(check_resume_checkpoint(resume), training_args.max_steps)
     # Before the model and the data load: a folder another run holds, or one this process cannot write, fails now.
     lock = claim_output_dir(training_args)
     try:
