@@ -2,9 +2,10 @@
 cycle; and no cycle between calclip's subpackages, imports inside functions included (read here with ast, on its
 own). That no library module imports the test fixtures (tests/fixtures.py) is tests/test_layout_rules.py's rule."""
 
-import ast
 import sys
 from pathlib import Path
+
+from tests.test_layout_rules import imports_of, package_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -27,38 +28,20 @@ def test_no_import_cycle():
 # ------------------------------------------------------------------------------------ cycles between subpackages
 
 def _unit_graph(root: Path) -> dict[str, set[str]]:
-    """package unit -> the units it imports, read from the source with ast (nothing is imported). A unit is a
-    subpackage (calclip.trainers, with everything under it) or a top-level module (calclip.tasks); every import
-    statement counts, including those inside functions (a deferred import hides a cycle, it does not remove one)."""
-    top = root.name
-    modules = {}
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root.parent).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    """package unit -> the units it imports, read from the source with ast by tests/test_layout_rules.py's reader
+    (nothing is imported). A unit is a subpackage (calclip.trainers, with everything under it) or the package top;
+    every import counts, including those inside functions (a deferred import hides a cycle, it does not remove one)."""
+    modules = package_modules(root)
 
     def unit(module: str) -> str:
         parts = module.split(".")
-        return parts[1] if len(parts) > 1 else top
+        return parts[1] if len(parts) > 1 else root.name
 
     graph: dict[str, set[str]] = {unit(module): set() for module in modules}
     for module, path in modules.items():
-        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: against this module's package
-                    parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-                targets = [f"{base}.{alias.name}" for alias in node.names]  # a submodule, or a name in base
-            else:
-                continue
-            for target in targets:
-                while target and target not in modules:  # a name inside a module: the module
-                    target = target.rpartition(".")[0]
-                if target and unit(target) != unit(module):
-                    graph[unit(module)].add(unit(target))
+        for target in imports_of(path, module, modules):
+            if target in modules and unit(target) != unit(module):
+                graph[unit(module)].add(unit(target))
     return graph
 
 

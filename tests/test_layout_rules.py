@@ -69,7 +69,8 @@ def imports_of(path: Path, module: str, modules: dict[str, Path]) -> set[str]:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
             targets = [f"{base}.{alias.name}" for alias in node.names]  # a submodule, or a name inside base
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules:
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value \
+                and node.value in modules:  # a lazy table names "calclip.x.y"; a bare "calclip" is a logger, a process
             targets = [node.value]
         else:
             continue

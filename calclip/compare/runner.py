@@ -1,4 +1,4 @@
-"""Runs the arm x seed grid: one ``python -m calclip.cli train`` process per run, in the run's own folder.
+"""Runs the arm x seed grid: one ``python -m calclip train`` process per run, in the run's own folder.
 
 A run folder holds ``command.json`` (the train argv), ``train.log`` (stdout+stderr of every attempt),
 ``metrics.jsonl``, the trainer's ``checkpoint-N/`` folders and ``status.json`` (written when an attempt ends).
@@ -308,7 +308,7 @@ def _launch(spec: RunSpec, group, gpus, active, threads, progress) -> _Active:
     log.writelines(line + "\n" for line in skipped)
     log.flush()
     process = subprocess.Popen(
-        [sys.executable, "-m", "calclip.cli", "train", *argv],
+        [sys.executable, "-m", "calclip", "train", *argv],  # the calclip entry point: a process, not an import
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
