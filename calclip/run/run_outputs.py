@@ -29,6 +29,8 @@ METRIC_FIELDS: tuple[tuple[str, str], ...] = (
     ("calib/fit", "1 when a calibration replaced the bounds at the end of a round, 0 when the pool was below "
                   "calibration_min_tokens (the bounds stayed)"),
     ("calib/neg_tokens", "A<0 tokens the calibration rested on (fit rounds)"),
+    ("calib/pool_tokens", "tokens pooled towards the next calibration at a round's end (calibrated runs)"),
+    ("calib/short_rounds", "generation rounds in a row that ended below calibration_min_tokens (calibrated runs)"),
     ("oos/neg_tokens", "A<0 tokens of the off-policy mini-batches of the step"),
     ("oos/fp8_drops", "of those, below the lower bound in force: penalties dropped (bounds fitted on other tokens)"),
     ("oos/neg_drop_frac", "oos/fp8_drops / oos/neg_tokens"),
