@@ -409,7 +409,9 @@ class CalibratedGRPOConfig(GRPOConfig):
 
     def _warn_on_calibration_that_cannot_work(self) -> None:
         """Calibrated settings a run accepts but cannot act on: said at construction, not found in the metrics."""
-        if self.clip_mode in ("calibrated", "oracle") and not self.fp8:
+        eps_high = self.epsilon if self.epsilon_high is None else self.epsilon_high  # TRL: None means epsilon
+        mode = clip_mode_class(self.clip_mode)(eps_low=self.epsilon, eps_high=eps_high, dual_clip_c=self.dual_clip_c)
+        if mode.needs_shadow and not self.fp8:  # bounds from the BF16 shadow, which is then the policy itself
             warnings.warn(
                 f"clip_mode={self.clip_mode!r} with fp8=False is static clipping: the BF16 shadow is the policy "
                 f"itself, so the fitted bounds reproduce the static [1 - epsilon, 1 + epsilon_high] (the oracle clips "
@@ -424,7 +426,7 @@ class CalibratedGRPOConfig(GRPOConfig):
         completions_per_step = (self.generation_batch_size // self.steps_per_generation
                                 * self.gradient_accumulation_steps)
         most_tokens = self.max_steps * completions_per_step * self.max_completion_length
-        if self.clip_mode == "calibrated" and self.max_steps > 0 and most_tokens < self.calibration_min_tokens:
+        if mode.uses_calibrator and self.max_steps > 0 and most_tokens < self.calibration_min_tokens:
             warnings.warn(
                 f"calibration_min_tokens={self.calibration_min_tokens} cannot be reached: the whole run generates at "
                 f"most {most_tokens} completion tokens (max_steps {self.max_steps} x {completions_per_step} "
