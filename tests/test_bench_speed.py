@@ -105,13 +105,17 @@ def test_tiny_run_prints_layer_model_and_decode_tables_with_numbers():
         for name in ("BF16 ms", "FP8 eager ms", "BF16/FP8 eager"):
             assert re.fullmatch(r"\d+\.\d+x?", row[columns.index(name)]), (name, row)
     arms = next(i for i, line in enumerate(lines) if line.startswith("| arm ") and "ms per step" in line)
+    arm_columns = _cells(lines[arms])
+    first, graphs = arm_columns.index("first step s"), arm_columns.index("graphs / breaks / recompiled in timed rounds")
+    fastest = next(i for i, c in enumerate(arm_columns) if c.startswith("fastest BF16 ("))
     arm_rows = {r[0]: r for r in (_cells(line) for line in lines[arms + 2: arms + 7])}
     assert list(arm_rows) == ["BF16", "BF16 compile", "FP8 eager", "FP8 compile", "FP8 by layer"]
     for name, row in arm_rows.items():
-        assert re.fullmatch(r"\d+\.\d", row[1]) and re.fullmatch(r"\d+\.\d", row[4]), row  # ms, first step s
-    assert arm_rows["BF16 compile"][6].endswith("/ 0 / 0")  # one graph, no break, nothing compiled while timed
-    assert arm_rows["FP8 compile"][6].endswith(" / 0")  # (its one break: the root pre-hook's weight refresh)
-    assert arm_rows["FP8 by layer"][6] == "1 / 0 / 0"  # the layer's graph, refreshed by the eager root's hook
+        assert re.fullmatch(r"\d+\.\d", row[1]) and re.fullmatch(r"\d+\.\d", row[first]), row  # ms, first step s
+        assert re.fullmatch(r"\d+\.\d+x", row[fastest]), row  # against the fastest BF16 arm of the same run
+    assert arm_rows["BF16 compile"][graphs].endswith("/ 0 / 0")  # one graph, no break, nothing compiled while timed
+    assert arm_rows["FP8 compile"][graphs].endswith(" / 0")  # (its one break: the root pre-hook's weight refresh)
+    assert arm_rows["FP8 by layer"][graphs] == "1 / 0 / 0"  # the layer's graph, refreshed by the eager root's hook
     summary = next(i for i, line in enumerate(lines) if line.startswith("| model ") and "FP8c vs BF16c" in line)
     summary_columns = _cells(lines[summary])
     assert summary_columns[:7] == ["model", "FP8c vs BF16c", "FP8e vs BF16e", "BF16c vs BF16e", "FP8r vs BF16c",

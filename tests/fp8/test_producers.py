@@ -228,7 +228,7 @@ def test_whole_model_bit_equal_with_fewer_quantizer_calls(arch, monkeypatch):
     base = _tiny(arch)
     with torch.no_grad():  # a non-finite token: its rows are counted, on every layer, the same either way
         base.model.embed_tokens.weight[5, 7] = NAN
-    on = quantize_model(copy.deepcopy(base), Fp8Config())
+    on = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=True))
     off = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=False))
     assert sum("forward" in m.__dict__ for m in on.modules()) == 3 * 2  # two norms and the MLP, per layer
     assert not any("forward" in m.__dict__ for m in off.modules())
@@ -266,7 +266,7 @@ def test_whole_model_bit_equal_with_fewer_quantizer_calls(arch, monkeypatch):
 def test_unrecognised_architectures_keep_todays_path(arch, monkeypatch):
     """Phi-3 (fused qkv_proj / gate_up_proj) and Gemma (1 + weight norms, GeGLU): nothing fused, same results."""
     base = _tiny(arch)
-    on = quantize_model(copy.deepcopy(base), Fp8Config())
+    on = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=True))
     off = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=False))
     assert P.fuse_producers(on) == 0
     assert not any("forward" in m.__dict__ for m in on.modules())
@@ -282,7 +282,7 @@ def test_autocast_and_the_bf16_shadow_take_the_modules_own_forward(monkeypatch):
     from calclip.fp8.shadow import bf16_shadow
 
     base = _tiny("llama")
-    model = quantize_model(copy.deepcopy(base), Fp8Config())
+    model = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=True))
     counter = _QuantizerCalls(monkeypatch)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
@@ -324,7 +324,7 @@ def test_compiled_layers_record_the_producer_ops_and_equal_eager():
     from calclip.fp8 import compile_repeated_blocks
 
     base = _tiny("llama")
-    compiled = quantize_model(copy.deepcopy(base), Fp8Config())
+    compiled = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=True))
     eager = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=False))
     counter = CompileCounterWithBackend("aot_eager")
     compile_repeated_blocks(compiled, backend=counter)

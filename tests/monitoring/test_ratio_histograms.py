@@ -58,6 +58,7 @@ def test_histograms_logged_on_calibration_steps(tmp_path, monkeypatch):
             trainer.train()
         finally:
             wandb.finish()
+            wandb.teardown()  # wandb's process-wide settings (WANDB_DIR: this test's tmp_path) must not outlive it
     histogram_logs = [entry for entry in logged if any(key in entry for key in histogram_keys())]
     calibration_steps = [e["step"] for e in trainer.state.log_history if "clip/neg_low_frac_bf16" in e]
     assert calibration_steps  # the run did calibrate
