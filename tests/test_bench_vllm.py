@@ -328,8 +328,9 @@ class FlatLogprobsLike:
         return None if step is None else dict(step)
 
 
-@pytest.mark.slow
-def test_mismatch_part_runs_both_stages_syncs_every_engine_and_reports_each_row(monkeypatch, tmp_path, capsys):
+def use_stand_in_vllm(monkeypatch, tmp_path) -> None:
+    """The mismatch part's vLLM for this test: ``StandInEngine`` engines, no-op layerwise-reload hooks, a 1-layer
+    "tiny" model spec, fresh RESULTS written under ``tmp_path``."""
     import types
 
     vllm = types.ModuleType("vllm")
@@ -345,6 +346,11 @@ def test_mismatch_part_runs_both_stages_syncs_every_engine_and_reports_each_row(
     monkeypatch.setattr(bench_vllm, "RESULTS", {})
     monkeypatch.setenv("OUT", str(tmp_path))
     StandInEngine.instances.clear()
+
+
+@pytest.mark.slow
+def test_mismatch_part_runs_both_stages_syncs_every_engine_and_reports_each_row(monkeypatch, tmp_path, capsys):
+    use_stand_in_vllm(monkeypatch, tmp_path)
     opts = bench_vllm.parse_args(["--parts", "mismatch", "--models", "issue_probe", "--mismatch-prompts", "2",
                                   "--mismatch-tokens", "3", "--prompt-len", "4", "--steps", "2", "--lr", "1e-2"])
     opts.models, opts.device = ["tiny"], "cpu"

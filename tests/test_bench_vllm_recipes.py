@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_bench_vllm import StandInEngine, bench_vllm, tiny_llama  # noqa: E402  (puts benchmarks/ on the path)
+from tests.test_bench_vllm import (  # noqa: E402  (puts benchmarks/ on the path)
+    StandInEngine,
+    bench_vllm,
+    tiny_llama,
+    use_stand_in_vllm,
+)
 
 
 
@@ -82,19 +87,7 @@ def test_grpo_part_runs_every_fp8_arm_per_recipe(monkeypatch, tmp_path):
 
 def test_mismatch_part_runs_a_torchao_recipe_engine_on_the_policys_own_codes(monkeypatch, tmp_path):
     pytest.importorskip("torchao.float8")
-    vllm = types.ModuleType("vllm")
-    vllm.LLM, vllm.SamplingParams = StandInEngine, lambda **kw: kw
-    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
-    reload.initialize_layerwise_reload = lambda model: None
-    reload.finalize_layerwise_reload = lambda model, cfg: None
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    for name in ("vllm.model_executor", "vllm.model_executor.model_loader"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload)
-    monkeypatch.setitem(bench_vllm.MODEL_SPECS, "tiny", (128, 256, 4, 4, 96, 1))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
-    monkeypatch.setenv("OUT", str(tmp_path))
-    StandInEngine.instances.clear()
+    use_stand_in_vllm(monkeypatch, tmp_path)
     opts = bench_vllm.parse_args(["--parts", "mismatch", "--models", "issue_probe", "--mismatch-prompts", "2",
                                   "--mismatch-tokens", "3", "--prompt-len", "4", "--steps", "1", "--lr", "1e-2",
                                   "--recipes", "rowwise", "--mismatch-arms", "calclip,bf16"])
