@@ -175,3 +175,25 @@ def test_finished_runs_are_skipped_and_a_killed_run_resumes(comparison, capsys):
     rows = metrics.read_metrics(killed / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2] and rows[0] == step1  # step 1 kept, step 2 re-run
     assert runner.read_status(killed)["status"] == "finished" and (killed / "checkpoint-2" / "trainer_state.json").exists()
+
+
+def test_a_folder_brought_back_without_checkpoints_takes_more_seeds_elsewhere(comparison, tmp_path, capsys):
+    """Run 5's single-GPU schedule (docs/evidence/run5/plan.md, amendment 1): a wave's folder comes back without its
+    checkpoints, is copied to another path on another machine, and the next wave adds its seeds there: the finished
+    run is skipped (not re-run, its metrics kept), the new seed runs, and the report counts both seeds."""
+    import shutil
+
+    folder, _ = comparison
+    moved = tmp_path / "run5"
+    shutil.copytree(folder, moved, ignore=shutil.ignore_patterns("checkpoint-*", ".compare.lock"))
+    kept = (moved / "bf16_static" / "seed0" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    code = command.main(["--config", str(ROOT / "configs" / "demo.yaml"), "--seeds", "0,1", "--arms", "bf16_static",
+                         "--output-dir", str(moved), *TRAIN_FLAGS])
+    out = capsys.readouterr().out
+    assert code == command.EXIT_OK, out
+    assert "1 of 2 runs already finished: skipped" in out
+    assert (moved / "bf16_static" / "seed0" / "metrics.jsonl").read_text() == kept
+    assert runner.read_status(moved / "bf16_static" / "seed1")["status"] == "finished"
+    assert json.loads((moved / "comparison.json").read_text())  # still one comparison, readable
+    assert "bf16_static (n=2)" in (moved / "report.md").read_text()
