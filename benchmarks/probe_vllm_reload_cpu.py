@@ -68,13 +68,14 @@ compressed-tensors 0.17.0:
             reloads: 0 mismatching tensors, 0 moved; DirectSync verified; 2 steps of 35 in-place copies, equal to
             what was sent and byte for byte to vLLM's reload after them; 0 moved: all held, all six. Tensorwise's
             q/k/v scales differed (llama 8.109e-4 / 7.019e-4 / 7.804e-4) and were held as sent: no re-quantization.
-  rowwise and block, llama ``--keep 'layers\.1\.mlp' --keep 'layers\.0\.self_attn'``: the kept layers are
+  rowwise and block, llama ``--keep layers.1.mlp --keep layers.0.self_attn``: the kept layers are
             UnquantizedLinearMethod with their BF16 shards; all held (28 copies per direct step).
   tensorwise ``--engine-weights tensor``: vLLM's per-tensor weight_scale is one value per shard ([3] for qkv_proj);
             loading calclip's [N, 1] shard scale fails in PerTensorScaleParameter._load_into_shard_id with a bare
-            ``AssertionError`` (``loaded_weight.shape[0] == 1``). Sending one scale per shard instead loads, and then
-            ``process_weights_after_loading`` calls ``requantize_with_max_scale`` (which on CPU stops at the missing
-            CUDA op ``static_scaled_fp8_quant``; on a GPU it re-quantizes k and v to q's larger scale).
+            ``AssertionError`` (``loaded_weight.shape[0] == 1``). Sending one scale per shard instead (an ad-hoc
+            variant of this probe) loads, and then ``process_weights_after_loading`` calls
+            ``requantize_with_max_scale`` (which on CPU stops at the missing CUDA op ``static_scaled_fp8_quant``; on
+            a GPU it re-quantizes k and v to q's larger scale).
 """
 
 from __future__ import annotations
