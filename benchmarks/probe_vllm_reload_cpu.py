@@ -68,6 +68,11 @@ compressed-tensors 0.17.0:
             reloads: 0 mismatching tensors, 0 moved; DirectSync verified; 2 steps of 35 in-place copies, equal to
             what was sent and byte for byte to vLLM's reload after them; 0 moved: all held, all six. Tensorwise's
             q/k/v scales differed (llama 8.109e-4 / 7.019e-4 / 7.804e-4) and were held as sent: no re-quantization.
+            Activations, both recipes: the kernel's key is f8e4m3fn dynamic per_token (tensorwise's per-tensor
+            "strategy" is not read: TENSORWISE_ACTIVATION_NOTE); block's is dynamic 1x128 groups.
+  rowwise and tensorwise, smollm2 ``--tie`` (SmolLM2's tied head), ``--reloads 2 --direct 2``: all held (34 copies
+            per direct step: the tied head is sent once, as embed_tokens; vLLM lists no separate lm_head.weight).
+            block smollm2 ``--tie``: the same 8-of-9 scale rows and DirectSync refusal as untied.
   rowwise and block, llama ``--keep layers.1.mlp --keep layers.0.self_attn``: the kept layers are
             UnquantizedLinearMethod with their BF16 shards; all held (28 copies per direct step).
   tensorwise ``--engine-weights tensor``: vLLM's per-tensor weight_scale is one value per shard ([3] for qkv_proj);
@@ -126,7 +131,7 @@ def select_cpu_platform():
     kernels._POSSIBLE_FP8_KERNELS[PlatformEnum.CPU] = [CutlassFP8ScaledMMLinearKernel]
 
 
-def build_policy(shape: str, out_dir: str, recipe: str = "block", keep: tuple[str, ...] = ()):
+def build_policy(shape: str, out_dir: str, recipe: str = "block", keep: tuple[str, ...] = (), tie: bool = False):
     """A tiny BF16 Llama of ``shape`` saved to ``out_dir`` (config only matters: the engine starts from dummy
     weights, as the trainer's does) and quantized by calclip with ``recipe``. Every linear's rows are spread over
     about two octaves first, so per-row scales differ within a layer and per-tensor scales between the shards of a
@@ -139,7 +144,7 @@ def build_policy(shape: str, out_dir: str, recipe: str = "block", keep: tuple[st
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
                                    num_attention_heads=heads, num_key_value_heads=kv, head_dim=64,
-                                   max_position_embeddings=64)
+                                   max_position_embeddings=64, tie_word_embeddings=tie)
     hf = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -308,6 +313,9 @@ def describe_layers(model, recipe: str) -> str:
     kernel = getattr(scheme or method, "fp8_linear", None) or getattr(method, "w8a8_block_fp8_linear", None)
     parts = [type(method).__name__, type(scheme).__name__ if scheme is not None else "-",
              type(kernel).__name__ if kernel is not None else "-"]
+    config = getattr(kernel, "config", None)
+    if config is not None and hasattr(config, "activation_quant_key"):  # how the engine quantizes activations
+        parts.append(f"activations {config.activation_quant_key}")
     layout = {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape), p.stride()) for n, p in layer.named_parameters()}
     return f"{recipe} qkv_proj: {' / '.join(parts)}; {layout}"
 
@@ -339,6 +347,8 @@ def main(argv=None) -> int:
                         help="rowwise / tensorwise: the weight strategy of the engine's quantization_config; "
                              "'tensor' builds a per-tensor engine (a checkpoint calclip did not write) to see what "
                              "vLLM does with calclip's per-channel stream there")
+    parser.add_argument("--tie", action="store_true",
+                        help="tie lm_head to the embeddings (SmolLM2 does): vLLM then loads no lm_head.weight")
     parser.add_argument("--reloads", type=int, default=3)
     parser.add_argument("--direct", type=int, default=0, metavar="STEPS",
                         help="then check calclip's direct sync (DirectSync) on this model for STEPS steps")
@@ -351,7 +361,7 @@ def main(argv=None) -> int:
 
     label = f"{opts.recipe}/{opts.shape}"
     model_dir = tempfile.mkdtemp()
-    cfg, policy = build_policy(opts.shape, model_dir, opts.recipe, tuple(opts.keep))
+    cfg, policy = build_policy(opts.shape, model_dir, opts.recipe, tuple(opts.keep), opts.tie)
     kwargs = engine_kwargs(policy)
     if opts.engine_weights != "channel":
         if opts.recipe == "block":
