@@ -42,7 +42,10 @@ FP8 engine, fail to load them). Three small seams change that, and nothing of TR
    built ``quantization="compressed-tensors"`` with static per-channel weights and dynamic activations
    (``calclip.fp8.export.channel_fp8_quantization_config``), which vLLM 0.24 serves with its per-channel CUTLASS
    FP8 GEMM keeping every shard's codes and scales as loaded; the direct sync compares its transposed ``weight``
-   through the transpose (``vllm_direct_sync.rows_view``). vLLM 0.24 quantizes the activations of these layers per
+   through the transpose (``vllm_direct_sync.rows_view``). Run on CPU through vLLM 0.24.0's own compressed-tensors
+   loaders, post-processing and layerwise reload (benchmarks/probe_vllm_reload_cpu.py --recipe rowwise|tensorwise):
+   byte for byte, reloads and in-place syncs alike. An ``export_dir`` of another format is refused
+   (``check_export_config``), and so is an FP8 LM head (vLLM serves it in BF16). vLLM 0.24 quantizes the activations of these layers per
    token (the rowwise scheme); tensorwise's per-tensor activation scale has no dynamic equivalent there on CUDA
    (``TENSORWISE_ACTIVATION_NOTE``).
 
