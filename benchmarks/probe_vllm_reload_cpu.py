@@ -34,6 +34,9 @@ quantization methods' ``process_weights_after_loading`` and the reload are the C
 capability is None, which compressed-tensors' scheme check accepts, as capability 9.0 would for
 ``CompressedTensorsW8A8Fp8``'s minimum 8.9.)
 
+``--from-export``: the engine starts from calclip's exported checkpoint (``export_fp8_checkpoint``), read by vLLM's own
+safetensors loader, instead of dummy weights and a first sync; the checks are the same.
+
 ``--direct N``: then calclip's direct sync (``calclip.rollout.vllm_direct_sync``) against this real model: its
 layout check after the reloads, and N steps of in-place copies, each compared with what was sent and then byte for
 byte with what vLLM's layerwise reload writes for the same weights. ``--engine-weights tensor`` (rowwise /
@@ -73,6 +76,10 @@ compressed-tensors 0.17.0:
   rowwise and tensorwise, smollm2 ``--tie`` (SmolLM2's tied head), ``--reloads 2 --direct 2``: all held (34 copies
             per direct step: the tied head is sent once, as embed_tokens; vLLM lists no separate lm_head.weight).
             block smollm2 ``--tie``: the same 8-of-9 scale rows and DirectSync refusal as untied.
+  ``--from-export`` (calclip's export_fp8_checkpoint read by vLLM's own safetensors loader, engine arguments
+            ``fp8_engine_kwargs(export_dir=...)``, which also passed calclip's export_dir format check), llama
+            ``--reloads 1 --direct 1``: block, rowwise, tensorwise all held; smollm2 ``--tie`` rowwise and
+            tensorwise all held: the export holds the sync's codes and scales byte for byte.
   rowwise and block, llama ``--keep layers.1.mlp --keep layers.0.self_attn``: the kept layers are
             UnquantizedLinearMethod with their BF16 shards; all held (28 copies per direct step).
   tensorwise ``--engine-weights tensor``: vLLM's per-tensor weight_scale is one value per shard ([3] for qkv_proj);
@@ -170,8 +177,8 @@ def build_vllm_model(model_dir: str, kwargs: dict):
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.network_utils import get_open_port
 
-    args = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64,
-                      enforce_eager=True, **kwargs)
+    args = EngineArgs(**{"model": model_dir, **kwargs}, skip_tokenizer_init=True, dtype="bfloat16",
+                      max_model_len=64, enforce_eager=True)
     vllm_config = args.create_engine_config()
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -349,6 +356,10 @@ def main(argv=None) -> int:
                              "vLLM does with calclip's per-channel stream there")
     parser.add_argument("--tie", action="store_true",
                         help="tie lm_head to the embeddings (SmolLM2 does): vLLM then loads no lm_head.weight")
+    parser.add_argument("--from-export", action="store_true",
+                        help="start the engine from calclip's exported checkpoint (export_fp8_checkpoint, "
+                             "fp8_engine_kwargs(export_dir=...)) read by vLLM's own safetensors loader, instead of "
+                             "dummy weights and a first sync")
     parser.add_argument("--reloads", type=int, default=3)
     parser.add_argument("--direct", type=int, default=0, metavar="STEPS",
                         help="then check calclip's direct sync (DirectSync) on this model for STEPS steps")
@@ -363,6 +374,12 @@ def main(argv=None) -> int:
     model_dir = tempfile.mkdtemp()
     cfg, policy = build_policy(opts.shape, model_dir, opts.recipe, tuple(opts.keep), opts.tie)
     kwargs = engine_kwargs(policy)
+    if opts.from_export:
+        from calclip.fp8.export import export_fp8_checkpoint
+        from calclip.rollout.vllm_sync import fp8_engine_kwargs
+
+        export_fp8_checkpoint(policy, model_dir, config_dict=policy.config.to_dict())  # over the BF16 save
+        kwargs = {**fp8_engine_kwargs(policy, export_dir=model_dir), "linear_backend": kwargs["linear_backend"]}
     if opts.engine_weights != "channel":
         if opts.recipe == "block":
             parser.error("--engine-weights is for the rowwise / tensorwise recipes")
@@ -371,7 +388,14 @@ def main(argv=None) -> int:
     print(f"{label} engine kwargs: {kwargs}")
     vllm_config, model = build_vllm_model(model_dir, kwargs)
     print(describe_layers(model, opts.recipe))
-    model.load_weights(fp8_weight_sync_tensors(policy))  # the first load: a checkpoint load
+    if opts.from_export:  # vLLM's own loader reads the exported safetensors
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader import get_model_loader
+
+        with set_current_vllm_config(vllm_config):
+            get_model_loader(vllm_config.load_config).load_weights(model, vllm_config.model_config)
+    else:
+        model.load_weights(fp8_weight_sync_tensors(policy))  # the first load: a checkpoint load
     process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
     print(describe_layers(model, opts.recipe) + " (after loading)")
     before = layer_tensors(model)

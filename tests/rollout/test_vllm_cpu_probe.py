@@ -53,6 +53,15 @@ def test_per_channel_sync_holds_the_trainers_codes_in_vllms_real_model(recipe, s
         and "differ from vLLM's reload []" in line and "moved/changed []" in line for line in direct)
 
 
+@pytest.mark.parametrize("recipe", ["block", "rowwise", "tensorwise"])
+def test_the_exported_checkpoint_loads_the_syncs_codes_in_vllms_real_loader(recipe):
+    result = probe("--recipe", recipe, "--from-export", "--reloads", "1", "--direct", "1")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    out = lines(result, f"{recipe}/llama")
+    assert "'model': '" in out[0] and "'load_format'" not in out[0]  # the export, not dummy weights
+    assert out[-1] == f"{recipe}/llama: all held" and f"{recipe}/llama initial load: mismatching []" in out
+
+
 def test_block_sync_holds_where_shards_are_whole_blocks_and_is_refused_where_not():
     result = probe("--recipe", "block", "--shape", "llama", "--reloads", "1", "--direct", "1")
     assert result.returncode == 0 and lines(result, "block/llama")[-1] == "block/llama: all held", result.stdout
