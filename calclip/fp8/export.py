@@ -36,9 +36,10 @@ the codes and scales torchao's weight cast computes in the training forward (``t
 one scale is repeated per row: vLLM's per-tensor path (quant_method "fp8" without weight_block_size, or strategy
 "tensor") re-quantizes the shards of a fused layer (q/k/v, gate/up) to their largest scale
 (``requantize_with_max_scale``), so the engine would not hold the trainer's codes; its per-channel path keeps every
-row's codes and scale as loaded (run with vLLM 0.24.0's own loaders on CPU: benchmarks/probe_vllm_reload_cpu.py). Activations: vLLM 0.24 quantizes them dynamically per token in both paths on CUDA
-with CUTLASS FP8 (``kFp8DynamicTokenSym``), which is rowwise's scheme; tensorwise's per-tensor activation scale is not
-available there (docs/vllm.md says what that changes).
+row's codes and scale as loaded (run with vLLM 0.24.0's own loaders on CPU: benchmarks/probe_vllm_reload_cpu.py).
+Activations: vLLM 0.24 quantizes them dynamically per token in both paths on CUDA with CUTLASS FP8
+(``kFp8DynamicTokenSym``), which is rowwise's scheme; tensorwise's per-tensor activation scale is not available there
+(docs/vllm.md says what that changes).
 
 torch + safetensors + json only: no transformers, no vLLM (torchao only for a model that has torchao layers).
 """

@@ -45,9 +45,9 @@ FP8 engine, fail to load them). Three small seams change that, and nothing of TR
    through the transpose (``vllm_direct_sync.rows_view``). Run on CPU through vLLM 0.24.0's own compressed-tensors
    loaders, post-processing and layerwise reload (benchmarks/probe_vllm_reload_cpu.py --recipe rowwise|tensorwise):
    byte for byte, reloads and in-place syncs alike. An ``export_dir`` of another format is refused
-   (``check_export_config``), and so is an FP8 LM head (vLLM serves it in BF16). vLLM 0.24 quantizes the activations of these layers per
-   token (the rowwise scheme); tensorwise's per-tensor activation scale has no dynamic equivalent there on CUDA
-   (``TENSORWISE_ACTIVATION_NOTE``).
+   (``check_export_config``), and so is an FP8 LM head (vLLM serves it in BF16). vLLM 0.24 quantizes the
+   activations of these layers per token (the rowwise scheme); tensorwise's per-tensor activation scale has no
+   dynamic equivalent there on CUDA (``TENSORWISE_ACTIVATION_NOTE``).
 
 Log-probs: TRL requests ``logprobs_mode="processed_logprobs"`` and returns them as ``sampling_per_token_logps``;
 they now come from the FP8 engine, so TIS / bypass corrections compare FP8 rollout and FP8 training forward.

