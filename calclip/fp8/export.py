@@ -36,9 +36,10 @@ the codes and scales torchao's weight cast computes in the training forward (``t
 one scale is repeated per row: vLLM's per-tensor path (quant_method "fp8" without weight_block_size, or strategy
 "tensor") re-quantizes the shards of a fused layer (q/k/v, gate/up) to their largest scale
 (``requantize_with_max_scale``), so the engine would not hold the trainer's codes; its per-channel path keeps every
-row's codes and scale as loaded. Activations: vLLM 0.24 quantizes them dynamically per token in both paths on CUDA
-with CUTLASS FP8 (``kFp8DynamicTokenSym``), which is rowwise's scheme; tensorwise's per-tensor activation scale is not
-available there (docs/vllm.md says what that changes).
+row's codes and scale as loaded (run with vLLM 0.24.0's own loaders on CPU: benchmarks/probe_vllm_reload_cpu.py).
+Activations: vLLM 0.24 quantizes them dynamically per token in both paths on CUDA with CUTLASS FP8
+(``kFp8DynamicTokenSym``), which is rowwise's scheme; tensorwise's per-tensor activation scale is not available there
+(docs/vllm.md says what that changes).
 
 torch + safetensors + json only: no transformers, no vLLM (torchao only for a model that has torchao layers).
 """
@@ -357,6 +358,7 @@ def vllm_block_fp8_problems(
     block_size: int = BLOCK,
     packed_modules: Mapping[str, tuple[str, ...]] = LLAMA_PACKED_MODULES,
     tp_size: int = 1,
+    output_head: str | None = "lm_head",
 ) -> dict[str, str]:
     """Which FP8 linears vLLM's block-FP8 linear method cannot serve, and why (empty dict: all fine).
 
@@ -373,6 +375,7 @@ def vllm_block_fp8_problems(
       fused layer must be FP8 or none (is_layer_skipped raises on a mixed fused layer).
     - with tensor parallelism, N / tp_size (column-parallel) and K / tp_size (row-parallel) must also be
       multiples of block_size; checked conservatively for both dims when tp_size > 1.
+    - ``output_head`` (the LM head's module name; None: none) is served in BF16 (``_output_head_problems``).
     Keep the reported modules in BF16 for training too (``Fp8Config.keep_patterns``) so that rollout and
     training still run the same graph.
     """
@@ -391,6 +394,7 @@ def vllm_block_fp8_problems(
         if reasons:
             problems[name] = "; ".join(reasons)
     _mixed_fused_problems(linear_shapes, packed_modules, problems)
+    _output_head_problems(linear_shapes, output_head, problems)
     return problems
 
 
@@ -410,24 +414,39 @@ def _mixed_fused_problems(linear_shapes: Mapping[str, tuple[int, int]], packed_m
                 problems.setdefault(name, f"fused {fused} mixes FP8 and BF16 shards ({sibling_name} is BF16)")
 
 
+def _output_head_problems(linear_shapes: Mapping[str, tuple[int, int]], output_head: str | None,
+                          problems: dict[str, str]) -> None:
+    """An FP8 LM head: vLLM 0.24 builds it as ``ParallelLMHead`` (an embedding, not a ``LinearBase``), which
+    ``Fp8Config.get_quant_method`` never quantizes and compressed-tensors quantizes only when a config group targets
+    it by name (calclip's target "Linear" does not match it), so the engine holds a BF16 head and the sync's
+    ``lm_head.weight_scale(_inv)`` has no parameter to load into (seen on CPU with the real 0.24 loaders:
+    benchmarks/probe_vllm_reload_cpu.py's docstring)."""
+    if output_head is not None and output_head in linear_shapes:
+        problems[output_head] = ("the LM head: vLLM serves it in BF16 (ParallelLMHead is quantized by neither "
+                                 "block FP8 nor calclip's compressed-tensors config), so it cannot load FP8 codes")
+
+
 def vllm_channel_fp8_problems(
     linear_shapes: Mapping[str, tuple[int, int]],
     *,
     packed_modules: Mapping[str, tuple[str, ...]] = LLAMA_PACKED_MODULES,
     tp_size: int = 1,
+    output_head: str | None = "lm_head",
 ) -> dict[str, str]:
     """Which rowwise / tensorwise FP8 linears vLLM's per-channel FP8 linear cannot serve as trained (empty: all).
 
     Per-channel scales have no block grid: any N and K load, fused shards included (each shard's rows and their
     scale rows go to their own offsets; vLLM 0.24 ``CompressedTensorsW8A8Fp8`` keeps both as loaded). torchao
     already requires both dims to be multiples of 16 (``check_scaled_mm_shape``), which is what CUTLASS needs
-    without padding the weight. Left: the shards of a fused layer are all FP8 or all BF16, and with tensor
-    parallelism N and K split evenly over ``tp_size`` (checked for both dims, as for block FP8)."""
+    without padding the weight. Left: the shards of a fused layer are all FP8 or all BF16, with tensor
+    parallelism N and K split evenly over ``tp_size`` (checked for both dims, as for block FP8), and the LM head
+    (``output_head``) in BF16 (``_output_head_problems``)."""
     problems: dict[str, str] = {}
     for name, (n, k) in linear_shapes.items():
         if tp_size > 1 and (n % tp_size or k % tp_size):
             problems[name] = f"N={n}, K={k} do not split evenly over tp_size={tp_size}"
     _mixed_fused_problems(linear_shapes, packed_modules, problems)
+    _output_head_problems(linear_shapes, output_head, problems)
     return problems
 
 
@@ -437,13 +456,15 @@ def vllm_fp8_problems(
     *,
     packed_modules: Mapping[str, tuple[str, ...]] = LLAMA_PACKED_MODULES,
     tp_size: int = 1,
+    output_head: str | None = "lm_head",
 ) -> dict[str, str]:
     """``vllm_block_fp8_problems`` or ``vllm_channel_fp8_problems``, by the one recipe of ``fp8_modules``."""
     recipe = shared_recipe(fp8_modules)
     if recipe == Fp8Recipe.BLOCKWISE.value:
         return vllm_block_fp8_problems(linear_shapes, block_size=shared_block_size(fp8_modules),
-                                       packed_modules=packed_modules, tp_size=tp_size)
-    return vllm_channel_fp8_problems(linear_shapes, packed_modules=packed_modules, tp_size=tp_size)
+                                       packed_modules=packed_modules, tp_size=tp_size, output_head=output_head)
+    return vllm_channel_fp8_problems(linear_shapes, packed_modules=packed_modules, tp_size=tp_size,
+                                     output_head=output_head)
 
 
 def vllm_keep_patterns(problems: Mapping[str, str], packed_modules=LLAMA_PACKED_MODULES) -> tuple[str, ...]:

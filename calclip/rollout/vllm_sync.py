@@ -42,9 +42,12 @@ FP8 engine, fail to load them). Three small seams change that, and nothing of TR
    built ``quantization="compressed-tensors"`` with static per-channel weights and dynamic activations
    (``calclip.fp8.export.channel_fp8_quantization_config``), which vLLM 0.24 serves with its per-channel CUTLASS
    FP8 GEMM keeping every shard's codes and scales as loaded; the direct sync compares its transposed ``weight``
-   through the transpose (``vllm_direct_sync.rows_view``). vLLM 0.24 quantizes the activations of these layers per
-   token (the rowwise scheme); tensorwise's per-tensor activation scale has no dynamic equivalent there on CUDA
-   (``TENSORWISE_ACTIVATION_NOTE``).
+   through the transpose (``vllm_direct_sync.rows_view``). Run on CPU through vLLM 0.24.0's own compressed-tensors
+   loaders, post-processing and layerwise reload (benchmarks/probe_vllm_reload_cpu.py --recipe rowwise|tensorwise):
+   byte for byte, reloads and in-place syncs alike. An ``export_dir`` of another format is refused
+   (``check_export_config``), and so is an FP8 LM head (vLLM serves it in BF16). vLLM 0.24 quantizes the
+   activations of these layers per token (the rowwise scheme); tensorwise's per-tensor activation scale has no
+   dynamic equivalent there on CUDA (``TENSORWISE_ACTIVATION_NOTE``).
 
 Log-probs: TRL requests ``logprobs_mode="processed_logprobs"`` and returns them as ``sampling_per_token_logps``;
 they now come from the FP8 engine, so TIS / bypass corrections compare FP8 rollout and FP8 training forward.
@@ -73,6 +76,7 @@ from calclip.fp8.export import (
     SCALE_NAME,
     Fp8WeightSpec,
     bf16_linear_names,
+    clean_param_name,
     fp8_quantization_config_for,
     fp8_weight_specs,
     fp8_weight_sync_tensors,
@@ -275,6 +279,18 @@ _VLLM_LINEAR = {"blockwise": "block-FP8 linear", "rowwise": "per-channel FP8 lin
                 "tensorwise": "per-channel FP8 linear (compressed-tensors)"}
 
 
+def output_head_name(model: nn.Module) -> str:
+    """The module name (wrapper prefixes stripped) of ``model``'s LM head: transformers' ``get_output_embeddings()``
+    where the model has one, else "lm_head" (the Llama family's, what vLLM builds as ``ParallelLMHead``)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is not None:
+        for name, module in model.named_modules():
+            if module is head:
+                return clean_param_name(name)
+    return "lm_head"
+
+
 def check_vllm_compatible(
     model: nn.Module, *, tensor_parallel_size: int = 1, keep_field: str = "Fp8Config.keep_patterns"
 ) -> None:
@@ -289,7 +305,8 @@ def check_vllm_compatible(
     if not specs:
         return
     recipe = shared_recipe(specs)
-    problems = vllm_fp8_problems(linear_shapes(model, specs), specs, tp_size=tensor_parallel_size)
+    problems = vllm_fp8_problems(linear_shapes(model, specs), specs, tp_size=tensor_parallel_size,
+                                 output_head=output_head_name(model))
     if problems:
         lines = "\n".join(f"  {name}: {why}" for name, why in sorted(problems.items()))
         patterns = list(vllm_keep_patterns(problems))
@@ -310,18 +327,83 @@ def fp8_engine_kwargs(
     Without ``export_dir``: keep the engine's model directory (TRL's ``model=<name_or_path>``, or the one
     ``engine_model_kwargs`` writes), override the HF config's ``quantization_config`` and start from dummy weights;
     the first sync loads calclip's codes.
-    With ``export_dir`` (a checkpoint from ``export_fp8_checkpoint`` + tokenizer files): load it as is.
+    With ``export_dir`` (a checkpoint from ``export_fp8_checkpoint`` + tokenizer files): load it as is, after
+    checking that its ``config.json`` (where the directory has one) carries the format the sync sends
+    (``export_config_problems``); a checkpoint of another format raises ValueError naming the keys.
     """
     if fp8_modules is None:
         fp8_modules = fp8_weight_specs(unwrap_model(model))
     quantization = _VLLM_QUANTIZATION[shared_recipe(fp8_modules)]
     if export_dir is not None:
+        check_export_config(model, export_dir, fp8_modules)
         return {"model": str(export_dir), "quantization": quantization}
     return {
         "quantization": quantization,
         "hf_overrides": {"quantization_config": fp8_quantization_config(model, fp8_modules)},
         "load_format": "dummy",
     }
+
+
+def _engine_format(config: Mapping) -> dict[str, Any]:
+    """The keys of a ``quantization_config`` that decide how vLLM 0.24 builds, loads and post-processes the FP8
+    linears (which method and scheme, which scale parameters, which layers stay BF16); the rest (``fmt``,
+    ``quantization_status``, ``calclip_fp8_recipe``) changes nothing there."""
+    method = config.get("quant_method")
+    if method == "compressed-tensors":
+        groups = config.get("config_groups") or {}
+        return {
+            "quant_method": method,
+            "format": config.get("format"),
+            "config_groups": {name: {"targets": group.get("targets"), "weights": group.get("weights"),
+                                     "input_activations.dynamic": (group.get("input_activations") or {}).get("dynamic")}
+                              for name, group in groups.items()},
+            "ignore": sorted(config.get("ignore") or []),
+        }
+    return {
+        "quant_method": method,
+        "activation_scheme": config.get("activation_scheme"),
+        "weight_block_size": config.get("weight_block_size"),
+        # vLLM 0.24 reads ignored_layers, falling back to modules_to_not_convert when that is empty
+        "ignored_layers": sorted(config.get("ignored_layers") or config.get("modules_to_not_convert") or []),
+    }
+
+
+def export_config_problems(expected: Mapping, found: Mapping | None) -> list[str]:
+    """How a checkpoint's ``quantization_config`` (``found``) differs from the one calclip writes for the policy
+    (``expected``, ``fp8_quantization_config``) where vLLM would serve it differently (``_engine_format``); empty
+    when it serves the sync's format. E.g. compressed-tensors weights of strategy "tensor" instead of "channel":
+    vLLM keeps one scale per shard, re-quantizes q/k/v and gate/up to their largest (``requantize_with_max_scale``),
+    and refuses the sync's [N, 1] shard scales with a bare AssertionError (benchmarks/probe_vllm_reload_cpu.py,
+    ``--engine-weights tensor``)."""
+    if not isinstance(found, Mapping):
+        return [f"quantization_config: checkpoint {found!r}, policy {expected.get('quant_method')!r}"]
+    want, have = _engine_format(expected), _engine_format(found)
+    problems = []
+    for key in sorted(set(want) | set(have)):
+        if want.get(key) != have.get(key):
+            problems.append(f"quantization_config {key}: checkpoint {have.get(key)!r}, policy {want.get(key)!r}")
+    return problems
+
+
+def check_export_config(model: nn.Module, export_dir: str | os.PathLike,
+                        fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> None:
+    """Raise ValueError when ``export_dir/config.json`` exists and its ``quantization_config`` is not the format
+    calclip's sync sends for ``model`` (``export_config_problems``). A directory without one (or a Hub id) is vLLM's
+    to read."""
+    import json
+
+    path = os.path.join(os.fspath(export_dir), "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        found = json.load(f).get("quantization_config")
+    problems = export_config_problems(fp8_quantization_config(model, fp8_modules), found)
+    if problems:
+        lines = "\n".join(f"  {line}" for line in problems)
+        raise ValueError(
+            f"the FP8 engine's checkpoint {path} is not in the format calclip's weight sync sends for this policy, "
+            f"so vLLM would hold other codes than the trainer's (or refuse the sync):\n{lines}\nWrite it with "
+            "calclip.fp8.export.export_fp8_checkpoint from this policy, or start the engine without export_dir.")
 
 
 # Under the trainer's output_dir; a leading "_" keeps it out of transformers' hub uploads (ignore_patterns "_*").

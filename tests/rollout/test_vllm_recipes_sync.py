@@ -16,6 +16,7 @@ Expected values come from three independent places:
   stand-in below holds exactly that, with its own offsets written out.
 """
 
+import json
 import logging
 
 import pytest
@@ -35,6 +36,7 @@ from calclip.fp8.export import (  # noqa: E402
     fp8_weight_specs,
     fp8_weight_sync_tensors,
     shared_block_size,
+    vllm_block_fp8_problems,
     vllm_channel_fp8_problems,
 )
 from calclip.rollout.vllm_sync import (  # noqa: E402
@@ -43,6 +45,7 @@ from calclip.rollout.vllm_sync import (  # noqa: E402
     engine_fp8_mismatches,
     expected_engine_fp8_tensors,
     fp8_engine_kwargs,
+    output_head_name,
 )
 from tests.fixtures import tiny_training_args  # noqa: E402
 from calclip.trainers.config import CalibratedGRPOConfig  # noqa: E402
@@ -167,6 +170,46 @@ def test_engine_kwargs_build_a_compressed_tensors_per_channel_engine(recipe):
     assert fp8_engine_kwargs(model, export_dir="/ckpt") == {"model": "/ckpt", "quantization": "compressed-tensors"}
     with pytest.raises(ValueError, match="'blockwise' only"):
         shared_block_size(fp8_weight_specs(model))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_an_export_dir_in_another_format_than_the_sync_is_refused(recipe, tmp_path):
+    """vLLM 0.24 with a per-tensor checkpoint (compressed-tensors weights of strategy "tensor"): one scale per shard,
+    re-quantized to the largest in process_weights_after_loading, and calclip's [N, 1] shard scales refused by a bare
+    AssertionError in PerTensorScaleParameter (seen on CPU with the real loaders: probe_vllm_reload_cpu.py
+    --engine-weights tensor). calclip refuses such an export_dir before the engine starts, naming the key."""
+    model = tiny_llama(recipe)
+    out = export_fp8_checkpoint(model, tmp_path / "ok", config_dict=model.config.to_dict())
+    assert fp8_engine_kwargs(model, export_dir=out) == {"model": str(out), "quantization": "compressed-tensors"}
+
+    def edited(name, edit):
+        config = json.loads((out / "config.json").read_text())
+        edit(config["quantization_config"])
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return tmp_path / name
+
+    def per_tensor(qc):
+        qc["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+
+    with pytest.raises(ValueError) as info:
+        fp8_engine_kwargs(model, export_dir=edited("tensor", per_tensor))
+    message = str(info.value)
+    assert "not in the format calclip's weight sync sends" in message and "export_fp8_checkpoint" in message
+    assert "quantization_config config_groups:" in message and "'strategy': 'tensor'" in message
+    with pytest.raises(ValueError, match=r"quantization_config ignore: checkpoint \[\], policy \['lm_head'\]"):
+        fp8_engine_kwargs(model, export_dir=edited("head", lambda qc: qc.update(ignore=[])))  # an FP8 head in vLLM
+    with pytest.raises(ValueError, match="quantization_config quant_method: checkpoint 'fp8', policy 'compressed"):
+        fp8_engine_kwargs(model, export_dir=edited("block", lambda qc: qc.update(quant_method="fp8")))
+    # keys vLLM does not serve differently are not compared: the recipe tag, the activations' declared strategy
+    harmless = edited("tag", lambda qc: (qc.update(calclip_fp8_recipe="x"),
+                                        qc["config_groups"]["group_0"]["input_activations"].update(strategy="token")))
+    assert fp8_engine_kwargs(model, export_dir=harmless)["model"] == str(harmless)
+    blockwise = quantize_model(transformers.LlamaForCausalLM(model.config).float(), Fp8Config())
+    with pytest.raises(ValueError, match="quant_method: checkpoint 'compressed-tensors', policy 'fp8'"):
+        fp8_engine_kwargs(blockwise, export_dir=out)  # a blockwise policy, this recipe's checkpoint
+    block_out = export_fp8_checkpoint(blockwise, tmp_path / "block_ok", config_dict=blockwise.config.to_dict())
+    assert fp8_engine_kwargs(blockwise, export_dir=block_out)["quantization"] == "fp8"  # its own export: served
 
 
 def test_channel_config_refuses_the_blockwise_recipe():
@@ -355,6 +398,46 @@ def test_mixed_fused_layers_are_refused_naming_the_layers_and_the_fix():
     assert "model.layers.1.self_attn.q_proj: fused qkv_proj mixes FP8 and BF16 shards" in message
     assert r"'^model\\.layers\\.1\\.self_attn\\.v_proj$'" in message and "fp8_keep_patterns" in message
     check_vllm_compatible(tiny_llama("rowwise"))  # all shards FP8: served
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", *RECIPES])
+def test_an_fp8_lm_head_is_refused_since_vllm_serves_it_in_bf16(recipe):
+    """vLLM 0.24 builds the LM head as ParallelLMHead, which neither Fp8Config nor calclip's compressed-tensors
+    config quantizes: with the real 0.24 loaders on CPU, an FP8 head's sync failed at ``lm_head.weight_scale`` ("no
+    module or parameter named") after its FP8 codes had been cast into the BF16 head. Refused before the engine
+    starts, with the keep pattern that fixes it."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=64)
+    policy = quantize_model(transformers.LlamaForCausalLM(cfg).float(), Fp8Config(recipe=recipe, keep_patterns=()))
+    assert "lm_head" in fp8_weight_specs(policy)  # nothing kept: the head is FP8 in training
+    with pytest.raises(ValueError) as info:
+        check_vllm_compatible(policy, keep_field="fp8_keep_patterns")
+    message = str(info.value)
+    assert "cannot serve 1 FP8 layer(s)" in message and "lm_head: the LM head: vLLM serves it in BF16" in message
+    assert "'^lm_head$'" in message and "fp8_keep_patterns" in message
+    kept = quantize_model(transformers.LlamaForCausalLM(cfg).float(), Fp8Config(recipe=recipe))
+    check_vllm_compatible(kept)  # the default keeps lm_head in BF16: served
+
+
+def test_the_lm_head_rule_follows_the_models_output_embeddings_name():
+    shapes = {"a.o_proj": (256, 256), "lm_head": (384, 256), "embed_out": (384, 256)}  # whole 128 blocks
+    for problems_of in (vllm_channel_fp8_problems, vllm_block_fp8_problems):
+        assert set(problems_of(shapes)) == {"lm_head"}  # the default: the Llama family's name
+        assert set(problems_of(shapes, output_head="embed_out")) == {"embed_out"}
+        assert problems_of(shapes, output_head=None) == {}
+
+    class Head(nn.Module):  # a model whose LM head is not called lm_head (GPT-NeoX: embed_out)
+        def __init__(self):
+            super().__init__()
+            self.body, self.embed_out = nn.Linear(16, 16), nn.Linear(16, 32)
+
+        def get_output_embeddings(self):
+            return self.embed_out
+
+    assert output_head_name(Head()) == "embed_out"
+    assert output_head_name(nn.Sequential(nn.Linear(4, 4))) == "lm_head"  # no get_output_embeddings
 
 
 def test_channel_problems_need_only_an_even_tensor_parallel_split():

