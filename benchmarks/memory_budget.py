@@ -1,7 +1,7 @@
 """Where a training step's memory goes, counted tensor by tensor (CPU or GPU): bf16 vs calclip FP8 arms.
 
     python benchmarks/memory_budget.py [--models qwen2.5-7b,qwen2.5-1.5b] [--tokens 256,512] [--scale-to 4x2048]
-                                       [--arms bf16,fp8,fp8-ondemand,fp8-fused] [--mode eager|layers]
+                                       [--arms bf16,fp8,fp8-ondemand,fp8-fused,fp8-lean] [--mode eager|layers]
 
 A counting tool, not a peak measurement: it runs one forward + backward of bench_speed's model row (its dims, vocab
 and architecture; ``--layers`` to override the row's layer count) and adds up
@@ -19,22 +19,24 @@ and architecture; ``--layers`` to override the row's layer count) and adds up
 
 Saved bytes are linear in the token count for these models (flash-style attention saves its output and one fp32
 log-sum-exp per head and token; every other saved tensor is per token, the 128x1 scales per 128 tokens); the tool
-runs each token count of ``--tokens`` (multiples of 128, as batches of at least two 128-token sequences), checks that the saved
-bytes are exactly linear (the per-token slope of each category is the same between every pair of counts), and
+runs each token count of ``--tokens`` (multiples of 128, as batches of at least two 128-token sequences), checks that
+the saved bytes are exactly linear (the per-token slope of each category is the same between every pair of counts), and
 scales to ``--scale-to BATCHxSEQ`` (bench_speed's model rows: 4x2048 at 7B/8B dims, 8x2048 at 1.5B).
 
 CPU vs CUDA: the eager FP8 layer saves the same tensors on both (linear_function: the W^T dgrad operands, which are
 resident, and x's 128x1 codes + scales); only the W^T operands differ in storage (see above). The CPU emulation's
 cached fp32 dequantized weight (gemm.emulated_block_gemm, 4 bytes per parameter) exists on CPU only and is left out.
-``--mode layers`` compiles each decoder layer with AOTAutograd and the partitioner Inductor uses (min-cut
-rematerialization, ``compiler="inductor"``) but runs the graphs without Inductor: the saved set is the partitioner's
-choice, which is what Inductor runs; on CPU the FP8 quantizers inside the compiled graph are torch ops (the
-reference), on CUDA Triton kernels the partitioner treats as opaque, so a compiled CPU count may recompute what a
-GPU graph saves (the tool says which saved tensors are fp8).
+``--mode layers`` compiles each decoder layer as bench_speed's "by layer" arms do (``compile_repeated_blocks``), by
+default with AOTAutograd and the partitioner Inductor uses (min-cut rematerialization, ``compiler="inductor"``) but
+without Inductor's kernels (``--compile-backend partitioner``): the saved set is the partitioner's choice, which is
+what Inductor runs. On CPU calclip's quantizers are torch ops (the reference), which the partitioner may split and
+recompute piece by piece; on CUDA they are Triton kernels, each one unit; so on CPU they run as opaque custom ops
+(``opaque_quantizers``), one unit each, like the kernels. On a GPU, ``--device cuda --mode layers --compile-backend inductor`` counts the real compiled step.
 
-Transients (not counted here): the backward of an FP8 linear also holds dy's 1x128 and 128x1 codes (1 byte per
-element each, plus scales) beside the bf16 dy, and, with ``resident_dgrad_codes=False``, the contiguous W^T copy,
-while BF16's backward holds neither (``transient_estimates`` works them out per linear shape).
+Transients (not counted, estimated): beside the bf16 dy, the backward of an FP8 linear holds dy's 1x128 codes during
+the dgrad GEMM (with ``resident_dgrad_codes=False`` also the contiguous W^T copy) and its 128x1 codes during the wgrad
+GEMM, one layout at a time (both at once with ``fused_quantizer``); BF16's backward holds neither
+(``transient_estimates`` works them out per linear shape).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import gc
 import sys
 import time
 import weakref
@@ -68,6 +71,7 @@ ARMS: dict[str, dict | None] = {
     "fp8": {},
     "fp8-ondemand": {"resident_dgrad_codes": False},
     "fp8-fused": {"fuse_producers": True},
+    "fp8-lean": {"resident_dgrad_codes": False, "fuse_producers": True},
 }
 # tokens per sequence of the counting runs: --tokens are multiples of it, at least two sequences (with one, HF's loss
 # saves its shifted labels as a view of the padded [1, SEQ + 1] labels, 8 bytes more than one per token)
@@ -167,8 +171,10 @@ class SavedCounter:
         return dict(out)
 
     def close(self) -> None:
+        """Remove the hooks and drop the model and the saved tensors (the graph may keep the pack hook alive)."""
         for handle in self.handles:
             handle.remove()
+        self.handles, self.stack, self.seen = [], [], {}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -331,7 +337,9 @@ def opaque_quantizers():
         producers._REFERENCES.update(saved[2])
 
 
-def build_arm(base: nn.Module, arm: str, mode: str) -> nn.Module:
+def build_arm(base: nn.Module, arm: str, mode: str, backend: str = "partitioner") -> nn.Module:
+    """``arm``'s model sharing ``base``'s Parameters; ``mode`` "layers": each decoder layer compiled with ``backend``
+    ("partitioner": ``aot_layer_backend``; or a torch.compile backend, e.g. "inductor" on a GPU)."""
     import bench_speed
 
     options = ARMS[arm]
@@ -340,25 +348,31 @@ def build_arm(base: nn.Module, arm: str, mode: str) -> nn.Module:
         from calclip.fp8 import compile_repeated_blocks
 
         model = bench_speed.sharing_copy(model) if options is None else model
-        compile_repeated_blocks(model, backend=aot_layer_backend(), dynamic=False)
+        compile_repeated_blocks(model, backend=aot_layer_backend() if backend == "partitioner" else backend,
+                                dynamic=False)
     return model
 
 
-def count_step(model: nn.Module, ids: torch.Tensor, mode: str) -> Count:
-    """One fwd + bwd of ``model`` on ``ids`` with the saved set counted; gradients counted, then dropped."""
+def count_step(model: nn.Module, ids: torch.Tensor, mode: str, backward: bool = True) -> Count:
+    """One forward of ``model`` on ``ids`` with the saved set counted, then its backward (``backward``: the gradients
+    counted as made, then dropped; else counted as they would be, one per trainable parameter in its dtype: a CPU
+    run of a large model then costs one forward per token count)."""
     import bench_speed
+    from calclip.fp8 import refresh_fp8_weights
     from calclip.fp8.regional_compile import repeated_blocks
 
-    # a warm-up step makes the FP8 codes (W on the first forward, W^T on the first backward) and compiles the layers
-    bench_speed.training_loss(model, ids).backward()
-    model.zero_grad(set_to_none=True)
+    if mode == "layers" and not model.__dict__.get("_memory_budget_warm"):
+        # compiles the layers (and makes the FP8 codes: W on the first forward, W^T on the first backward)
+        bench_speed.training_loss(model, ids).backward()
+        model.zero_grad(set_to_none=True)
+        model.__dict__["_memory_budget_warm"] = True
+    else:
+        refresh_fp8_weights(model, for_backward=True)  # the codes a training step finds resident
     if mode == "layers":
-        blocks = {id(b) for b in repeated_blocks(model)}
         inside: set[int] = set()
         for block in repeated_blocks(model):
             inside.update(id(m) for m in block.modules() if m is not block)
         track = [(n, m) for n, m in model.named_modules() if id(m) not in inside]
-        assert blocks
     else:
         track = list(model.named_modules())
     counter = SavedCounter(model, resident_storages(model), track)
@@ -368,10 +382,14 @@ def count_step(model: nn.Module, ids: torch.Tensor, mode: str) -> Count:
         saved = counter.totals()
     finally:
         counter.close()
-    loss.backward()
-    params = [p for p in model.parameters()]
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    model.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    if backward:
+        loss.backward()
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        model.zero_grad(set_to_none=True)
+    else:
+        grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    del loss
     resident = {"parameters": sum(p.numel() * p.element_size() for p in params), "gradients": grads,
                 "AdamW state": adamw_state_bytes([p for p in params if p.requires_grad]), **fp8_resident_bytes(model)}
     return Count(ids.numel(), saved, resident)
@@ -408,9 +426,10 @@ def gib(x: float) -> str:
 
 
 def transient_estimates(row, tokens: int) -> list[list[str]]:
-    """Per linear shape of ``row``: the FP8 backward's extra live bytes beside BF16's (dy's 1x128 and 128x1 codes and
-    scales, held together by ``_quantize_both``; the W^T copy of ``resident_dgrad_codes=False``), and the forward's
-    transient 1x128 codes of x."""
+    """Per linear shape of ``row``: the most bytes an FP8 linear's backward holds beside BF16's (dy's codes and scales;
+    the W^T copy of ``resident_dgrad_codes=False``): both layouts of dy's codes at once (``fused_quantizer``, and
+    every backward before linear_math._backward released the 1x128 codes after the dgrad GEMM), or one at a time
+    (the dgrad's 1x128 codes and W^T, then the wgrad's 128x1 codes); and the forward's transient 1x128 codes of x."""
     h, i = row.hidden, row.intermediate
     head_dim = row.head_dim or h // row.heads
     q, kv = row.heads * head_dim, row.kv_heads * head_dim
@@ -422,8 +441,9 @@ def transient_estimates(row, tokens: int) -> list[list[str]]:
         dy_codes_128x1 = m * n + -(-m // 128) * n * 4
         wt = n * k + -(-n // 128) * -(-k // 128) * 4
         x_codes_1x128 = m * k + m * -(-k // 128) * 4
-        rows.append([name, f"{n}x{k}", gib(dy_codes_1x128 + dy_codes_128x1), gib(max(dy_codes_1x128, dy_codes_128x1)),
-                     gib(wt), gib(x_codes_1x128)])
+        both = dy_codes_1x128 + dy_codes_128x1
+        rows.append([name, f"{n}x{k}", gib(both), gib(max(dy_codes_1x128, dy_codes_128x1)), gib(both + wt),
+                     gib(max(dy_codes_1x128 + wt, dy_codes_128x1)), gib(x_codes_1x128)])
     return rows
 
 
@@ -438,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
     parser.add_argument("--mode", default="eager", choices=("eager", "layers"),
                         help="eager, or each decoder layer compiled (AOTAutograd + Inductor's partitioner)")
+    parser.add_argument("--compile-backend", default="partitioner",
+                        help="--mode layers: 'partitioner' (AOTAutograd + Inductor's partitioner, no kernels: CPU) or "
+                             "a torch.compile backend (inductor, on a GPU: the saved set the benchmark runs)")
+    parser.add_argument("--no-backward", action="store_true",
+                        help="count the gradients instead of running the backward (large models on CPU)")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary (default: bench_speed's GPU runs')")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
@@ -463,12 +488,13 @@ def main(argv: list[str] | None = None) -> int:
             batch, seq = (int(v) for v in args.scale_to.lower().split("x"))
         else:
             batch, seq = row.batch or bench_speed.GPU_SIZES.batch, bench_speed.GPU_SIZES.seq
-        report_row(row, vocab, device, tokens, arms, args.mode, batch * seq, f"{batch}x{seq}")
+        report_row(row, vocab, device, tokens, arms, args.mode, batch * seq, f"{batch}x{seq}", args.compile_backend,
+                   not args.no_backward)
     return 0
 
 
 def report_row(row, vocab: int, device, tokens: list[int], arms: list[str], mode: str, target: int,
-               target_label: str) -> dict[str, dict]:
+               target_label: str, backend: str = "partitioner", backward: bool = True) -> dict[str, dict]:
     """Count every arm of ``row`` at each token count, print the tables, return {arm: {"saved": {key: bytes at
     target}, "resident": {...}}}."""
     import bench_speed
@@ -480,26 +506,32 @@ def report_row(row, vocab: int, device, tokens: list[int], arms: list[str], mode
     results: dict[str, dict] = {}
     for arm in arms:
         torch._dynamo.reset()
-        model = build_arm(base, arm, mode)
+        print(f"   counting {arm} ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
+        model = build_arm(base, arm, mode, backend)
         counts = []
-        with opaque_quantizers() if mode == "layers" and device.type == "cpu" else contextlib.nullcontext():
+        cpu_stand_ins = mode == "layers" and device.type == "cpu" and backend == "partitioner"
+        with opaque_quantizers() if cpu_stand_ins else contextlib.nullcontext():
             for t in tokens:
                 ids = torch.randint(3, vocab, (t // SEQ, SEQ), generator=gen).to(device)
-                counts.append(count_step(model, ids, mode))
+                counts.append(count_step(model, ids, mode, backward))
         lines = per_token(counts)
         results[arm] = {"saved": scaled(lines, target), "per_token": {k: s for k, (s, _) in lines.items()},
                         "resident": counts[-1].resident}
         del model
+        gc.collect()
     print(f"\n### {row.label}, vocab {vocab}: counted at {tokens} tokens, scaled to {target_label} = {target} tokens "
           f"({mode}); GiB")
-    print_tables(results, arms)
+    print_tables(results, arms, loss_transient=8 * target * vocab)
     print(f"\nFP8 transients per linear at {target} tokens (GiB; CUDA path, from linear_math._backward / _forward):")
-    table(["linear", "N x K", "dy codes 1x128+128x1 (held together)", "dy codes one at a time", "W^T copy (ondemand)",
-           "x 1x128 codes (fwd)"], transient_estimates(row, target))
+    table(["linear", "N x K", "bwd, both dy layouts at once", "bwd, one at a time", "ondemand W^T: at once",
+           "ondemand W^T: one at a time", "fwd: x 1x128 codes"], transient_estimates(row, target))
     return results
 
 
-def print_tables(results: dict[str, dict], arms: list[str]) -> None:
+def print_tables(results: dict[str, dict], arms: list[str], loss_transient: int = 0) -> None:
+    """The per-category table. ``loss_transient``: the bytes the loss's backward adds while every saved tensor is
+    still alive (HF's loss in fp32: the log-softmax's incoming and outgoing gradients, two fp32 [tokens, vocab]
+    tensors), for the peak estimate row: the end of the forward plus that."""
     keys = sorted({k for r in results.values() for k in r["saved"]})
     rows = []
     for key in keys:
@@ -520,6 +552,10 @@ def print_tables(results: dict[str, dict], arms: list[str]) -> None:
     fwd_end = {a: total[a] - results[a]["resident"].get("gradients", 0) for a in arms}
     rows.append(["end of forward (no grads)", *(gib(fwd_end[a]) for a in arms)])
     rows.append(["ratio / bf16", *(f"{fwd_end[a] / fwd_end['bf16']:.3f}" for a in arms)])
+    if loss_transient:
+        peak = {a: fwd_end[a] + loss_transient for a in arms}
+        rows.append([f"peak estimate (+ loss backward {gib(loss_transient)})", *(gib(peak[a]) for a in arms)])
+        rows.append(["ratio / bf16", *(f"{peak[a] / peak['bf16']:.3f}" for a in arms)])
     table(["category", *arms], rows)
 
 
