@@ -31,7 +31,9 @@ default with AOTAutograd and the partitioner Inductor uses (min-cut rematerializ
 without Inductor's kernels (``--compile-backend partitioner``): the saved set is the partitioner's choice, which is
 what Inductor runs. On CPU calclip's quantizers are torch ops (the reference), which the partitioner may split and
 recompute piece by piece; on CUDA they are Triton kernels, each one unit; so on CPU they run as opaque custom ops
-(``opaque_quantizers``), one unit each, like the kernels. On a GPU, ``--device cuda --mode layers --compile-backend inductor`` counts the real compiled step.
+(``opaque_quantizers``), one unit each, like the kernels. There the partitioner moves the 128x1 quantization of the
+q/k/v and gate/up inputs into the backward and saves their bf16 inputs instead (docs/benchmarks.md, Memory budget).
+On a GPU, ``--device cuda --mode layers --compile-backend inductor`` counts the real compiled step.
 
 Transients (not counted, estimated): beside the bf16 dy, the backward of an FP8 linear holds dy's 1x128 codes during
 the dgrad GEMM (with ``resident_dgrad_codes=False`` also the contiguous W^T copy) and its 128x1 codes during the wgrad
@@ -480,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = args.vocab or bench_speed.GPU_SIZES.vocab
     device = torch.device(args.device)
     print("== memory budget (counted tensor by tensor, not a peak) ==")
-    print(f"date {time.strftime('%Y-%m-%d %H:%M:%S')}  torch {torch.__version__}  commit {git_commit()}  mode {args.mode}  device {device}  tokens {tokens}  vocab {vocab}")
+    print(f"date {time.strftime('%Y-%m-%d %H:%M:%S')}  torch {torch.__version__}  commit {git_commit()}  mode "
+          f"{args.mode}  device {device}  tokens {tokens}  vocab {vocab}")
     for row in rows:
         if args.layers:
             row = dataclasses.replace(row, layers=args.layers)

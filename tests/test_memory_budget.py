@@ -7,6 +7,7 @@ per sibling, changes these byte counts.
 """
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +113,7 @@ def test_cli_tiny_run_prints_the_ratio(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_budget.py"), "--models",
                            f"{HIDDEN}:{INTER}:{HEADS}:{KV_HEADS}:1", "--vocab", str(VOCAB), "--arms", "bf16,fp8",
                            "--tokens", "256,512", "--scale-to", "2x128"], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| ratio / bf16" in done.stdout
     assert "saved: linear down (fp8)" in done.stdout
