@@ -74,6 +74,9 @@ ARMS: dict[str, dict | None] = {
     "fp8-ondemand": {"resident_dgrad_codes": False},
     "fp8-fused": {"fuse_producers": True},
     "fp8-lean": {"resident_dgrad_codes": False, "fuse_producers": True},
+    # x and dy quantized in both layouts by one kernel: in a compiled layer the 128x1 codes then come out of the node the
+    # forward needs, so the partitioner cannot move them into the backward (docs/benchmarks.md, Memory budget)
+    "fp8-fusedq": {"fused_quantizer": True},
 }
 # tokens per sequence of the counting runs: --tokens are multiples of it, at least two sequences (with one, HF's loss
 # saves its shifted labels as a view of the padded [1, SEQ + 1] labels, 8 bytes more than one per token)
@@ -269,14 +272,28 @@ def _opaque_ops() -> dict[str, object]:
     @torch.library.custom_op("calclip_membudget::quantize_128x1", mutates_args=())
     def q_128x1(x: Tensor, block: int, pow2: bool) -> tuple[Tensor, Tensor]:
         q, s = reference.quantize_128x1(x, block=block, pow2=pow2)
-        return q, s.contiguous().clone()
+        return q.clone(), s.contiguous().clone()  # the codes keep the reference's (column-major) strides
 
-    q_128x1.register_fake(lambda x, block, pow2: tuple(t.contiguous() for t in
-                                                        reference.quantize_128x1(x, block=block, pow2=pow2)))
+    def q_128x1_fake(x, block, pow2):
+        q, s = reference.quantize_128x1(x, block=block, pow2=pow2)
+        return q, s.contiguous()
+
+    q_128x1.register_fake(q_128x1_fake)
+
+    @torch.library.custom_op("calclip_membudget::quantize_1x128_and_128x1", mutates_args=())
+    def q_both(x: Tensor, block: int, pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return tuple(t.clone() for t in q_both_fake(x, block, pow2))
+
+    def q_both_fake(x, block, pow2):
+        q, s = reference.quantize_1x128(x, block=block, pow2=pow2)
+        qt, st = reference.quantize_128x1(x, block=block, pow2=pow2)
+        return q, s, qt, st.contiguous()
+
+    q_both.register_fake(q_both_fake)
 
     def producer_op(name: str, twin):
         def run(*args, members, need_t, pow2):
-            return tuple(t.contiguous() for t in twin(*args, members=members, need_t=need_t, pow2=pow2))
+            return tuple(twin(*args, members=members, need_t=need_t, pow2=pow2))
 
         if name == "rms_norm_quantize":
             @torch.library.custom_op(f"calclip_membudget::{name}", mutates_args=())
@@ -302,6 +319,7 @@ def _opaque_ops() -> dict[str, object]:
 
     _OPAQUE["quantize_1x128"] = q_1x128
     _OPAQUE["quantize_128x1"] = q_128x1
+    _OPAQUE["quantize_1x128_and_128x1"] = q_both
     _OPAQUE["rms_norm_quantize"] = producer_op("rms_norm_quantize", producers.rms_norm_quantize_reference)
     _OPAQUE["mul_quantize"] = producer_op("mul_quantize", producers.mul_quantize_reference)
     return _OPAQUE
@@ -315,7 +333,7 @@ def opaque_quantizers():
     from calclip.fp8 import producers, quant
 
     ops = _opaque_ops()
-    saved = quant.quantize_1x128, quant.quantize_128x1, dict(producers._REFERENCES)
+    saved = quant.quantize_1x128, quant.quantize_128x1, quant.quantize_1x128_and_128x1, dict(producers._REFERENCES)
 
     def quantize_1x128(x, *, block=128, pow2=False, gemm_layout=False, nonfinite_count=None, weight_bad=None,
                        members=1):
@@ -329,14 +347,19 @@ def opaque_quantizers():
     def quantize_128x1(x, *, block=128, pow2=False, gemm_layout=False):
         return ops["quantize_128x1"](x, block, pow2)
 
+    def quantize_1x128_and_128x1(x, *, block=128, pow2=False, gemm_layout=False):  # Fp8Config.fused_quantizer
+        q, s, qt, st = ops["quantize_1x128_and_128x1"](x, block, pow2)
+        return q, (s.t().contiguous().t() if gemm_layout else s), qt, st
+
     quant.quantize_1x128, quant.quantize_128x1 = quantize_1x128, quantize_128x1
+    quant.quantize_1x128_and_128x1 = quantize_1x128_and_128x1
     producers._REFERENCES.update(rms_norm_quantize=ops["rms_norm_quantize"], mul_quantize=ops["mul_quantize"])
     try:
         yield
     finally:
-        quant.quantize_1x128, quant.quantize_128x1 = saved[0], saved[1]
+        quant.quantize_1x128, quant.quantize_128x1, quant.quantize_1x128_and_128x1 = saved[:3]
         producers._REFERENCES.clear()
-        producers._REFERENCES.update(saved[2])
+        producers._REFERENCES.update(saved[3])
 
 
 def build_arm(base: nn.Module, arm: str, mode: str, backend: str = "partitioner") -> nn.Module:

@@ -140,3 +140,24 @@ def test_peak_estimate_is_the_profiled_peak_of_a_bf16_step(base):
     peak = max(live) - live[0]
     # within 16 KiB (a few scalars, the loss among them; the estimate is ~4.4 MiB here, the loss term 1 MiB)
     assert abs(peak - estimate) <= 16 * 1024, (peak, estimate)
+
+
+def test_opaque_quantizers_return_the_references_values_and_are_put_back():
+    """The compiled count's stand-ins for the CUDA kernels (opaque custom ops) change what the partitioner may do,
+    never a code or a scale."""
+    from calclip.fp8 import quant
+
+    x = torch.randn(256, 384, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    names = ("quantize_1x128", "quantize_128x1", "quantize_1x128_and_128x1")
+    originals = [getattr(quant, n) for n in names]
+    expected = [fn(x, gemm_layout=True) for fn in originals]
+    with memory_budget.opaque_quantizers():
+        assert all(getattr(quant, n) is not fn for n, fn in zip(names, originals))
+        got = [getattr(quant, n)(x, gemm_layout=True) for n in names]
+    assert [getattr(quant, n) for n in names] == originals
+    for want, have in zip(expected, got):
+        assert len(want) == len(have)
+        for a, b in zip(want, have):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
