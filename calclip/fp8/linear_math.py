@@ -98,19 +98,24 @@ def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, n
               w_dtype: torch.dtype, row_scales: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """dy2 [M, N]; W^T codes qwt [K, N], swt [K/128, N/128]; saved x 128x1 -> (dx [M, K], dW [N, K])."""
     dx = dw = None
-    if need_dx and qwt.is_cuda and not qwt.is_contiguous():
-        # Fp8Config.resident_dgrad_codes=False: W^T made here from the W codes (exact), freed after the GEMM;
-        # torch._scaled_mm reads its second operand K-major
-        qwt, swt = qwt.contiguous(), swt.contiguous()
-    if need_dx and need_dw:
-        qdy, sdy, qdyt, sdyt = _quantize_both(dy2, pow2, fused)
-    elif need_dx:
-        qdy, sdy = quant.quantize_1x128(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M, N/128]
-    elif need_dw:
-        qdyt, sdyt = quant.quantize_128x1(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M/128, N]
+    both_at_once = need_dx and need_dw and fused  # Fp8Config.fused_quantizer: one kernel writes both layouts
     if need_dx:
+        if both_at_once:
+            qdy, sdy, qdyt, sdyt = _quantize_both(dy2, pow2, fused)
+        else:
+            qdy, sdy = quant.quantize_1x128(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M, N/128]
+        if qwt.is_cuda and not qwt.is_contiguous():
+            # Fp8Config.resident_dgrad_codes=False: W^T made here from the W codes (exact); torch._scaled_mm reads
+            # its second operand K-major
+            qwt, swt = qwt.contiguous(), swt.contiguous()
         dx = _gemm(qdy, sdy, qwt, swt, x_dtype, gemm, "1x128", "128x128", row_scales)
+        # dy's 1x128 codes and an on-demand W^T are dead once dx exists: released before the wgrad's operands are
+        # made, so a backward holds one layout of dy's codes at a time (memory_budget.py: M x N bytes less at the
+        # peak of each linear's backward, and N x K more with resident_dgrad_codes=False)
+        del qdy, sdy, qwt, swt
     if need_dw:
+        if not both_at_once:
+            qdyt, sdyt = quant.quantize_128x1(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M/128, N]
         dw = _gemm(qdyt.t(), sdyt.t(), qxt.t(), sxt.t(), w_dtype, gemm, "1x128", "1x128")
     return dx, dw
 
