@@ -24,70 +24,29 @@ if not torch.cuda.is_available():
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-vllm = pytest.importorskip("vllm", reason="vllm is not installed")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("vllm", reason="vllm is not installed")
+pytest.importorskip("transformers")
 
-from calclip.fp8 import Fp8Config, quantize_model  # noqa: E402
-from calclip.losses import token_mult_prob_error  # noqa: E402
-from calclip.rollout.vllm_sync import (  # noqa: E402
-    engine_fp8_mismatches,
-    fp8_engine_kwargs,
-    fp8_engine_numerics_kwargs,
-    sync_fp8_weights,
-    vllm_engine_model,
+from calclip.rollout.vllm_sync import engine_fp8_mismatches, sync_fp8_weights, vllm_engine_model  # noqa: E402
+from tests.rollout._vllm_engine import (  # noqa: E402
+    rollout,
+    seeded_prompts,
+    start_engine,
+    tiny_policy,
+    tmpe,
+    trainer_logprobs,
 )
 
 pytestmark = pytest.mark.gpu
 ATTENTION_BACKEND = os.environ.get("CALCLIP_VLLM_ATTENTION", "TRITON_ATTN")
-PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 8, 24
-
-
-def tiny_policy(model_dir):
-    """hidden 256, 4 heads of 64, 2 KV heads (k/v 128 rows): every FP8 block inside one shard; LM head sharpened."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=256, tie_word_embeddings=False)
-    base = transformers.LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        base.lm_head.weight.normal_(0.0, 4.0 / 16.0)  # logits of std ~4 after the final norm: sharp, not uniform
-    base.save_pretrained(model_dir)
-    return base, quantize_model(base, Fp8Config()).eval()
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model_dir = str(tmp_path_factory.mktemp("tiny_fp8"))
     _, policy = tiny_policy(model_dir)
-    numerics = fp8_engine_numerics_kwargs()
-    compilation = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16], **numerics.pop("compilation_config")}
-    llm = vllm.LLM(model=model_dir, dtype="bfloat16", gpu_memory_utilization=0.15, max_model_len=128,
-                   max_num_seqs=PROMPTS, seed=0, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
-                   attention_backend=ATTENTION_BACKEND, compilation_config=compilation,
-                   **fp8_engine_kwargs(policy), **numerics)
-    sync_fp8_weights(llm, policy)  # the engine started from dummy weights, as in the trainer
+    llm, _ = start_engine(model_dir, policy, ATTENTION_BACKEND)  # from dummy weights, then synced, as in the trainer
     return llm, policy
-
-
-def rollout(llm, prompts):
-    params = vllm.SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, ignore_eos=True,
-                                 logprobs=0, seed=0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
-    ids = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
-    lps = torch.tensor([[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                        for o in outs])
-    return ids, lps
-
-
-def trainer_logprobs(model, prompts, completions):
-    ids = torch.cat([prompts, completions], 1).cuda()
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, PROMPT_LEN:, None])[..., 0].cpu()
-
-
-def tmpe(a, b):
-    return float(token_mult_prob_error(a, b, torch.ones_like(a)))
 
 
 def engine_storage(llm):
@@ -98,7 +57,7 @@ def engine_storage(llm):
 def test_engine_serves_the_trainers_codes_and_follows_every_sync(engine):
     llm, policy = engine
     assert engine_fp8_mismatches(vllm_engine_model(llm)[0], policy) == []
-    prompts = torch.randint(3, 512, (PROMPTS, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    prompts = seeded_prompts()
     tokens, engine_lp = rollout(llm, prompts)
     before = tmpe(trainer_logprobs(policy, prompts, tokens), engine_lp)
     storage = engine_storage(llm)

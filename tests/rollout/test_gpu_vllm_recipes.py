@@ -32,52 +32,25 @@ ATTENTION_BACKEND = os.environ.get("CALCLIP_VLLM_ATTENTION", "TRITON_ATTN")
 
 ENGINE_SCRIPT = textwrap.dedent("""
     import json, os, sys, tempfile
-    import torch, transformers, vllm
-    from calclip.fp8 import Fp8Config, quantize_model
+    import torch
     from calclip.fp8.export import LLAMA_PACKED_MODULES, fp8_weight_sync_tensors
-    from calclip.losses import token_mult_prob_error
     from calclip.rollout.vllm_direct_sync import DirectSync
-    from calclip.rollout.vllm_sync import (engine_fp8_mismatches, fp8_engine_kwargs, fp8_engine_numerics_kwargs,
-                                            sync_fp8_weights, vllm_engine_model)
+    from calclip.rollout.vllm_sync import engine_fp8_mismatches, vllm_engine_model
+    from tests.rollout._vllm_engine import (rollout, seeded_prompts, start_engine, tiny_policy, tmpe,
+                                            trainer_logprobs)
 
-    recipe = sys.argv[1]
-    PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 8, 24
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                                   max_position_embeddings=256, tie_word_embeddings=False)
-    base = transformers.LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        base.lm_head.weight.normal_(0.0, 4.0 / 16.0)  # sharp logits, not uniform
     model_dir = tempfile.mkdtemp()
-    base.save_pretrained(model_dir)
-    policy = quantize_model(base, Fp8Config(recipe=recipe)).eval()
-    numerics = fp8_engine_numerics_kwargs()
-    compilation = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16], **numerics.pop("compilation_config")}
-    kwargs = fp8_engine_kwargs(policy)
-    llm = vllm.LLM(model=model_dir, dtype="bfloat16", gpu_memory_utilization=0.15, max_model_len=128,
-                   max_num_seqs=PROMPTS, seed=0, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
-                   attention_backend=os.environ["CALCLIP_VLLM_ATTENTION"], compilation_config=compilation,
-                   **kwargs, **numerics)
-    sync_fp8_weights(llm, policy)  # from dummy weights, through vLLM's layerwise reload, as in the trainer
+    _, policy = tiny_policy(model_dir, recipe=sys.argv[1])
+    llm, quantization = start_engine(model_dir, policy, os.environ["CALCLIP_VLLM_ATTENTION"])
     engine, _ = vllm_engine_model(llm)
-    result = {"quantization": kwargs["quantization"], "after_reload": engine_fp8_mismatches(engine, policy),
+    result = {"quantization": quantization, "after_reload": engine_fp8_mismatches(engine, policy),
               "fp8_params": sum(p.dtype == torch.float8_e4m3fn for p in engine.parameters()),
               "scheme": type(engine.get_submodule("model.layers.0.self_attn.qkv_proj").scheme).__name__}
 
     def rollout_tmpe():
-        params = vllm.SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, ignore_eos=True,
-                                     logprobs=0, seed=0, detokenize=False)
-        prompts = torch.randint(3, 512, (PROMPTS, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-        outs = llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
-        ids = torch.tensor([list(o.outputs[0].token_ids) for o in outs])
-        lps = torch.tensor([[s[t].logprob for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                            for o in outs])
-        full = torch.cat([prompts, ids], 1).cuda()
-        with torch.no_grad():
-            logits = policy(input_ids=full).logits[:, PROMPT_LEN - 1:-1].float()
-        trainer = torch.log_softmax(logits, -1).gather(-1, full[:, PROMPT_LEN:, None])[..., 0].cpu()
-        return float(token_mult_prob_error(trainer, lps, torch.ones_like(lps)))
+        prompts = seeded_prompts()
+        ids, lps = rollout(llm, prompts)
+        return tmpe(trainer_logprobs(policy, prompts, ids), lps)
 
     result["tmpe_before"] = rollout_tmpe()
     direct = DirectSync(LLAMA_PACKED_MODULES)
