@@ -59,21 +59,13 @@ def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype
                           b_blocks=b_blocks)
 
 
-def _quantize_both(t2: Tensor, pow2: bool, fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """t2 [M, K] -> 1x128 codes/scales and 128x1 codes/scales (the same values either path)."""
-    if fused:
-        return quant.quantize_1x128_and_128x1(t2, pow2=pow2, gemm_layout=True)
-    return (*quant.quantize_1x128(t2, pow2=pow2, gemm_layout=True),
-            *quant.quantize_128x1(t2, pow2=pow2, gemm_layout=True))
-
-
 def _quantize_input(x2: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool,
                     members: int = 1) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """x2 [M, K] -> its 1x128 codes/scales (the forward GEMM's operand) and, when save_for_wgrad, its 128x1
     codes/scales (saved for the wgrad GEMM), else None; counter (int64 []) += the non-finite rows of ``members``
     linears reading x2 (``weight_bad``: the one linear's flag, or an int32 count of bad weights among members)."""
     if save_for_wgrad and fused:
-        qx, sx, qxt, sxt = _quantize_both(x2, pow2, fused)
+        qx, sx, qxt, sxt = quant.quantize_1x128_and_128x1(x2, pow2=pow2, gemm_layout=True)
         quant.add_nonfinite_rows(counter, sx, weight_bad, members)
         return qx, sx, qxt, sxt
     qx, sx = quant.quantize_1x128(x2, pow2=pow2, gemm_layout=True, nonfinite_count=counter, weight_bad=weight_bad,
@@ -101,7 +93,7 @@ def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, n
     both_at_once = need_dx and need_dw and fused  # Fp8Config.fused_quantizer: one kernel writes both layouts
     if need_dx:
         if both_at_once:
-            qdy, sdy, qdyt, sdyt = _quantize_both(dy2, pow2, fused)
+            qdy, sdy, qdyt, sdyt = quant.quantize_1x128_and_128x1(dy2, pow2=pow2, gemm_layout=True)
         else:
             qdy, sdy = quant.quantize_1x128(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M, N/128]
         if qwt.is_cuda and not qwt.is_contiguous():
