@@ -48,13 +48,12 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import os
 import sys
 import time
 import weakref
 from collections import defaultdict
 from pathlib import Path
-
-import os
 
 import torch
 from torch import Tensor, nn
