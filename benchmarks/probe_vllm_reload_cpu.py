@@ -1,12 +1,11 @@
 """calclip's FP8 weight-sync stream through vLLM's REAL loaders and layerwise reload, on a CPU (no GPU, no engine).
 
-    PYTHONPATH=<vllm 0.24 site>:<deps> python benchmarks/probe_vllm_reload_cpu.py [--recipe R] [--shape S]
+    SITE=$(bash benchmarks/vllm_cpu_site.sh .vllm-cpu | tail -n 1)
+    PYTHONPATH=$SITE python benchmarks/probe_vllm_reload_cpu.py [--recipe R] [--shape S]
 
-<vllm 0.24 site>: a folder holding the vllm 0.24.0 wheel's ``vllm/`` (unzip the wheel: only its Python files are
-used, its CUDA libraries are never loaded); <deps>: ``pip install --no-deps --target <deps>`` aiohappyeyeballs
-aiohttp aiosignal attrs cachetools cbor2 cloudpickle compressed-tensors==0.17.0 (the version vLLM 0.24.0 pins)
-frozenlist loguru msgspec multidict openai openai-harmony prometheus-client propcache pybase64 pyzmq uvloop yarl
-(what ``import vllm.engine.arg_utils`` needs beyond calclip's environment; pydantic is already there). Rowwise and
+benchmarks/vllm_cpu_site.sh puts on that path the vllm 0.24.0 wheel's Python files (its CUDA libraries are left out
+and never loaded) and the pinned packages ``import vllm.engine.arg_utils`` and the FP8 loaders need beyond calclip's
+environment (compressed-tensors 0.17.0, the version vLLM 0.24.0 pins; pydantic is already there). Rowwise and
 tensorwise need torchao (calclip's test extra). Exit status 1 when any check below failed.
 
 Builds vLLM's own LlamaForCausalLM with the FP8 arguments calclip's trainer gives its colocated engine
