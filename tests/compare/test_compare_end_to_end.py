@@ -4,6 +4,7 @@ shared by every assertion, then a resume, a refused config and a redraw on the s
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -181,8 +182,6 @@ def test_a_folder_brought_back_without_checkpoints_takes_more_seeds_elsewhere(co
     """Run 5's single-GPU schedule (docs/evidence/run5/plan.md, amendment 1): a wave's folder comes back without its
     checkpoints, is copied to another path on another machine, and the next wave adds its seeds there: the finished
     run is skipped (not re-run, its metrics kept), the new seed runs, and the report counts both seeds."""
-    import shutil
-
     folder, _ = comparison
     moved = tmp_path / "run5"
     shutil.copytree(folder, moved, ignore=shutil.ignore_patterns("checkpoint-*", ".compare.lock"))
