@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run every calclip benchmark on one GPU. The kernel scripts' limits add up to 7 minutes (a normal run takes ~3-4),
+# Run every calclip benchmark on one GPU. The kernel scripts' limits add up to 9 minutes (a normal run takes ~3-4),
 # bench_speed.py's to 9 more: under a 10-minute command cap run SPEED=0 here and bench_speed.py on its own.
 # Full output goes to stdout and, when $OUT is set, to $OUT/benchmarks.txt (plus one file per script).
 #   bash benchmarks/run_all.sh            # full tables
@@ -35,6 +35,7 @@ run() {  # run LIMIT_SECONDS SCRIPT [ARGS...]
     run 90 benchmarks/bench_quant.py $QUICK_FLAG
     run 150 benchmarks/bench_gemm.py $QUICK_FLAG
     run 120 benchmarks/bench_linear.py $QUICK_FLAG
+    run 120 benchmarks/bench_wgrad.py $QUICK_FLAG
     run 60 benchmarks/bench_memory.py
     if [ "${SPEED:-1}" != 0 ]; then
         run 540 benchmarks/bench_speed.py $SPEED_FLAGS

@@ -78,7 +78,7 @@ def _forward(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Te
              pow2: bool, fused: bool, gemm: str, out_dtype: torch.dtype,
              row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """x2 [M, K]; qw [N, K] e4m3fn, sw [N/128, K/128]; counter int64 [] (+= non-finite rows)
-    -> y [M, N] out_dtype, and x quantized 128x1 (qxt [M, K], sxt [M/128, K]) when save_for_wgrad, else None.
+    -> y [M, N] out_dtype, and x quantized 128x1 (qxt [wgrad_rows(M), K], sxt [M/128, K]) when save_for_wgrad, else None.
     row_scales: Fp8Config.scaled_mm_row_scales (gemm.resolve_backend)."""
     qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, fused)
     y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales)
@@ -107,7 +107,8 @@ def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, n
         del qdy, sdy, qwt, swt
     if need_dw:
         if not both_at_once:
-            qdyt, sdyt = quant.quantize_128x1(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M/128, N]
+            qdyt, sdyt = quant.quantize_128x1(dy2, pow2=pow2, gemm_layout=True)  # [wgrad_rows(M), N], [M/128, N]
+        # contracts over wgrad_rows(M) tokens: x's and dy's 128x1 codes both carry zero codes past M
         dw = _gemm(qdyt.t(), sdyt.t(), qxt.t(), sxt.t(), w_dtype, gemm, "1x128", "1x128")
     return dx, dw
 

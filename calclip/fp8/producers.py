@@ -76,7 +76,7 @@ def _quantize_output(y: Tensor, weight_bad: Tensor, members: int, need_t: bool, 
     s = s.t().contiguous().t()  # gemm_layout: column-major
     if need_t:
         qt, st = reference.quantize_128x1(y, pow2=pow2)
-        st = st.contiguous()  # gemm_layout: row-major
+        qt, st = reference.pad_128x1_codes(qt), st.contiguous()  # gemm_layout: padded token rows, s row-major
     else:
         qt = torch.empty(0, 0, dtype=q.dtype, device=y.device).t()
         st = torch.empty(0, 0, dtype=torch.float32, device=y.device)

@@ -71,20 +71,20 @@ def _call(x: Tensor, name: str, block: int, pow2: bool, gemm_layout: bool) -> tu
     if fn is not getattr(reference, name):
         return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout)
     out = fn(x, block=block, pow2=pow2)
-    return _to_gemm_layout(name, out) if gemm_layout else out
+    return _to_gemm_layout(name, out, block) if gemm_layout else out
 
 
-def _to_gemm_layout(name: str, out: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+def _to_gemm_layout(name: str, out: tuple[Tensor, ...], block: int = BLOCK) -> tuple[Tensor, ...]:
     """Reference outputs re-laid out as the kernels' ``gemm_layout=True`` gives them (values unchanged):
-    1x128 scales column-major, 128x1 scales row-major."""
+    1x128 scales column-major, 128x1 scales row-major, 128x1 codes padded to ``reference.wgrad_rows`` token rows."""
     def col_major(s: Tensor) -> Tensor:
         return s.t().contiguous().t() if s.dim() == 2 else s
 
     if name == "quantize_1x128":
         return out[0], col_major(out[1])
     if name == "quantize_128x1":
-        return out[0], out[1].contiguous()
-    return out[0], col_major(out[1]), out[2], out[3].contiguous()
+        return reference.pad_128x1_codes(out[0], block=block), out[1].contiguous()
+    return out[0], col_major(out[1]), reference.pad_128x1_codes(out[2], block=block), out[3].contiguous()
 
 
 def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
@@ -102,7 +102,7 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
                   weight_bad=weight_bad, members=members)
     q, s = fn(x, block=block, pow2=pow2)
     if gemm_layout:
-        q, s = _to_gemm_layout("quantize_1x128", (q, s))
+        q, s = _to_gemm_layout("quantize_1x128", (q, s), block)
     if nonfinite_count is not None:
         add_nonfinite_rows(nonfinite_count, s, weight_bad, members)
     return q, s
@@ -125,14 +125,16 @@ def add_nonfinite_rows(nonfinite_count: Tensor, s: Tensor, weight_bad: Tensor | 
 def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
                    gemm_layout: bool = False) -> tuple[Tensor, Tensor]:
     """[M, K] -> (q e4m3fn [M, K], s fp32 [ceil(M/block), K]); groups along dim 0 (the token axis).
-    ``gemm_layout``: s row-major, so the wgrad GEMM's s.t() is the column-major scale it reads; same values."""
+    ``gemm_layout``: s row-major, so the wgrad GEMM's s.t() is the column-major scale it reads, and q padded with
+    zero codes to [reference.wgrad_rows(M), K] (the GEMM contracts over whole token groups); same values."""
     return _call(x, "quantize_128x1", block, pow2, gemm_layout)  # type: ignore[return-value]
 
 
 def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
                              gemm_layout: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """[M, K] -> quantize_1x128(x) + quantize_128x1(x), one read of x on CUDA (the fused kernel):
-    (q_row [M, K], s_row [M, ceil(K/block)], q_col [M, K], s_col [ceil(M/block), K])."""
+    (q_row [M, K], s_row [M, ceil(K/block)], q_col [M, K], s_col [ceil(M/block), K]); ``gemm_layout``: as
+    quantize_1x128's and quantize_128x1's (q_col [reference.wgrad_rows(M), K])."""
     return _call(x, "quantize_1x128_and_128x1", block, pow2, gemm_layout)  # type: ignore[return-value]
 
 

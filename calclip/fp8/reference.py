@@ -110,6 +110,24 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tupl
     return q_t.t(), s_t.t()
 
 
+def wgrad_rows(m: int, block: int = BLOCK) -> int:
+    """The token rows of 128x1 codes laid out for the weight-gradient GEMM (``gemm_layout=True``): M rounded up to
+    whole groups, ``ceil(M / block) * block``. The GEMM contracts over tokens; with whole groups its K is a multiple of
+    128, so calclip's Triton GEMM keeps its aligned, software-pipelined loads (a token count not a multiple of 16
+    compiles without them on sm_90) and torch._scaled_mm may take it. The extra rows hold zero codes: they add
+    exact zeros to every dot product, so dW is the same bit for bit; the scales keep their ceil(M / block) rows."""
+    return _ceil_div(m, block) * block
+
+
+def pad_128x1_codes(q: Tensor, *, block: int = BLOCK) -> Tensor:
+    """128x1 codes q [M, K] -> [wgrad_rows(M), K], column-major (the transpose of a contiguous [K, rows]), rows >= M
+    zero codes: the weight-gradient GEMM's layout (``wgrad_rows``)."""
+    m, k = q.shape
+    out = torch.zeros(k, wgrad_rows(m, block), dtype=q.dtype, device=q.device)
+    out[:, :m].copy_(q.t())
+    return out.t()
+
+
 def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
     """Quantize a 2-D tensor (a weight [N, K]) in ``block x block`` tiles.
 

@@ -41,6 +41,7 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 from calclip.fp8.config import BLOCK  # noqa: E402
 from calclip.fp8.kernels import block_gemm, fused_decode, producers, quantize, splitk_gemm  # noqa: E402
 from calclip.fp8.kernels.launch import _bucket, _ceil_div  # noqa: E402
+from calclip.fp8.reference import wgrad_rows  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200: compute capability 9.0 (Triton compiles sm_90a)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -96,14 +97,14 @@ def _quantize_1x128(x, r, k, pow2, count, members):
 
 
 def _quantize_128x1(x, m, k, pow2):
-    """quantize_128x1(x, gemm_layout=True): s row-major [ceil(m/128), k]."""
-    args = (_t(x), _t(F8), _t(F32), m, k, k, 1, k, 1, _bucket(m))
+    """quantize_128x1(x, gemm_layout=True): codes [k, wgrad_rows(m)], s row-major [ceil(m/128), k]."""
+    args = (_t(x), _t(F8), _t(F32), m, k, wgrad_rows(m), k, 1, k, 1, _bucket(m))
     return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK)
 
 
 def _quantize_dual(x, m, k, pow2):
     """quantize_1x128_and_128x1(x, gemm_layout=True): s_row column-major, s_col row-major."""
-    args = (_t(x), _t(F8), _t(F32), _t(F8), _t(F32), m, k, k, 1, 1, m, k, 1, _bucket(k), _bucket(m))
+    args = (_t(x), _t(F8), _t(F32), _t(F8), _t(F32), m, k, wgrad_rows(m), k, 1, 1, m, k, 1, _bucket(k), _bucket(m))
     return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK)
 
 
@@ -123,7 +124,8 @@ def _block_gemm(out, m, n, k, a_rows, b_rows):
     """fp8_block_gemm_triton as linear_math calls it. (1, 128): forward (qx, sx, qw, sw) and dgrad (qdy, sdy, qwt,
     swt), both operands K-contiguous, 1x128 scales column-major, 128x128 ones row-major. (1, 1): wgrad
     (qdyt.t(), sdyt.t(), qxt.t(), sxt.t()): the 128x1 codes transposed back to K-contiguous [n, m] / [k, m] (here K
-    is the token axis), their scales [rows, ceil(K/128)] with stride 1 along rows."""
+    is the token axis, padded to reference.wgrad_rows(tokens) by the quantizers), their scales [rows, ceil(K/128)]
+    with stride 1 along rows."""
     kb = _ceil_div(k, BLOCK)
     if b_rows == BLOCK:
         scale_strides = (1, m, kb, 1)
@@ -162,7 +164,7 @@ def _producer(kind, dtype, m, k, need_t, pow2, members):
     r = _t(F32) if kind == 0 else _t(dtype)
     col_strides = (k, 1) if need_t else (0, 0)
     args = (_t(dtype), _t(dtype), r, _t(dtype), _t(F8), _t(F32), _t(F8), _t(F32), _t(I64), _t(I32),
-            m, k, k, b_stride, 1, m, *col_strides, _bucket(k), _bucket(m))
+            m, k, wgrad_rows(m), k, b_stride, 1, m, *col_strides, _bucket(k), _bucket(m))
     return args, dict(KIND=kind, OUT_BF16=dtype == BF16, NEED_T=need_t, POW2=pow2, SOFT_FP8=False, MEMBERS=members,
                       GROUP=BLOCK)
 
@@ -237,9 +239,10 @@ def _cases_fp8_block_gemm_kernel():
             for config in block_gemm._GEMM_CONFIGS:
                 m, n, k = (TRAIN, N_OUT, K_IN) if b_rows == BLOCK else (N_OUT, K_IN, TRAIN)
                 yield f"{name} {DTYPE_NAMES[out]}", config, _block_gemm(out, m, n, k, a_rows, b_rows)
-    for config in block_gemm._GEMM_CONFIGS:  # ragged token totals: the forward's M, the wgrad's K
+    for config in block_gemm._GEMM_CONFIGS:  # ragged token totals: the forward's M, the wgrad's K (whole groups)
         yield f"forward/dgrad bf16 M={RAGGED}", config, _block_gemm(BF16, RAGGED, N_OUT, K_IN, 1, BLOCK)
-        yield f"wgrad bf16 K={RAGGED}", config, _block_gemm(BF16, N_OUT, K_IN, RAGGED, 1, 1)
+        yield (f"wgrad bf16 tokens={RAGGED} K={wgrad_rows(RAGGED)}", config,
+               _block_gemm(BF16, N_OUT, K_IN, wgrad_rows(RAGGED), 1, 1))
 
 
 def _cases_fp8_splitk_gemm_kernel():

@@ -288,16 +288,20 @@ def test_autocast_output_dtype():
 
 def test_dispatch_gemm_layout_changes_strides_not_values():
     """The CPU (reference) dispatch honours gemm_layout like the kernels: 1x128 scales column-major, 128x1
-    scales row-major — the strides torch._scaled_mm reads — with the reference's values."""
+    scales row-major — the strides torch._scaled_mm reads — and 128x1 codes padded with zero codes to whole token
+    groups (300 -> 384 rows, column-major), with the reference's values."""
     x = torch.randn(300, 260, dtype=torch.bfloat16)
     plain = quant.quantize_1x128_and_128x1(x)
     gemm = quant.quantize_1x128_and_128x1(x, gemm_layout=True)
     assert gemm[1].stride() == (1, 300) and gemm[3].stride() == (260, 1)
-    for a, b in zip(plain, gemm):
+    assert gemm[2].shape == (384, 260) and gemm[2].stride() == (1, 384)
+    assert not gemm[2][300:].view(torch.uint8).any()
+    for a, b in zip(plain, (gemm[0], gemm[1], gemm[2][:300], gemm[3])):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
     assert quant.quantize_1x128(x, gemm_layout=True)[1].stride() == (1, 300)
-    assert quant.quantize_128x1(x, gemm_layout=True)[1].stride() == (260, 1)
+    q128x1, s128x1 = quant.quantize_128x1(x, gemm_layout=True)
+    assert s128x1.stride() == (260, 1) and torch.equal(q128x1.view(torch.uint8), gemm[2].view(torch.uint8))
 
 
 @pytest.mark.parametrize("make_optimizer", [

@@ -210,11 +210,21 @@ def test_counting_needs_a_proper_counter():
         tk.quantize_1x128(x, nonfinite_count=torch.zeros((), dtype=torch.int32, device=DEVICE))
 
 
+def _assert_zero_padded(q, m):
+    """128x1 codes in the wgrad GEMM's layout: [ceil(m/128)*128, K], column-major, rows >= m all code 0x00 (not NaN,
+    even in a column whose last group is non-finite)."""
+    assert q.shape[0] == -(-m // BLOCK) * BLOCK and q.stride() == (1, q.shape[0]), (tuple(q.shape), q.stride())
+    assert not q[m:].cpu().view(torch.uint8).any(), "padding rows hold non-zero codes"
+
+
 def _assert_dual_matches_reference(x, pow2=False, gemm_layout=False):
     """The fused quantizer == reference 1x128 + 128x1: codes and scales bit for bit; layouts the reference's,
     or with gemm_layout the scaled_mm ones (1x128 scales column-major, 128x1 scales row-major)."""
     got = tk.quantize_1x128_and_128x1(x, pow2=pow2, gemm_layout=gemm_layout)
-    want = ref.quantize_1x128_and_128x1(x.cpu(), pow2=pow2)
+    want = list(ref.quantize_1x128_and_128x1(x.cpu(), pow2=pow2))
+    if gemm_layout:  # the 128x1 codes padded with zero codes to whole token groups (reference.wgrad_rows)
+        _assert_zero_padded(got[2], x.shape[0])
+        want[2] = ref.pad_128x1_codes(want[2])
     for (q, s), (q_ref, s_ref), name in zip((got[:2], got[2:]), (want[:2], want[2:]), ("1x128", "128x1")):
         assert q.dtype == FP8_DTYPE and s.dtype == torch.float32 and q.shape == q_ref.shape, name
         assert s.shape == s_ref.shape and _same_layout(q, q_ref), name
@@ -258,8 +268,37 @@ def test_gemm_layout_changes_strides_only(name):
     q, s = getattr(tk, name)(x, gemm_layout=True)
     q_ref, s_ref = getattr(ref, name)(x.cpu())
     want = s_ref.t().contiguous().t() if name == "quantize_1x128" else s_ref.contiguous()
+    if name == "quantize_128x1":  # 300 tokens -> 384 code rows, zero past 300
+        _assert_zero_padded(q, 300)
+        q_ref = ref.pad_128x1_codes(q_ref)
     assert _same_layout(s, want) and _same_layout(q, q_ref)
     assert _scales_equal(s.cpu(), s_ref) and _codes_equal(q.cpu(), q_ref) == 0
+
+
+@pytest.mark.parametrize("tokens", [1, 77, 200, 256])
+def test_wgrad_over_padded_token_rows_equals_the_ragged_contraction(tokens):
+    """dW = Q128x1(dy)^T Q128x1(x) from the gemm_layout codes (token rows padded with zero codes, so the GEMM's K is
+    a multiple of 128) is the ragged contraction's result bit for bit: both dot products see the same values in every
+    K block (a masked load's 0 or a stored zero code). Both quantizers that make these codes (the 128x1 one and the
+    fused one) pad the same way, so x's and dy's operands always agree."""
+    gen = torch.Generator().manual_seed(tokens)
+    dy = (torch.randn(tokens, 192, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ragged = [tk.quantize_128x1(t) for t in (dy, x)]
+    padded = [tk.quantize_128x1(dy, gemm_layout=True), tk.quantize_1x128_and_128x1(x, gemm_layout=True)[2:]]
+    for q, _ in padded:
+        _assert_zero_padded(q, tokens)
+
+    def wgrad(operands, out_dtype):
+        (qdy, sdy), (qx, sx) = operands
+        return tk.fp8_block_gemm_triton(qdy.t(), sdy.t(), qx.t(), sx.t(), out_dtype=out_dtype)
+
+    for out_dtype in (torch.float32, torch.bfloat16):
+        want = wgrad(ragged, out_dtype)
+        got = wgrad(padded, out_dtype)
+        assert got.shape == (192, 256) and torch.equal(got, want), out_dtype
+    dense = (ref.dequantize_128x1(*ragged[0]).t() @ ref.dequantize_128x1(*ragged[1])).cpu()
+    assert torch.allclose(wgrad(padded, torch.float32).cpu(), dense, rtol=1e-5, atol=1e-3)
 
 
 def test_nonfinite_policy_nan_block_only():
@@ -544,9 +583,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
                                           check=True).stderr
                 assert " 0 bytes spill stores" in info, (config, info)
     compile_ptx(quantize._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
-                "K": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
+                "K": i32, "M_CODES": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
                 quant, quantize._QUANT_128X1_DEFAULT)
-    dual_types = {n: i32 for n in quantize._quantize_1x128_and_128x1_kernel.arg_names[5:15]}
+    dual_types = {n: i32 for n in quantize._quantize_1x128_and_128x1_kernel.arg_names[5:16]}
     ptx = compile_ptx(quantize._quantize_1x128_and_128x1_kernel, {"x_ptr": "*bf16", "q_row_ptr": "*fp8e4nv",
                       "s_row_ptr": "*fp32", "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", **dual_types},
                       quant, quantize._QUANT_DUAL_DEFAULT)

@@ -88,9 +88,10 @@ def _nonfinite_rows_before(a_ptr, b_ptr, r_ptr, rows, wanted, end_col, M, K, str
 def _producer_quantize_kernel(
     a_ptr, b_ptr, r_ptr, y_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, count_ptr, weight_bad_ptr,
     # a [M, K] (last dim contiguous); b [K] (RMS norm) or [M, K]; r [M] fp32 (RMS norm); y [M, K] contiguous;
-    # q_row [M, K] contiguous, s_row [M, NBK] any strides; q_col^T [K, M] contiguous, s_col [NBM, K] any strides;
+    # q_row [M, K] contiguous, s_row [M, NBK] any strides; q_col^T [K, M_CODES] contiguous (M_CODES =
+    # wgrad_rows(M): zero codes past M), s_col [NBM, K] any strides;
     # count int64 [] (+= non-finite rows, MEMBERS linears); weight_bad int32 [] (bad weights among them)
-    M, K, stride_am, stride_bm, stride_srm, stride_srk, stride_scm, stride_sck,
+    M, K, M_CODES, stride_am, stride_bm, stride_srm, stride_srk, stride_scm, stride_sck,
     K_BUCKET, M_BUCKET,  # autotune key only
     KIND: tl.constexpr, OUT_BF16: tl.constexpr, NEED_T: tl.constexpr, POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     MEMBERS: tl.constexpr, GROUP: tl.constexpr,
@@ -114,8 +115,9 @@ def _producer_quantize_kernel(
         col_amax = _abs_max(y, 0)  # [GROUP]: one 128x1 group per column
         col_nonfinite = col_amax == float("inf")
         col_scale = _block_scale(col_amax, col_nonfinite, POW2)
-        _store_codes(q_col_ptr + cols[None, :] * M + rows[:, None],
-                     _scaled_codes(y, col_scale[None, :], col_nonfinite[None, :]), mask, SOFT_FP8)
+        col_codes = tl.where(rows[:, None] < M, _scaled_codes(y, col_scale[None, :], col_nonfinite[None, :]), 0.0)
+        _store_codes(q_col_ptr + cols[None, :] * M_CODES + rows[:, None], col_codes,
+                     (rows[:, None] < M_CODES) & (cols[None, :] < K), SOFT_FP8)
         tl.store(s_col_ptr + pid_m * stride_scm + cols * stride_sck, col_scale, mask=cols < K)
 
     # The count quantize_1x128(..., members=MEMBERS) adds: every row per bad weight, non-finite rows per healthy one
@@ -167,7 +169,8 @@ def _launch(kind: int, a: Tensor, b: Tensor, r: Tensor, weight_bad: Tensor, memb
     y = torch.empty(m, k, dtype=a.dtype, device=device)
     q_row = torch.empty(m, k, dtype=FP8_DTYPE, device=device)
     s_row = _scales_out(m, nbk, True, device)  # gemm_layout: column-major, as quantize_1x128 gives it
-    q_col_t = torch.empty(k if need_t else 0, m if need_t else 0, dtype=FP8_DTYPE, device=device)
+    m_codes = nbm * block  # reference.wgrad_rows(m): the wgrad GEMM's padded token rows
+    q_col_t = torch.empty(k if need_t else 0, m_codes if need_t else 0, dtype=FP8_DTYPE, device=device)
     s_col = _scales_out(nbm if need_t else 0, k if need_t else 0, False, device)  # gemm_layout: row-major
     count = torch.zeros((), dtype=torch.int64, device=device)
     if a.numel():
@@ -175,7 +178,7 @@ def _launch(kind: int, a: Tensor, b: Tensor, r: Tensor, weight_bad: Tensor, memb
             lambda meta: (nbm, nbk), (_bucket(k), _bucket(m), a.dtype), soft_fp8,
             a, b, r, y, _codes_out(q_row, soft_fp8), s_row, _codes_out(q_col_t, soft_fp8) if need_t else q_row,
             s_col if need_t else s_row, count, weight_bad,
-            m, k, a.stride(0), b.stride(0), s_row.stride(0), s_row.stride(1),
+            m, k, m_codes, a.stride(0), b.stride(0), s_row.stride(0), s_row.stride(1),
             s_col.stride(0) if need_t else 0, s_col.stride(1) if need_t else 0, _bucket(k), _bucket(m),
             KIND=kind, OUT_BF16=a.dtype == torch.bfloat16, NEED_T=need_t, POW2=pow2, SOFT_FP8=soft_fp8,
             MEMBERS=members, GROUP=block)

@@ -192,8 +192,8 @@ def _check_members(members: int, weight_bad: Tensor | None) -> None:
 
 @triton.jit
 def _quantize_128x1_kernel(
-    x_ptr, q_ptr, s_ptr,  # x [M, K] any strides; q^T [K, M] contiguous; s [NB, K] any strides
-    M, K, stride_xm, stride_xk, stride_sb, stride_sk,
+    x_ptr, q_ptr, s_ptr,  # x [M, K] any strides; q^T [K, M_CODES] contiguous; s [NB, K] any strides
+    M, K, M_CODES, stride_xm, stride_xk, stride_sb, stride_sk,  # M_CODES: M, or wgrad_rows(M) (zero codes past M)
     M_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -208,8 +208,9 @@ def _quantize_128x1_kernel(
     amax = _abs_max(x, 0)  # [BLOCK_K]
     nonfinite = amax == float("inf")
     scale = _block_scale(amax, nonfinite, POW2)
-    codes = _scaled_codes(x, scale[None, :], nonfinite[None, :])
-    _store_codes(q_ptr + cols[None, :] * M + rows[:, None], codes, mask, SOFT_FP8)
+    codes = tl.where(rows[:, None] < M, _scaled_codes(x, scale[None, :], nonfinite[None, :]), 0.0)
+    _store_codes(q_ptr + cols[None, :] * M_CODES + rows[:, None], codes,
+                 (rows[:, None] < M_CODES) & (cols[None, :] < K), SOFT_FP8)
     tl.store(s_ptr + pid_m * stride_sb + cols * stride_sk, scale, mask=cols < K)
 
 
@@ -232,7 +233,8 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
     -> (q float8_e4m3fn [M, K], s float32 [ceil(M / 128), K]); like the reference, q is the transpose of a
        contiguous [K, M] tensor (column-major), the layout a GEMM contracting over M reads, and so is s;
        ``gemm_layout=True`` makes s row-major instead (contiguous [ceil(M/128), K]: then the wgrad operands'
-       scales s.t() are already column-major, as torch._scaled_mm demands, and gemm.py copies nothing).
+       scales s.t() are already column-major, as torch._scaled_mm demands, and gemm.py copies nothing) and pads
+       q's token rows to ``reference.wgrad_rows(M)`` with zero codes (q [wgrad_rows(M), K], still column-major).
     """
     _check_block(block)
     soft_fp8 = _check_device(x)
@@ -240,13 +242,15 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
     x = _as_float_input(x)
     m, k = x.shape
     nb = _ceil_div(m, block)
-    q_t = torch.empty(k, m, dtype=FP8_DTYPE, device=x.device)
+    m_codes = nb * block if gemm_layout else m
+    q_t = torch.empty(k, m_codes, dtype=FP8_DTYPE, device=x.device)
     s = _scales_out(nb, k, not gemm_layout, x.device)
     if x.numel() == 0:
         return q_t.t(), s
     _quantize_128x1_tuned.launch(
         lambda meta: (nb, _ceil_div(k, meta["BLOCK_K"])), (k, _bucket(m), x.dtype), soft_fp8,
-        x, _codes_out(q_t, soft_fp8), s, m, k, x.stride(0), x.stride(1), s.stride(0), s.stride(1), _bucket(m),
+        x, _codes_out(q_t, soft_fp8), s, m, k, m_codes, x.stride(0), x.stride(1), s.stride(0), s.stride(1),
+        _bucket(m),
         POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     return q_t.t(), s
 
@@ -260,8 +264,8 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
 def _quantize_1x128_and_128x1_kernel(
     x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
     # x [M, K] any strides; q_row [M, K] contiguous, s_row [M, NBK] any strides;
-    # q_col^T [K, M] contiguous, s_col [NBM, K] any strides
-    M, K, stride_xm, stride_xk, stride_srm, stride_srk, stride_scm, stride_sck,
+    # q_col^T [K, M_CODES] contiguous (M_CODES: M, or wgrad_rows(M) with zero codes past M), s_col [NBM, K] any strides
+    M, K, M_CODES, stride_xm, stride_xk, stride_srm, stride_srk, stride_scm, stride_sck,
     K_BUCKET, M_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -284,8 +288,9 @@ def _quantize_1x128_and_128x1_kernel(
     col_amax = _abs_max(x, 0)  # [GROUP]: one 128x1 group per column
     col_nonfinite = col_amax == float("inf")
     col_scale = _block_scale(col_amax, col_nonfinite, POW2)
-    col_codes = _scaled_codes(x, col_scale[None, :], col_nonfinite[None, :])
-    _store_codes(q_col_ptr + cols[None, :] * M + rows[:, None], col_codes, mask, SOFT_FP8)
+    col_codes = tl.where(rows[:, None] < M, _scaled_codes(x, col_scale[None, :], col_nonfinite[None, :]), 0.0)
+    _store_codes(q_col_ptr + cols[None, :] * M_CODES + rows[:, None], col_codes,
+                 (rows[:, None] < M_CODES) & (cols[None, :] < K), SOFT_FP8)
     tl.store(s_col_ptr + pid_m * stride_scm + cols * stride_sck, col_scale, mask=cols < K)
 
 
@@ -305,8 +310,8 @@ def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = Fals
     x: [M, K] bf16/fp16/fp32, any strides, M and K ragged allowed
     -> (q_row float8_e4m3fn [M, K] contiguous, s_row float32 [M, ceil(K / 128)],
         q_col float8_e4m3fn [M, K] column-major, s_col float32 [ceil(M / 128), K])
-    Scale layouts are the reference's (s_row row-major, s_col column-major); ``gemm_layout=True`` flips both
-    (see quantize_1x128 / quantize_128x1), which is what FP8BlockLinear asks for.
+    Scale layouts are the reference's (s_row row-major, s_col column-major); ``gemm_layout=True`` flips both and
+    pads q_col's token rows (see quantize_1x128 / quantize_128x1), which is what FP8BlockLinear asks for.
     """
     _check_block(block)
     soft_fp8 = _check_device(x)
@@ -314,15 +319,16 @@ def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = Fals
     x = _as_float_input(x)
     m, k = x.shape
     nbm, nbk = _ceil_div(m, block), _ceil_div(k, block)
+    m_codes = nbm * block if gemm_layout else m
     q_row = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    q_col_t = torch.empty(k, m, dtype=FP8_DTYPE, device=x.device)
+    q_col_t = torch.empty(k, m_codes, dtype=FP8_DTYPE, device=x.device)
     s_row = _scales_out(m, nbk, gemm_layout, x.device)
     s_col = _scales_out(nbm, k, not gemm_layout, x.device)
     if x.numel() == 0:
         return q_row, s_row, q_col_t.t(), s_col
     _quantize_dual_tuned.launch(
         lambda meta: (nbm, nbk), (_bucket(k), _bucket(m), x.dtype), soft_fp8,
-        x, _codes_out(q_row, soft_fp8), s_row, _codes_out(q_col_t, soft_fp8), s_col, m, k,
+        x, _codes_out(q_row, soft_fp8), s_row, _codes_out(q_col_t, soft_fp8), s_col, m, k, m_codes,
         x.stride(0), x.stride(1), s_row.stride(0), s_row.stride(1), s_col.stride(0), s_col.stride(1),
         _bucket(k), _bucket(m), POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     return q_row, s_row, q_col_t.t(), s_col
