@@ -33,8 +33,8 @@ def _resolved_backends(gemm, tk, m, k, n, backend="auto"):
     qx, _ = tk.quantize_1x128(x)
     qw, _ = tk.quantize_128x128(w)
     qdy, _ = tk.quantize_1x128(dy)
-    qdy_t, _ = tk.quantize_128x1(dy)
-    qx_t, _ = tk.quantize_128x1(x)
+    qdy_t, _ = tk.quantize_128x1(dy, gemm_layout=True)  # as the layer makes them: token rows padded (wgrad_rows)
+    qx_t, _ = tk.quantize_128x1(x, gemm_layout=True)
     out = []
     for qa, qb, blocks in ((qx, qw, ("1x128", "128x128")), (qdy, qw.t(), ("1x128", "128x128")),
                            (qdy_t.t(), qx_t.t(), ("1x128", "1x128"))):

@@ -268,25 +268,27 @@ def _opaque_ops() -> dict[str, object]:
 
     q_1x128.register_fake(lambda x, block, pow2: reference.quantize_1x128(x, block=block, pow2=pow2))
 
-    @torch.library.custom_op("calclip_membudget::quantize_128x1", mutates_args=())
-    def q_128x1(x: Tensor, block: int, pow2: bool) -> tuple[Tensor, Tensor]:
+    def q_128x1_fake(x, block, pow2, gemm_layout):
         q, s = reference.quantize_128x1(x, block=block, pow2=pow2)
-        return q.clone(), s.contiguous().clone()  # the codes keep the reference's (column-major) strides
+        if gemm_layout:  # the kernels' layout: token rows padded to reference.wgrad_rows, scales row-major
+            return reference.pad_128x1_codes(q, block=block), s.contiguous()
+        return q, s
 
-    def q_128x1_fake(x, block, pow2):
-        q, s = reference.quantize_128x1(x, block=block, pow2=pow2)
-        return q, s.contiguous()
+    @torch.library.custom_op("calclip_membudget::quantize_128x1", mutates_args=())
+    def q_128x1(x: Tensor, block: int, pow2: bool, gemm_layout: bool) -> tuple[Tensor, Tensor]:
+        q, s = q_128x1_fake(x, block, pow2, gemm_layout)
+        # clones keep the strides (column-major codes); the padded codes are a fresh tensor already
+        return (q if gemm_layout else q.clone()), s.clone()
 
     q_128x1.register_fake(q_128x1_fake)
 
     @torch.library.custom_op("calclip_membudget::quantize_1x128_and_128x1", mutates_args=())
-    def q_both(x: Tensor, block: int, pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return tuple(t.clone() for t in q_both_fake(x, block, pow2))
+    def q_both(x: Tensor, block: int, pow2: bool, gemm_layout: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return tuple(t.clone() for t in q_both_fake(x, block, pow2, gemm_layout))
 
-    def q_both_fake(x, block, pow2):
+    def q_both_fake(x, block, pow2, gemm_layout):
         q, s = reference.quantize_1x128(x, block=block, pow2=pow2)
-        qt, st = reference.quantize_128x1(x, block=block, pow2=pow2)
-        return q, s, qt, st.contiguous()
+        return (q, s, *q_128x1_fake(x, block, pow2, gemm_layout))
 
     q_both.register_fake(q_both_fake)
 
@@ -344,10 +346,10 @@ def opaque_quantizers():
         return q, s
 
     def quantize_128x1(x, *, block=128, pow2=False, gemm_layout=False):
-        return ops["quantize_128x1"](x, block, pow2)
+        return ops["quantize_128x1"](x, block, pow2, gemm_layout)
 
     def quantize_1x128_and_128x1(x, *, block=128, pow2=False, gemm_layout=False):  # Fp8Config.fused_quantizer
-        q, s, qt, st = ops["quantize_1x128_and_128x1"](x, block, pow2)
+        q, s, qt, st = ops["quantize_1x128_and_128x1"](x, block, pow2, gemm_layout)
         return q, (s.t().contiguous().t() if gemm_layout else s), qt, st
 
     quant.quantize_1x128, quant.quantize_128x1 = quantize_1x128, quantize_128x1

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from calclip.fp8.config import BLOCK
+from calclip.fp8.reference import wgrad_rows
 
 from _sqnr import sqnr_db
 
@@ -79,8 +80,8 @@ def linear_shapes(f: Family) -> dict[str, tuple[int, int]]:
             "down_proj": (f.intermediate, f.hidden)}
 
 
-# Training forwards (1, 4 and 8 sequences of 2048 tokens, and a ragged count: its wgrad contraction is no multiple of
-# 128) and no-grad decode rows (1 token up to the fused decode's 256-row limit, 257 just past it).
+# Training forwards (1, 4 and 8 sequences of 2048 tokens, and a ragged count: its wgrad contracts over the 128x1 codes'
+# reference.wgrad_rows(3000) = 3072 token rows, zero codes past 3000) and no-grad decode rows (1 token up to the fused decode's 256-row limit, 257 just past it).
 TRAIN_TOKENS = (2048, 8192, 16384, 3000)
 DECODE_ROWS = (1, 7, 64, 256, 257)
 H200_SMS = 132
@@ -241,7 +242,7 @@ def test_every_family_dispatches_like_the_layout_rules(sweep):
                 assert ("1x128", "128x128", m, n, k, "torch.bfloat16", row_scales) in seen  # forward
                 assert ("1x128", "128x128", m, k, n, "torch.bfloat16", row_scales) in seen  # dgrad
             for w_dtype in ("torch.bfloat16", "torch.float32"):  # wgrad (row scales do not apply: no 128x128 operand)
-                assert ("1x128", "1x128", n, k, m, w_dtype, False) in seen
+                assert ("1x128", "1x128", n, k, wgrad_rows(m), w_dtype, False) in seen
     for m, n, k, split in sweep["splits"]:
         assert 1 <= split <= 16 and (split == 1 or -(-k // BLOCK) >= 4 * (split // 2)), (m, n, k, split)
         if split > 1:
