@@ -129,6 +129,25 @@ def fp8_engine_numerics_kwargs(*, linear_backend: str | None = DEFAULT_LINEAR_BA
     return kwargs
 
 
+# vLLM 0.24's linear_backend names (``_LINEAR_BACKEND_KERNEL_MAP`` in vllm/model_executor/kernels/linear/__init__.py)
+# whose CUDA FP8 kernels serve one kind of layer only: "deep_gemm" and "triton" hold block-FP8 kernels and no
+# per-channel / per-tensor one, "torch" the reverse. Given the other kind, vLLM refuses to build the engine ("no
+# '<backend>' kernel exists for this layer type"), after the model was loaded.
+_BLOCK_ONLY_LINEAR_BACKENDS = ("deep_gemm", "triton")
+_SCALED_ONLY_LINEAR_BACKENDS = ("torch",)
+
+
+def linear_backend_problem(recipe: str, linear_backend: str | None) -> str | None:
+    """Why vLLM 0.24 cannot serve an engine of ``recipe`` (an FP8 recipe name) with ``linear_backend``, or None."""
+    if linear_backend in _BLOCK_ONLY_LINEAR_BACKENDS and recipe != "blockwise":
+        return (f"vLLM's linear_backend {linear_backend!r} has block-FP8 kernels only, and the {recipe!r} recipe is "
+                f"served by vLLM's per-channel FP8 kernels: use 'cutlass' (the default) or null (vLLM's choice)")
+    if linear_backend in _SCALED_ONLY_LINEAR_BACKENDS and recipe == "blockwise":
+        return (f"vLLM's linear_backend {linear_backend!r} has no block-FP8 kernel: use 'cutlass' (the default), "
+                f"'deep_gemm' or null (vLLM's choice)")
+    return None
+
+
 # vLLM's switch for DeepGEMM's UE8M0 path (vllm/envs.py; default 1): with it on, DeepGEMM's post-processing
 # requantizes every block-FP8 weight to power-of-two scales (``requant_weight_ue8m0_inplace``) and rounds the
 # activation scales up to powers of two, so the engine would no longer hold the trainer's codes. With it off, on
@@ -156,6 +175,18 @@ def deep_gemm_e8m0_setting(linear_backend: str | None, power_of_two_scales: bool
             f"scales, so the engine would not run the trainer's codes: unset it (calclip then sets 0), train with "
             f"power_of_two_scales (fp8_power_of_two_scales), or set vllm_fp8_linear_backend='cutlass'")
     return None
+
+
+def apply_deep_gemm_e8m0(linear_backend: str | None, power_of_two_scales: bool) -> None:
+    """Set ``VLLM_USE_DEEP_GEMM_E8M0`` as ``deep_gemm_e8m0_setting`` says, before a block-FP8 engine starts (vLLM
+    reads it when the engine picks its kernels), and make vLLM read it again if an earlier engine of this process
+    cached the old value."""
+    value = deep_gemm_e8m0_setting(linear_backend, power_of_two_scales, os.environ)
+    if value:
+        os.environ[DEEP_GEMM_E8M0_ENV] = value
+        cached = getattr(sys.modules.get("vllm.utils.deep_gemm"), "is_deep_gemm_e8m0_used", None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def vllm_engine_model(llm) -> tuple[nn.Module, Any]:
@@ -612,14 +643,13 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
         specs = self._fp8_specs()
         fp8 = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=specs)
         numerics = fp8_engine_numerics_kwargs() if self.fp8_engine_extra is None else self.fp8_engine_extra
+        backend = numerics.get("linear_backend")
+        problem = linear_backend_problem(shared_recipe(specs), backend)
+        if problem:  # vLLM would refuse it only after loading the model
+            raise ValueError(f"vllm_fp8_linear_backend: {problem}")
         block_specs = [spec for spec in specs.values() if spec.blockwise]  # DeepGEMM serves block layers only
-        e8m0 = block_specs and deep_gemm_e8m0_setting(
-            numerics.get("linear_backend"), all(spec.power_of_two_scales for spec in block_specs), os.environ)
-        if e8m0:  # read by vLLM when the engine picks its kernels, i.e. after this point
-            os.environ[DEEP_GEMM_E8M0_ENV] = e8m0
-            cached = getattr(sys.modules.get("vllm.utils.deep_gemm"), "is_deep_gemm_e8m0_used", None)
-            if hasattr(cached, "cache_clear"):  # an earlier engine in this process read the old value: read it again
-                cached.cache_clear()
+        if block_specs:
+            apply_deep_gemm_e8m0(backend, all(spec.power_of_two_scales for spec in block_specs))
         model_dir = {} if self.fp8_export_dir is not None else super()._engine_kwargs()  # the export has its own
         return {**model_dir, **numerics, **fp8}
 

@@ -24,6 +24,7 @@ from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
 from calclip.fp8.config import Fp8Config, check_fp8_combination, fp8_recipe_names
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
+from calclip.rollout.vllm_sync import linear_backend_problem
 from calclip.run.config_file import bounded_repr
 from calclip.monitoring.callbacks import SPIKE_WINDOW_MAX
 from calclip.run.field_checks import check_field_types, check_inherited_ranges, resume_flag
@@ -294,8 +295,10 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "'deep_gemm' (Hopper/Blackwell, vLLM's vendored DeepGEMM) and null (vLLM's automatic choice, "
                   "DeepGEMM first where installed) serve them unchanged too: calclip sets VLLM_USE_DEEP_GEMM_E8M0=0 "
                   "before the engine starts unless every scale is a power of two, and refuses an environment that "
-                  "set it to 1, under which DeepGEMM would requantize every weight (docs/vllm.md, Numerics). A "
-                  "server is configured on its own command line."},
+                  "set it to 1, under which DeepGEMM would requantize every weight (docs/vllm.md, Numerics). "
+                  "'deep_gemm' and 'triton' serve fp8_recipe 'blockwise' only, 'torch' the other recipes only "
+                  "(refused otherwise: vLLM would fail after loading the model). A server is configured on its own "
+                  "command line."},
     )
     vllm_fp8_match_trainer_numerics: bool = field(
         default=True,
@@ -504,6 +507,10 @@ class CalibratedGRPOConfig(GRPOConfig):
         ):
             raise ValueError("vllm_fp8_linear_backend must be a vLLM linear_backend name (e.g. 'cutlass') or null "
                              f"(vLLM's automatic choice), got {self.vllm_fp8_linear_backend!r}")
+        backend_problem = linear_backend_problem(self.fp8_recipe, self.vllm_fp8_linear_backend)
+        if self.use_vllm and self.fp8 and backend_problem:  # vLLM would refuse it after loading the model
+            raise ValueError(f"vllm_fp8_linear_backend={self.vllm_fp8_linear_backend!r} with "
+                             f"fp8_recipe={self.fp8_recipe!r}: {backend_problem}")
         if self.use_vllm and self.vllm_mode == "colocate" and str(self.vllm_model_impl).lower() == "transformers":
             # vLLM's Transformers backend decorates the transformers decoder class itself (support_torch_compile
             # replaces its __init__ and __call__); in colocate mode that is the policy's class, whose instance was

@@ -32,6 +32,7 @@ from calclip.rollout.vllm_sync import (  # noqa: E402
     DEEP_GEMM_E8M0_ENV,
     deep_gemm_e8m0_setting,
     ENGINE_MODEL_DIRNAME,
+    linear_backend_problem,
     check_vllm_compatible,
     engine_model_kwargs,
     fp8_engine_kwargs,
@@ -400,6 +401,42 @@ def test_deep_gemm_e8m0_setting_rules():
         deep_gemm_e8m0_setting("deep_gemm", False, env_on)
     with pytest.raises(ValueError, match="VLLM_USE_DEEP_GEMM_E8M0"):
         deep_gemm_e8m0_setting(None, False, env_on)
+
+
+def test_linear_backends_that_cannot_serve_the_recipe():
+    """vLLM 0.24's block-only backends (deep_gemm, triton) hold no per-channel FP8 kernel, torch no block one: vLLM
+    refuses such an engine only after loading the model."""
+    for backend in ("deep_gemm", "triton"):
+        assert linear_backend_problem("blockwise", backend) is None
+        for recipe in ("rowwise", "tensorwise"):
+            assert "block-FP8 kernels only" in linear_backend_problem(recipe, backend)
+    assert "no block-FP8 kernel" in linear_backend_problem("blockwise", "torch")
+    for recipe in ("blockwise", "rowwise", "tensorwise"):
+        assert linear_backend_problem(recipe, "cutlass") is None and linear_backend_problem(recipe, None) is None
+
+
+@pytest.mark.parametrize("recipe,backend", [("rowwise", "deep_gemm"), ("tensorwise", "triton"),
+                                            ("blockwise", "torch")])
+def test_config_refuses_a_backend_vllm_cannot_serve_the_recipe_with(tmp_path, recipe, backend):
+    with pytest.raises(ValueError, match=f"vllm_fp8_linear_backend='{backend}' with fp8_recipe='{recipe}'"):
+        tiny_training_args(CalibratedGRPOConfig, tmp_path, use_vllm=True, fp8=True, fp8_recipe=recipe,
+                           vllm_fp8_linear_backend=backend)
+    # without vLLM (or without FP8) the field does nothing: no refusal
+    tiny_training_args(CalibratedGRPOConfig, tmp_path, use_vllm=False, fp8=True, fp8_recipe=recipe,
+                       vllm_fp8_linear_backend=backend)
+
+
+def test_engine_refuses_a_backend_that_cannot_serve_the_recipe(fake_vllm, tokenizer, tmp_path):
+    """A config changed after its check (a field set on the object) is refused when the engine's arguments are built,
+    before vLLM starts."""
+    args = tiny_training_args(CalibratedGRPOConfig, tmp_path, use_vllm=True, vllm_mode="colocate", fp8=True,
+                              fp8_keep_last_n_layers=1, fp8_recipe="rowwise")
+    args.vllm_fp8_linear_backend = "deep_gemm"
+    fake_vllm.holder["model"] = model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256,
+                                                         num_key_value_heads=4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="vllm_fp8_linear_backend: vLLM's linear_backend 'deep_gemm'"):
+        tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, args=args)
+    assert not fake_vllm.engine_kwargs
 
 
 @pytest.mark.parametrize("value", ["", "   ", 3])
