@@ -126,6 +126,41 @@ def mismatch_stats(engine_logp: torch.Tensor, trainer_logp: torch.Tensor) -> dic
             "tokens": int(diff.numel())}
 
 
+_E8M0_AT_START = os.environ.get("VLLM_USE_DEEP_GEMM_E8M0")  # the environment the benchmark was started with
+
+
+def engine_linear_backend(backend: str | None, recipe: str) -> str | None:
+    """The vLLM linear backend an FP8 engine of ``recipe`` gets for ``--linear-backend``: the same, or "cutlass" where
+    vLLM 0.24 has no kernel of that backend for the recipe (deep_gemm / triton and the per-channel recipes: the
+    trainer's config refuses those, vLLM would fail after loading the model), with a printed note."""
+    from calclip.rollout.vllm_sync import linear_backend_problem
+
+    problem = linear_backend_problem(recipe, backend)
+    if problem:
+        print(f"   note: the {recipe} engine runs linear_backend 'cutlass', not {backend!r}: {problem}", flush=True)
+        return "cutlass"
+    return backend
+
+
+def set_deep_gemm_e8m0(numerics: str, backend: str | None) -> None:
+    """Before a block-FP8 engine of calclip's codes starts: with the trainer's numerics, VLLM_USE_DEEP_GEMM_E8M0 as the
+    trainer sets it (0 where DeepGEMM may run, so DeepGEMM keeps the FP32 block scales: ``apply_deep_gemm_e8m0``);
+    with vLLM's defaults, the value the benchmark started with (unset: vLLM's default 1, under which DeepGEMM
+    requantizes the weights to power-of-two scales). In-process decode arms start several engines, so each sets it."""
+    from calclip.rollout.vllm_sync import DEEP_GEMM_E8M0_ENV, apply_deep_gemm_e8m0
+
+    if numerics == "calclip":
+        apply_deep_gemm_e8m0(backend, False)
+        return
+    if _E8M0_AT_START is None:
+        os.environ.pop(DEEP_GEMM_E8M0_ENV, None)
+    else:
+        os.environ[DEEP_GEMM_E8M0_ENV] = _E8M0_AT_START
+    cached = getattr(sys.modules.get("vllm.utils.deep_gemm"), "is_deep_gemm_e8m0_used", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
 def cuda_sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -161,7 +196,8 @@ def save_results(opts) -> None:
         name = "bench_vllm.json"
         if child:
             name = ".".join(["bench_vllm", *opts.parts,
-                             *(opts.models + opts.mismatch_arms if opts.parts == ["mismatch"] else []), "json"])
+                             *(opts.models + opts.mismatch_arms + opts.recipes if opts.parts == ["mismatch"] else []),
+                             "json"])
         Path(out, name).write_text(text)
 
 
@@ -266,10 +302,17 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
         kwargs["enforce_eager"] = True
     if getattr(opts, "model_impl", "auto") != "auto":  # "transformers": HF's modeling code inside the engine
         kwargs["model_impl"] = opts.model_impl
-    # the trainer's engine options (--kv-cache-dtype: FP8 engines only, so the BF16 engine stays the control)
+    block = fp8 and kwargs.get("quantization") == "fp8"  # calclip's block codes (else compressed-tensors, per channel)
+    if fp8 and kwargs.get("linear_backend") is not None:  # rowwise and tensorwise: the same per-channel kernels
+        kwargs["linear_backend"] = engine_linear_backend(kwargs["linear_backend"], "blockwise" if block else "rowwise")
+    if block:
+        set_deep_gemm_e8m0(numerics, kwargs.get("linear_backend"))
+    # the trainer's engine options (--kv-cache-dtype: FP8 engines only, vLLM's online FP8 included, so the BF16 engine
+    # stays the control)
     from calclip.rollout.vllm_sync import engine_speed_kwargs
 
-    kwargs.update(engine_speed_kwargs(kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto") if fp8 else "auto",
+    fp8_engine = fp8 or kwargs.get("quantization") == "fp8"
+    kwargs.update(engine_speed_kwargs(kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto") if fp8_engine else "auto",
                                       async_scheduling=getattr(opts, "async_scheduling", None)))
     start = time.perf_counter()
     llm = LLM(**kwargs)
@@ -891,7 +934,9 @@ def _compressed_fp8(weights: str, activations: str) -> dict:
 # Decode engines (``--decode-arms``): name -> (label, make_llm keywords). Block FP8 ("fp8*") starts from dummy weights
 # with calclip's block-FP8 quantization_config; "numerics" calclip = ``fp8_engine_numerics_kwargs()`` (the trainer's
 # arithmetic: fusion passes off), vllm = vLLM's defaults; a "linear_backend" override picks vLLM's GEMM. "deep_gemm"
-# needs DeepGEMM (vLLM's vendored copy) and, to keep the trainer's FP32 block scales, VLLM_USE_DEEP_GEMM_E8M0=0.
+# needs DeepGEMM (vLLM's vendored copy); make_llm sets VLLM_USE_DEEP_GEMM_E8M0 per engine (``set_deep_gemm_e8m0``):
+# 0 under calclip numerics (DeepGEMM keeps the trainer's FP32 block scales), the starting environment under vLLM's
+# defaults (unset: UE8M0, DeepGEMM requantizes the weights to power-of-two scales, as vLLM would for a user).
 def _block_qc() -> dict:
     from calclip.fp8.export import block_fp8_quantization_config
 
@@ -1071,7 +1116,8 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     on_gpu = device.type == "cuda"
     args = CalibratedGRPOConfig(
         output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm.startswith("fp8"),
-        vllm_fp8_direct_sync=arm != "fp8_reload", vllm_fp8_linear_backend=getattr(opts, "linear_backend", "cutlass"),
+        vllm_fp8_direct_sync=arm != "fp8_reload", vllm_fp8_linear_backend=engine_linear_backend(
+            getattr(opts, "linear_backend", "cutlass"), getattr(opts, "grpo_recipe", None) or "blockwise"),
         use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
         per_device_train_batch_size=completions, num_generations=8, gradient_accumulation_steps=1,
@@ -1141,7 +1187,7 @@ def part_grpo(opts) -> None:
                    "--grpo-layers", str(opts.grpo_layers), "--grpo-steps", str(opts.grpo_steps),
                    "--grpo-tokens", str(opts.grpo_tokens), "--grpo-completions", str(opts.grpo_completions),
                    "--gpu-util", str(opts.gpu_util), "--logit-std", str(opts.logit_std),
-                   "--attention-backend", opts.attention_backend]
+                   "--attention-backend", opts.attention_backend, "--linear-backend", opts.linear_backend]
             if recipe != "blockwise":
                 cmd += ["--grpo-recipe", recipe]
             if opts.kv_cache_dtype != "auto":

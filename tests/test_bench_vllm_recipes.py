@@ -2,8 +2,10 @@
 tensorwise served per channel), with tests/test_bench_vllm.py's stand-in engine; blockwise keeps its rows and
 arguments."""
 
+import functools
 import json
 import math
+import os
 import sys
 import types
 from pathlib import Path
@@ -147,3 +149,71 @@ def test_engine_options_reach_every_part(monkeypatch, tmp_path):
         assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8" and cmd[cmd.index("--async-scheduling") + 1] == "on"
     worker = bench_vllm.parse_args(commands[0][2:])
     assert worker.kv_cache_dtype == "fp8" and worker.async_scheduling is True
+
+
+def test_linear_backend_reaches_the_grpo_workers_and_fits_each_recipe(monkeypatch, tmp_path, capsys):
+    """--linear-backend reaches every grpo worker (it fell back to cutlass before); an FP8 engine of a per-channel
+    recipe given a block-only backend runs cutlass, with a note, instead of failing after the model loads."""
+    commands = []
+
+    def run(cmd, capture_output, text, timeout):
+        commands.append(cmd)
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--linear-backend", "deep_gemm",
+                                                "--recipes", "blockwise,rowwise"]))
+    assert len(commands) == 3 and all(c[c.index("--linear-backend") + 1] == "deep_gemm" for c in commands)
+    assert bench_vllm.parse_args(commands[1][2:]).linear_backend == "deep_gemm"
+
+    assert bench_vllm.engine_linear_backend("deep_gemm", "blockwise") == "deep_gemm"
+    assert bench_vllm.engine_linear_backend(None, "rowwise") is None
+    assert bench_vllm.engine_linear_backend("deep_gemm", "rowwise") == "cutlass"
+    assert "runs linear_backend 'cutlass', not 'deep_gemm'" in capsys.readouterr().out
+
+    seen = []
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kwargs: seen.append(kwargs) or object()
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    opts = bench_vllm.parse_args(["--linear-backend", "triton"])
+    channel = bench_vllm._compressed_fp8("channel", "token")
+    block = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    for qc in (channel, block):
+        bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1,
+                            quantization_config=qc)
+    assert [kw["linear_backend"] for kw in seen] == ["cutlass", "triton"]
+
+
+def test_block_engines_switch_deep_gemm_ue8m0_as_the_trainer_does(monkeypatch):
+    """Calclip-numerics block engines start with VLLM_USE_DEEP_GEMM_E8M0=0 where DeepGEMM may run (DeepGEMM then
+    keeps the trainer's FP32 scales), vLLM-default engines with the environment the benchmark started in; in-process
+    decode arms start several engines, so each one sets it and vLLM's cached read is cleared."""
+    from calclip.rollout.vllm_sync import DEEP_GEMM_E8M0_ENV
+
+    seen, reads = [], []
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kwargs: seen.append(os.environ.get(DEEP_GEMM_E8M0_ENV)) or object()
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    deep_gemm = types.ModuleType("vllm.utils.deep_gemm")
+
+    @functools.cache
+    def is_deep_gemm_e8m0_used():
+        reads.append(os.environ.get(DEEP_GEMM_E8M0_ENV))
+        return True
+
+    deep_gemm.is_deep_gemm_e8m0_used = is_deep_gemm_e8m0_used
+    monkeypatch.setitem(sys.modules, "vllm.utils.deep_gemm", deep_gemm)
+    monkeypatch.delenv(DEEP_GEMM_E8M0_ENV, raising=False)
+    monkeypatch.setattr(bench_vllm, "_E8M0_AT_START", None)
+    opts = bench_vllm.parse_args(["--linear-backend", "cutlass"])
+    for name in ("fp8_dg", "fp8_vdef", "fp8", "fp8_dg", "bf16"):
+        is_deep_gemm_e8m0_used()  # the engine reads (and caches) the variable
+        (_, kwargs), = bench_vllm.decode_engine_specs([name])
+        bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1, **kwargs)
+    # fp8_dg: off; fp8_vdef: vLLM's default (unset); fp8 on cutlass: left as it was; fp8_dg again: off; BF16: left
+    assert seen == ["0", None, None, "0", "0"]
+    # each switch made vLLM read the variable again (before the 2nd, 3rd and 5th engines); the cutlass engine changed
+    # nothing, so the 4th engine's read was the cached one
+    assert reads == [None, "0", None, "0"]
