@@ -217,3 +217,18 @@ def test_block_engines_switch_deep_gemm_ue8m0_as_the_trainer_does(monkeypatch):
     # each switch made vLLM read the variable again (before the 2nd, 3rd and 5th engines); the cutlass engine changed
     # nothing, so the 4th engine's read was the cached one
     assert reads == [None, "0", None, "0"]
+
+
+def test_vllms_online_fp8_engine_gets_the_fp8_kv_cache_too(monkeypatch):
+    seen = []
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kwargs: seen.append(kwargs) or object()
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    opts = bench_vllm.parse_args(["--kv-cache-dtype", "fp8"])
+    opts.dummy_bf16 = True
+    for name in ("online", "bf16"):
+        (_, kwargs), = bench_vllm.decode_engine_specs([name])
+        bench_vllm.make_llm("unused", opts, max_model_len=64, max_num_seqs=2, batches=[2], gpu_util=0.1, **kwargs)
+    online, bf16 = seen
+    assert online["quantization"] == "fp8" and online["kv_cache_dtype"] == "fp8"
+    assert "kv_cache_dtype" not in bf16  # the BF16 control keeps its cache
