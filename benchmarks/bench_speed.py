@@ -737,6 +737,8 @@ def model_section(opts, sizes: Sizes) -> None:
         interleave(list(arms.values()), opts.repeats)
         print_model_row(row, batch, sizes, arms, info, names)
         results.append((row, arms, info))
+        for arm in arms.values():  # the summary reads the samples; the closures hold the models, codes, compiled layers
+            arm.sample = None
         if opts.peak_per_process and cuda:
             del arms, optimizer, base
             free_memory()

@@ -373,9 +373,13 @@ def build_arm(base: nn.Module, arm: str, mode: str, backend: str = "partitioner"
     if mode == "layers":
         from calclip.fp8 import compile_repeated_blocks
 
+        from calclip.rollout.compiled_layers import inductor_options
+
         model = bench_speed.sharing_copy(model) if options is None else model
+        # Inductor with the trainer's and bench_speed's options; static shapes (each token count is counted on its
+        # own; the saved set is decided by the partitioner, before any lowering)
         compile_repeated_blocks(model, backend=aot_layer_backend() if backend == "partitioner" else backend,
-                                dynamic=False)
+                                dynamic=False, options=None if backend == "partitioner" else inductor_options(backend))
     return model
 
 

@@ -40,12 +40,17 @@ def compile_repeated_blocks(model: nn.Module, *, backend: str = "inductor", dyna
                             mode: str | None = None, options: dict | None = None) -> int:
     """Compile each repeated block of ``model`` in place (``nn.Module.compile``, with torch.compile's ``backend``,
     ``mode`` and ``options``); return how many. ``dynamic=True`` (default) compiles symbolic token counts from the
-    first call, since RL batches change length every step. Raises, naming the model's class, when it has no
-    repeated block."""
+    first call, since RL batches change length every step. torch.compile takes a mode or options, not both; with
+    Inductor both are honoured: the mode's options (``torch._inductor.list_mode_options``) with ``options`` over
+    them. Raises, naming the model's class, when it has no repeated block."""
     blocks = repeated_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (no nn.ModuleList of modules of one class) "
                          "to compile")
+    if mode is not None and options and backend == "inductor":
+        from torch._inductor import list_mode_options
+
+        mode, options = None, {**list_mode_options(mode, dynamic), **options}
     refresh_for_compiled_blocks(model)  # a model quantize_model converted: its root's hook refreshes the codes
     for block in blocks:
         block.compile(backend=backend, dynamic=dynamic, mode=mode, options=options)

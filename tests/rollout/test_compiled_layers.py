@@ -78,6 +78,26 @@ def test_repeated_blocks_are_the_outermost_lists_of_one_class():
         compile_repeated_blocks(nn.Linear(4, 4))
 
 
+def test_a_mode_and_options_together_reach_inductor_as_options(monkeypatch):
+    """torch.compile refuses mode and options together (RuntimeError); compile_repeated_blocks hands Inductor the
+    mode's own options with the given ones over them, and leaves other backends' arguments as given."""
+    calls = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: calls.append(kw))
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    assert compile_repeated_blocks(model, mode="max-autotune-no-cudagraphs",
+                                   options={"emulate_precision_casts": True, "coordinate_descent_tuning": False}) == 2
+    assert calls[0] == calls[1] == {"backend": "inductor", "dynamic": True, "mode": None, "options": {
+        "max_autotune": True, "coordinate_descent_tuning": False, "emulate_precision_casts": True}}
+    calls.clear()
+    compile_repeated_blocks(model, mode="max-autotune-no-cudagraphs")
+    compile_repeated_blocks(model, backend="aot_eager", mode="default", options={"a": 1})
+    assert calls[0]["mode"] == "max-autotune-no-cudagraphs" and calls[0]["options"] is None
+    assert calls[2]["mode"] == "default" and calls[2]["options"] == {"a": 1}
+    with pytest.raises(RuntimeError, match="Either mode or options"):  # what torch.compile does with both
+        torch.compile(nn.Linear(2, 2), mode="max-autotune-no-cudagraphs", options={"emulate_precision_casts": True})
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tiny_tokenizer()

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ from tests.rollout._vllm_engine import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]  # the child scripts import tests.*: run them from the checkout
 ATTENTION_BACKEND = os.environ.get("CALCLIP_VLLM_ATTENTION", "TRITON_ATTN")
 
 
@@ -136,7 +138,7 @@ def test_trainer_trains_with_vllm_colocate_rollouts(arm):
     the trainer writes under output_dir; fp8-path: a policy saved to a directory, whose path the engine loads."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    proc = subprocess.run([sys.executable, "-c", TRAINER_SCRIPT, arm], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", TRAINER_SCRIPT, arm], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                             "CALCLIP_VLLM_ATTENTION": ATTENTION_BACKEND})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ pytest.importorskip("vllm", reason="vllm is not installed")
 pytest.importorskip("torchao.float8", reason="torchao is not installed")
 
 pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]  # the child scripts import tests.*: run them from the checkout
 ATTENTION_BACKEND = os.environ.get("CALCLIP_VLLM_ATTENTION", "TRITON_ATTN")
 
 ENGINE_SCRIPT = textwrap.dedent("""
@@ -74,7 +76,8 @@ ENGINE_SCRIPT = textwrap.dedent("""
 
 
 def run_script(script, *args):
-    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600,
                           env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                                "CALCLIP_VLLM_ATTENTION": ATTENTION_BACKEND})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
