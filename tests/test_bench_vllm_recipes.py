@@ -22,6 +22,30 @@ from tests.test_bench_vllm import (  # noqa: E402  (puts benchmarks/ on the path
 
 
 
+def grpo_worker_commands(monkeypatch, tmp_path, argv: list[str]) -> list[list[str]]:
+    """The worker command lines ``--parts grpo`` + ``argv`` starts (each worker made to fail at once)."""
+    commands = []
+
+    def run(cmd, capture_output, text, timeout):
+        commands.append(cmd)
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", *argv]))
+    return commands
+
+
+def record_engine_kwargs(monkeypatch) -> list[dict]:
+    """A stand-in ``vllm`` module whose ``LLM(**kwargs)`` records its arguments in the returned list."""
+    seen = []
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kwargs: seen.append(kwargs) or object()
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    return seen
+
+
 def test_recipes_default_to_blockwise_and_bad_ones_are_named(capsys):
     assert bench_vllm.parse_args([]).recipes == ["blockwise"]
     assert bench_vllm.parse_args(["--recipes", "blockwise,rowwise,tensorwise"]).recipes == [
@@ -117,10 +141,7 @@ def test_engine_options_reach_every_part(monkeypatch, tmp_path):
     assert default.kv_cache_dtype == "auto" and default.async_scheduling is None
     opts = bench_vllm.parse_args(["--kv-cache-dtype", "fp8", "--async-scheduling", "off"])
     assert opts.kv_cache_dtype == "fp8" and opts.async_scheduling is False
-    seen = []
-    vllm = types.ModuleType("vllm")
-    vllm.LLM = lambda **kwargs: seen.append(kwargs) or object()
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    seen = record_engine_kwargs(monkeypatch)
     opts.dummy_bf16 = True
     qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     for kwargs in ({}, {"quantization_config": qc}):
@@ -134,17 +155,7 @@ def test_engine_options_reach_every_part(monkeypatch, tmp_path):
     with pytest.raises(SystemExit):
         bench_vllm.parse_args(["--kv-cache-dtype", "int8"])
 
-    commands = []
-
-    def run(cmd, capture_output, text, timeout):
-        commands.append(cmd)
-        return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
-    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
-    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--kv-cache-dtype", "fp8",
-                                                "--async-scheduling", "on"]))
+    commands = grpo_worker_commands(monkeypatch, tmp_path, ["--kv-cache-dtype", "fp8", "--async-scheduling", "on"])
     for cmd in commands:  # every arm's worker, BF16 included
         assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8" and cmd[cmd.index("--async-scheduling") + 1] == "on"
     worker = bench_vllm.parse_args(commands[0][2:])
@@ -154,17 +165,8 @@ def test_engine_options_reach_every_part(monkeypatch, tmp_path):
 def test_linear_backend_reaches_the_grpo_workers_and_fits_each_recipe(monkeypatch, tmp_path, capsys):
     """--linear-backend reaches every grpo worker (it fell back to cutlass before); an FP8 engine of a per-channel
     recipe given a block-only backend runs cutlass, with a note, instead of failing after the model loads."""
-    commands = []
-
-    def run(cmd, capture_output, text, timeout):
-        commands.append(cmd)
-        return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
-    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
-    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--linear-backend", "deep_gemm",
-                                                "--recipes", "blockwise,rowwise"]))
+    commands = grpo_worker_commands(monkeypatch, tmp_path, ["--linear-backend", "deep_gemm",
+                                                            "--recipes", "blockwise,rowwise"])
     assert len(commands) == 3 and all(c[c.index("--linear-backend") + 1] == "deep_gemm" for c in commands)
     assert bench_vllm.parse_args(commands[1][2:]).linear_backend == "deep_gemm"
 
@@ -173,10 +175,7 @@ def test_linear_backend_reaches_the_grpo_workers_and_fits_each_recipe(monkeypatc
     assert bench_vllm.engine_linear_backend("deep_gemm", "rowwise") == "cutlass"
     assert "runs linear_backend 'cutlass', not 'deep_gemm'" in capsys.readouterr().out
 
-    seen = []
-    vllm = types.ModuleType("vllm")
-    vllm.LLM = lambda **kwargs: seen.append(kwargs) or object()
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    seen = record_engine_kwargs(monkeypatch)
     opts = bench_vllm.parse_args(["--linear-backend", "triton"])
     channel = bench_vllm._compressed_fp8("channel", "token")
     block = {"quant_method": "fp8", "weight_block_size": [128, 128]}
@@ -220,10 +219,7 @@ def test_block_engines_switch_deep_gemm_ue8m0_as_the_trainer_does(monkeypatch):
 
 
 def test_vllms_online_fp8_engine_gets_the_fp8_kv_cache_too(monkeypatch):
-    seen = []
-    vllm = types.ModuleType("vllm")
-    vllm.LLM = lambda **kwargs: seen.append(kwargs) or object()
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    seen = record_engine_kwargs(monkeypatch)
     opts = bench_vllm.parse_args(["--kv-cache-dtype", "fp8"])
     opts.dummy_bf16 = True
     for name in ("online", "bf16"):
