@@ -21,7 +21,6 @@ from tests.test_bench_vllm import (  # noqa: E402  (puts benchmarks/ on the path
 )
 
 
-
 def grpo_worker_commands(monkeypatch, tmp_path, argv: list[str]) -> list[list[str]]:
     """The worker command lines ``--parts grpo`` + ``argv`` starts (each worker made to fail at once)."""
     commands = []
