@@ -427,3 +427,30 @@ def test_a_non_floating_input_raises_like_nn_linear(dtype, shadow):
                 fp8(x)
         else:
             fp8(x)
+
+
+def test_padded_128x1_codes_are_provably_16_aligned_under_dynamic_token_counts():
+    """Under torch.compile with dynamic token counts (the trainer's compile_layers), Inductor marks an int argument of
+    a user-defined Triton kernel 16-divisible only when it can prove it (torch/_inductor/codegen/triton_utils.py,
+    config_of), and Triton vectorizes and pipelines on that mark. The 128x1 codes' row stride, the wgrad GEMM's K,
+    is wgrad_rows(M) = 128 * ceil(M / 128): provably a multiple of 16, where M itself is not."""
+    from torch._inductor.sizevars import SizeVarAllocator
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: quant.quantize_1x128_and_128x1(x, gemm_layout=True)[2], backend=backend,
+                       dynamic=True)
+    q = fn(torch.randn(4093, 256, dtype=torch.bfloat16))
+    assert q.shape == (4096, 256) and q.stride() == (1, 4096)
+    (out,) = [n for n in graphs[0].graph.nodes if n.op == "output"]
+    val = out.args[0][0].meta["example_value"]
+    sizes = SizeVarAllocator(val.shape[0].node.shape_env)
+    tokens = [n.meta["example_value"] for n in graphs[0].graph.nodes if n.op == "placeholder"][0]
+    assert isinstance(tokens, torch.SymInt) and not sizes.statically_known_multiple_of(tokens.node.expr, 16)
+    assert sizes.statically_known_multiple_of(val.shape[0].node.expr, 128)
+    assert sizes.statically_known_multiple_of(val.stride(1).node.expr, 16)
