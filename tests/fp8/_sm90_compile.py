@@ -56,6 +56,7 @@ PTX_PATTERNS = {
     "wgmma_e4m3": r"wgmma\.mma_async\.\S*\.e4m3\.e4m3",  # Hopper FP8 tensor cores
     "mma_sync": r"\bmma\.sync",  # the pre-Hopper MMA (an FP8 dot below BLOCK_M 64 upcasts to f16 on it)
     "atom": r"\batom\.global",  # the non-finite counters' atomic add
+    "st_b8": r"\bst\.global(\.\w+)*\.b8\b",  # a one-byte global store: codes written unvectorized (an unaligned stride)
     "cvt_bf16": r"cvt\.rn\.bf16(x2)?\.f32",  # fp32 -> bf16, round to nearest even (one value or a pair)
     "cvt_f16": r"cvt\.rn\.f16(x2)?\.f32",  # fp32 -> fp16, round to nearest even
     # bf16 arithmetic: LLVM turns fptrunc(fmul(fpext a, fpext b)) of bf16 a, b into a bf16 multiply (the same bits:

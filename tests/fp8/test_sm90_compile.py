@@ -163,6 +163,18 @@ def test_quantizers_use_the_hardware_e4m3_cast_and_ieee_division(kernel):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernel", sorted(QUANTIZERS - {"_fp8_linear_fused_quant_kernel"}))
+def test_quantizers_store_their_codes_vectorized(kernel):
+    """No one-byte global store but the requantizer's non-finite flag: every code store is vectorized, at the ragged
+    token count too. The 128x1 codes' row stride is what decides it: with 4093 rows the 128x1 quantizer wrote its
+    codes with 32 one-byte stores per thread (the fused one 64) where 4096 rows take two 16-byte ones; since
+    wgrad_rows the stride is a multiple of 128 at every token count."""
+    allowed = 1 if kernel == "_requantize_128x128_kernel" else 0  # bad_ptr: one uint8 flag per weight
+    for r in _compiled(kernel):
+        assert r["ptx"]["st_b8"] <= allowed, (r["case"], r["config"], r["ptx"]["st_b8"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", sorted(FP8_GEMMS))
 def test_fp8_gemms_run_on_hoppers_fp8_wgmma(kernel):
     """Every config's dot is Hopper's FP8 wgmma on e4m3 operands, never mma.sync (a dot below BLOCK_M 64 would be,
