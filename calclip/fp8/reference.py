@@ -123,9 +123,9 @@ def pad_128x1_codes(q: Tensor, *, block: int = BLOCK) -> Tensor:
     """128x1 codes q [M, K] -> [wgrad_rows(M), K], column-major (the transpose of a contiguous [K, rows]), rows >= M
     zero codes: the weight-gradient GEMM's layout (``wgrad_rows``)."""
     m, k = q.shape
-    out = torch.zeros(k, wgrad_rows(m, block), dtype=q.dtype, device=q.device)
-    out[:, :m].copy_(q.t())
-    return out.t()
+    out = torch.zeros(k, wgrad_rows(m, block), dtype=torch.uint8, device=q.device)  # bytes: no float8 kernel needed
+    out[:, :m].copy_(q.t().view(torch.uint8))
+    return out.view(q.dtype).t()
 
 
 def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:
