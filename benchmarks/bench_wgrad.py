@@ -3,6 +3,8 @@
     python benchmarks/bench_wgrad.py                                  # Qwen2.5-7B's MLP and attention shapes
     python benchmarks/bench_wgrad.py --tokens 4096,4093,4000 --shapes 18944x3584 --rounds 5
     python benchmarks/bench_wgrad.py --quick                          # 4096 and 4093 tokens, gate/up only
+    python benchmarks/bench_wgrad.py --smoke                          # CPU, TRITON_INTERPRET=1, tiny shapes: the
+                                                                      # script runs (Triton GEMM direct; times meaningless)
 
 A linear's backward quantizes dy and (in the forward) x along the token axis (128x1) and runs
 dW [N, K] = Q128x1(dy)^T Q128x1(x), contracting over the M tokens. Since 2026-12-05 the quantizers lay those codes out
@@ -22,12 +24,19 @@ medians of the rounds; ratio = unpadded / padded (> 1: padding is faster). Needs
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
+import time
 
-import torch
+SMOKE = "--smoke" in sys.argv
+if SMOKE:  # must precede the first triton import
+    os.environ["TRITON_INTERPRET"] = "1"
 
-import _common  # noqa: F401  (puts the repository root on sys.path)
-from _common import bench_ms, git_commit, header, table
+import torch  # noqa: E402
+
+import _common  # noqa: E402,F401  (puts the repository root on sys.path)
+from _common import bench_ms, git_commit, header, table  # noqa: E402
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -46,34 +55,56 @@ def main() -> None:
                         help="NxK of the weight (out x in): Qwen2.5-7B gate/up, down, q/o, k/v")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="4096 and 4093 tokens at the gate/up shape only")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU check under the Triton interpreter: 256 / 200 / 77 tokens, one 192x256 weight")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.shapes = "4096,4093", "18944x3584"
-    header(f"bench_wgrad: wgrad GEMM over padded vs unpadded token rows (commit {git_commit()})")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_wgrad needs a CUDA GPU")
     from calclip.fp8 import kernels as tk
     from calclip.fp8.gemm import fp8_block_gemm, resolve_backend
     from calclip.fp8.reference import wgrad_rows
+
+    if args.smoke:
+        print(f"== bench_wgrad --smoke: TRITON_INTERPRET=1 on CPU, times meaningless (commit {git_commit()}) ==")
+        args.tokens, args.shapes, args.rounds, device = "256,200,77", "192x256", 1, "cpu"
+
+        def timed_ms(fn, **_):
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+
+        def gemm(ops):  # calclip's Triton GEMM itself: on CPU "auto" would resolve to the float32 emulation
+            return tk.fp8_block_gemm_triton(*ops, out_dtype=torch.bfloat16)
+
+        def backend_of(ops):
+            return "triton (interpreter)"
+    else:
+        header(f"bench_wgrad: wgrad GEMM over padded vs unpadded token rows (commit {git_commit()})")
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_wgrad needs a CUDA GPU")
+        device, timed_ms = "cuda", bench_ms
+
+        def gemm(ops):
+            return fp8_block_gemm(*ops, out_dtype=torch.bfloat16, backend="auto", a_blocks="1x128",
+                                  b_blocks="1x128")
+
+        def backend_of(ops):
+            return resolve_backend("auto", ops[0], ops[2], out_dtype=torch.bfloat16, a_blocks="1x128",
+                                   b_blocks="1x128")
 
     rows = []
     for (n, k) in _shapes(args.shapes):
         for m in (int(v) for v in args.tokens.split(",")):
             torch.manual_seed(m)
-            dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             qdy, sdy = tk.quantize_128x1(dy, gemm_layout=True)
             qx, sx = tk.quantize_128x1(x, gemm_layout=True)
             assert qdy.shape[0] == wgrad_rows(m)
             padded = (qdy.t(), sdy.t(), qx.t(), sx.t())
             unpadded = (_unpadded(qdy, m).t(), sdy.t(), _unpadded(qx, m).t(), sx.t())
 
-            def gemm(ops):
-                return fp8_block_gemm(*ops, out_dtype=torch.bfloat16, backend="auto", a_blocks="1x128",
-                                      b_blocks="1x128")
-
-            backends = [resolve_backend("auto", ops[0], ops[2], out_dtype=torch.bfloat16, a_blocks="1x128",
-                                        b_blocks="1x128") for ops in (unpadded, padded)]
+            backends = [backend_of(ops) for ops in (unpadded, padded)]
             # the same backend on both layouts must give the same dW (zero codes add exact zeros)
             same = torch.equal(gemm(padded), gemm(unpadded)) if backends[0] == backends[1] else None
             arms = {
@@ -84,11 +115,12 @@ def main() -> None:
             }
             for fn in arms.values():  # autotune / first launch outside the timed rounds
                 fn()
-            torch.cuda.synchronize()
+            if device == "cuda":
+                torch.cuda.synchronize()
             times: dict[str, list[float]] = {name: [] for name in arms}
             for _ in range(args.rounds):
                 for name, fn in arms.items():
-                    times[name].append(bench_ms(fn, warmup=5, rep=40))
+                    times[name].append(timed_ms(fn, warmup=5, rep=40))
             med = {name: statistics.median(v) for name, v in times.items()}
             rows.append([f"{n}x{k}", str(m), str(wgrad_rows(m)), f"{backends[0]} / {backends[1]}",
                          f"{med['gemm unpadded']:.3f}", f"{med['gemm padded']:.3f}",
