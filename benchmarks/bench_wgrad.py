@@ -3,8 +3,8 @@
     python benchmarks/bench_wgrad.py                                  # Qwen2.5-7B's MLP and attention shapes
     python benchmarks/bench_wgrad.py --tokens 4096,4093,4000 --shapes 18944x3584 --rounds 5
     python benchmarks/bench_wgrad.py --quick                          # 4096 and 4093 tokens, gate/up only
-    python benchmarks/bench_wgrad.py --smoke                          # CPU, TRITON_INTERPRET=1, tiny shapes: the
-                                                                      # script runs (Triton GEMM direct; times meaningless)
+    python benchmarks/bench_wgrad.py --smoke                          # CPU check, TRITON_INTERPRET=1, tiny shapes
+                                                                      # (Triton GEMM direct; times meaningless)
 
 A linear's backward quantizes dy and (in the forward) x along the token axis (128x1) and runs
 dW [N, K] = Q128x1(dy)^T Q128x1(x), contracting over the M tokens. Since 2026-12-05 the quantizers lay those codes out

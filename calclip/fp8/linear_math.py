@@ -78,7 +78,8 @@ def _forward(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Te
              pow2: bool, fused: bool, gemm: str, out_dtype: torch.dtype,
              row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """x2 [M, K]; qw [N, K] e4m3fn, sw [N/128, K/128]; counter int64 [] (+= non-finite rows)
-    -> y [M, N] out_dtype, and x quantized 128x1 (qxt [wgrad_rows(M), K], sxt [M/128, K]) when save_for_wgrad, else None.
+    -> y [M, N] out_dtype, and x quantized 128x1 (qxt [wgrad_rows(M), K], sxt [M/128, K]) when save_for_wgrad,
+    else None.
     row_scales: Fp8Config.scaled_mm_row_scales (gemm.resolve_backend)."""
     qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, fused)
     y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales)

@@ -23,7 +23,8 @@ from calclip.fp8.linear_math import _backward, _forward, _fused_decode_kernel, _
 def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor | None, swt: Tensor | None,
                 weight_bad: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool, gemm: str,
                 out_dtype: torch.dtype, row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (y [M, N], qxt [wgrad_rows(M), K] (128x1 codes, column-major) or [0], sxt [M/128, K] or [0], non-finite rows []).
+    """-> (y [M, N], qxt [wgrad_rows(M), K] (128x1 codes, column-major) or [0], sxt [M/128, K] or [0], non-finite
+    rows []).
     weight and the dgrad codes qwt/swt are inputs only for autograd (the weight's grad slot, saved for dx). The
     count is returned, not added to the layer's counter: torch.library registers autograd for functional ops only
     (calls without grad take ``_infer_op``, which adds in place)."""
@@ -39,8 +40,8 @@ def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor 
 def _quantize_input_op(x2: Tensor, weight_bad: Tensor, members: int, save_for_wgrad: bool, pow2: bool,
                        fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The input that ``members`` sibling linears share, quantized once (shared_input.py) -> (qx [M, K] 1x128 codes,
-    sx, qxt [wgrad_rows(M), K] 128x1 codes or [0], sxt or [0], the members' non-finite rows [] summed; weight_bad: int32 []
-    number of their bad weights). Each member then takes ``fp8_linear_forward_codes``."""
+    sx, qxt [wgrad_rows(M), K] 128x1 codes or [0], sxt or [0], the members' non-finite rows [] summed; weight_bad:
+    int32 [] number of their bad weights). Each member then takes ``fp8_linear_forward_codes``."""
     counter = torch.zeros((), dtype=torch.int64, device=x2.device)
     qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, fused, members)
     if qxt is None:

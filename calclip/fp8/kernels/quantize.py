@@ -264,7 +264,8 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
 def _quantize_1x128_and_128x1_kernel(
     x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
     # x [M, K] any strides; q_row [M, K] contiguous, s_row [M, NBK] any strides;
-    # q_col^T [K, M_CODES] contiguous (M_CODES: M, or wgrad_rows(M) with zero codes past M), s_col [NBM, K] any strides
+    # q_col^T [K, M_CODES] contiguous (M_CODES: M, or wgrad_rows(M) with zero codes past M),
+    # s_col [NBM, K] any strides
     M, K, M_CODES, stride_xm, stride_xk, stride_srm, stride_srk, stride_scm, stride_sck,
     K_BUCKET, M_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUP: tl.constexpr,
