@@ -454,3 +454,22 @@ def test_padded_128x1_codes_are_provably_16_aligned_under_dynamic_token_counts()
     assert isinstance(tokens, torch.SymInt) and not sizes.statically_known_multiple_of(tokens.node.expr, 16)
     assert sizes.statically_known_multiple_of(val.shape[0].node.expr, 128)
     assert sizes.statically_known_multiple_of(val.stride(1).node.expr, 16)
+
+
+def test_wgrad_dispatch_of_padded_codes_guards_nothing_on_a_symbolic_token_count():
+    """The wgrad GEMM's backend choice (gemm.scaled_mm_supports: cuBLAS needs K % 128 == 0) read the token count M; under
+    compile_layers' dynamic shapes that installed a guard on M mod 128, one more recompile class per layer. Over
+    wgrad_rows(M) rows K is provably a multiple of 128: no guard, and cuBLAS stays eligible at every count."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from calclip.fp8.gemm import scaled_mm_supports
+    from calclip.fp8.reference import wgrad_rows
+
+    for padded in (False, True):
+        env = ShapeEnv()
+        tokens = env.create_symintnode(env.create_symbol(4093, source=ConstantSource("tokens"),
+                                                         dynamic_dim=DimDynamic.DYNAMIC), hint=4093)
+        k = wgrad_rows(tokens) if padded else tokens
+        assert scaled_mm_supports("1x128", "1x128", 512, 3584, k, torch.bfloat16) == padded
+        assert [str(g.expr) for g in env.guards] == ([] if padded else [f"Ne(Mod({tokens.node.expr}, 128), 0)"])
