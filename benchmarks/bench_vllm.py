@@ -147,18 +147,12 @@ def set_deep_gemm_e8m0(numerics: str, backend: str | None) -> None:
     trainer sets it (0 where DeepGEMM may run, so DeepGEMM keeps the FP32 block scales: ``apply_deep_gemm_e8m0``);
     with vLLM's defaults, the value the benchmark started with (unset: vLLM's default 1, under which DeepGEMM
     requantizes the weights to power-of-two scales). In-process decode arms start several engines, so each sets it."""
-    from calclip.rollout.vllm_sync import DEEP_GEMM_E8M0_ENV, apply_deep_gemm_e8m0
+    from calclip.rollout.vllm_sync import apply_deep_gemm_e8m0, set_deep_gemm_e8m0_env
 
     if numerics == "calclip":
         apply_deep_gemm_e8m0(backend, False)
-        return
-    if _E8M0_AT_START is None:
-        os.environ.pop(DEEP_GEMM_E8M0_ENV, None)
     else:
-        os.environ[DEEP_GEMM_E8M0_ENV] = _E8M0_AT_START
-    cached = getattr(sys.modules.get("vllm.utils.deep_gemm"), "is_deep_gemm_e8m0_used", None)
-    if hasattr(cached, "cache_clear"):
-        cached.cache_clear()
+        set_deep_gemm_e8m0_env(_E8M0_AT_START)
 
 
 def cuda_sync() -> None:

@@ -177,16 +177,25 @@ def deep_gemm_e8m0_setting(linear_backend: str | None, power_of_two_scales: bool
     return None
 
 
+def set_deep_gemm_e8m0_env(value: str | None) -> None:
+    """Set ``VLLM_USE_DEEP_GEMM_E8M0`` to ``value`` (None: unset, vLLM's default) before an engine starts (vLLM reads
+    it when the engine picks its kernels), and make vLLM read it again if an earlier engine of this process cached
+    the old value."""
+    if value is None:
+        os.environ.pop(DEEP_GEMM_E8M0_ENV, None)
+    else:
+        os.environ[DEEP_GEMM_E8M0_ENV] = value
+    cached = getattr(sys.modules.get("vllm.utils.deep_gemm"), "is_deep_gemm_e8m0_used", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
 def apply_deep_gemm_e8m0(linear_backend: str | None, power_of_two_scales: bool) -> None:
-    """Set ``VLLM_USE_DEEP_GEMM_E8M0`` as ``deep_gemm_e8m0_setting`` says, before a block-FP8 engine starts (vLLM
-    reads it when the engine picks its kernels), and make vLLM read it again if an earlier engine of this process
-    cached the old value."""
+    """``VLLM_USE_DEEP_GEMM_E8M0`` as ``deep_gemm_e8m0_setting`` says, before a block-FP8 engine starts
+    (``set_deep_gemm_e8m0_env``); left alone where that says nothing."""
     value = deep_gemm_e8m0_setting(linear_backend, power_of_two_scales, os.environ)
     if value:
-        os.environ[DEEP_GEMM_E8M0_ENV] = value
-        cached = getattr(sys.modules.get("vllm.utils.deep_gemm"), "is_deep_gemm_e8m0_used", None)
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
+        set_deep_gemm_e8m0_env(value)
 
 
 def vllm_engine_model(llm) -> tuple[nn.Module, Any]:
