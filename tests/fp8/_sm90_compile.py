@@ -197,22 +197,22 @@ def _cases_quantize_1x128_kernel():
             yield f"count members=1 bf16 rows={rows}", config, _quantize_1x128(BF16, rows, K_IN, False, True, 1)
 
 
-def _cases_quantize_128x1_kernel():
+def _dtype_pow2_and_ragged_cases(configs, build):
+    """Every config at every input dtype and pow2 (TRAIN rows), then every config at the ragged token total."""
     for pow2 in POW2S:
         for x in X_DTYPES:
-            for config in quantize._QUANT_128X1_CONFIGS:
-                yield f"{DTYPE_NAMES[x]} pow2={pow2}", config, _quantize_128x1(x, TRAIN, K_IN, pow2)
-    for config in quantize._QUANT_128X1_CONFIGS:
-        yield f"bf16 rows={RAGGED}", config, _quantize_128x1(BF16, RAGGED, K_IN, False)
+            for config in configs:
+                yield f"{DTYPE_NAMES[x]} pow2={pow2}", config, build(x, TRAIN, K_IN, pow2)
+    for config in configs:
+        yield f"bf16 rows={RAGGED}", config, build(BF16, RAGGED, K_IN, False)
+
+
+def _cases_quantize_128x1_kernel():
+    return _dtype_pow2_and_ragged_cases(quantize._QUANT_128X1_CONFIGS, _quantize_128x1)
 
 
 def _cases_quantize_1x128_and_128x1_kernel():
-    for pow2 in POW2S:
-        for x in X_DTYPES:
-            for config in quantize._QUANT_DUAL_CONFIGS:
-                yield f"{DTYPE_NAMES[x]} pow2={pow2}", config, _quantize_dual(x, TRAIN, K_IN, pow2)
-    for config in quantize._QUANT_DUAL_CONFIGS:
-        yield f"bf16 rows={RAGGED}", config, _quantize_dual(BF16, RAGGED, K_IN, False)
+    return _dtype_pow2_and_ragged_cases(quantize._QUANT_DUAL_CONFIGS, _quantize_dual)
 
 
 def _cases_quantize_128x128_kernel():
