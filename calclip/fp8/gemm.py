@@ -18,7 +18,8 @@ transposed 1x128 quantization, so no operand is re-quantized for the backward GE
 Backends:
     "emulated"   dequantize both operands to fp32, fp32 matmul, cast (CPU and GPU; the numerical reference)
     "scaled_mm"  torch._scaled_mm with blockwise FP32 scales (CUDA sm_90); only layout pairs listed in
-                 SCALED_MM_LAYOUTS and shapes accepted by ``scaled_mm_supports``, else falls back as below
+                 SCALED_MM_LAYOUTS and shapes accepted by ``scaled_mm_supports`` (its rows of A checked as
+                 ``scaled_mm_rows(M)``: zero rows appended, ``pad_1x128_rows``), else falls back as below
     "triton"     calclip.fp8.kernels.fp8_block_gemm_triton (CUDA), else "emulated"
     "auto"       "scaled_mm" when allowed, else "triton" on CUDA, else "emulated"
 With ``row_scales`` (``Fp8Config.scaled_mm_row_scales``), "auto" and "scaled_mm" also run a (1x128, 128x128) GEMM that
@@ -58,6 +59,12 @@ SPLITK_MAX_M = int(os.environ.get("CALCLIP_SPLITK_MAX_M", "256"))
 # call and returns garbage, see scaled_mm_supports), and wgrad (1x128, 1x128). tests/fp8/test_gpu_linear.py
 # compares each pair with "emulated" on the GPU.
 SCALED_MM_LAYOUTS: frozenset[tuple[str, str]] = frozenset({("1x128", "128x128"), ("1x128", "1x128")})
+# torch._scaled_mm takes a 1x128 first operand of a multiple of 16 rows only; "scaled_mm" runs one of any other row
+# count M on zero rows appended up to ``scaled_mm_rows(M)`` and returns the first M rows of the result
+# (``pad_1x128_rows``). CALCLIP_SCALED_MM_PAD_ROWS=0 (read once at import) restores the old rule, such GEMMs on
+# Triton: the control arm of benchmarks that measure what the padding buys.
+SCALED_MM_ROW_MULTIPLE = 16
+PAD_ROWS = os.environ.get("CALCLIP_SCALED_MM_PAD_ROWS", "1") != "0"
 
 
 def _check_operand(name: str, q: Tensor, s: Tensor, blocks: str, block: int) -> None:
@@ -144,6 +151,24 @@ def scaled_mm_supports(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out
     return True
 
 
+def scaled_mm_rows(m):
+    """The rows torch._scaled_mm runs a 1x128 first operand of ``m`` rows on: m rounded up to a multiple of 16
+    (``PAD_ROWS``), else m. A symbolic m gives a size that is provably a multiple of 16 (no guard)."""
+    if not PAD_ROWS:
+        return m
+    return (m + SCALED_MM_ROW_MULTIPLE - 1) // SCALED_MM_ROW_MULTIPLE * SCALED_MM_ROW_MULTIPLE
+
+
+def pad_1x128_rows(q: Tensor, s: Tensor, rows) -> tuple[Tensor, Tensor]:
+    """1x128 codes q [M, K] and scales s [M, ceil(K/128)] -> [rows, K] codes (row-major) and [rows, ceil(K/128)]
+    scales (column-major, torch._scaled_mm's layout), rows >= M holding zero codes and zero scales: they dequantize to
+    exact zeros, so the GEMM's first M output rows are the unpadded GEMM's products and the extra rows are zeros.
+    One copy of the codes (M x K bytes); the caller checks rows != M."""
+    extra = rows - q.shape[0]
+    codes = torch.nn.functional.pad(q.view(torch.uint8), (0, 0, 0, extra)).view(q.dtype)  # bytes: no float8 pad
+    return codes, torch.nn.functional.pad(s.t(), (0, extra)).t()
+
+
 def row_scales_of(s: Tensor, rows: int, block: int = BLOCK) -> Tensor:
     """128x128 scales [ceil(rows/128), KB] of a [rows, K] operand -> the same values as 1x128 scales [rows, KB], one
     per row (each row keeps its block's scale), column-major: the strides torch._scaled_mm reads for a 1x128 b
@@ -165,11 +190,16 @@ def scaled_mm_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_
     """torch._scaled_mm with blockwise scales. a = qa row-major [M,K]; b = qb^T column-major [K,N]; torch
     validates b through b.t() = qb [N,K] with scale_b.t(), hence scale_b = layout(sb).t(). Callers must
     check ``scaled_mm_supports`` (or be a GPU test probing a new layout)."""
+    m = qa.shape[0]
+    rows = scaled_mm_rows(m) if a_blocks == "1x128" else m
+    if rows != m:  # torch._scaled_mm's row rule: zero rows appended, sliced off the result (pad_1x128_rows)
+        qa, sa = pad_1x128_rows(qa, sa, rows)
     a = qa.contiguous()
     b = qb.contiguous().t()
     scale_a = _scale_layout(sa, a_blocks)
     scale_b = _scale_layout(sb, b_blocks).t()
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return y if rows == m else y.narrow(0, 0, m)  # narrow, not [:m]: fake CUDA tensors on CPU builds take it
 
 
 @torch.library.custom_op("calclip::scaled_mm_blockwise", mutates_args=())
@@ -217,9 +247,10 @@ def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dt
     if backend in ("auto", "triton") and splitk_applies(a_blocks, b_blocks, m, n, k, out_dtype, qa.device):
         return "splitk"
     if backend in ("auto", "scaled_mm") and _is_sm90(qa.device):
-        if scaled_mm_supports(a_blocks, b_blocks, m, n, k, out_dtype):
+        rows = scaled_mm_rows(m) if a_blocks == "1x128" else m  # run on padded rows (scaled_mm_block_gemm)
+        if scaled_mm_supports(a_blocks, b_blocks, rows, n, k, out_dtype):
             return "scaled_mm"
-        if row_scales and b_blocks == "128x128" and scaled_mm_supports(a_blocks, "1x128", m, n, k, out_dtype):
+        if row_scales and b_blocks == "128x128" and scaled_mm_supports(a_blocks, "1x128", rows, n, k, out_dtype):
             return "scaled_mm_rows"
     if _triton_gemm(out_dtype) is not None:
         return "triton"

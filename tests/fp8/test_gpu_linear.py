@@ -177,6 +177,25 @@ def test_triton_and_scaled_mm_agree_on_forward():
     assert _rel_err(y_s, y_t) < BACKEND_VS_EMULATED_RTOL
 
 
+@pytest.mark.skipif(not IS_SM90, reason="torch._scaled_mm blockwise scaling is sm_90 only")
+@pytest.mark.parametrize("m", [4093, 1000, 77])
+def test_scaled_mm_runs_a_row_count_not_a_multiple_of_16_on_padded_rows(m):
+    """Forward and dgrad of M % 16 != 0 tokens go to cuBLAS on zero rows appended (gemm.pad_1x128_rows), not to
+    Triton; the result has M rows and matches the emulation like any cuBLAS GEMM."""
+    for name, (operands, (a_blocks, b_blocks)) in _recipe_operands(m, 4096, 4096, seed=m).items():
+        if name == "wgrad":  # its first operand's rows are the weight's
+            continue
+        assert resolve_backend("scaled_mm", operands[0], operands[2], out_dtype=torch.bfloat16, a_blocks=a_blocks,
+                               b_blocks=b_blocks) == "scaled_mm", name
+        y_emu = fp8_block_gemm(*operands, out_dtype=torch.float32, backend="emulated", a_blocks=a_blocks,
+                               b_blocks=b_blocks)
+        y = fp8_block_gemm(*operands, out_dtype=torch.bfloat16, backend="scaled_mm", a_blocks=a_blocks,
+                           b_blocks=b_blocks)
+        assert y.shape == (m, 4096) and y.is_contiguous()
+        err = _rel_err(y, y_emu)
+        assert err < BACKEND_VS_EMULATED_RTOL, f"{name} at M={m}: rel err {err:.2e}"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # FP8BlockLinear on the GPU vs nn.Linear.
 # ---------------------------------------------------------------------------------------------------------
@@ -203,7 +222,7 @@ def _run(module, x, dy):
 
 
 LINEAR_SHAPES = [(2, 1024, 576, 1536), (2, 1024, 1536, 576), (1, 4096, 4096, 4096), (1, 2048, 4096, 14336),
-                 (3, 333, 640, 384)]
+                 (3, 333, 640, 384), (1, 1021, 1024, 2048)]
 
 
 @pytest.mark.parametrize("backward", ["fp8", "bf16"])

@@ -165,8 +165,9 @@ with FakeTensorMode(allow_non_fake_inputs=True):
                 for row_scales in (False, True):
                     y, qxt, sxt = linear_math._forward(empty(m, k), qw, sw, bad, counter, True, False, fused, "auto", bf16,
                                                   row_scales)
-                    linear_math._backward(empty(m, n), qwt, swt, qxt, sxt, True, True, False, fused, "auto", bf16,
-                                     w_dtype, row_scales)
+                    dx, dw = linear_math._backward(empty(m, n), qwt, swt, qxt, sxt, True, True, False, fused, "auto",
+                                                   bf16, w_dtype, row_scales)
+                    assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (n, k), (m, n, k)
         for m in spec["rows"]:
             linear_math._forward(empty(m, k), qw, sw, bad, counter, False, False, False, "auto", bf16)  # compiled no-grad
             splits.append([m, n, k, tk.splitk_splits(m, n, k, tk.sm_count(torch.device("cuda")))])
@@ -209,15 +210,16 @@ def _expected_backend(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out_
     """What an H200 should run for y [m, n] = A [m, k] B [n, k]^T, gemm "auto", from the rules as written in
     docs/scaled_mm_layouts.md and calclip.fp8.gemm's docstring (not from gemm.py's code): split-K for few-row forward
     layouts whose output tiles leave multiprocessors idle; torch._scaled_mm where its layout pair is computed correctly
-    (bf16 out, every dim a multiple of 16, K of 128, each scale's leading dimension of 4: the rows of a 1x128 operand,
-    K / 128 of a 128x128 one); with row scales, a 128x128 b whose only obstacle is K / 128 runs as a 1x128 b; else
+    (bf16 out, every dim a multiple of 16, M after zero rows appended up to one, K of 128, each scale's leading
+    dimension of 4: the rows of a 1x128 operand, K / 128 of a 128x128 one); with row scales, a 128x128 b whose only obstacle is K / 128 runs as a 1x128 b; else
     Triton (so every weight gradient of fp32 master weights: torch._scaled_mm's blockwise path is measured for bf16
     output only)."""
     tk = pytest.importorskip("calclip.fp8.kernels")
     forward_layout = (a_blocks, b_blocks) == ("1x128", "128x128")
     if forward_layout and 0 < m <= 256 and tk.splitk_splits(m, n, k, H200_SMS) > 1:
         return "splitk"
-    aligned = out_dtype == "torch.bfloat16" and m % 16 == 0 and n % 16 == 0 and k % BLOCK == 0 and m % 4 == 0
+    rows = -(-m // 16) * 16  # a row count not a multiple of 16 runs on zero rows appended up to the next one
+    aligned = out_dtype == "torch.bfloat16" and n % 16 == 0 and k % BLOCK == 0 and rows % 4 == 0
     if aligned and (n % 4 == 0 if b_blocks == "1x128" else (k // BLOCK) % 4 == 0):
         return "scaled_mm"
     if aligned and forward_layout and row_scales and n % 4 == 0:
@@ -291,8 +293,8 @@ def test_decode_rows_take_split_k_only_where_it_splits(sweep):
     assert splits[(256, f.hidden, f.hidden)] == 1  # q_proj at 256 rows: 4 x 56 = 224 tiles already
     assert _chosen(sweep, "1x128", "128x128", 1, kv, f.hidden) == "splitk"
     assert _chosen(sweep, "1x128", "128x128", 256, f.hidden, f.hidden) == "scaled_mm"
-    # past SPLITK_MAX_M never split-K; 257 rows are no multiple of 16, so not cuBLAS either
-    assert _chosen(sweep, "1x128", "128x128", 257, kv, f.hidden) == "triton"
+    # past SPLITK_MAX_M never split-K; 257 rows are no multiple of 16: cuBLAS on 272 rows (zero rows appended)
+    assert _chosen(sweep, "1x128", "128x128", 257, kv, f.hidden) == "scaled_mm"
 
 
 # --------------------------------------------------------------------------------------------------------------

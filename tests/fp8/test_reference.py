@@ -280,3 +280,67 @@ def test_config_defaults_and_frozen():
     assert cfg.keep_patterns == ("lm_head", r"\.mlp\.") and cfg.block_size == 128 and cfg.backward == "fp8"
     with pytest.raises(Exception):
         cfg.backward = "bf16"
+
+
+@pytest.mark.parametrize("m,k", [(77, 256), (4093, 384), (1, 128), (30, 200)])
+def test_pad_1x128_rows_appends_zero_rows_in_scaled_mm_layout(m, k):
+    """torch._scaled_mm takes a multiple of 16 rows: a ragged 1x128 operand gets zero codes and zero scales appended
+    (gemm.pad_1x128_rows). The first M rows are the same bytes, the rest dequantize to exact zeros (0 x 0: no NaN
+    from stale memory), and the scales come back column-major, the layout the GEMM reads."""
+    torch.manual_seed(m + k)
+    x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
+    q, s = quantize_1x128(x)
+    rows = gemm.scaled_mm_rows(m)
+    assert rows % 16 == 0 and m <= rows < m + 16
+    qp, sp = gemm.pad_1x128_rows(q, s.t().contiguous().t(), rows)
+    assert qp.shape == (rows, k) and qp.dtype == q.dtype and qp.is_contiguous()
+    assert sp.shape == (rows, s.shape[1]) and sp.t().is_contiguous()
+    assert torch.equal(qp[:m].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sp[:m], s)
+    assert not qp[m:].view(torch.uint8).any() and not sp[m:].any()
+    deq = dequantize_1x128(qp, sp)
+    assert torch.equal(deq[:m], dequantize_1x128(q, s)) and not deq[m:].any()
+    qp2, sp2 = gemm.pad_1x128_rows(q, s, rows)  # row-major scales in: the same values, column-major out
+    assert torch.equal(sp2, sp) and sp2.t().is_contiguous()
+
+
+def test_scaled_mm_takes_any_row_count_on_padded_rows_and_the_switch_restores_the_old_rule(monkeypatch):
+    """On an H200 "auto" sends a forward/dgrad GEMM of M % 16 != 0 rows (a micro-batch of B x L tokens, L odd) to
+    cuBLAS over scaled_mm_rows(M) rows instead of the Triton GEMM (half cuBLAS' throughput at 7B dims);
+    CALCLIP_SCALED_MM_PAD_ROWS=0 (gemm.PAD_ROWS) is the measured control. The rows' own rule is unchanged: a
+    K / 128 not a multiple of 4 still stays off cuBLAS."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(gemm, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(gemm, "SPLITK_MAX_M", 0)  # no split-K: this test is about the cuBLAS rule
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        def choose(m, n, k, **kw):
+            qa = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda")
+            qb = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="cuda")
+            return gemm.resolve_backend("auto", qa, qb, out_dtype=torch.bfloat16, a_blocks="1x128",
+                                        b_blocks="128x128", **kw)
+
+        for m in (4093, 4000, 77, 1, 4096):
+            assert choose(m, 1024, 4096) == "scaled_mm", m
+        assert choose(4093, 1024, 1152) == "triton"  # K / 128 = 9: garbage on cuBLAS, padded or not
+        assert choose(4093, 1024, 1152, row_scales=True) == "scaled_mm_rows"  # ... unless the weight's scales go per row
+        assert choose(4093, 1000, 4096) == "triton"  # N % 16: no padding of M helps
+        monkeypatch.setattr(gemm, "PAD_ROWS", False)
+        assert choose(4093, 1024, 4096) == "triton" and choose(4096, 1024, 4096) == "scaled_mm"
+        assert gemm.scaled_mm_rows(4093) == 4093
+
+
+def test_padded_rows_of_a_symbolic_token_count_are_provably_aligned():
+    """Under compile_layers' dynamic shapes the backend is chosen while tracing: scaled_mm_rows(M) must be provably
+    a multiple of 16, so choosing cuBLAS installs no guard on M (the guard on M % 16 that decides whether to copy is
+    the layer's, linear_math._gemm)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    tokens = env.create_symintnode(env.create_symbol(4093, source=ConstantSource("tokens"),
+                                                     dynamic_dim=DimDynamic.DYNAMIC), hint=4093)
+    rows = gemm.scaled_mm_rows(tokens)
+    assert SizeVarAllocator(env).statically_known_multiple_of(rows.node.expr, 16)
+    assert gemm.scaled_mm_supports("1x128", "128x128", rows, 1024, 4096, torch.bfloat16)
+    assert not env.guards
