@@ -62,8 +62,11 @@ SCALED_MM_LAYOUTS: frozenset[tuple[str, str]] = frozenset({("1x128", "128x128"),
 # torch._scaled_mm takes a 1x128 first operand of a multiple of 16 rows only; "scaled_mm" runs one of any other row
 # count M on zero rows appended up to ``scaled_mm_rows(M)`` and returns the first M rows of the result
 # (``pad_1x128_rows``). CALCLIP_SCALED_MM_PAD_ROWS=0 (read once at import) restores the old rule, such GEMMs on
-# Triton: the control arm of benchmarks that measure what the padding buys.
+# Triton: the control arm of benchmarks that measure what the padding buys. Decode-sized GEMMs (fewer than
+# SCALED_MM_PAD_MIN_ROWS rows, SPLITK_MAX_M's default range) keep the kernels measured for them: there the copy is a
+# launch of its own beside a weight-bandwidth-bound GEMM, unmeasured.
 SCALED_MM_ROW_MULTIPLE = 16
+SCALED_MM_PAD_MIN_ROWS = 257
 PAD_ROWS = os.environ.get("CALCLIP_SCALED_MM_PAD_ROWS", "1") != "0"
 
 
@@ -153,8 +156,10 @@ def scaled_mm_supports(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out
 
 def scaled_mm_rows(m):
     """The rows torch._scaled_mm runs a 1x128 first operand of ``m`` rows on: m rounded up to a multiple of 16
-    (``PAD_ROWS``), else m. A symbolic m gives a size that is provably a multiple of 16 (no guard)."""
-    if not PAD_ROWS:
+    (``PAD_ROWS``, from SCALED_MM_PAD_MIN_ROWS rows), else m. A symbolic m is judged by its hint (``size_hint``, no
+    guard: padded rows are correct at every size) and gives a size provably a multiple of 16."""
+    hint = size_hint(m)
+    if not PAD_ROWS or (hint is not None and hint < SCALED_MM_PAD_MIN_ROWS):
         return m
     return (m + SCALED_MM_ROW_MULTIPLE - 1) // SCALED_MM_ROW_MULTIPLE * SCALED_MM_ROW_MULTIPLE
 

@@ -210,7 +210,7 @@ def _expected_backend(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out_
     """What an H200 should run for y [m, n] = A [m, k] B [n, k]^T, gemm "auto", from the rules as written in
     docs/scaled_mm_layouts.md and calclip.fp8.gemm's docstring (not from gemm.py's code): split-K for few-row forward
     layouts whose output tiles leave multiprocessors idle; torch._scaled_mm where its layout pair is computed correctly
-    (bf16 out, every dim a multiple of 16, M after zero rows appended up to one, K of 128, each scale's leading
+    (bf16 out, every dim a multiple of 16, M > 256 after zero rows appended up to one, K of 128, each scale's leading
     dimension of 4: the rows of a 1x128 operand, K / 128 of a 128x128 one); with row scales, a 128x128 b whose only obstacle is K / 128 runs as a 1x128 b; else
     Triton (so every weight gradient of fp32 master weights: torch._scaled_mm's blockwise path is measured for bf16
     output only)."""
@@ -218,8 +218,8 @@ def _expected_backend(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out_
     forward_layout = (a_blocks, b_blocks) == ("1x128", "128x128")
     if forward_layout and 0 < m <= 256 and tk.splitk_splits(m, n, k, H200_SMS) > 1:
         return "splitk"
-    rows = -(-m // 16) * 16  # a row count not a multiple of 16 runs on zero rows appended up to the next one
-    aligned = out_dtype == "torch.bfloat16" and n % 16 == 0 and k % BLOCK == 0 and rows % 4 == 0
+    rows = -(-m // 16) * 16 if m > 256 else m  # a training-sized row count runs on zero rows appended up to 16
+    aligned = out_dtype == "torch.bfloat16" and rows % 16 == 0 and n % 16 == 0 and k % BLOCK == 0
     if aligned and (n % 4 == 0 if b_blocks == "1x128" else (k // BLOCK) % 4 == 0):
         return "scaled_mm"
     if aligned and forward_layout and row_scales and n % 4 == 0:

@@ -282,7 +282,7 @@ def test_config_defaults_and_frozen():
         cfg.backward = "bf16"
 
 
-@pytest.mark.parametrize("m,k", [(77, 256), (4093, 384), (1, 128), (30, 200)])
+@pytest.mark.parametrize("m,k", [(277, 256), (4093, 384), (1000, 128), (300, 200)])
 def test_pad_1x128_rows_appends_zero_rows_in_scaled_mm_layout(m, k):
     """torch._scaled_mm takes a multiple of 16 rows: a ragged 1x128 operand gets zero codes and zero scales appended
     (gemm.pad_1x128_rows). The first M rows are the same bytes, the rest dequantize to exact zeros (0 x 0: no NaN
@@ -291,7 +291,7 @@ def test_pad_1x128_rows_appends_zero_rows_in_scaled_mm_layout(m, k):
     x = torch.randn(m, k) * torch.logspace(-2, 2, m)[:, None]
     q, s = quantize_1x128(x)
     rows = gemm.scaled_mm_rows(m)
-    assert rows % 16 == 0 and m <= rows < m + 16
+    assert rows % 16 == 0 and m < rows < m + 16
     qp, sp = gemm.pad_1x128_rows(q, s.t().contiguous().t(), rows)
     assert qp.shape == (rows, k) and qp.dtype == q.dtype and qp.is_contiguous()
     assert sp.shape == (rows, s.shape[1]) and sp.t().is_contiguous()
@@ -319,8 +319,10 @@ def test_scaled_mm_takes_any_row_count_on_padded_rows_and_the_switch_restores_th
             return gemm.resolve_backend("auto", qa, qb, out_dtype=torch.bfloat16, a_blocks="1x128",
                                         b_blocks="128x128", **kw)
 
-        for m in (4093, 4000, 77, 1, 4096):
+        for m in (4093, 4000, 257, 4096, 256, 64):
             assert choose(m, 1024, 4096) == "scaled_mm", m
+        for m in (255, 77, 1):  # decode-sized rows keep their kernels (gemm.SCALED_MM_PAD_MIN_ROWS)
+            assert choose(m, 1024, 4096) == "triton", m
         assert choose(4093, 1024, 1152) == "triton"  # K / 128 = 9: garbage on cuBLAS, padded or not
         assert choose(4093, 1024, 1152, row_scales=True) == "scaled_mm_rows"  # ... unless the weight's scales go per row
         assert choose(4093, 1000, 4096) == "triton"  # N % 16: no padding of M helps
