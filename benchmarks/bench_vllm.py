@@ -282,8 +282,10 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
         else:
             kwargs.update(quantization=quantization_config["quant_method"],
                           hf_overrides={"quantization_config": quantization_config}, load_format="dummy")
-        if numerics == "calclip":
-            extra = fp8_engine_numerics_kwargs(linear_backend=getattr(opts, "linear_backend", "cutlass"))
+        if numerics == "calclip":  # the trainer's engine numerics, "fastest" resolved for this engine's recipe
+            recipe = "blockwise" if kwargs.get("quantization") == "fp8" else "rowwise"
+            extra = fp8_engine_numerics_kwargs(linear_backend=getattr(opts, "linear_backend", "fastest"),
+                                               recipe=recipe)
             compilation.update(extra.pop("compilation_config", {}))
             kwargs.update(extra)
     elif opts.dummy_bf16:
@@ -301,6 +303,12 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
         kwargs["linear_backend"] = engine_linear_backend(kwargs["linear_backend"], "blockwise" if block else "rowwise")
     if block:
         set_deep_gemm_e8m0(numerics, kwargs.get("linear_backend"))
+        # as the trainer does: no minutes-long DeepGEMM warm-up before the first request (vllm_sync.apply_deep_gemm_warmup;
+        # kept for the rest of the process, so every later DeepGEMM engine, vLLM-default arms included, starts alike)
+        from calclip.rollout.vllm_sync import apply_deep_gemm_warmup
+
+        if apply_deep_gemm_warmup(kwargs.get("linear_backend")):
+            print("   VLLM_DEEP_GEMM_WARMUP=skip (DeepGEMM kernels compiled as first used)", flush=True)
     # the trainer's engine options (--kv-cache-dtype: FP8 engines only, vLLM's online FP8 included, so the BF16 engine
     # stays the control)
     from calclip.rollout.vllm_sync import engine_speed_kwargs
@@ -1190,7 +1198,15 @@ def part_grpo(opts) -> None:
                 cmd += ["--async-scheduling", "on" if opts.async_scheduling else "off"]
             print(f"-- grpo {label}, round {round_index + 1}/{opts.grpo_rounds}: {' '.join(cmd[2:])}", flush=True)
             start = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.grpo_timeout)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.grpo_timeout)
+            except subprocess.TimeoutExpired as err:  # keep the worker's output: where did its time go?
+                said = "".join(b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+                               for b in (err.stdout, err.stderr))[-3000:]
+                print(f"   !! grpo {label} timed out after {opts.grpo_timeout} s (--grpo-timeout); last output:\n"
+                      f"{said}", flush=True)
+                runs[label].append({"error": f"timed out after {opts.grpo_timeout} s: {said[-400:]}"})
+                continue
             print(f"   exit {proc.returncode} after {time.perf_counter() - start:.0f} s", flush=True)
             if proc.returncode != 0 or not out.exists():
                 tail = (proc.stdout + proc.stderr)[-3000:]
@@ -1263,8 +1279,9 @@ def parse_args(argv=None):
     parser.add_argument("--batches", type=_ints, default=[64, 128, 256])
     parser.add_argument("--new-tokens", type=_ints, default=[128, 512], help="decode; hf_decode uses the first")
     parser.add_argument("--decode-layers", type=int, default=4)
-    parser.add_argument("--linear-backend", default="cutlass",
-                        help="vLLM's GEMM for the block-FP8 engine of the mismatch and grpo parts (calclip settings): "
+    parser.add_argument("--linear-backend", default="fastest",
+                        help="vLLM's GEMM for the FP8 engines of the mismatch and grpo parts (calclip settings): "
+                             "fastest (the trainer's default: deep_gemm for blockwise where it runs, else cutlass), "
                              "cutlass, deep_gemm, triton")
     parser.add_argument("--decode-arms", default="fp8,bf16",
                         help=f"decode / decode_profile: engines, comma-separated, of {sorted(DECODE_ENGINES)}")

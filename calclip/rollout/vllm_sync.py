@@ -64,7 +64,7 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -94,8 +94,34 @@ _RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
 _logger = logging.getLogger(__name__)
 
 
-# What the engine must run so that its FP8 linears compute what FP8BlockLinear computes (docs/vllm.md, "Numerics").
-DEFAULT_LINEAR_BACKEND = "cutlass"
+# The engine's GEMM for the FP8 linears (docs/vllm.md, "Numerics" and "Block-FP8 GEMM backends"): "fastest" is
+# calclip's measured choice, resolved when the engine's arguments are built (``resolve_linear_backend``): DeepGEMM for
+# the blockwise recipe where vLLM can run it (H200, 2026-12-05: 1.36x / 1.23x BF16's decode at batch 64 / 256, where
+# CUTLASS measured 1.00x / 1.14x), CUTLASS elsewhere. Both serve the trainer's FP32 block scales unchanged.
+FASTEST_LINEAR_BACKEND = "fastest"
+DEFAULT_LINEAR_BACKEND = FASTEST_LINEAR_BACKEND
+
+
+def deep_gemm_runs_here() -> bool:
+    """vLLM's own test for DeepGEMM (``vllm.utils.deep_gemm.is_deep_gemm_supported``: a Hopper or Blackwell GPU,
+    DeepGEMM importable, ``VLLM_USE_DEEP_GEMM`` on); False where vLLM is not installed."""
+    try:
+        from vllm.utils.deep_gemm import is_deep_gemm_supported
+    except ImportError:
+        return False
+    return bool(is_deep_gemm_supported())
+
+
+def resolve_linear_backend(linear_backend: str | None, recipe: str = "blockwise",
+                           deep_gemm: bool | None = None) -> str | None:
+    """``linear_backend`` as vLLM gets it: "fastest" becomes "deep_gemm" for the blockwise recipe where DeepGEMM runs
+    (``deep_gemm``, default ``deep_gemm_runs_here()``) and "cutlass" otherwise (vLLM 0.24 has no per-channel
+    DeepGEMM kernel; ``linear_backend_problem``); any other value is the user's and passes unchanged."""
+    if linear_backend != FASTEST_LINEAR_BACKEND:
+        return linear_backend
+    if recipe != "blockwise":
+        return "cutlass"
+    return "deep_gemm" if (deep_gemm_runs_here() if deep_gemm is None else deep_gemm) else "cutlass"
 
 
 # What an engine of the tensorwise recipe does differently from the trainer (logged when one starts).
@@ -107,18 +133,21 @@ TENSORWISE_ACTIVATION_NOTE = (
 
 
 def fp8_engine_numerics_kwargs(*, linear_backend: str | None = DEFAULT_LINEAR_BACKEND,
-                               match_trainer: bool = True) -> dict[str, Any]:
-    """``vllm.LLM`` arguments (vLLM 0.24 names) that make a block-FP8 engine run the trainer's FP8 arithmetic.
+                               match_trainer: bool = True, recipe: str = "blockwise") -> dict[str, Any]:
+    """``vllm.LLM`` arguments (vLLM 0.24 names) that make an FP8 engine of ``recipe`` run the trainer's arithmetic.
 
-    linear_backend: vLLM's ``kernel_config.linear_backend`` for the FP8 linears. "cutlass" (default) serves the
-        checkpoint's FP32 block scales as they are; None leaves vLLM's automatic choice, which on Hopper with
-        DeepGEMM installed requantizes the weights to power-of-two scales (the trainer's codes are then not the
-        engine's unless the policy trains with ``power_of_two_scales``).
+    linear_backend: vLLM's ``kernel_config.linear_backend`` for the FP8 linears. "fastest" (default) is resolved
+        here (``resolve_linear_backend``: DeepGEMM for blockwise where it runs, else CUTLASS); "cutlass" and
+        "deep_gemm" serve the checkpoint's FP32 block scales as they are (DeepGEMM with ``VLLM_USE_DEEP_GEMM_E8M0=0``,
+        which the engine hook sets: ``apply_deep_gemm_e8m0``); None leaves vLLM's automatic choice, which on Hopper
+        with DeepGEMM installed and the environment's default requantizes the weights to power-of-two scales unless
+        that hook runs.
     match_trainer: switch off the RMSNorm+quant and SiLU*up+quant fusion passes (whose kernels quantize values
         the trainer never sees: an unrounded FP32 SiLU(gate)*up, scales floored at 1/(448*512)) and let Inductor
         round BF16 intermediates as eager PyTorch (the trainer's HF forward) does. False: vLLM's defaults.
     """
     kwargs: dict[str, Any] = {}
+    linear_backend = resolve_linear_backend(linear_backend, recipe)
     if linear_backend is not None:
         kwargs["linear_backend"] = linear_backend
     if match_trainer:
@@ -141,10 +170,11 @@ def linear_backend_problem(recipe: str, linear_backend: str | None) -> str | Non
     """Why vLLM 0.24 cannot serve an engine of ``recipe`` (an FP8 recipe name) with ``linear_backend``, or None."""
     if linear_backend in _BLOCK_ONLY_LINEAR_BACKENDS and recipe != "blockwise":
         return (f"vLLM's linear_backend {linear_backend!r} has block-FP8 kernels only, and the {recipe!r} recipe is "
-                f"served by vLLM's per-channel FP8 kernels: use 'cutlass' (the default) or null (vLLM's choice)")
+                f"served by vLLM's per-channel FP8 kernels: use 'fastest' (the default), 'cutlass' or null "
+                f"(vLLM's choice)")
     if linear_backend in _SCALED_ONLY_LINEAR_BACKENDS and recipe == "blockwise":
-        return (f"vLLM's linear_backend {linear_backend!r} has no block-FP8 kernel: use 'cutlass' (the default), "
-                f"'deep_gemm' or null (vLLM's choice)")
+        return (f"vLLM's linear_backend {linear_backend!r} has no block-FP8 kernel: use 'fastest' (the default), "
+                f"'deep_gemm', 'cutlass' or null (vLLM's choice)")
     return None
 
 
@@ -188,6 +218,22 @@ def set_deep_gemm_e8m0_env(value: str | None) -> None:
     cached = getattr(sys.modules.get("vllm.utils.deep_gemm"), "is_deep_gemm_e8m0_used", None)
     if hasattr(cached, "cache_clear"):
         cached.cache_clear()
+
+
+# vLLM's DeepGEMM warm-up before the first request (vllm/envs.py, default "relax"): it JIT-compiles the GEMM for a
+# ladder of token counts per weight shape. On a fresh H200 (2026-12-05) "relax" ran 1,749 warm-up GEMMs for a 32-layer
+# Llama-3-8B-dims engine and had not finished after 280 s (the GRPO benchmark's worker timed out in it); with "skip"
+# the kernels compile as first used (CUDA-graph capture included) and that engine started and decoded in ~85 s.
+DEEP_GEMM_WARMUP_ENV = "VLLM_DEEP_GEMM_WARMUP"
+
+
+def apply_deep_gemm_warmup(linear_backend: str | None, env: MutableMapping[str, str] = os.environ) -> str | None:
+    """Before an FP8 engine that may run DeepGEMM starts: ``VLLM_DEEP_GEMM_WARMUP=skip`` unless the environment chose
+    a warm-up itself. Returns the value set, or None where nothing was set (another backend, or the user's choice)."""
+    if linear_backend not in _DEEP_GEMM_BACKENDS or DEEP_GEMM_WARMUP_ENV in env:
+        return None
+    env[DEEP_GEMM_WARMUP_ENV] = "skip"
+    return "skip"
 
 
 def apply_deep_gemm_e8m0(linear_backend: str | None, power_of_two_scales: bool) -> None:
@@ -651,14 +697,17 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
     def _engine_kwargs(self) -> dict[str, Any]:
         specs = self._fp8_specs()
         fp8 = fp8_engine_kwargs(self.model, export_dir=self.fp8_export_dir, fp8_modules=specs)
-        numerics = fp8_engine_numerics_kwargs() if self.fp8_engine_extra is None else self.fp8_engine_extra
+        recipe = shared_recipe(specs)
+        numerics = (fp8_engine_numerics_kwargs(recipe=recipe) if self.fp8_engine_extra is None
+                    else self.fp8_engine_extra)
         backend = numerics.get("linear_backend")
-        problem = linear_backend_problem(shared_recipe(specs), backend)
+        problem = linear_backend_problem(recipe, backend)
         if problem:  # vLLM would refuse it only after loading the model
             raise ValueError(f"vllm_fp8_linear_backend: {problem}")
         block_specs = [spec for spec in specs.values() if spec.blockwise]  # DeepGEMM serves block layers only
         if block_specs:
             apply_deep_gemm_e8m0(backend, all(spec.power_of_two_scales for spec in block_specs))
+            apply_deep_gemm_warmup(backend)
         model_dir = {} if self.fp8_export_dir is not None else super()._engine_kwargs()  # the export has its own
         return {**model_dir, **numerics, **fp8}
 

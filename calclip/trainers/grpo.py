@@ -279,7 +279,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                 defer_engine=True, check_vllm_shapes=False, engine_model_root=engine_model_root,
                 direct_sync=args.vllm_fp8_direct_sync, engine_options=engine_options,
                 engine_kwargs=fp8_engine_numerics_kwargs(linear_backend=args.vllm_fp8_linear_backend,
-                                                         match_trainer=args.vllm_fp8_match_trainer_numerics))
+                                                         match_trainer=args.vllm_fp8_match_trainer_numerics,
+                                                         recipe=args.fp8_recipe))
         elif args.use_vllm:
             vllm_hook = use_vllm_generation(engine_model_root=engine_model_root, engine_options=engine_options)
         else:

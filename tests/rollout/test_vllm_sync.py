@@ -30,7 +30,13 @@ trl_vllm_generation = pytest.importorskip("trl.generation.vllm_generation")
 from calclip.fp8 import Fp8Config, FP8BlockLinear, quantize_model  # noqa: E402
 from calclip.rollout.vllm_sync import (  # noqa: E402
     DEEP_GEMM_E8M0_ENV,
+    DEEP_GEMM_WARMUP_ENV,
+    DEFAULT_LINEAR_BACKEND,
+    apply_deep_gemm_warmup,
     deep_gemm_e8m0_setting,
+    deep_gemm_runs_here,
+    fp8_engine_numerics_kwargs,
+    resolve_linear_backend,
     ENGINE_MODEL_DIRNAME,
     linear_backend_problem,
     check_vllm_compatible,
@@ -401,6 +407,68 @@ def test_deep_gemm_e8m0_setting_rules():
         deep_gemm_e8m0_setting("deep_gemm", False, env_on)
     with pytest.raises(ValueError, match="VLLM_USE_DEEP_GEMM_E8M0"):
         deep_gemm_e8m0_setting(None, False, env_on)
+
+
+def _deep_gemm_module(monkeypatch, supported: bool):
+    """A stand-in for vllm.utils.deep_gemm: vLLM's DeepGEMM test answers ``supported``; E8M0 read from the env."""
+    module = types.ModuleType("vllm.utils.deep_gemm")
+    module.is_deep_gemm_supported = lambda: supported
+    module.is_deep_gemm_e8m0_used = lambda: os.environ.get(DEEP_GEMM_E8M0_ENV, "1") == "1"
+    monkeypatch.setitem(sys.modules, "vllm.utils.deep_gemm", module)
+
+
+def test_fastest_linear_backend_is_deep_gemm_for_blocks_where_it_runs_and_cutlass_elsewhere(monkeypatch):
+    """The default "fastest" is resolved before vLLM sees it: DeepGEMM for the blockwise recipe where vLLM says
+    DeepGEMM runs (it measured 1.36x BF16's decode at batch 64 on the H200, CUTLASS 1.00x), CUTLASS for the other
+    recipes (vLLM 0.24 has no per-channel DeepGEMM kernel) and where DeepGEMM does not run; a named backend is the
+    user's and passes unchanged."""
+    assert DEFAULT_LINEAR_BACKEND == "fastest"
+    for supported in (True, False):
+        _deep_gemm_module(monkeypatch, supported)
+        assert deep_gemm_runs_here() is supported
+        assert resolve_linear_backend("fastest") == ("deep_gemm" if supported else "cutlass")
+        assert fp8_engine_numerics_kwargs()["linear_backend"] == ("deep_gemm" if supported else "cutlass")
+        for recipe in ("rowwise", "tensorwise"):
+            assert resolve_linear_backend("fastest", recipe) == "cutlass"
+            assert fp8_engine_numerics_kwargs(recipe=recipe)["linear_backend"] == "cutlass"
+        for named in ("cutlass", "deep_gemm", "triton", None):
+            assert resolve_linear_backend(named) == named and resolve_linear_backend(named, "rowwise") == named
+    assert resolve_linear_backend("fastest", deep_gemm=True) == "deep_gemm"
+    monkeypatch.setitem(sys.modules, "vllm.utils.deep_gemm", None)  # vLLM not installed: import fails
+    assert not deep_gemm_runs_here() and resolve_linear_backend("fastest") == "cutlass"
+    for recipe in ("blockwise", "rowwise", "tensorwise"):
+        assert linear_backend_problem(recipe, "fastest") is None
+
+
+def test_deep_gemm_warmup_is_skipped_unless_the_environment_chose_one():
+    """vLLM's default DeepGEMM warm-up ("relax") JIT-compiled 1,749 GEMMs on a fresh H200 and had not finished after
+    280 s; calclip sets "skip" (kernels compiled as first used) for engines that may run DeepGEMM, and leaves a
+    user's choice and other backends alone."""
+    for backend in ("deep_gemm", None, "auto"):
+        env = {}
+        assert apply_deep_gemm_warmup(backend, env) == "skip" and env == {DEEP_GEMM_WARMUP_ENV: "skip"}
+    env = {DEEP_GEMM_WARMUP_ENV: "full"}
+    assert apply_deep_gemm_warmup("deep_gemm", env) is None and env == {DEEP_GEMM_WARMUP_ENV: "full"}
+    env = {}
+    assert apply_deep_gemm_warmup("cutlass", env) is None and env == {}
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_trainer_engine_takes_deep_gemm_by_default_where_it_runs(fake_vllm, tokenizer, tmp_path, monkeypatch,
+                                                                recipe):
+    """The trainer's default engine on a machine where vLLM runs DeepGEMM: blockwise gets linear_backend "deep_gemm"
+    with UE8M0 off (the trainer's FP32 scales kept) and the warm-up skipped; rowwise gets CUTLASS, no env change."""
+    monkeypatch.delenv(DEEP_GEMM_E8M0_ENV, raising=False)
+    monkeypatch.delenv(DEEP_GEMM_WARMUP_ENV, raising=False)
+    _deep_gemm_module(monkeypatch, True)
+    make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8_recipe=recipe)
+    (kw,) = fake_vllm.engine_kwargs
+    if recipe == "blockwise":
+        assert kw["linear_backend"] == "deep_gemm"
+        assert os.environ[DEEP_GEMM_E8M0_ENV] == "0" and os.environ[DEEP_GEMM_WARMUP_ENV] == "skip"
+    else:
+        assert kw["linear_backend"] == "cutlass"
+        assert DEEP_GEMM_E8M0_ENV not in os.environ and DEEP_GEMM_WARMUP_ENV not in os.environ
 
 
 def test_linear_backends_that_cannot_serve_the_recipe():
