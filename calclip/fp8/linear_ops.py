@@ -16,7 +16,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from calclip.fp8.compile_cache import tag_compile_caches
 from calclip.fp8.linear_math import _backward, _forward, _fused_decode_kernel, _gemm, _quantize_input
+
+# torch.compile's caches key these ops by name, not by the dispatch inside them: calclip's fingerprint goes into
+# every cache key from here on (compile_cache.py)
+tag_compile_caches()
 
 
 @torch.library.triton_op("calclip::fp8_linear_forward", mutates_args=())
