@@ -1119,7 +1119,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     args = CalibratedGRPOConfig(
         output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm.startswith("fp8"),
         vllm_fp8_direct_sync=arm != "fp8_reload", vllm_fp8_linear_backend=engine_linear_backend(
-            getattr(opts, "linear_backend", "cutlass"), getattr(opts, "grpo_recipe", None) or "blockwise"),
+            getattr(opts, "linear_backend", "fastest"), getattr(opts, "grpo_recipe", None) or "blockwise"),
         use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
         per_device_train_batch_size=completions, num_generations=8, gradient_accumulation_steps=1,
