@@ -102,14 +102,24 @@ FASTEST_LINEAR_BACKEND = "fastest"
 DEFAULT_LINEAR_BACKEND = FASTEST_LINEAR_BACKEND
 
 
-def deep_gemm_runs_here() -> bool:
+def deep_gemm_runs_here(env: Mapping[str, str] = os.environ) -> bool:
     """vLLM's own test for DeepGEMM (``vllm.utils.deep_gemm.is_deep_gemm_supported``: a Hopper or Blackwell GPU,
-    DeepGEMM importable, ``VLLM_USE_DEEP_GEMM`` on); False where vLLM is not installed."""
+    DeepGEMM importable, ``VLLM_USE_DEEP_GEMM`` on), and a CUDA compiler for DeepGEMM's run-time JIT (``nvcc_found``:
+    vLLM's test does not look, and DeepGEMM fails at its first GEMM without one); False where vLLM is not installed."""
     try:
         from vllm.utils.deep_gemm import is_deep_gemm_supported
     except ImportError:
         return False
-    return bool(is_deep_gemm_supported())
+    return bool(is_deep_gemm_supported()) and nvcc_found(env)
+
+
+def nvcc_found(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether DeepGEMM's JIT finds ``nvcc`` where it looks (vllm/third_party/deep_gemm ``_find_cuda_home``):
+    ``$CUDA_HOME`` or ``$CUDA_PATH``, else the ``nvcc`` on PATH, else /usr/local/cuda."""
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    if home:
+        return os.path.exists(os.path.join(home, "bin", "nvcc"))
+    return shutil.which("nvcc", path=env.get("PATH")) is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
 
 
 def resolve_linear_backend(linear_backend: str | None, recipe: str = "blockwise",

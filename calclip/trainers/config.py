@@ -292,8 +292,8 @@ class CalibratedGRPOConfig(GRPOConfig):
         default="fastest",
         metadata={"help": "With use_vllm and fp8: the colocated vLLM engine's GEMM backend for the FP8 linears "
                   "(vLLM's linear_backend). 'fastest' (default): 'deep_gemm' for fp8_recipe 'blockwise' where vLLM "
-                  "can run DeepGEMM (Hopper/Blackwell; measured 1.36x BF16's decode at batch 64 on the H200, CUTLASS "
-                  "1.00x), else 'cutlass'. 'cutlass' serves the policy's FP32 block scales unchanged; 'deep_gemm' "
+                  "can run DeepGEMM (Hopper/Blackwell, and an nvcc for its run-time JIT; measured 1.36x BF16's decode "
+                  "at batch 64 on the H200, CUTLASS 1.00x), else 'cutlass'. 'cutlass' serves the policy's FP32 block scales unchanged; 'deep_gemm' "
                   "(vLLM's vendored DeepGEMM) and null (vLLM's automatic choice, DeepGEMM first where installed) "
                   "serve them unchanged too: calclip sets VLLM_USE_DEEP_GEMM_E8M0=0 "
                   "before the engine starts unless every scale is a power of two, and refuses an environment that "

@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 trl_vllm_generation = pytest.importorskip("trl.generation.vllm_generation")
 
 from calclip.fp8 import Fp8Config, FP8BlockLinear, quantize_model  # noqa: E402
+from calclip.rollout import vllm_sync  # noqa: E402
 from calclip.rollout.vllm_sync import (  # noqa: E402
     DEEP_GEMM_E8M0_ENV,
     DEEP_GEMM_WARMUP_ENV,
@@ -36,6 +37,7 @@ from calclip.rollout.vllm_sync import (  # noqa: E402
     deep_gemm_e8m0_setting,
     deep_gemm_runs_here,
     fp8_engine_numerics_kwargs,
+    nvcc_found,
     resolve_linear_backend,
     ENGINE_MODEL_DIRNAME,
     linear_backend_problem,
@@ -423,6 +425,7 @@ def test_fastest_linear_backend_is_deep_gemm_for_blocks_where_it_runs_and_cutlas
     recipes (vLLM 0.24 has no per-channel DeepGEMM kernel) and where DeepGEMM does not run; a named backend is the
     user's and passes unchanged."""
     assert DEFAULT_LINEAR_BACKEND == "fastest"
+    monkeypatch.setattr(vllm_sync, "nvcc_found", lambda env=None: True)
     for supported in (True, False):
         _deep_gemm_module(monkeypatch, supported)
         assert deep_gemm_runs_here() is supported
@@ -434,10 +437,25 @@ def test_fastest_linear_backend_is_deep_gemm_for_blocks_where_it_runs_and_cutlas
         for named in ("cutlass", "deep_gemm", "triton", None):
             assert resolve_linear_backend(named) == named and resolve_linear_backend(named, "rowwise") == named
     assert resolve_linear_backend("fastest", deep_gemm=True) == "deep_gemm"
+    monkeypatch.setattr(vllm_sync, "nvcc_found", lambda env=None: False)  # no CUDA compiler for DeepGEMM's JIT
+    assert not deep_gemm_runs_here() and resolve_linear_backend("fastest") == "cutlass"
     monkeypatch.setitem(sys.modules, "vllm.utils.deep_gemm", None)  # vLLM not installed: import fails
     assert not deep_gemm_runs_here() and resolve_linear_backend("fastest") == "cutlass"
     for recipe in ("blockwise", "rowwise", "tensorwise"):
         assert linear_backend_problem(recipe, "fastest") is None
+
+
+def test_nvcc_is_looked_for_where_deep_gemm_looks(tmp_path):
+    """CUDA_HOME / CUDA_PATH first (its bin/nvcc must exist), else nvcc on PATH (else /usr/local/cuda)."""
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    assert not nvcc_found({"CUDA_HOME": str(home)}) and not nvcc_found({"CUDA_PATH": str(home)})
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    assert nvcc_found({"CUDA_HOME": str(home)}) and nvcc_found({"CUDA_PATH": str(home)})
+    assert nvcc_found({"PATH": str(home / "bin")})
+    assert nvcc_found({"PATH": str(tmp_path)}) == os.path.exists("/usr/local/cuda/bin/nvcc")
 
 
 def test_deep_gemm_warmup_is_skipped_unless_the_environment_chose_one():
@@ -461,6 +479,7 @@ def test_trainer_engine_takes_deep_gemm_by_default_where_it_runs(fake_vllm, toke
     monkeypatch.delenv(DEEP_GEMM_E8M0_ENV, raising=False)
     monkeypatch.delenv(DEEP_GEMM_WARMUP_ENV, raising=False)
     _deep_gemm_module(monkeypatch, True)
+    monkeypatch.setattr(vllm_sync, "nvcc_found", lambda env=None: True)
     make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8_recipe=recipe)
     (kw,) = fake_vllm.engine_kwargs
     if recipe == "blockwise":
