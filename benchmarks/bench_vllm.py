@@ -303,8 +303,9 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
         kwargs["linear_backend"] = engine_linear_backend(kwargs["linear_backend"], "blockwise" if block else "rowwise")
     if block:
         set_deep_gemm_e8m0(numerics, kwargs.get("linear_backend"))
-        # as the trainer does: no minutes-long DeepGEMM warm-up before the first request (vllm_sync.apply_deep_gemm_warmup;
-        # kept for the rest of the process, so every later DeepGEMM engine, vLLM-default arms included, starts alike)
+        # as the trainer does: no minutes-long DeepGEMM warm-up before the first request
+        # (vllm_sync.apply_deep_gemm_warmup; kept for the rest of the process, so every later DeepGEMM engine,
+        # vLLM-default arms included, starts alike)
         from calclip.rollout.vllm_sync import apply_deep_gemm_warmup
 
         if apply_deep_gemm_warmup(kwargs.get("linear_backend")):

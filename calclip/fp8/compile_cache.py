@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ TAG_PREFIX = "calclip-fp8-"
 _ROOT = Path(__file__).resolve().parent
 
 
-def dispatch_fingerprint(root: Path = _ROOT, env: dict[str, str] | os._Environ = os.environ) -> str:
+def dispatch_fingerprint(root: Path = _ROOT, env: Mapping[str, str] = os.environ) -> str:
     """16 hex digits of a SHA-256 over every ``*.py`` under ``root`` (relative path and bytes, in sorted order) and
     the values of ``DISPATCH_ENV`` in ``env``."""
     digest = hashlib.sha256()
@@ -42,8 +43,11 @@ def dispatch_fingerprint(root: Path = _ROOT, env: dict[str, str] | os._Environ =
 
 def tag_compile_caches() -> str:
     """Put calclip's fingerprint into ``torch.compiler.config.cache_key_tag`` (appended after "|" to a user's tag; an
-    older calclip tag is replaced, never stacked). Returns the tag now in force."""
-    config = torch.compiler.config
+    older calclip tag is replaced, never stacked). Returns the tag now in force ("" on a torch without the setting,
+    torch < 2.7, whose AOTAutograd cache is off by default)."""
+    config = getattr(torch.compiler, "config", None)
+    if not hasattr(config, "cache_key_tag"):
+        return ""
     ours = TAG_PREFIX + dispatch_fingerprint()
     kept = [part for part in config.cache_key_tag.split("|") if part and not part.startswith(TAG_PREFIX)]
     config.cache_key_tag = "|".join([*kept, ours])

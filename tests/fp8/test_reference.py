@@ -324,7 +324,7 @@ def test_scaled_mm_takes_any_row_count_on_padded_rows_and_the_switch_restores_th
         for m in (255, 77, 1):  # decode-sized rows keep their kernels (gemm.SCALED_MM_PAD_MIN_ROWS)
             assert choose(m, 1024, 4096) == "triton", m
         assert choose(4093, 1024, 1152) == "triton"  # K / 128 = 9: garbage on cuBLAS, padded or not
-        assert choose(4093, 1024, 1152, row_scales=True) == "scaled_mm_rows"  # ... unless the weight's scales go per row
+        assert choose(4093, 1024, 1152, row_scales=True) == "scaled_mm_rows"  # ... unless the weight's go per row
         assert choose(4093, 1000, 4096) == "triton"  # N % 16: no padding of M helps
         monkeypatch.setattr(gemm, "PAD_ROWS", False)
         assert choose(4093, 1024, 4096) == "triton" and choose(4096, 1024, 4096) == "scaled_mm"
