@@ -174,6 +174,19 @@ def pad_1x128_rows(q: Tensor, s: Tensor, rows) -> tuple[Tensor, Tensor]:
     return codes, torch.nn.functional.pad(s.t(), (0, extra)).t()
 
 
+def scaled_mm_on_padded_rows(mm, a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
+                             out_dtype: torch.dtype) -> Tensor:
+    """``mm(a, b, scale_a=, scale_b=, out_dtype=)`` (torch._scaled_mm, or the ``scaled_mm_blockwise`` op while
+    tracing) for a 1x128 operand ``a`` of any row count M: run on ``scaled_mm_rows(M)`` rows (``pad_1x128_rows``)
+    and return the result's first M rows (``narrow``, not ``[:M]``: fake CUDA tensors on CPU builds take it)."""
+    m = a.shape[0]
+    rows = scaled_mm_rows(m)
+    if rows == m:
+        return mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    a, scale_a = pad_1x128_rows(a, scale_a, rows)
+    return mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype).narrow(0, 0, m)
+
+
 def row_scales_of(s: Tensor, rows: int, block: int = BLOCK) -> Tensor:
     """128x128 scales [ceil(rows/128), KB] of a [rows, K] operand -> the same values as 1x128 scales [rows, KB], one
     per row (each row keeps its block's scale), column-major: the strides torch._scaled_mm reads for a 1x128 b
@@ -195,16 +208,13 @@ def scaled_mm_block_gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, *, out_
     """torch._scaled_mm with blockwise scales. a = qa row-major [M,K]; b = qb^T column-major [K,N]; torch
     validates b through b.t() = qb [N,K] with scale_b.t(), hence scale_b = layout(sb).t(). Callers must
     check ``scaled_mm_supports`` (or be a GPU test probing a new layout)."""
-    m = qa.shape[0]
-    rows = scaled_mm_rows(m) if a_blocks == "1x128" else m
-    if rows != m:  # torch._scaled_mm's row rule: zero rows appended, sliced off the result (pad_1x128_rows)
-        qa, sa = pad_1x128_rows(qa, sa, rows)
     a = qa.contiguous()
     b = qb.contiguous().t()
     scale_a = _scale_layout(sa, a_blocks)
     scale_b = _scale_layout(sb, b_blocks).t()
-    y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    return y if rows == m else y.narrow(0, 0, m)  # narrow, not [:m]: fake CUDA tensors on CPU builds take it
+    if a_blocks == "1x128":  # torch._scaled_mm's row rule: zero rows appended, sliced off the result
+        return scaled_mm_on_padded_rows(torch._scaled_mm, a, b, scale_a, scale_b, out_dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
 @torch.library.custom_op("calclip::scaled_mm_blockwise", mutates_args=())

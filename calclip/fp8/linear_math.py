@@ -23,8 +23,8 @@ from torch import Tensor
 
 from calclip.fp8 import quant
 from calclip.fp8.config import Fp8Config
-from calclip.fp8.gemm import (fp8_block_gemm, pad_1x128_rows, resolve_backend, row_scales_of, scaled_mm_blockwise,
-                              scaled_mm_rows)
+from calclip.fp8.gemm import (fp8_block_gemm, resolve_backend, row_scales_of, scaled_mm_blockwise,
+                              scaled_mm_on_padded_rows)
 from calclip.fp8.tracing import is_traced
 
 # (backend, a_blocks, b_blocks, m, n, k, out_dtype, device, row_scales) -> "scaled_mm" | other backend name
@@ -52,14 +52,10 @@ def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype
         # (gemm.scaled_mm_block_gemm, whose re-layouts are no-ops for these operands); "scaled_mm_rows": the
         # 128x128 scales of b repeated per row, a 1x128 scale ([K/128, N] contiguous as scale_b).
         scale_b = (row_scales_of(sb, n) if chosen == "scaled_mm_rows" else sb).t()
-        mm = scaled_mm_blockwise if traced else torch._scaled_mm
-        rows = scaled_mm_rows(m)
-        if rows == m:
-            return mm(qa, qb.t(), scale_a=sa, scale_b=scale_b, out_dtype=out_dtype)
         # M not a multiple of 16 (a micro-batch of B x L tokens, L odd): cuBLAS on zero rows appended, not Triton
-        # (gemm.pad_1x128_rows: one M x K byte copy; the first M rows of the result are the same products)
-        qa, sa = pad_1x128_rows(qa, sa, rows)
-        return mm(qa, qb.t(), scale_a=sa, scale_b=scale_b, out_dtype=out_dtype).narrow(0, 0, m)
+        # (one M x K byte copy; the first M rows of the result are the same products)
+        return scaled_mm_on_padded_rows(scaled_mm_blockwise if traced else torch._scaled_mm, qa, qb.t(), sa, scale_b,
+                                        out_dtype)
     if chosen == "splitk":
         return quant.triton_kernels().fp8_splitk_gemm_triton(qa, sa, qb, sb, out_dtype=out_dtype)
     return fp8_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, backend=chosen, a_blocks=a_blocks,
