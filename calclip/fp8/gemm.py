@@ -46,7 +46,7 @@ from torch import Tensor
 from calclip.fp8.config import BLOCK
 from calclip.fp8.quant import triton_kernels
 from calclip.fp8.reference import dequantize_1x128, dequantize_128x128
-from calclip.fp8.tracing import is_traced, size_hint
+from calclip.fp8.tracing import is_traced, same_size, size_hint
 
 GRANULARITIES = ("1x128", "128x128")
 BACKENDS = ("auto", "scaled_mm", "triton", "emulated")
@@ -164,6 +164,22 @@ def scaled_mm_rows(m):
     return (m + SCALED_MM_ROW_MULTIPLE - 1) // SCALED_MM_ROW_MULTIPLE * SCALED_MM_ROW_MULTIPLE
 
 
+def operand_rows(backend: str, a: Tensor, out_dtype: torch.dtype, row_scales: bool = False):
+    """The rows to quantize the 1x128 first operand of a forward or dgrad GEMM over (``quant.quantize_1x128``'s
+    ``out_rows``), given that operand in high precision, a [M, K]: ``scaled_mm_rows(M)`` where the GEMM may run on
+    torch._scaled_mm (``backend`` "auto" / "scaled_mm", an sm_90 CUDA tensor, a contraction K and output dtype it
+    takes: ``resolve_backend``'s rule without N), else M itself (the same object). The quantizer then writes the zero
+    rows torch._scaled_mm needs and ``scaled_mm_on_padded_rows`` copies nothing; a GEMM that goes elsewhere after all
+    (N % 16 != 0) runs on the padded operand, whose extra rows are zeros, and the caller keeps the first M rows."""
+    m, k = a.shape
+    if (backend not in ("auto", "scaled_mm") or not a.is_cuda or out_dtype != torch.bfloat16 or k % BLOCK
+            or not _is_sm90(a.device)):
+        return m
+    if (k // BLOCK) % 4 and not row_scales:  # the 128x128 scale's leading dimension: garbage on cuBLAS
+        return m
+    return scaled_mm_rows(m)
+
+
 def pad_1x128_rows(q: Tensor, s: Tensor, rows) -> tuple[Tensor, Tensor]:
     """1x128 codes q [M, K] and scales s [M, ceil(K/128)] -> [rows, K] codes (row-major) and [rows, ceil(K/128)]
     scales (column-major, torch._scaled_mm's layout), rows >= M holding zero codes and zero scales: they dequantize to
@@ -175,13 +191,18 @@ def pad_1x128_rows(q: Tensor, s: Tensor, rows) -> tuple[Tensor, Tensor]:
 
 
 def scaled_mm_on_padded_rows(mm, a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor,
-                             out_dtype: torch.dtype) -> Tensor:
+                             out_dtype: torch.dtype, m=None) -> Tensor:
     """``mm(a, b, scale_a=, scale_b=, out_dtype=)`` (torch._scaled_mm, or the ``scaled_mm_blockwise`` op while
-    tracing) for a 1x128 operand ``a`` of any row count M: run on ``scaled_mm_rows(M)`` rows (``pad_1x128_rows``)
-    and return the result's first M rows (``narrow``, not ``[:M]``: fake CUDA tensors on CPU builds take it)."""
-    m = a.shape[0]
+    tracing) for a 1x128 operand ``a`` of any row count M (``m``; default a's rows): run on ``scaled_mm_rows(M)`` rows
+    and return the result's first M rows (``narrow``, not ``[:M]``: fake CUDA tensors on CPU builds take it). ``a``
+    comes with those rows already (its quantizer wrote them: ``operand_rows``) or with M rows, then zero rows are
+    appended here (``pad_1x128_rows``, one copy)."""
+    m = a.shape[0] if m is None else m
     rows = scaled_mm_rows(m)
-    if rows == m:
+    if same_size(a.shape[0], rows):  # the quantizer wrote the GEMM's rows (or there is nothing to pad): no guard on M
+        y = mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        return y if same_size(rows, m) else y.narrow(0, 0, m)
+    if rows == m:  # an operand of M rows (a fused producer's codes): the guard on M % 16 decides whether to copy
         return mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     a, scale_a = pad_1x128_rows(a, scale_a, rows)
     return mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype).narrow(0, 0, m)

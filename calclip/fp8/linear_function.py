@@ -36,9 +36,9 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         fp8_backward = cfg.backward == "fp8"
         if codes is None:  # (given only with backward="fp8"; 128x1 codes whenever any sibling's weight needs a grad)
             codes = _quantize_input(x2, weight_bad, counter, need_dw and fp8_backward, cfg.power_of_two_scales,
-                                    cfg.fused_quantizer)
-        qx, sx, qxt, sxt = codes
-        y = _gemm(qx, sx, qw, sw, out_dtype, cfg.gemm, "1x128", "128x128", cfg.row_scales)
+                                    cfg.fused_quantizer, gemm=cfg.gemm, row_scales=cfg.row_scales)
+        qx, sx, qxt, sxt = codes  # qx, sx: over gemm.operand_rows(M) rows, zero tokens past M
+        y = _gemm(qx, sx, qw, sw, out_dtype, cfg.gemm, "1x128", "128x128", cfg.row_scales, m=x2.shape[0])
         ctx.cfg, ctx.need = cfg, (need_dx, need_dw)
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         if fp8_backward:

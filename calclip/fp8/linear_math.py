@@ -23,20 +23,24 @@ from torch import Tensor
 
 from calclip.fp8 import quant
 from calclip.fp8.config import Fp8Config
-from calclip.fp8.gemm import (fp8_block_gemm, resolve_backend, row_scales_of, scaled_mm_blockwise,
+from calclip.fp8.gemm import (fp8_block_gemm, operand_rows, resolve_backend, row_scales_of, scaled_mm_blockwise,
                               scaled_mm_on_padded_rows)
-from calclip.fp8.tracing import is_traced
+from calclip.fp8.tracing import is_traced, same_size
 
 # (backend, a_blocks, b_blocks, m, n, k, out_dtype, device, row_scales) -> "scaled_mm" | other backend name
 _gemm_choice: dict[tuple, str] = {}
 
 
 def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype, backend: str,
-          a_blocks: str, b_blocks: str, row_scales: bool = False) -> Tensor:
+          a_blocks: str, b_blocks: str, row_scales: bool = False, m=None) -> Tensor:
     """fp8_block_gemm for operands already in the layouts the quantizers emit with gemm_layout=True; the
     backend decision is made once per shape, and the torch._scaled_mm path re-lays out nothing (but for
-    ``row_scales``' "scaled_mm_rows", which repeats a weight's scales per row: a [K/128, N] fp32 tensor per call)."""
-    (m, k), n = qa.shape, qb.shape[0]
+    ``row_scales``' "scaled_mm_rows", which repeats a weight's scales per row: a [K/128, N] fp32 tensor per call).
+    m: the rows of the product (default qa's); a 1x128 qa may hold more, zero tokens appended by its quantizer
+    (``gemm.operand_rows``), which no backend needs a copy of: the result is cut back to m rows."""
+    rows_a, k = qa.shape
+    m = rows_a if m is None else m
+    n = qb.shape[0]
     traced = is_traced(qa)
     if traced and not all(type(d) is int for d in (m, n, k)):  # symbolic sizes: decided while tracing, not cached
         chosen = resolve_backend(backend, qa, qb, out_dtype=out_dtype, a_blocks=a_blocks, b_blocks=b_blocks,
@@ -52,27 +56,36 @@ def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype
         # (gemm.scaled_mm_block_gemm, whose re-layouts are no-ops for these operands); "scaled_mm_rows": the
         # 128x128 scales of b repeated per row, a 1x128 scale ([K/128, N] contiguous as scale_b).
         scale_b = (row_scales_of(sb, n) if chosen == "scaled_mm_rows" else sb).t()
-        # M not a multiple of 16 (a micro-batch of B x L tokens, L odd): cuBLAS on zero rows appended, not Triton
-        # (one M x K byte copy; the first M rows of the result are the same products)
+        # M not a multiple of 16 (a micro-batch of B x L tokens, L odd): cuBLAS on zero rows appended, not Triton;
+        # the quantizer wrote them (gemm.operand_rows) or, for a fused producer's codes, one M x K byte copy does
         return scaled_mm_on_padded_rows(scaled_mm_blockwise if traced else torch._scaled_mm, qa, qb.t(), sa, scale_b,
-                                        out_dtype)
+                                        out_dtype, m)
     if chosen == "splitk":
-        return quant.triton_kernels().fp8_splitk_gemm_triton(qa, sa, qb, sb, out_dtype=out_dtype)
-    return fp8_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, backend=chosen, a_blocks=a_blocks,
-                          b_blocks=b_blocks)
+        y = quant.triton_kernels().fp8_splitk_gemm_triton(qa, sa, qb, sb, out_dtype=out_dtype)
+    else:
+        y = fp8_block_gemm(qa, sa, qb, sb, out_dtype=out_dtype, backend=chosen, a_blocks=a_blocks, b_blocks=b_blocks)
+    return y if same_size(rows_a, m) else y.narrow(0, 0, m)  # padded rows (operand_rows) a backend did not need
+
+
+def _padded_rows(rows, m):
+    """``out_rows`` for a quantizer: None where ``rows`` (``gemm.operand_rows``) is m (``same_size``: no guard)."""
+    return None if same_size(rows, m) else rows
 
 
 def _quantize_input(x2: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool,
-                    members: int = 1) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """x2 [M, K] -> its 1x128 codes/scales (the forward GEMM's operand) and, when save_for_wgrad, its 128x1
-    codes/scales (saved for the wgrad GEMM), else None; counter (int64 []) += the non-finite rows of ``members``
-    linears reading x2 (``weight_bad``: the one linear's flag, or an int32 count of bad weights among members)."""
+                    members: int = 1, *, gemm: str,
+                    row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """x2 [M, K] -> its 1x128 codes/scales (the forward GEMM's operand; over ``gemm.operand_rows`` rows for the
+    ``gemm`` backend, the rows past M zero tokens) and, when save_for_wgrad, its 128x1 codes/scales (saved for the
+    wgrad GEMM), else None; counter (int64 []) += the non-finite rows of ``members`` linears reading x2
+    (``weight_bad``: the one linear's flag, or an int32 count of bad weights among members)."""
+    rows = _padded_rows(operand_rows(gemm, x2, x2.dtype, row_scales), x2.shape[0])
     if save_for_wgrad and fused:
-        qx, sx, qxt, sxt = quant.quantize_1x128_and_128x1(x2, pow2=pow2, gemm_layout=True)
-        quant.add_nonfinite_rows(counter, sx, weight_bad, members)
+        qx, sx, qxt, sxt = quant.quantize_1x128_and_128x1(x2, pow2=pow2, gemm_layout=True, out_rows=rows)
+        quant.add_nonfinite_rows(counter, sx if rows is None else sx.narrow(0, 0, x2.shape[0]), weight_bad, members)
         return qx, sx, qxt, sxt
     qx, sx = quant.quantize_1x128(x2, pow2=pow2, gemm_layout=True, nonfinite_count=counter, weight_bad=weight_bad,
-                                  members=members)
+                                  members=members, out_rows=rows)
     qxt, sxt = quant.quantize_128x1(x2, pow2=pow2, gemm_layout=True) if save_for_wgrad else (None, None)
     return qx, sx, qxt, sxt
 
@@ -84,8 +97,9 @@ def _forward(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Te
     -> y [M, N] out_dtype, and x quantized 128x1 (qxt [wgrad_rows(M), K], sxt [M/128, K]) when save_for_wgrad,
     else None.
     row_scales: Fp8Config.scaled_mm_row_scales (gemm.resolve_backend)."""
-    qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, fused)
-    y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales)
+    qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, fused, gemm=gemm,
+                                       row_scales=row_scales)
+    y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales, m=x2.shape[0])
     return y, qxt, sxt
 
 
@@ -96,15 +110,17 @@ def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, n
     dx = dw = None
     both_at_once = need_dx and need_dw and fused  # Fp8Config.fused_quantizer: one kernel writes both layouts
     if need_dx:
+        # dy's 1x128 codes over the rows the dgrad GEMM runs on (gemm.operand_rows: zero tokens past M, no copy)
+        rows = _padded_rows(operand_rows(gemm, dy2, x_dtype, row_scales), dy2.shape[0])
         if both_at_once:
-            qdy, sdy, qdyt, sdyt = quant.quantize_1x128_and_128x1(dy2, pow2=pow2, gemm_layout=True)
+            qdy, sdy, qdyt, sdyt = quant.quantize_1x128_and_128x1(dy2, pow2=pow2, gemm_layout=True, out_rows=rows)
         else:
-            qdy, sdy = quant.quantize_1x128(dy2, pow2=pow2, gemm_layout=True)  # [M, N], [M, N/128]
+            qdy, sdy = quant.quantize_1x128(dy2, pow2=pow2, gemm_layout=True, out_rows=rows)  # [M, N], [M, N/128]
         if qwt.is_cuda and not qwt.is_contiguous():
             # Fp8Config.resident_dgrad_codes=False: W^T made here from the W codes (exact); torch._scaled_mm reads
             # its second operand K-major
             qwt, swt = qwt.contiguous(), swt.contiguous()
-        dx = _gemm(qdy, sdy, qwt, swt, x_dtype, gemm, "1x128", "128x128", row_scales)
+        dx = _gemm(qdy, sdy, qwt, swt, x_dtype, gemm, "1x128", "128x128", row_scales, m=dy2.shape[0])
         # dy's 1x128 codes and an on-demand W^T are dead once dx exists: released before the wgrad's operands are
         # made, so a backward holds one layout of dy's codes at a time (memory_budget.py: M x N bytes less at the
         # peak of each linear's backward, and N x K more with resident_dgrad_codes=False)

@@ -43,12 +43,15 @@ def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor 
 
 @torch.library.triton_op("calclip::fp8_quantize_input", mutates_args=())
 def _quantize_input_op(x2: Tensor, weight_bad: Tensor, members: int, save_for_wgrad: bool, pow2: bool,
-                       fused: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The input that ``members`` sibling linears share, quantized once (shared_input.py) -> (qx [M, K] 1x128 codes,
-    sx, qxt [wgrad_rows(M), K] 128x1 codes or [0], sxt or [0], the members' non-finite rows [] summed; weight_bad:
-    int32 [] number of their bad weights). Each member then takes ``fp8_linear_forward_codes``."""
+                       fused: bool, gemm: str = "auto",
+                       row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The input that ``members`` sibling linears share, quantized once (shared_input.py) -> (qx [rows, K] 1x128
+    codes over gemm.operand_rows(M) rows for the members' ``gemm`` backend, sx, qxt [wgrad_rows(M), K] 128x1 codes or
+    [0], sxt or [0], the members' non-finite rows [] summed; weight_bad: int32 [] number of their bad weights). Each
+    member then takes ``fp8_linear_forward_codes``."""
     counter = torch.zeros((), dtype=torch.int64, device=x2.device)
-    qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, fused, members)
+    qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, fused, members, gemm=gemm,
+                                       row_scales=row_scales)
     if qxt is None:
         qxt, sxt = x2.new_empty((0,), dtype=torch.float8_e4m3fn), x2.new_empty((0,), dtype=torch.float32)
     return qx, sx, qxt, sxt, counter
@@ -60,7 +63,7 @@ def _forward_codes_op(x2: Tensor, weight: Tensor, qx: Tensor, sx: Tensor, qxt: T
                       out_dtype: torch.dtype, row_scales: bool = False) -> Tensor:
     """``fp8_linear_forward`` for an x quantized already (``fp8_quantize_input``) -> y [M, N]. x2 and weight are
     inputs only for autograd (their grad slots); the backward is ``fp8_linear_backward`` with qxt/sxt."""
-    return _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales)
+    return _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales, m=x2.shape[0])
 
 
 @torch.library.triton_op("calclip::fp8_linear_infer", mutates_args=("counter",))

@@ -44,7 +44,7 @@ import types
 import torch
 from torch import Tensor, nn
 
-from calclip.fp8 import quant, reference
+from calclip.fp8 import linear_math, quant, reference
 from calclip.fp8.linear_math import _fused_decode_applies
 from calclip.fp8.tracing import is_traced
 
@@ -69,10 +69,14 @@ def _impl(x: Tensor, name: str):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _quantize_output(y: Tensor, weight_bad: Tensor, members: int, need_t: bool, pow2: bool) -> tuple[Tensor, ...]:
-    q, s = reference.quantize_1x128(y, pow2=pow2)
+def _quantize_output(y: Tensor, weight_bad: Tensor, members: int, need_t: bool, pow2: bool,
+                     out_rows=None) -> tuple[Tensor, ...]:
+    m = y.shape[0]
+    if out_rows is not None:  # zero tokens past M (quant.quantize_1x128's out_rows)
+        reference.check_out_rows("producer", y, out_rows, most=-(-m // reference.BLOCK) * reference.BLOCK)
+    q, s = reference.quantize_1x128(y if out_rows is None else reference.zero_rows_appended(y, out_rows), pow2=pow2)
     count = torch.zeros((), dtype=torch.int64, device=y.device)
-    quant.add_nonfinite_rows(count, s, weight_bad, members)
+    quant.add_nonfinite_rows(count, s.narrow(0, 0, m), weight_bad, members)
     s = s.t().contiguous().t()  # gemm_layout: column-major
     if need_t:
         qt, st = reference.quantize_128x1(y, pow2=pow2)
@@ -84,17 +88,17 @@ def _quantize_output(y: Tensor, weight_bad: Tensor, members: int, need_t: bool, 
 
 
 def rms_norm_quantize_reference(x: Tensor, rstd: Tensor, weight: Tensor, weight_bad: Tensor, *, members: int = 1,
-                                need_t: bool = True, pow2: bool = False) -> tuple[Tensor, ...]:
+                                need_t: bool = True, pow2: bool = False, out_rows=None) -> tuple[Tensor, ...]:
     """``kernels.producers.rms_norm_quantize`` in torch: HF's two last RMSNorm ops, then the reference quantizers."""
     y = weight * (x.to(torch.float32) * rstd.reshape(-1, 1)).to(x.dtype)
-    return (y, *_quantize_output(y, weight_bad, members, need_t, pow2))
+    return (y, *_quantize_output(y, weight_bad, members, need_t, pow2, out_rows))
 
 
 def mul_quantize_reference(a: Tensor, b: Tensor, weight_bad: Tensor, *, members: int = 1, need_t: bool = True,
-                           pow2: bool = False) -> tuple[Tensor, ...]:
+                           pow2: bool = False, out_rows=None) -> tuple[Tensor, ...]:
     """``kernels.producers.mul_quantize`` in torch."""
     y = a * b
-    return (y, *_quantize_output(y, weight_bad, members, need_t, pow2))
+    return (y, *_quantize_output(y, weight_bad, members, need_t, pow2, out_rows))
 
 
 _REFERENCES = {"rms_norm_quantize": rms_norm_quantize_reference, "mul_quantize": mul_quantize_reference}
@@ -132,11 +136,13 @@ def rms_norm_backward(dy: Tensor, x2: Tensor, weight: Tensor, rstd: Tensor, need
 
 @torch.library.triton_op("calclip::fp8_rms_norm_quantize", mutates_args=())
 def _rms_norm_quantize_op(x2: Tensor, weight: Tensor, eps: float, weight_bad: Tensor, members: int, need_t: bool,
-                          pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """HF's RMSNorm of x2 [M, K] and its codes -> (y [M, K], rstd [M, 1] fp32, qx, sx, qxt, sxt, count)."""
+                          pow2: bool, out_rows: int | None = None
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """HF's RMSNorm of x2 [M, K] and its codes -> (y [M, K], rstd [M, 1] fp32, qx, sx (over out_rows rows: zero tokens
+    past M, gemm.operand_rows), qxt, sxt, count)."""
     rstd = rms_norm_rstd(x2, eps)
     y, *codes = _impl(x2, "rms_norm_quantize")(x2, rstd, weight, weight_bad, members=members, need_t=need_t,
-                                             pow2=pow2)
+                                             pow2=pow2, out_rows=out_rows)
     return y, rstd, *codes
 
 
@@ -148,7 +154,7 @@ def _rms_setup_context(ctx, inputs, output) -> None:
 def _rms_backward(ctx, dy, *_):
     x2, weight, rstd = ctx.saved_tensors
     dx, dw = rms_norm_backward(dy, x2, weight, rstd, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-    return dx, dw, None, None, None, None, None
+    return dx, dw, None, None, None, None, None, None
 
 
 _rms_norm_quantize_op.register_autograd(_rms_backward, setup_context=_rms_setup_context)
@@ -156,10 +162,13 @@ _rms_norm_quantize_op.register_autograd(_rms_backward, setup_context=_rms_setup_
 
 @torch.library.triton_op("calclip::fp8_silu_mul_quantize", mutates_args=())
 def _silu_mul_quantize_op(gate: Tensor, up: Tensor, weight_bad: Tensor, members: int, need_t: bool,
-                          pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """silu(gate) * up ([M, K]; torch's silu, the kernel's multiply) and its codes -> (y, qx, sx, qxt, sxt, count)."""
+                          pow2: bool, out_rows: int | None = None
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """silu(gate) * up ([M, K]; torch's silu, the kernel's multiply) and its codes -> (y, qx, sx, qxt, sxt, count);
+    qx, sx over out_rows rows (zero tokens past M)."""
     a = torch.nn.functional.silu(gate)
-    return tuple(_impl(a, "mul_quantize")(a, up, weight_bad, members=members, need_t=need_t, pow2=pow2))
+    return tuple(_impl(a, "mul_quantize")(a, up, weight_bad, members=members, need_t=need_t, pow2=pow2,
+                                          out_rows=out_rows))
 
 
 def _silu_mul_setup_context(ctx, inputs, output) -> None:
@@ -171,7 +180,7 @@ def _silu_mul_backward(ctx, dy, *_):
     # autograd's formulas for HF's act_fn(gate) * up: mul's grad * other, then silu's silu_backward(grad, gate)
     d_gate = torch.ops.aten.silu_backward(dy * up, gate) if ctx.needs_input_grad[0] else None
     d_up = dy * torch.nn.functional.silu(gate) if ctx.needs_input_grad[1] else None
-    return d_gate, d_up, None, None, None, None
+    return d_gate, d_up, None, None, None, None, None
 
 
 _silu_mul_quantize_op.register_autograd(_silu_mul_backward, setup_context=_silu_mul_setup_context)
@@ -190,8 +199,9 @@ def _kernels_serve(x: Tensor) -> bool:
 
 
 def _plan(group, x: Tensor, dtypes: tuple[torch.dtype, ...]) -> tuple | None:
-    """(weight_bad, members, need_t, pow2, compiled) for quantizing ``group``'s input x in its producer, or None when
-    this call keeps the module's own forward (then the group quantizes as it always did)."""
+    """(weight_bad, members, need_t, pow2, compiled, rows) for quantizing ``group``'s input x in its producer (its 1x128
+    codes over ``rows``, ``gemm.operand_rows``, or None: x's rows), or None when this call keeps the module's own
+    forward (then the group quantizes as it always did)."""
     if x.dtype not in dtypes or x.dim() < 1 or x.numel() == 0:
         return None
     members = group.members
@@ -217,7 +227,9 @@ def _plan(group, x: Tensor, dtypes: tuple[torch.dtype, ...]) -> tuple | None:
     else:
         bad = group._bad_weights()  # refreshes the members' codes first
     need_t = torch.is_grad_enabled() and any(m.weight.requires_grad for m in members)
-    return bad, len(members), need_t, cfg.power_of_two_scales, compiled
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = linear_math._padded_rows(linear_math.operand_rows(cfg.gemm, x2, x.dtype, cfg.row_scales), x2.shape[0])
+    return bad, len(members), need_t, cfg.power_of_two_scales, compiled, rows
 
 
 def _offer(group, y: Tensor, outputs: tuple[Tensor, ...], need_t: bool, compiled: bool) -> None:
@@ -234,10 +246,10 @@ def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
     plan = _plan(group, hidden_states, (torch.bfloat16,)) if self.weight.dtype == hidden_states.dtype else None
     if plan is None:
         return type(self).forward(self, hidden_states)
-    bad, members, need_t, pow2, compiled = plan
+    bad, members, need_t, pow2, compiled, rows = plan
     x2 = hidden_states.reshape(-1, hidden_states.shape[-1])
     y2, _, *outputs = torch.ops.calclip.fp8_rms_norm_quantize(x2, self.weight, float(self.variance_epsilon), bad,
-                                                              members, need_t, pow2)
+                                                              members, need_t, pow2, rows)
     y = y2.view(hidden_states.shape)
     _offer(group, y, outputs, need_t, compiled)
     return y
@@ -253,10 +265,10 @@ def _mlp_forward(self, x: Tensor) -> Tensor:
         group is not None and gate.dtype == up.dtype and gate.shape == up.shape) else None
     if plan is None:
         return self.down_proj(self.act_fn(gate) * up)
-    bad, members, need_t, pow2, compiled = plan
+    bad, members, need_t, pow2, compiled, rows = plan
     k = gate.shape[-1]
     y2, *outputs = torch.ops.calclip.fp8_silu_mul_quantize(gate.reshape(-1, k), up.reshape(-1, k), bad, members,
-                                                           need_t, pow2)
+                                                           need_t, pow2, rows)
     y = y2.view(gate.shape)
     _offer(group, y, outputs, need_t, compiled)
     return self.down_proj(y)

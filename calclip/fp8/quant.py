@@ -89,22 +89,32 @@ def _to_gemm_layout(name: str, out: tuple[Tensor, ...], block: int = BLOCK) -> t
 
 def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
                    nonfinite_count: Tensor | None = None, weight_bad: Tensor | None = None,
-                   members: int = 1) -> tuple[Tensor, Tensor]:
+                   members: int = 1, out_rows=None) -> tuple[Tensor, Tensor]:
     """[..., K] -> (q e4m3fn [..., K], s fp32 [..., ceil(K/block)]); groups along the last dim.
     ``gemm_layout``: s column-major (2-D x), the layout torch._scaled_mm reads; same values.
     ``nonfinite_count`` (int64 [], x's device): += the number of rows with a non-finite group, or every row
     when ``weight_bad`` (bool []) is set; counted inside the Triton kernel on CUDA (no extra launch, no sync),
     from the scales by torch ops otherwise. ``members`` > 1: the count of that many linears reading x, with
-    ``weight_bad`` an int32 [] number of bad weights among them (``add_nonfinite_rows``)."""
+    ``weight_bad`` an int32 [] number of bad weights among them (``add_nonfinite_rows``).
+    ``out_rows``: a 2-D x [M, K] quantized over out_rows >= M rows, those past M zero tokens
+    (``reference.check_out_rows``): the operand torch._scaled_mm takes for a ragged M (``gemm.scaled_mm_rows``),
+    written by the quantizer itself; the count covers x's rows only."""
     fn = _impl(x, "quantize_1x128", block)
     if fn is not reference.quantize_1x128:
+        if out_rows is None:  # (the kernel's keyword only where used: other implementations keep their signature)
+            return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, nonfinite_count=nonfinite_count,
+                      weight_bad=weight_bad, members=members)
         return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, nonfinite_count=nonfinite_count,
-                  weight_bad=weight_bad, members=members)
+                  weight_bad=weight_bad, members=members, out_rows=out_rows)
+    m = reference.check_out_rows("quantize_1x128", x, None)
+    if out_rows is not None:
+        reference.check_out_rows("quantize_1x128", x, out_rows)
+        x = reference.zero_rows_appended(x, out_rows)
     q, s = fn(x, block=block, pow2=pow2)
     if gemm_layout:
         q, s = _to_gemm_layout("quantize_1x128", (q, s), block)
     if nonfinite_count is not None:
-        add_nonfinite_rows(nonfinite_count, s, weight_bad, members)
+        add_nonfinite_rows(nonfinite_count, s if out_rows is None else s.narrow(0, 0, m), weight_bad, members)
     return q, s
 
 
@@ -130,12 +140,22 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
     return _call(x, "quantize_128x1", block, pow2, gemm_layout)  # type: ignore[return-value]
 
 
-def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
-                             gemm_layout: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
+                             out_rows=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """[M, K] -> quantize_1x128(x) + quantize_128x1(x), one read of x on CUDA (the fused kernel):
     (q_row [M, K], s_row [M, ceil(K/block)], q_col [M, K], s_col [ceil(M/block), K]); ``gemm_layout``: as
-    quantize_1x128's and quantize_128x1's (q_col [reference.wgrad_rows(M), K])."""
-    return _call(x, "quantize_1x128_and_128x1", block, pow2, gemm_layout)  # type: ignore[return-value]
+    quantize_1x128's and quantize_128x1's (q_col [reference.wgrad_rows(M), K]); ``out_rows``: q_row and s_row over
+    that many rows, as quantize_1x128's, at most ceil(M/block) * block (the rows the fused kernel's tiles cover)."""
+    if out_rows is None:
+        return _call(x, "quantize_1x128_and_128x1", block, pow2, gemm_layout)  # type: ignore[return-value]
+    fn = _triton_impl(x, "quantize_1x128_and_128x1", block)
+    if fn is not None:
+        return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, out_rows=out_rows)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_1x128_and_128x1 needs a 2-D tensor, got shape {tuple(x.shape)}")
+    reference.check_out_rows("quantize_1x128_and_128x1", x, out_rows, most=-(-x.shape[0] // block) * block)
+    return (*quantize_1x128(x, block=block, pow2=pow2, gemm_layout=gemm_layout, out_rows=out_rows),
+            *quantize_128x1(x, block=block, pow2=pow2, gemm_layout=gemm_layout))
 
 
 def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:

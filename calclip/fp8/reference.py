@@ -176,3 +176,40 @@ def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = Fals
     if x.dim() != 2:
         raise ValueError(f"quantize_1x128_and_128x1 needs a 2-D tensor, got shape {tuple(x.shape)}")
     return (*quantize_1x128(x, block=block, pow2=pow2), *quantize_128x1(x, block=block, pow2=pow2))
+
+
+def check_out_rows(name: str, x: Tensor, out_rows, most=None):
+    """The rows a 1x128 quantization of x is written over: x's rows, or ``out_rows`` for a 2-D x [M, K] (M <= out_rows
+    <= ``most``), the rows past M those of zero tokens: zero codes and an all-zero group's scale (module docstring,
+    3), what quantizing x with zero rows appended gives (``zero_rows_appended``). Sizes are compared only where both
+    are ints: under torch.compile a symbolic out_rows is the caller's to prove."""
+    if out_rows is None:
+        return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if x.dim() != 2:
+        raise ValueError(f"{name}(out_rows=) needs a 2-D tensor, got shape {tuple(x.shape)}")
+    m = x.shape[0]
+    if type(out_rows) is int and type(m) is int and (out_rows < m or (type(most) is int and out_rows > most)):
+        bound = f"{m} <= out_rows" + (f" <= {most}" if most is not None else "")
+        raise ValueError(f"{name}: out_rows must satisfy {bound} for x of shape {tuple(x.shape)}, got {out_rows}")
+    return out_rows
+
+
+def zero_group_scale(pow2: bool = False) -> float:
+    """The scale of an all-zero block: AMAX_FLOOR / FP8_E4M3_MAX in fp32 (module docstring, 3), rounded up to a power
+    of two with ``pow2`` (4): the same bits ``_scale_from_blocks`` and the kernels give such a block."""
+    floor, fp8_max = torch.tensor(AMAX_FLOOR, dtype=torch.float32), torch.tensor(FP8_E4M3_MAX, dtype=torch.float32)
+    scale = floor / fp8_max
+    return float(round_scale_up_to_pow2(scale.reshape(1))[0] if pow2 else scale)
+
+
+def fill_zero_token_rows(q: Tensor, s: Tensor, m, pow2: bool = False) -> None:
+    """1x128 codes q [R, K] and scales s [R, NB] whose first m rows are written: rows m.. become zero tokens (zero
+    codes, ``zero_group_scale``), in place (``check_out_rows``)."""
+    extra = q.shape[0] - m
+    q.narrow(0, m, extra).view(torch.uint8).zero_()
+    s.narrow(0, m, extra).fill_(zero_group_scale(pow2))
+
+
+def zero_rows_appended(x: Tensor, out_rows) -> Tensor:
+    """A 2-D x [M, K] -> [out_rows, K]: x, then out_rows - M rows of zeros (``check_out_rows``'s padded tokens)."""
+    return torch.nn.functional.pad(x, (0, 0, 0, out_rows - x.shape[0]))

@@ -24,3 +24,14 @@ def size_hint(d) -> int | None:
         return d
     hint = getattr(getattr(d, "node", None), "hint", None)
     return int(hint) if hint is not None else None
+
+
+def same_size(a, b) -> bool:
+    """a == b for sizes known to be equal: ints compared, symbolic sizes only where provable from their expressions
+    (``statically_known_true``: no guard installed, so a compiled graph is not specialised on the answer; sizes equal
+    only for some values of a symbol count as different)."""
+    if type(a) is int and type(b) is int:
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))

@@ -89,11 +89,18 @@ K_IN, N_OUT = 1536, 8960
 # ------------------------------------------------------------------------------------------------------------
 
 
+def _gemm_rows(m):
+    """The 1x128 rows linear_math quantizes m tokens over on the H200 (gemm.operand_rows: torch._scaled_mm's multiple
+    of 16 from 257 rows, written by the quantizer)."""
+    return _ceil_div(m, 16) * 16 if m >= 257 else m
+
+
 def _quantize_1x128(x, r, k, pow2, count, members):
-    """quantize_1x128(x, gemm_layout=True[, nonfinite_count, weight_bad, members]): s column-major [r, nb]."""
+    """quantize_1x128(x, gemm_layout=True, out_rows=_gemm_rows(r)[, nonfinite_count, weight_bad, members]): s
+    column-major [rows, nb], the kernel writing x's r rows (the launcher fills the rest)."""
     nb = _ceil_div(k, BLOCK)
     counter = (_t(I64), _t(BOOL if members == 1 else I32)) if count else (_t(F32), _t(F32))  # else s2, unused
-    args = (_t(x), _t(F8), _t(F32), r, k, nb, k, 1, r, _bucket(r), *counter)
+    args = (_t(x), _t(F8), _t(F32), r, k, nb, k, 1, _gemm_rows(r), _bucket(r), *counter)
     return args, dict(POW2=pow2, SOFT_FP8=False, COUNT=count, MEMBERS=members, GROUP=BLOCK)
 
 
@@ -104,8 +111,10 @@ def _quantize_128x1(x, m, k, pow2):
 
 
 def _quantize_dual(x, m, k, pow2):
-    """quantize_1x128_and_128x1(x, gemm_layout=True): s_row column-major, s_col row-major."""
-    args = (_t(x), _t(F8), _t(F32), _t(F8), _t(F32), m, k, wgrad_rows(m), k, 1, 1, m, k, 1, _bucket(k), _bucket(m))
+    """quantize_1x128_and_128x1(x, gemm_layout=True, out_rows=_gemm_rows(m)): s_row column-major, s_col row-major."""
+    rows = _gemm_rows(m)
+    args = (_t(x), _t(F8), _t(F32), _t(F8), _t(F32), m, k, wgrad_rows(m), k, 1, 1, rows, k, 1, rows, _bucket(k),
+            _bucket(m))
     return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK)
 
 
@@ -160,12 +169,14 @@ def _fused_decode(x, out, m, n, k, pow2, count, members, round_code):
 
 def _producer(kind, dtype, m, k, need_t, pow2, members):
     """kernels.producers._launch: RMS norm (kind 0: weight [k], rstd fp32 [m]) or mul (kind 1: b [m, k], r = a);
-    s_row column-major; without need_t the 128x1 pointers are q_row / s_row again and their strides 0."""
+    q_row / s_row over _gemm_rows(m) rows, s_row column-major; without need_t the 128x1 pointers are q_row / s_row
+    again and their strides 0."""
     b_stride = 1 if kind == 0 else k
     r = _t(F32) if kind == 0 else _t(dtype)
     col_strides = (k, 1) if need_t else (0, 0)
+    rows = _gemm_rows(m)
     args = (_t(dtype), _t(dtype), r, _t(dtype), _t(F8), _t(F32), _t(F8), _t(F32), _t(I64), _t(I32),
-            m, k, wgrad_rows(m), k, b_stride, 1, m, *col_strides, _bucket(k), _bucket(m))
+            m, k, wgrad_rows(m), k, b_stride, 1, rows, *col_strides, rows, _bucket(k), _bucket(m))
     return args, dict(KIND=kind, OUT_BF16=dtype == BF16, NEED_T=need_t, POW2=pow2, SOFT_FP8=False, MEMBERS=members,
                       GROUP=BLOCK)
 

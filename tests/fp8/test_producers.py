@@ -210,6 +210,7 @@ class _QuantizerCalls:
 
     def __init__(self, monkeypatch):
         self.calls = {}
+        self.out_rows = set()  # the 1x128 rows asked of the quantizers and producers (gemm.operand_rows)
         for module, names in ((quant, ("quantize_1x128", "quantize_128x1", "quantize_1x128_and_128x1")),
                               (KP, ("rms_norm_quantize", "mul_quantize"))):
             for name in names:
@@ -218,6 +219,8 @@ class _QuantizerCalls:
     def _counted(self, name, fn):
         def counted(*args, **kwargs):
             self.calls[name] = self.calls.get(name, 0) + 1
+            if name != "quantize_128x1":
+                self.out_rows.add(kwargs.get("out_rows"))
             return fn(*args, **kwargs)
         return counted
 
@@ -348,3 +351,56 @@ def test_compiled_layers_record_the_producer_ops_and_equal_eager():
     compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # same guards: nothing recompiles
     assert len(counter.graphs) == graphs
     assert all(g._pending is None for g in _groups(compiled))
+
+
+def test_out_rows_write_zero_tokens_past_m():
+    """gemm.operand_rows: a producer writes its 1x128 codes over the rows torch._scaled_mm runs a ragged token count
+    on, zero tokens past M, as quantize_1x128(out_rows=) does (no copy before the consumers' GEMMs); y, the 128x1
+    codes and the count are those of M rows. The torch twin agrees."""
+    m, k, rows = 277, 200, 288
+    bad = torch.zeros((), dtype=torch.int32, device=DEVICE)
+    x, rstd, w = _rms_inputs(m, k, torch.bfloat16, True)
+    a, b = _mul_inputs(m, k, torch.bfloat16, True)
+    for fused, twin, plain in (
+            (KP.rms_norm_quantize(x, rstd, w, bad, members=2, out_rows=rows),
+             P.rms_norm_quantize_reference(x, rstd, w, bad, members=2, out_rows=rows),
+             KP.rms_norm_quantize(x, rstd, w, bad, members=2)),
+            (KP.mul_quantize(a, b, bad, members=2, out_rows=rows),
+             P.mul_quantize_reference(a, b, bad, members=2, out_rows=rows), KP.mul_quantize(a, b, bad, members=2))):
+        for got, want in zip(fused, twin):
+            assert _same(got, want)
+        y, q, s = fused[:3]
+        q_want, s_want = KQ.quantize_1x128(y, gemm_layout=True, out_rows=rows)
+        assert q.shape == (rows, k) and _same(q, q_want) and _same(s, s_want)
+        for got, want in zip((y, *fused[3:]), (plain[0], *plain[3:])):  # y, 128x1 codes, count: M rows' own
+            assert _same(got, want)
+        assert int(fused[5]) > 0
+    with pytest.raises(ValueError, match="out_rows must satisfy 277 <= out_rows <= 384"):
+        KP.mul_quantize(a, b, bad, out_rows=385)
+
+
+@pytest.mark.slow
+def test_whole_model_with_operand_rows_padded_equals_unpadded(monkeypatch):
+    """A tiny Llama with fused producers at 279 tokens, every 1x128 operand padded to 288 rows as on an H200
+    (gemm.operand_rows forced on CPU): logits, loss, every gradient and the count equal the unpadded run's."""
+    from calclip.fp8 import gemm, linear_math
+
+    base = _tiny("llama")
+    ids = torch.randint(0, 97, (3, 93), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    results = []
+    for pad in (False, True):
+        model = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=True))
+        with monkeypatch.context() as patch:
+            if pad:
+                patch.setattr(linear_math, "operand_rows",
+                              lambda backend, x, out_dtype, row_scales=False: gemm.scaled_mm_rows(x.shape[0]))
+            calls = _QuantizerCalls(patch)
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+        results.append((out.logits, out.loss, [p.grad for p in model.parameters()], int(pop_nonfinite_count(model)),
+                        calls.calls, calls.out_rows))
+    (l0, loss0, g0, n0, c0, r0), (l1, loss1, g1, n1, c1, r1) = results
+    assert c1 == c0 and c1["rms_norm_quantize"] == 4 and c1["mul_quantize"] == 2  # the fused path both times
+    assert r0 == {None} and r1 == {288}  # every 1x128 operand of the padded run over 288 rows
+    assert _same(l1, l0) and _same(loss1, loss0) and n1 == n0
+    assert all(_same(a, b) for a, b in zip(g1, g0))

@@ -277,3 +277,70 @@ def test_fp32_model_under_bf16_autocast_shares_the_cast_input(monkeypatch):
         assert set(calls) == {torch.bfloat16}
     assert torch.equal(logits[0], logits[1])
     assert counts == [2 * 4, 2 * 7], counts
+
+
+def _pad_operand_rows_everywhere(monkeypatch):
+    """Make every forward/dgrad 1x128 operand go over torch._scaled_mm's rows, as on an H200 (gemm.operand_rows pads
+    only sm_90 CUDA tensors); returns the list of out_rows the quantizers were asked for."""
+    from calclip.fp8 import gemm
+
+    asked = []
+    monkeypatch.setattr(linear_math, "operand_rows",
+                        lambda backend, a, out_dtype, row_scales=False: gemm.scaled_mm_rows(a.shape[0]))
+    for name in ("quantize_1x128", "quantize_1x128_and_128x1"):
+        real = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda *a, _real=real, **k: asked.append(k.get("out_rows")) or _real(*a, **k))
+    return asked
+
+
+@pytest.mark.parametrize("options", [{}, {"fused_quantizer": True}])
+def test_operand_rows_written_by_the_quantizers_change_nothing(monkeypatch, options):
+    """gemm.operand_rows: at a token count torch._scaled_mm does not take (279 = 3 x 93, not a multiple of 16) every
+    forward and dgrad 1x128 operand is quantized over 288 rows, zero tokens past 279, by the quantizer itself (no
+    copy before the GEMM); each GEMM's first 279 rows are kept. Outputs, gradients and the non-finite count equal the
+    unpadded run's bit for bit, shared inputs included (a group's padded codes serve every member)."""
+    shared, alone = _pair(**options)
+    x = torch.randn(3, 93, 200)
+    x[1, 7, 3] = NAN
+    results = []
+    for model, pad in ((alone, False), (shared, True)):
+        with monkeypatch.context() as patch:
+            asked = _pad_operand_rows_everywhere(patch) if pad else []
+            xi = x.clone().requires_grad_()
+            y = model(xi)
+            y.nan_to_num().square().sum().backward()
+        results.append((y, xi.grad, _grads(model), int(pop_nonfinite_count(model))))
+        if pad:  # forward: 4 input quantizations per layer; backward: 7 dy quantizations per layer (at least: the
+            # fused quantizer's torch twin calls quantize_1x128 itself), every one over 288 rows
+            assert len(asked) >= 2 * 4 + 2 * 7 and set(asked) == {288}, asked
+    (y_a, gx_a, gw_a, n_a), (y_p, gx_p, gw_p, n_p) = results
+    assert torch.equal(y_p.nan_to_num(), y_a.nan_to_num()) and torch.equal(y_p.isnan(), y_a.isnan())
+    assert torch.equal(gx_p.nan_to_num(), gx_a.nan_to_num())
+    assert all(torch.equal(p.nan_to_num(), a.nan_to_num()) for p, a in zip(gw_p, gw_a))
+    assert n_p == n_a > 0
+
+
+@pytest.mark.slow
+def test_compiled_operand_rows_written_by_the_quantizers_change_nothing(monkeypatch):
+    """The same under torch.compile (aot_eager): the triton ops' fake implementations give the padded codes' shapes,
+    the graph keeps each GEMM's first rows, and outputs, gradients and the count equal the eager unpadded run."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    shared, _ = _pair()
+    model = copy.deepcopy(shared)
+    x = torch.randn(3, 93, 200)
+    x[0, 1, 2] = NAN
+    xe = x.clone().requires_grad_()
+    ye = shared(xe)
+    ye.nan_to_num().square().sum().backward()
+    asked = _pad_operand_rows_everywhere(monkeypatch)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    xc = x.clone().requires_grad_()
+    yc = torch.compile(model, backend=counter)(xc)
+    yc.nan_to_num().square().sum().backward()
+    assert counter.frame_count == 1 and 288 in asked
+    assert torch.equal(ye.nan_to_num(), yc.nan_to_num()) and torch.equal(xe.grad.nan_to_num(), xc.grad.nan_to_num())
+    for (name, pe), pc in zip(shared.named_parameters(), model.parameters()):
+        assert torch.equal(pe.grad.nan_to_num(), pc.grad.nan_to_num()), name
+    assert int(pop_nonfinite_count(shared)) == int(pop_nonfinite_count(model)) > 0

@@ -210,6 +210,45 @@ def test_counting_needs_a_proper_counter():
         tk.quantize_1x128(x, nonfinite_count=torch.zeros((), dtype=torch.int32, device=DEVICE))
 
 
+@pytest.mark.parametrize("m,k,out_rows", [(277, 256, 288), (20, 130, 32), (300, 200, 300), (1, 128, 16)])
+def test_quantize_1x128_writes_zero_tokens_up_to_out_rows(m, k, out_rows):
+    """gemm.operand_rows: the 1x128 operand of a ragged token count over the rows torch._scaled_mm takes is written by
+    the quantizer itself (no copy before the GEMM): bit for bit the codes and scales of x with zero rows appended
+    (zero codes, an all-zero group's scale), scales column-major over out_rows; the count covers x's rows only. The
+    fused 1x128 + 128x1 kernel writes the same 1x128 rows and its 128x1 codes are unchanged."""
+    x = _wide_range((m, k), torch.bfloat16, seed=m + k)
+    x[m // 2, 3] = NAN
+    padded = torch.cat([x.cpu(), torch.zeros(out_rows - m, k, dtype=x.dtype)])
+    q_ref, s_ref = ref.quantize_1x128(padded)
+    nb = -(-k // BLOCK)
+    for weight_bad in (False, True):
+        counter = torch.full((), 3, dtype=torch.int64, device=DEVICE)
+        q, s = tk.quantize_1x128(x, gemm_layout=True, nonfinite_count=counter,
+                                 weight_bad=torch.tensor(weight_bad, device=DEVICE), out_rows=out_rows)
+        assert q.shape == (out_rows, k) and q.is_contiguous() and s.shape == (out_rows, nb)
+        assert s.stride() == (1, out_rows) or nb == 1
+        assert _scales_equal(s.cpu(), s_ref) and _codes_equal(q.cpu(), q_ref) == 0
+        assert not q[m:].cpu().view(torch.uint8).any()
+        assert int(counter) == 3 + _reference_bad_rows(x.cpu(), weight_bad)
+    q, s = tk.quantize_1x128(x, out_rows=out_rows)  # the reference's layout: scales row-major
+    assert s.is_contiguous() and _scales_equal(s.cpu(), s_ref) and _codes_equal(q.cpu(), q_ref) == 0
+    q, s = tk.quantize_1x128(x, pow2=True, out_rows=out_rows)  # the zero tokens' scale rounded as a zero group's
+    q2_ref, s2_ref = ref.quantize_1x128(padded, pow2=True)
+    assert _scales_equal(s.cpu(), s2_ref) and _codes_equal(q.cpu(), q2_ref) == 0
+    q, s = tk.quantize_1x128_and_128x1(x, pow2=True, gemm_layout=True, out_rows=out_rows)[:2]
+    assert _scales_equal(s.cpu(), s2_ref) and _codes_equal(q.cpu(), q2_ref) == 0
+    q_row, s_row, q_col, s_col = tk.quantize_1x128_and_128x1(x, gemm_layout=True, out_rows=out_rows)
+    q_col0, s_col0 = tk.quantize_128x1(x, gemm_layout=True)
+    assert q_row.shape == (out_rows, k) and _scales_equal(s_row.cpu(), s_ref) and _codes_equal(q_row.cpu(), q_ref) == 0
+    assert _scales_equal(s_col.cpu(), s_col0.cpu()) and _codes_equal(q_col.cpu(), q_col0.cpu()) == 0
+    with pytest.raises(ValueError, match="out_rows must satisfy"):
+        tk.quantize_1x128(x, out_rows=m - 1)
+    with pytest.raises(ValueError, match=rf"out_rows must satisfy {m} <= out_rows <= {-(-m // BLOCK) * BLOCK}"):
+        tk.quantize_1x128_and_128x1(x, out_rows=-(-m // BLOCK) * BLOCK + 1)
+    with pytest.raises(ValueError, match="needs a 2-D tensor"):
+        tk.quantize_1x128(x.view(1, m, k), out_rows=out_rows)
+
+
 def _assert_zero_padded(q, m):
     """128x1 codes in the wgrad GEMM's layout: [ceil(m/128)*128, K], column-major, rows >= m all code 0x00 (not NaN,
     even in a column whose last group is non-finite)."""
@@ -558,12 +597,13 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     i32 = "i32"
     quant = {"POW2": True, "SOFT_FP8": False, "GROUP": BLOCK}
     plain_extra = {"count_ptr": "*fp32", "weight_bad_ptr": "*fp32"}  # unused when COUNT=False
-    ptx = compile_ptx(quantize._quantize_1x128_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32,
-                      "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32,
-                      **plain_extra}, {**quant, "COUNT": False, "MEMBERS": 1}, quantize._QUANT_1X128_DEFAULT)
+    ptx = compile_ptx(quantize._quantize_1x128_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                      "R": i32, "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32,
+                      "stride_sg": i32, "R_BUCKET": i32, **plain_extra}, {**quant, "COUNT": False, "MEMBERS": 1},
+                      quantize._QUANT_1X128_DEFAULT)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
-    count_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32, "K": i32, "NB": i32,
-                   "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32, "count_ptr": "*i64",
+    count_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32, "K": i32,
+                   "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32, "count_ptr": "*i64",
                    "weight_bad_ptr": "*i1"}
     # the counting launch: the plain table's tiles, plus the rare re-read of earlier groups and the atomic add; no
     # config may spill registers (the whole-row tiles it replaced did, at K = 18944)
@@ -585,7 +625,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     compile_ptx(quantize._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
                 "K": i32, "M_CODES": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
                 quant, quantize._QUANT_128X1_DEFAULT)
-    dual_types = {n: i32 for n in quantize._quantize_1x128_and_128x1_kernel.arg_names[5:16]}
+    dual_types = {n: i32 for n in quantize._quantize_1x128_and_128x1_kernel.arg_names[5:17]}
     ptx = compile_ptx(quantize._quantize_1x128_and_128x1_kernel, {"x_ptr": "*bf16", "q_row_ptr": "*fp8e4nv",
                       "s_row_ptr": "*fp32", "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", **dual_types},
                       quant, quantize._QUANT_DUAL_DEFAULT)

@@ -30,6 +30,7 @@ from calclip.fp8.config import BLOCK, FP8_DTYPE
 from calclip.fp8.kernels.launch import _bucket, _ceil_div, _check_block, _check_device, _codes_out, _Tuned
 from calclip.fp8.kernels.numerics import _abs_max, _block_scale, _scaled_codes, _store_codes
 from calclip.fp8.kernels.quantize import _scales_out
+from calclip.fp8.reference import check_out_rows
 
 _KIND_RMS_NORM = tl.constexpr(0)
 _KIND_MUL = tl.constexpr(1)
@@ -92,6 +93,7 @@ def _producer_quantize_kernel(
     # wgrad_rows(M): zero codes past M), s_col [NBM, K] any strides;
     # count int64 [] (+= non-finite rows, MEMBERS linears); weight_bad int32 [] (bad weights among them)
     M, K, M_CODES, stride_am, stride_bm, stride_srm, stride_srk, stride_scm, stride_sck,
+    M_ROW,  # q_row / s_row rows written, M <= M_ROW <= ceil(M / GROUP) * GROUP: those past M zero tokens
     K_BUCKET, M_BUCKET,  # autotune key only
     KIND: tl.constexpr, OUT_BF16: tl.constexpr, NEED_T: tl.constexpr, POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     MEMBERS: tl.constexpr, GROUP: tl.constexpr,
@@ -108,8 +110,9 @@ def _producer_quantize_kernel(
     row_nonfinite = row_amax == float("inf")
     row_scale = _block_scale(row_amax, row_nonfinite, POW2)
     _store_codes(q_row_ptr + rows[:, None] * K + cols[None, :],
-                 _scaled_codes(y, row_scale[:, None], row_nonfinite[:, None]), mask, SOFT_FP8)
-    tl.store(s_row_ptr + rows * stride_srm + pid_k * stride_srk, row_scale, mask=rows < M)
+                 _scaled_codes(y, row_scale[:, None], row_nonfinite[:, None]),
+                 (rows[:, None] < M_ROW) & (cols[None, :] < K), SOFT_FP8)
+    tl.store(s_row_ptr + rows * stride_srm + pid_k * stride_srk, row_scale, mask=rows < M_ROW)
 
     if NEED_T:
         col_amax = _abs_max(y, 0)  # [GROUP]: one 128x1 group per column
@@ -158,17 +161,18 @@ def _check_operands(name: str, a: Tensor, weight_bad: Tensor, members: int) -> N
 
 
 def _launch(kind: int, a: Tensor, b: Tensor, r: Tensor, weight_bad: Tensor, members: int, need_t: bool,
-            pow2: bool, block: int) -> tuple[Tensor, ...]:
+            pow2: bool, block: int, out_rows=None) -> tuple[Tensor, ...]:
     _check_block(block)
     soft_fp8 = _check_device(a, b, r, weight_bad)
     if a.stride(-1) != 1:
         a = a.contiguous()
     m, k = a.shape
     nbm, nbk = _ceil_div(m, block), _ceil_div(k, block)
+    m_row = check_out_rows("rms_norm_quantize" if kind == 0 else "mul_quantize", a, out_rows, most=nbm * block)
     device = a.device
     y = torch.empty(m, k, dtype=a.dtype, device=device)
-    q_row = torch.empty(m, k, dtype=FP8_DTYPE, device=device)
-    s_row = _scales_out(m, nbk, True, device)  # gemm_layout: column-major, as quantize_1x128 gives it
+    q_row = torch.empty(m_row, k, dtype=FP8_DTYPE, device=device)
+    s_row = _scales_out(m_row, nbk, True, device)  # gemm_layout: column-major, as quantize_1x128 gives it
     m_codes = nbm * block  # reference.wgrad_rows(m): the wgrad GEMM's padded token rows
     q_col_t = torch.empty(k if need_t else 0, m_codes if need_t else 0, dtype=FP8_DTYPE, device=device)
     s_col = _scales_out(nbm if need_t else 0, k if need_t else 0, False, device)  # gemm_layout: row-major
@@ -179,20 +183,23 @@ def _launch(kind: int, a: Tensor, b: Tensor, r: Tensor, weight_bad: Tensor, memb
             a, b, r, y, _codes_out(q_row, soft_fp8), s_row, _codes_out(q_col_t, soft_fp8) if need_t else q_row,
             s_col if need_t else s_row, count, weight_bad,
             m, k, m_codes, a.stride(0), b.stride(0), s_row.stride(0), s_row.stride(1),
-            s_col.stride(0) if need_t else 0, s_col.stride(1) if need_t else 0, _bucket(k), _bucket(m),
+            s_col.stride(0) if need_t else 0, s_col.stride(1) if need_t else 0, m_row, _bucket(k), _bucket(m),
             KIND=kind, OUT_BF16=a.dtype == torch.bfloat16, NEED_T=need_t, POW2=pow2, SOFT_FP8=soft_fp8,
             MEMBERS=members, GROUP=block)
     return y, q_row, s_row, q_col_t.t(), s_col, count
 
 
 def rms_norm_quantize(x: Tensor, rstd: Tensor, weight: Tensor, weight_bad: Tensor, *, members: int = 1,
-                      need_t: bool = True, pow2: bool = False, block: int = BLOCK) -> tuple[Tensor, ...]:
+                      need_t: bool = True, pow2: bool = False, block: int = BLOCK,
+                      out_rows=None) -> tuple[Tensor, ...]:
     """y = weight * (x.float() * rstd).to(x.dtype), with y's FP8 codes.
 
     x: [M, K] bf16/fp32 (last dim contiguous or copied); rstd: fp32 [M] or [M, 1] (HF's torch.rsqrt(variance + eps));
     weight: [K] in x's dtype; weight_bad: int32 [] number of bad weights among the ``members`` linears reading y
     -> (y [M, K] x.dtype, q_row, s_row, q_col, s_col, count int64 []): quantize_1x128(y, gemm_layout=True),
     quantize_128x1(y, gemm_layout=True) ([0, 0] each unless ``need_t``) and the non-finite rows those linears count.
+    ``out_rows``: q_row and s_row over that many rows, zero tokens past M (``quantize_1x128``'s ``out_rows``; at most
+    ceil(M / 128) * 128, the rows the kernel's tiles cover).
     """
     _check_operands("rms_norm_quantize", x, weight_bad, members)
     if weight.dtype != x.dtype or weight.shape != (x.shape[1],):
@@ -202,11 +209,11 @@ def rms_norm_quantize(x: Tensor, rstd: Tensor, weight: Tensor, weight_bad: Tenso
         raise ValueError(f"rms_norm_quantize: rstd must be fp32 with one value per row ({x.shape[0]}), got "
                          f"{rstd.dtype} {tuple(rstd.shape)}")
     return _launch(0, x, weight.contiguous(), rstd.reshape(-1).contiguous(), weight_bad, members, need_t, pow2,
-                   block)
+                   block, out_rows)
 
 
 def mul_quantize(a: Tensor, b: Tensor, weight_bad: Tensor, *, members: int = 1, need_t: bool = True,
-                 pow2: bool = False, block: int = BLOCK) -> tuple[Tensor, ...]:
+                 pow2: bool = False, block: int = BLOCK, out_rows=None) -> tuple[Tensor, ...]:
     """y = a * b (a = SiLU(gate), b = up), with y's FP8 codes: as ``rms_norm_quantize`` for y = a * b.
     a, b: [M, K] bf16/fp32, one dtype and shape."""
     _check_operands("mul_quantize", a, weight_bad, members)
@@ -214,4 +221,4 @@ def mul_quantize(a: Tensor, b: Tensor, weight_bad: Tensor, *, members: int = 1, 
         raise ValueError(f"mul_quantize: b must be {tuple(a.shape)} {a.dtype} like a, got {tuple(b.shape)} {b.dtype}")
     if b.stride(-1) != 1:
         b = b.contiguous()
-    return _launch(1, a, b, a, weight_bad, members, need_t, pow2, block)
+    return _launch(1, a, b, a, weight_bad, members, need_t, pow2, block, out_rows)

@@ -25,6 +25,7 @@ from calclip.fp8.kernels.launch import (
     _Tuned,
 )
 from calclip.fp8.kernels.numerics import _abs_max, _block_scale, _scaled_codes, _store_codes
+from calclip.fp8.reference import check_out_rows, fill_zero_token_rows
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ def _scales_out(rows: int, nb: int, column_major: bool, device: torch.device) ->
 
 def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
                    nonfinite_count: Tensor | None = None, weight_bad: Tensor | None = None,
-                   members: int = 1) -> tuple[Tensor, Tensor]:
+                   members: int = 1, out_rows=None) -> tuple[Tensor, Tensor]:
     """Quantize in groups of 128 along the last dim (activations, output gradients). Matches the reference.
 
     x: [..., K] bf16/fp16/fp32 (fp64 rounded to fp32), any leading dims, K ragged allowed
@@ -150,6 +151,12 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     or another launch, at any K. Codes and scales are the same with or without it.
     members: the count for that many linears reading x (``calclip.fp8.shared_input``), ``weight_bad`` then an
     int32 [] count of their bad weights: every row per bad weight plus the non-finite rows per healthy one.
+    out_rows: a 2-D x [M, K] quantized over out_rows >= M rows (q [out_rows, K], s [out_rows, NB]), the rows past M
+    those of zero tokens (zero codes, an all-zero group's scale): ``quantize_1x128`` of x with zero rows appended,
+    so torch._scaled_mm takes a ragged token count without a copy of the codes (``gemm.scaled_mm_rows``). The kernel
+    writes x's rows and the launcher fills the rest (a memset and a fill of at most 15 rows: a row bound of its own
+    in the kernel made the counting launch's default tile spill registers on sm_90 with fp32 inputs,
+    tests/fp8/test_sm90_compile.py). The count covers x's M rows only.
     """
     _check_block(block)
     count = nonfinite_count is not None
@@ -160,9 +167,14 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     x = _as_float_input(x)
     k, nb = x.shape[-1], _ceil_div(x.shape[-1], block)
     r = x.numel() // k if k else 0
-    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    s2 = _scales_out(r, nb, gemm_layout, x.device)
-    s = s2.view(*x.shape[:-1], nb)
+    r_out = check_out_rows("quantize_1x128", x, out_rows)
+    q = torch.empty(x.shape if out_rows is None else (r_out, k), dtype=FP8_DTYPE, device=x.device)
+    s2 = _scales_out(r_out, nb, gemm_layout, x.device)
+    s = s2.view(*q.shape[:-1], nb)
+    if q.numel() == 0:
+        return q, s
+    if out_rows is not None:
+        fill_zero_token_rows(q, s2, r, pow2)
     if x.numel() == 0:
         return q, s
     x2 = x.reshape(r, k)
@@ -267,6 +279,7 @@ def _quantize_1x128_and_128x1_kernel(
     # q_col^T [K, M_CODES] contiguous (M_CODES: M, or wgrad_rows(M) with zero codes past M),
     # s_col [NBM, K] any strides
     M, K, M_CODES, stride_xm, stride_xk, stride_srm, stride_srk, stride_scm, stride_sck,
+    M_ROW,  # the 1x128 rows written, M <= M_ROW <= ceil(M / GROUP) * GROUP: those past M zero tokens
     K_BUCKET, M_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -283,8 +296,9 @@ def _quantize_1x128_and_128x1_kernel(
     row_nonfinite = row_amax == float("inf")
     row_scale = _block_scale(row_amax, row_nonfinite, POW2)
     row_codes = _scaled_codes(x, row_scale[:, None], row_nonfinite[:, None])
-    _store_codes(q_row_ptr + rows[:, None] * K + cols[None, :], row_codes, mask, SOFT_FP8)
-    tl.store(s_row_ptr + rows * stride_srm + pid_k * stride_srk, row_scale, mask=rows < M)
+    _store_codes(q_row_ptr + rows[:, None] * K + cols[None, :], row_codes,
+                 (rows[:, None] < M_ROW) & (cols[None, :] < K), SOFT_FP8)
+    tl.store(s_row_ptr + rows * stride_srm + pid_k * stride_srk, row_scale, mask=rows < M_ROW)
 
     col_amax = _abs_max(x, 0)  # [GROUP]: one 128x1 group per column
     col_nonfinite = col_amax == float("inf")
@@ -304,8 +318,8 @@ _QUANT_DUAL_CONFIGS = [
 _quantize_dual_tuned = _Tuned(_quantize_1x128_and_128x1_kernel, _QUANT_DUAL_CONFIGS, key=["K_BUCKET", "M_BUCKET"])
 
 
-def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
-                             gemm_layout: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
+                             out_rows=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``quantize_1x128(x) + quantize_128x1(x)`` from one read of x: the same codes and scales bit for bit.
 
     x: [M, K] bf16/fp16/fp32, any strides, M and K ragged allowed
@@ -313,6 +327,7 @@ def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = Fals
         q_col float8_e4m3fn [M, K] column-major, s_col float32 [ceil(M / 128), K])
     Scale layouts are the reference's (s_row row-major, s_col column-major); ``gemm_layout=True`` flips both and
     pads q_col's token rows (see quantize_1x128 / quantize_128x1), which is what FP8BlockLinear asks for.
+    out_rows: q_row and s_row over out_rows rows, M <= out_rows <= ceil(M / 128) * 128, as quantize_1x128's.
     """
     _check_block(block)
     soft_fp8 = _check_device(x)
@@ -321,16 +336,17 @@ def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = Fals
     m, k = x.shape
     nbm, nbk = _ceil_div(m, block), _ceil_div(k, block)
     m_codes = nbm * block if gemm_layout else m
-    q_row = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    m_row = check_out_rows("quantize_1x128_and_128x1", x, out_rows, most=nbm * block)
+    q_row = torch.empty(m_row, k, dtype=FP8_DTYPE, device=x.device)
     q_col_t = torch.empty(k, m_codes, dtype=FP8_DTYPE, device=x.device)
-    s_row = _scales_out(m, nbk, gemm_layout, x.device)
+    s_row = _scales_out(m_row, nbk, gemm_layout, x.device)
     s_col = _scales_out(nbm, k, not gemm_layout, x.device)
     if x.numel() == 0:
         return q_row, s_row, q_col_t.t(), s_col
     _quantize_dual_tuned.launch(
         lambda meta: (nbm, nbk), (_bucket(k), _bucket(m), x.dtype), soft_fp8,
         x, _codes_out(q_row, soft_fp8), s_row, _codes_out(q_col_t, soft_fp8), s_col, m, k, m_codes,
-        x.stride(0), x.stride(1), s_row.stride(0), s_row.stride(1), s_col.stride(0), s_col.stride(1),
+        x.stride(0), x.stride(1), s_row.stride(0), s_row.stride(1), s_col.stride(0), s_col.stride(1), m_row,
         _bucket(k), _bucket(m), POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     return q_row, s_row, q_col_t.t(), s_col
 
