@@ -34,6 +34,8 @@ Dequantization returns float32 ``q.float() * s`` broadcast over each block.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -194,20 +196,13 @@ def check_out_rows(name: str, x: Tensor, out_rows, most=None):
     return out_rows
 
 
+@functools.cache
 def zero_group_scale(pow2: bool = False) -> float:
     """The scale of an all-zero block: AMAX_FLOOR / FP8_E4M3_MAX in fp32 (module docstring, 3), rounded up to a power
     of two with ``pow2`` (4): the same bits ``_scale_from_blocks`` and the kernels give such a block."""
     floor, fp8_max = torch.tensor(AMAX_FLOOR, dtype=torch.float32), torch.tensor(FP8_E4M3_MAX, dtype=torch.float32)
     scale = floor / fp8_max
     return float(round_scale_up_to_pow2(scale.reshape(1))[0] if pow2 else scale)
-
-
-def fill_zero_token_rows(q: Tensor, s: Tensor, m, pow2: bool = False) -> None:
-    """1x128 codes q [R, K] and scales s [R, NB] whose first m rows are written: rows m.. become zero tokens (zero
-    codes, ``zero_group_scale``), in place (``check_out_rows``)."""
-    extra = q.shape[0] - m
-    q.narrow(0, m, extra).view(torch.uint8).zero_()
-    s.narrow(0, m, extra).fill_(zero_group_scale(pow2))
 
 
 def zero_rows_appended(x: Tensor, out_rows) -> Tensor:

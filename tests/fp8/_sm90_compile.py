@@ -104,6 +104,14 @@ def _quantize_1x128(x, r, k, pow2, count, members):
     return args, dict(POW2=pow2, SOFT_FP8=False, COUNT=count, MEMBERS=members, GROUP=BLOCK)
 
 
+def _zero_token_rows(r, k, column_major):
+    """quantize_1x128(out_rows=_gemm_rows(r))'s second launch: rows r.. of codes [rows, k] and scales [rows, nb]
+    (column-major with gemm_layout, as linear_math asks; row-major otherwise), an all-zero group's fp32 scale."""
+    rows, nb = _gemm_rows(r), _ceil_div(k, BLOCK)
+    strides = (1, rows) if column_major else (nb, 1)
+    return (_t(F8), _t(F32), r, k, nb, *strides, 1e-12 / 448), dict(GROUP=BLOCK)
+
+
 def _quantize_128x1(x, m, k, pow2):
     """quantize_128x1(x, gemm_layout=True): codes [k, wgrad_rows(m)], s row-major [ceil(m/128), k]."""
     args = (_t(x), _t(F8), _t(F32), m, k, wgrad_rows(m), k, 1, k, 1, _bucket(m))
@@ -206,6 +214,14 @@ def _cases_quantize_1x128_kernel():
             yield f"plain bf16 rows={rows}", config, _quantize_1x128(BF16, rows, K_IN, False, False, 1)
         for config in quantize._QUANT_1X128_COUNT_CONFIGS:
             yield f"count members=1 bf16 rows={rows}", config, _quantize_1x128(BF16, rows, K_IN, False, True, 1)
+
+
+def _cases_zero_token_rows_kernel():
+    for column_major in (True, False):
+        for k in (K_IN, 18944, 200):  # the model row's K, Qwen2.5-7B's down projection, a ragged last group
+            for config in quantize._ZERO_ROWS_CONFIGS:
+                yield f"rows={RAGGED} k={k} column_major={column_major}", config, _zero_token_rows(RAGGED, k,
+                                                                                                  column_major)
 
 
 def _dtype_pow2_and_ragged_cases(configs, build):
@@ -315,6 +331,7 @@ def _cases_producer_quantize_kernel():
 
 KERNELS = {
     "_quantize_1x128_kernel": (quantize._quantize_1x128_kernel, _cases_quantize_1x128_kernel),
+    "_zero_token_rows_kernel": (quantize._zero_token_rows_kernel, _cases_zero_token_rows_kernel),
     "_quantize_128x1_kernel": (quantize._quantize_128x1_kernel, _cases_quantize_128x1_kernel),
     "_quantize_1x128_and_128x1_kernel": (quantize._quantize_1x128_and_128x1_kernel,
                                          _cases_quantize_1x128_and_128x1_kernel),

@@ -42,6 +42,7 @@ H100_MAX_SHARED_PER_BLOCK = 232448  # bytes: Hopper's opt-in maximum per block (
 # interpreter, CALCLIP_TRITON_AUTOTUNE=0 and torch.compile without autotuning launch).
 TABLES = {
     "_quantize_1x128_kernel": quantize._QUANT_1X128_CONFIGS + quantize._QUANT_1X128_COUNT_CONFIGS,
+    "_zero_token_rows_kernel": quantize._ZERO_ROWS_CONFIGS,
     "_quantize_128x1_kernel": quantize._QUANT_128X1_CONFIGS,
     "_quantize_1x128_and_128x1_kernel": quantize._QUANT_DUAL_CONFIGS,
     "_quantize_128x128_kernel": quantize._QUANT_128X128_CONFIGS,

@@ -25,7 +25,7 @@ from calclip.fp8.kernels.launch import (
     _Tuned,
 )
 from calclip.fp8.kernels.numerics import _abs_max, _block_scale, _scaled_codes, _store_codes
-from calclip.fp8.reference import check_out_rows, fill_zero_token_rows
+from calclip.fp8.reference import check_out_rows, zero_group_scale
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -130,6 +130,37 @@ _quantize_1x128_counting_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_COU
                                         restore_value=["count_ptr"])
 
 
+@triton.jit
+def _zero_token_rows_kernel(
+    q_ptr, s_ptr,  # 1x128 codes q [R_OUT, K] contiguous, scales s [R_OUT, NB] any strides
+    R, K, NB, stride_sr, stride_sg, SCALE,  # rows R.. are written; SCALE: an all-zero group's scale (fp32)
+    BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+):
+    """Row R + program_id(0) as a zero token: zero codes in columns of program_id(1)'s BLOCK_K, and SCALE for their
+    BLOCK_K / GROUP groups (``quantize_1x128``'s ``out_rows``; at most 15 rows, one program per row and chunk)."""
+    row = (R + tl.program_id(0)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(q_ptr + row * K + cols, tl.zeros([BLOCK_K], dtype=q_ptr.dtype.element_ty), mask=cols < K)
+    groups = tl.program_id(1) * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+    tl.store(s_ptr + row * stride_sr + groups * stride_sg, tl.full([BLOCK_K // GROUP], SCALE, tl.float32),
+             mask=groups < NB)
+
+
+_ZERO_ROWS_CONFIGS = [triton.Config({"BLOCK_K": 1024}, num_warps=4)]
+_zero_token_rows_tuned = _Tuned(_zero_token_rows_kernel, _ZERO_ROWS_CONFIGS, key=["K"])
+
+
+def _zero_token_rows(q: Tensor, s: Tensor, r, soft_fp8: bool, pow2: bool) -> None:
+    """Rows r.. of the 1x128 codes q [R_OUT, K] and scales s [R_OUT, NB] as zero tokens, in place: one launch (also
+    what torch.compile records, like every kernel of this module writing into a fresh buffer)."""
+    extra, k = q.shape[0] - r, q.shape[1]
+    if type(extra) is int and extra <= 0:
+        return
+    _zero_token_rows_tuned.launch(
+        lambda meta: (extra, _ceil_div(k, meta["BLOCK_K"])), (k,), soft_fp8,
+        _codes_out(q, soft_fp8), s, r, k, s.shape[1], s.stride(0), s.stride(1), zero_group_scale(pow2), GROUP=BLOCK)
+
+
 def _scales_out(rows: int, nb: int, column_major: bool, device: torch.device) -> Tensor:
     """fp32 [rows, nb], row-major, or column-major (the transpose of a contiguous [nb, rows])."""
     if column_major:
@@ -154,8 +185,8 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     out_rows: a 2-D x [M, K] quantized over out_rows >= M rows (q [out_rows, K], s [out_rows, NB]), the rows past M
     those of zero tokens (zero codes, an all-zero group's scale): ``quantize_1x128`` of x with zero rows appended,
     so torch._scaled_mm takes a ragged token count without a copy of the codes (``gemm.scaled_mm_rows``). The kernel
-    writes x's rows and the launcher fills the rest (a memset and a fill of at most 15 rows: a row bound of its own
-    in the kernel made the counting launch's default tile spill registers on sm_90 with fp32 inputs,
+    writes x's rows and a second launch the at most 15 others (``_zero_token_rows_kernel``: a row bound of its own in
+    the quantizer made the counting launch's default tile spill registers on sm_90 with fp32 inputs,
     tests/fp8/test_sm90_compile.py). The count covers x's M rows only.
     """
     _check_block(block)
@@ -174,7 +205,7 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     if q.numel() == 0:
         return q, s
     if out_rows is not None:
-        fill_zero_token_rows(q, s2, r, pow2)
+        _zero_token_rows(q, s2, r, soft_fp8, pow2)
     if x.numel() == 0:
         return q, s
     x2 = x.reshape(r, k)
