@@ -263,8 +263,18 @@ def _triton_gemm(out_dtype: torch.dtype):
     return fn if out_dtype in _TRITON_OUT_DTYPES else None
 
 
+_sm90_devices: dict[torch.device, bool] = {}
+
+
 def _is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    """Whether ``device`` is a Hopper GPU; asked once per device (every forward and dgrad GEMM asks, via
+    ``operand_rows``, before quantizing: a dict lookup, not a device-properties query)."""
+    if device.type != "cuda":
+        return False
+    known = _sm90_devices.get(device)
+    if known is None:
+        known = _sm90_devices[device] = torch.cuda.get_device_capability(device)[0] == 9
+    return known
 
 
 def resolve_backend(backend: str, qa: Tensor, qb: Tensor, *, out_dtype: torch.dtype, a_blocks: str,

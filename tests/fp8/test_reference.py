@@ -363,6 +363,38 @@ def test_scaled_mm_takes_any_row_count_on_padded_rows_and_the_switch_restores_th
         assert gemm.scaled_mm_rows(4093) == 4093
 
 
+def test_operand_rows_pads_exactly_where_the_gemm_may_take_cublas(monkeypatch):
+    """gemm.operand_rows, asked before quantizing: the forward/dgrad 1x128 operand is quantized over scaled_mm_rows(M)
+    rows wherever resolve_backend may choose torch._scaled_mm for it (so the quantizer, not a copy, writes the rows
+    cuBLAS reads), and over M rows elsewhere (no wasted rows): checked against resolve_backend's choice over token
+    counts, contraction lengths, row scales, backends, output dtypes, the switch and a CPU tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(gemm, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(gemm, "SPLITK_MAX_M", 0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for m in (4093, 4096, 1000, 257, 256, 77):
+            for k in (3584, 1152, 200):
+                for backend in ("auto", "scaled_mm", "triton", "emulated"):
+                    for out_dtype in (torch.bfloat16, torch.float32):
+                        for row_scales in (False, True):
+                            x = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+                            qb = torch.empty(1024, k, dtype=torch.float8_e4m3fn, device="cuda")
+                            rows = gemm.operand_rows(backend, x, out_dtype, row_scales)
+                            chosen = gemm.resolve_backend(backend, x, qb, out_dtype=out_dtype, a_blocks="1x128",
+                                                          b_blocks="128x128", row_scales=row_scales)
+                            cublas = chosen in ("scaled_mm", "scaled_mm_rows")
+                            case = (m, k, backend, out_dtype, row_scales, chosen)
+                            assert rows == (gemm.scaled_mm_rows(m) if cublas else m), case
+        assert gemm.operand_rows("auto", torch.empty(4093, 3584, dtype=torch.bfloat16, device="cuda"),
+                                 torch.bfloat16) == 4096
+        monkeypatch.setattr(gemm, "PAD_ROWS", False)
+        assert gemm.operand_rows("auto", torch.empty(4093, 3584, dtype=torch.bfloat16, device="cuda"),
+                                 torch.bfloat16) == 4093
+    monkeypatch.setattr(gemm, "PAD_ROWS", True)
+    assert gemm.operand_rows("auto", torch.empty(4093, 3584, dtype=torch.bfloat16), torch.bfloat16) == 4093  # CPU
+
+
 def test_padded_rows_of_a_symbolic_token_count_are_provably_aligned():
     """Under compile_layers' dynamic shapes the backend is chosen while tracing: scaled_mm_rows(M) must be provably
     a multiple of 16, so choosing cuBLAS installs no guard on M (the guard on M % 16 that decides whether to copy is
