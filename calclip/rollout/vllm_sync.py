@@ -246,6 +246,24 @@ def apply_deep_gemm_warmup(linear_backend: str | None, env: MutableMapping[str, 
     return "skip"
 
 
+# Added to the error of an FP8 engine that failed to start on DeepGEMM: DeepGEMM compiles its kernels when first used
+# (nvcc, the CUDA toolkit's headers), inside the engine's start, so a machine where that fails stops there, with an
+# error from deep inside vLLM and DeepGEMM that names no calclip field.
+DEEP_GEMM_START_NOTE = (
+    "calclip: this FP8 vLLM engine ran its block-FP8 linears on DeepGEMM (vllm_fp8_linear_backend 'fastest' picks it "
+    "where vLLM reports DeepGEMM usable and nvcc is found; or 'deep_gemm' set explicitly). DeepGEMM compiles its "
+    "kernels with nvcc as they are first used; if this error comes from there, set vllm_fp8_linear_backend: cutlass "
+    "(vLLM's CUTLASS block-FP8 GEMM: the same codes and scales, slower decode; docs/vllm.md, Block-FP8 GEMM backends)")
+
+
+def add_exception_note(err: BaseException, note: str) -> None:
+    """``err.add_note(note)`` (Python 3.11+), or, on 3.10, the note appended to its message (its ``args[0]``)."""
+    if hasattr(err, "add_note"):
+        err.add_note(note)
+    elif err.args and isinstance(err.args[0], str):
+        err.args = (f"{err.args[0]}\n{note}", *err.args[1:])
+
+
 def apply_deep_gemm_e8m0(linear_backend: str | None, power_of_two_scales: bool) -> None:
     """``VLLM_USE_DEEP_GEMM_E8M0`` as ``deep_gemm_e8m0_setting`` says, before a block-FP8 engine starts
     (``set_deep_gemm_e8m0_env``); left alone where that says nothing."""
@@ -672,6 +690,7 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
     fp8_direct_sync: bool = True
     _fp8_engine_pending: bool = False
     _direct_sync: DirectSync | None = None
+    _fp8_linear_backend: str | None = None  # the backend of the engine last started (``_engine_kwargs``)
 
     def _fp8_specs(self) -> dict[str, Fp8WeightSpec]:
         specs = getattr(self, "_calclip_fp8_specs", None)
@@ -702,7 +721,13 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
             self._direct_sync = None  # a new engine: its layout is checked again after its first sync
             if shared_recipe(self._fp8_specs()) == "tensorwise":
                 _logger.warning(TENSORWISE_ACTIVATION_NOTE)
-        return super()._start_engine()
+        self._fp8_linear_backend = None
+        try:
+            return super()._start_engine()
+        except Exception as err:
+            if self._fp8_linear_backend == "deep_gemm":
+                add_exception_note(err, DEEP_GEMM_START_NOTE)
+            raise
 
     def _engine_kwargs(self) -> dict[str, Any]:
         specs = self._fp8_specs()
@@ -714,6 +739,7 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
         problem = linear_backend_problem(recipe, backend)
         if problem:  # vLLM would refuse it only after loading the model
             raise ValueError(f"vllm_fp8_linear_backend: {problem}")
+        self._fp8_linear_backend = backend  # what the engine about to start runs (a failed start names it)
         block_specs = [spec for spec in specs.values() if spec.blockwise]  # DeepGEMM serves block layers only
         if block_specs:
             apply_deep_gemm_e8m0(backend, all(spec.power_of_two_scales for spec in block_specs))

@@ -490,6 +490,52 @@ def test_trainer_engine_takes_deep_gemm_by_default_where_it_runs(fake_vllm, toke
         assert DEEP_GEMM_E8M0_ENV not in os.environ and DEEP_GEMM_WARMUP_ENV not in os.environ
 
 
+@pytest.mark.parametrize("backend", ["fastest", "cutlass"])
+def test_an_engine_that_fails_to_start_on_deep_gemm_says_which_field_switches_it(fake_vllm, tokenizer, tmp_path,
+                                                                                 monkeypatch, backend):
+    """DeepGEMM compiles its kernels inside the engine's start (nvcc, CUDA headers): a machine where that fails stops
+    with an error from deep inside vLLM. The trainer re-raises it unchanged, with a note naming
+    vllm_fp8_linear_backend: cutlass, where the engine ran DeepGEMM; an engine on CUTLASS gets no such note."""
+    monkeypatch.delenv(DEEP_GEMM_E8M0_ENV, raising=False)
+    monkeypatch.delenv(DEEP_GEMM_WARMUP_ENV, raising=False)
+    _deep_gemm_module(monkeypatch, True)
+    monkeypatch.setattr(vllm_sync, "nvcc_found", lambda env=None: True)
+
+    class JitFailure(RuntimeError):
+        pass
+
+    def failing_llm(**kwargs):
+        fake_vllm.engine_kwargs.append(kwargs)
+        raise JitFailure("Failed to compile fp8_gemm_kernel: nvcc not found")
+
+    monkeypatch.setattr(trl_vllm_generation, "LLM", failing_llm)
+    with pytest.raises(JitFailure, match="nvcc not found") as caught:
+        make_vllm_trainer(fake_vllm, tokenizer, tmp_path, vllm_fp8_linear_backend=backend)
+    (kw,) = fake_vllm.engine_kwargs
+    text = "\n".join([str(caught.value), *getattr(caught.value, "__notes__", [])])
+    if backend == "fastest":
+        assert kw["linear_backend"] == "deep_gemm" and "vllm_fp8_linear_backend: cutlass" in text
+    else:
+        assert kw["linear_backend"] == "cutlass" and "vllm_fp8_linear_backend" not in text
+
+
+def test_exception_notes_reach_python_3_10_messages():
+    """vllm_sync.add_exception_note: the note in the message where exceptions have no add_note (Python 3.10)."""
+
+    class Old(Exception):
+        def __getattribute__(self, name):
+            if name == "add_note":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    err = Old("engine failed", 3)
+    vllm_sync.add_exception_note(err, "see the field")
+    assert err.args == ("engine failed\nsee the field", 3)
+    err = RuntimeError("engine failed")
+    vllm_sync.add_exception_note(err, "see the field")
+    assert "see the field" in (getattr(err, "__notes__", None) or [str(err)])[0]
+
+
 def test_linear_backends_that_cannot_serve_the_recipe():
     """vLLM 0.24's block-only backends (deep_gemm, triton) hold no per-channel FP8 kernel, torch no block one: vLLM
     refuses such an engine only after loading the model."""
