@@ -202,7 +202,7 @@ def scaled_mm_on_padded_rows(mm, a: Tensor, b: Tensor, scale_a: Tensor, scale_b:
     if same_size(a.shape[0], rows):  # the quantizer wrote the GEMM's rows (or there is nothing to pad): no guard on M
         y = mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
         return y if same_size(rows, m) else y.narrow(0, 0, m)
-    if rows == m:  # an operand of M rows (a fused producer's codes): the guard on M % 16 decides whether to copy
+    if rows == m:  # an operand of M rows (quantized without operand_rows): the guard on M % 16 decides the copy
         return mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     a, scale_a = pad_1x128_rows(a, scale_a, rows)
     return mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype).narrow(0, 0, m)

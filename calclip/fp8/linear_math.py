@@ -57,7 +57,7 @@ def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype
         # 128x128 scales of b repeated per row, a 1x128 scale ([K/128, N] contiguous as scale_b).
         scale_b = (row_scales_of(sb, n) if chosen == "scaled_mm_rows" else sb).t()
         # M not a multiple of 16 (a micro-batch of B x L tokens, L odd): cuBLAS on zero rows appended, not Triton;
-        # the quantizer wrote them (gemm.operand_rows) or, for a fused producer's codes, one M x K byte copy does
+        # the quantizer wrote them (gemm.operand_rows) or, for codes of M rows, one M x K byte copy appends them
         return scaled_mm_on_padded_rows(scaled_mm_blockwise if traced else torch._scaled_mm, qa, qb.t(), sa, scale_b,
                                         out_dtype, m)
     if chosen == "splitk":
