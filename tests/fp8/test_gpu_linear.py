@@ -196,6 +196,31 @@ def test_scaled_mm_runs_a_row_count_not_a_multiple_of_16_on_padded_rows(m):
         assert err < BACKEND_VS_EMULATED_RTOL, f"{name} at M={m}: rel err {err:.2e}"
 
 
+@pytest.mark.skipif(not IS_SM90, reason="torch._scaled_mm blockwise scaling is sm_90 only")
+@pytest.mark.parametrize("fused", [False, True])
+def test_layer_at_a_ragged_token_count_quantizes_over_the_gemms_rows_without_a_copy(monkeypatch, fused):
+    """gemm.operand_rows on the H200: at 4093 tokens the forward and dgrad 1x128 operands are written over 4096 rows
+    by their quantizers (the zero-token kernel, or the fused kernel's own tiles), so gemm.pad_1x128_rows never runs;
+    output and gradients equal the old copy path's bit for bit (the same codes and GEMM, only who writes the rows)."""
+    from calclip.fp8 import Fp8Config, FP8BlockLinear, gemm, linear_math
+
+    torch.manual_seed(0)
+    layer = FP8BlockLinear(3584, 2048, bias=True, device="cuda", dtype=torch.bfloat16,
+                           config=Fp8Config(fused_quantizer=fused))
+    x = _llm_like((1, 4093, 3584), seed=1)
+    dy = (torch.randn(1, 4093, 2048, device="cuda") * 1e-2).to(torch.bfloat16)
+    copies = []
+    real_pad = gemm.pad_1x128_rows
+    monkeypatch.setattr(gemm, "pad_1x128_rows", lambda *a, **k: copies.append(a[0].shape) or real_pad(*a, **k))
+    y, dx, dw, _ = _run(layer, x, dy)
+    assert copies == []
+    layer.weight.grad = layer.bias.grad = None
+    monkeypatch.setattr(linear_math, "operand_rows", lambda backend, a, out_dtype, row_scales=False: a.shape[0])
+    y_copy, dx_copy, dw_copy, _ = _run(layer, x, dy)  # M rows quantized, the GEMM appends the rows by a copy
+    assert len(copies) == 2 and all(shape[0] == 4093 for shape in copies)
+    assert torch.equal(y, y_copy) and torch.equal(dx, dx_copy) and torch.equal(dw, dw_copy)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # FP8BlockLinear on the GPU vs nn.Linear.
 # ---------------------------------------------------------------------------------------------------------
