@@ -801,7 +801,7 @@ def print_solo_peaks(row: ModelRow, batch: int, keys: list[str], opts) -> None:
     passed = ["--models", spec, "--compile-backend", opts.compile_backend, "--warmup", str(opts.warmup),
               "--model-steps", str(opts.model_steps)]
     for flag, value in (("--fp8-options", opts.fp8_options_text), ("--fp8-options-b", opts.fp8_options_b_text),
-                        ("--compile-mode", opts.compile_mode)):
+                        ("--compile-mode", opts.compile_mode), ("--seq-len", opts.seq_len and str(opts.seq_len))):
         if value:
             passed += [flag, value]
     peaks: dict[str, float] = {}
@@ -1242,6 +1242,10 @@ def parse_args(argv=None):
                         help="runs compared (first = baseline): bench_trainer_step's bf16_static, fp8_static, "
                         "fp8_calibrated, and bf16_/fp8_ + compile (torch_compile=True), graphed_gen (compile_generation=True), "
                         "graphed_gen_fresh (the same with keep_generation_cache=False), compile_all (both)")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="TOKENS",
+                        help="the model rows' tokens per sequence (default 2048; 32 with --tiny). An odd length, e.g. "
+                             "2047 at 4 sequences (8188 tokens, not a multiple of 16), is a trainer's ragged "
+                             "micro-batch: every forward/dgrad GEMM then runs torch._scaled_mm over padded rows")
     parser.add_argument("--trainer-model", default=None, metavar="LAYERS,HIDDEN,INTERMEDIATE",
                         help="the trainer section's random Llama (default 8,2048,8192: bench_trainer_step's; head dim "
                              "128), e.g. 8,1536,8960 for Qwen2.5-1.5B's widths")
@@ -1278,6 +1282,8 @@ def parse_args(argv=None):
         if not rows or any(len(r) != 3 or min(r) < 1 for r in rows):
             parser.error(f"--layer-shapes: expected AxBxC,... of positive ints, got {text!r}")
         opts.layer_shapes = rows
+    if opts.seq_len is not None and opts.seq_len < 1:
+        parser.error(f"--seq-len must be >= 1, got {opts.seq_len}")
     if opts.trainer_model is not None:
         try:
             dims = tuple(int(v) for v in opts.trainer_model.split(","))
@@ -1313,6 +1319,8 @@ def main(argv=None) -> int:
         sizes = dataclasses.replace(sizes, model_rows=opts.models)
     if opts.trainer_model:
         sizes = dataclasses.replace(sizes, trainer_model=opts.trainer_model)
+    if opts.seq_len:
+        sizes = dataclasses.replace(sizes, seq=opts.seq_len)
     if sizes.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --tiny for the CPU check")
         return 2

@@ -215,6 +215,23 @@ def test_trainer_model_option_sets_the_trainer_dims(capsys):
         assert "--trainer-model" in capsys.readouterr().err
 
 
+def test_seq_len_option_sets_the_model_rows_tokens_per_sequence(capsys):
+    """--seq-len: a ragged micro-batch (e.g. 4 x 2047 tokens, not a multiple of 16) for the model rows, where every
+    forward/dgrad GEMM runs over padded rows; a tiny run prints and trains at that length."""
+    assert bench_speed.parse_args(["--seq-len", "2047"]).seq_len == 2047
+    assert bench_speed.parse_args([]).seq_len is None  # the sizes' default
+    with pytest.raises(SystemExit):
+        bench_speed.parse_args(["--seq-len", "0"])
+    assert "--seq-len must be >= 1" in capsys.readouterr().err
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_speed.py"), "--tiny", "--only", "model", "--models",
+         "256:512:4:2:1", "--model-arms", "bf16,fp8", "--seq-len", "31", "--repeats", "1", "--warmup", "1",
+         "--no-torchao"], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "2x31 tokens" in proc.stdout and "FP8 eager" in proc.stdout
+
+
 def test_parse_fp8_options_types():
     assert bench_speed.parse_fp8_options("decode_fused_max_m=0, fused_quantizer=True,decode_fused_max_m=none") == {
         "decode_fused_max_m": None, "fused_quantizer": True}
