@@ -353,6 +353,39 @@ def test_compiled_layers_record_the_producer_ops_and_equal_eager():
     assert all(g._pending is None for g in _groups(compiled))
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_layers_with_operand_rows_padded_equal_eager(monkeypatch):
+    """The producer ops' out_rows under compile_repeated_blocks (aot_eager, an odd token count, padding forced as on an
+    H200): the ops' fakes give the padded codes' shapes, the consumers keep their GEMMs' first rows, and logits, loss
+    and every gradient equal the eager unfused, unpadded model's bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from calclip.fp8 import compile_repeated_blocks, gemm, linear_math
+
+    base = _tiny("llama")
+    compiled = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=True))
+    eager = quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=False))
+    ids = torch.randint(0, 97, (3, 93), generator=torch.Generator().manual_seed(1)).to(DEVICE)  # 279 tokens
+    out_e = eager(input_ids=ids, labels=ids, use_cache=False)
+    out_e.loss.backward()
+    asked = []
+    monkeypatch.setattr(linear_math, "operand_rows", lambda backend, x, out_dtype, row_scales=False:
+                        asked.append(x.shape[0]) or gemm.scaled_mm_rows(x.shape[0]))
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_repeated_blocks(compiled, backend=counter)
+    out_c = compiled(input_ids=ids, labels=ids, use_cache=False)
+    out_c.loss.backward()
+    from calclip.fp8.tracing import size_hint
+
+    assert asked and {size_hint(m) for m in asked} == {279}  # (symbolic token counts under dynamic shapes)
+    assert _same(out_c.logits, out_e.logits) and _same(out_c.loss, out_e.loss)
+    for (name, p_c), p_e in zip(compiled.named_parameters(), eager.parameters()):
+        assert _same(p_c.grad, p_e.grad), name
+    ops = [str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert ops.count("calclip.fp8_silu_mul_quantize") >= 1
+
+
 def test_out_rows_write_zero_tokens_past_m():
     """gemm.operand_rows: a producer writes its 1x128 codes over the rows torch._scaled_mm runs a ragged token count
     on, zero tokens past M, as quantize_1x128(out_rows=) does (no copy before the consumers' GEMMs); y, the 128x1
