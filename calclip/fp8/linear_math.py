@@ -67,9 +67,11 @@ def _gemm(qa: Tensor, sa: Tensor, qb: Tensor, sb: Tensor, out_dtype: torch.dtype
     return y if same_size(rows_a, m) else y.narrow(0, 0, m)  # padded rows (operand_rows) a backend did not need
 
 
-def _padded_rows(rows, m):
-    """``out_rows`` for a quantizer: None where ``rows`` (``gemm.operand_rows``) is m (``same_size``: no guard)."""
-    return None if same_size(rows, m) else rows
+def _out_rows(gemm: str, a: Tensor, out_dtype: torch.dtype, row_scales: bool):
+    """A quantizer's ``out_rows`` for the 1x128 operand a [M, K] of a forward/dgrad GEMM: ``gemm.operand_rows``, or
+    None where that is M (``same_size``: no guard)."""
+    rows = operand_rows(gemm, a, out_dtype, row_scales)
+    return None if same_size(rows, a.shape[0]) else rows
 
 
 def _quantize_input(x2: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool,
@@ -79,7 +81,7 @@ def _quantize_input(x2: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wg
     ``gemm`` backend, the rows past M zero tokens) and, when save_for_wgrad, its 128x1 codes/scales (saved for the
     wgrad GEMM), else None; counter (int64 []) += the non-finite rows of ``members`` linears reading x2
     (``weight_bad``: the one linear's flag, or an int32 count of bad weights among members)."""
-    rows = _padded_rows(operand_rows(gemm, x2, x2.dtype, row_scales), x2.shape[0])
+    rows = _out_rows(gemm, x2, x2.dtype, row_scales)
     if save_for_wgrad and fused:
         qx, sx, qxt, sxt = quant.quantize_1x128_and_128x1(x2, pow2=pow2, gemm_layout=True, out_rows=rows)
         quant.add_nonfinite_rows(counter, sx if rows is None else sx.narrow(0, 0, x2.shape[0]), weight_bad, members)
@@ -111,7 +113,7 @@ def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, n
     both_at_once = need_dx and need_dw and fused  # Fp8Config.fused_quantizer: one kernel writes both layouts
     if need_dx:
         # dy's 1x128 codes over the rows the dgrad GEMM runs on (gemm.operand_rows: zero tokens past M, no copy)
-        rows = _padded_rows(operand_rows(gemm, dy2, x_dtype, row_scales), dy2.shape[0])
+        rows = _out_rows(gemm, dy2, x_dtype, row_scales)
         if both_at_once:
             qdy, sdy, qdyt, sdyt = quant.quantize_1x128_and_128x1(dy2, pow2=pow2, gemm_layout=True, out_rows=rows)
         else:

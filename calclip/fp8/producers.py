@@ -72,9 +72,9 @@ def _impl(x: Tensor, name: str):
 def _quantize_output(y: Tensor, weight_bad: Tensor, members: int, need_t: bool, pow2: bool,
                      out_rows=None) -> tuple[Tensor, ...]:
     m = y.shape[0]
-    if out_rows is not None:  # zero tokens past M (quant.quantize_1x128's out_rows)
-        reference.check_out_rows("producer", y, out_rows, most=-(-m // reference.BLOCK) * reference.BLOCK)
-    q, s = reference.quantize_1x128(y if out_rows is None else reference.zero_rows_appended(y, out_rows), pow2=pow2)
+    # zero tokens past M (quant.quantize_1x128's out_rows), at most the rows the kernel's 128-row tiles cover
+    padded = y if out_rows is None else reference.zero_rows_appended(y, out_rows, "producer", reference.wgrad_rows(m))
+    q, s = reference.quantize_1x128(padded, pow2=pow2)
     count = torch.zeros((), dtype=torch.int64, device=y.device)
     quant.add_nonfinite_rows(count, s.narrow(0, 0, m), weight_bad, members)
     s = s.t().contiguous().t()  # gemm_layout: column-major
@@ -227,8 +227,7 @@ def _plan(group, x: Tensor, dtypes: tuple[torch.dtype, ...]) -> tuple | None:
     else:
         bad = group._bad_weights()  # refreshes the members' codes first
     need_t = torch.is_grad_enabled() and any(m.weight.requires_grad for m in members)
-    x2 = x.reshape(-1, x.shape[-1])
-    rows = linear_math._padded_rows(linear_math.operand_rows(cfg.gemm, x2, x.dtype, cfg.row_scales), x2.shape[0])
+    rows = linear_math._out_rows(cfg.gemm, x.reshape(-1, x.shape[-1]), x.dtype, cfg.row_scales)
     return bad, len(members), need_t, cfg.power_of_two_scales, compiled, rows
 
 

@@ -101,20 +101,17 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     written by the quantizer itself; the count covers x's rows only."""
     fn = _impl(x, "quantize_1x128", block)
     if fn is not reference.quantize_1x128:
-        if out_rows is None:  # (the kernel's keyword only where used: other implementations keep their signature)
-            return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, nonfinite_count=nonfinite_count,
-                      weight_bad=weight_bad, members=members)
         return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, nonfinite_count=nonfinite_count,
                   weight_bad=weight_bad, members=members, out_rows=out_rows)
-    m = reference.check_out_rows("quantize_1x128", x, None)
+    counted = x
     if out_rows is not None:
-        reference.check_out_rows("quantize_1x128", x, out_rows)
-        x = reference.zero_rows_appended(x, out_rows)
+        x = reference.zero_rows_appended(x, out_rows, "quantize_1x128")
     q, s = fn(x, block=block, pow2=pow2)
     if gemm_layout:
         q, s = _to_gemm_layout("quantize_1x128", (q, s), block)
-    if nonfinite_count is not None:
-        add_nonfinite_rows(nonfinite_count, s if out_rows is None else s.narrow(0, 0, m), weight_bad, members)
+    if nonfinite_count is not None:  # x's own rows, not the zero tokens
+        add_nonfinite_rows(nonfinite_count, s if out_rows is None else s.narrow(0, 0, counted.shape[0]), weight_bad,
+                           members)
     return q, s
 
 
@@ -153,7 +150,7 @@ def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = Fals
         return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, out_rows=out_rows)
     if x.dim() != 2:
         raise ValueError(f"quantize_1x128_and_128x1 needs a 2-D tensor, got shape {tuple(x.shape)}")
-    reference.check_out_rows("quantize_1x128_and_128x1", x, out_rows, most=-(-x.shape[0] // block) * block)
+    reference.check_out_rows("quantize_1x128_and_128x1", x, out_rows, most=reference.wgrad_rows(x.shape[0], block))
     return (*quantize_1x128(x, block=block, pow2=pow2, gemm_layout=gemm_layout, out_rows=out_rows),
             *quantize_128x1(x, block=block, pow2=pow2, gemm_layout=gemm_layout))
 

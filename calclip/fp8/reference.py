@@ -205,6 +205,8 @@ def zero_group_scale(pow2: bool = False) -> float:
     return float(round_scale_up_to_pow2(scale.reshape(1))[0] if pow2 else scale)
 
 
-def zero_rows_appended(x: Tensor, out_rows) -> Tensor:
-    """A 2-D x [M, K] -> [out_rows, K]: x, then out_rows - M rows of zeros (``check_out_rows``'s padded tokens)."""
+def zero_rows_appended(x: Tensor, out_rows, name: str = "zero_rows_appended", most=None) -> Tensor:
+    """A 2-D x [M, K] -> [out_rows, K]: x, then out_rows - M rows of zeros (``check_out_rows``'s padded tokens, its
+    bounds checked under ``name``)."""
+    check_out_rows(name, x, out_rows, most)
     return torch.nn.functional.pad(x, (0, 0, 0, out_rows - x.shape[0]))
