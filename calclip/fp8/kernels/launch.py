@@ -165,12 +165,27 @@ def _launch_hook(hook):
     return None if hook is None or getattr(hook, "calls", None) == [] else hook
 
 
+def _launch_key(kernel, device: int, args: tuple, kwargs: dict, config_kwargs: dict) -> tuple:
+    """The exact int and float arguments (shapes, strides, fp32 scalars) and each tensor's dtype and address mod 16:
+    a finer key than Triton's specialization (==1, %16 for ints; none for floats), so a hit always means Triton
+    would have picked this very kernel. Anything else is refused by name: a key that ignored it could reuse the
+    wrong kernel."""
+    parts = []
+    for index, a in enumerate(args):
+        if type(a) is int or type(a) is float:
+            parts.append((type(a), a))  # typed: 1 and 1.0 compile to different kernels
+        elif isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.data_ptr() & 15))
+        else:
+            raise TypeError(f"{getattr(kernel, '__name__', kernel)}: argument {index} "
+                            f"({kernel.arg_names[index]}) is a {type(a).__name__}; the fast launch keys ints, floats "
+                            f"and tensors only")
+    return (kernel, device, id(config_kwargs), *kwargs.values(), *parts)
+
+
 def _fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict, config_kwargs: dict) -> None:
     device = torch.cuda.current_device()  # Triton launches on the current device too
-    # The exact int arguments (shapes, strides) and each tensor's dtype and address mod 16: a finer key than
-    # Triton's specialization (==1, %16), so a hit always means Triton would have picked this very kernel.
-    key = (kernel, device, id(config_kwargs), *kwargs.values(),
-           *[a if type(a) is int else (a.dtype, a.data_ptr() & 15) for a in args])
+    key = _launch_key(kernel, device, args, kwargs, config_kwargs)
     entry = _compiled_launches.get(key)
     if entry is None:
         if len(_compiled_launches) >= _MAX_LAUNCH_ENTRIES:
