@@ -1115,7 +1115,10 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     base.config.bos_token_id = tokenizer.bos_token_id
     model_dir = save_for_vllm(base, tempfile.mkdtemp(prefix=f"bench_vllm_grpo_{arm}_"), tokenizer)
     base.config._name_or_path = model_dir  # TRL's colocated LLM(model=model.name_or_path)
-    completions = opts.grpo_completions
+    completions, micro = opts.grpo_completions, getattr(opts, "grpo_micro_batches", 1)
+    if completions % micro or (completions // micro) % 8:
+        raise ValueError(f"--grpo-micro-batches {micro}: --grpo-completions {completions} must split into that many "
+                         f"micro-batches of whole groups of 8 generations")
     on_gpu = device.type == "cuda"
     args = CalibratedGRPOConfig(
         output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm.startswith("fp8"),
@@ -1123,8 +1126,10 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
             getattr(opts, "linear_backend", "fastest"), getattr(opts, "grpo_recipe", None) or "blockwise"),
         use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
-        per_device_train_batch_size=completions, num_generations=8, gradient_accumulation_steps=1,
-        steps_per_generation=1, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
+        # --grpo-micro-batches: the same rollout of `completions` per optimizer step, trained in that many
+        # micro-batches (one generation per step: steps_per_generation = gradient_accumulation_steps)
+        per_device_train_batch_size=completions // micro, num_generations=8, gradient_accumulation_steps=micro,
+        steps_per_generation=micro, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
         learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False,
         generation_kwargs={"min_tokens": opts.grpo_tokens}, check_dataset=False,
         fp8_recipe=getattr(opts, "grpo_recipe", None) or "blockwise",
@@ -1189,6 +1194,7 @@ def part_grpo(opts) -> None:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--grpo-worker", arm, "--grpo-json", str(out),
                    "--grpo-layers", str(opts.grpo_layers), "--grpo-steps", str(opts.grpo_steps),
                    "--grpo-tokens", str(opts.grpo_tokens), "--grpo-completions", str(opts.grpo_completions),
+                   "--grpo-micro-batches", str(opts.grpo_micro_batches),
                    "--gpu-util", str(opts.gpu_util), "--logit-std", str(opts.logit_std),
                    "--attention-backend", opts.attention_backend, "--linear-backend", opts.linear_backend]
             if recipe != "blockwise":
@@ -1241,7 +1247,8 @@ def part_grpo(opts) -> None:
             rows.append([recipe_label("BF16/FP8", recipe) + " step time", f"{ratio:.2f}x", "", "", "", "", ""])
     save_results(opts)
     print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
-          f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step (median [min-max] of the steps after "
+          f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step, trained in "
+          f"{opts.grpo_micro_batches} micro-batch(es) (median [min-max] of the steps after "
           f"the first {opts.grpo_warmup} of each run, {opts.grpo_rounds} round(s) of the arms in turn)")
     _common.table(["arm", "step s", "rollout s", "weight sync ms", "sync share of step", "FP8 sync path",
                    "steps timed"], rows)
@@ -1309,6 +1316,9 @@ def parse_args(argv=None):
     parser.add_argument("--grpo-rounds", type=int, default=1, help="grpo: times the arm list runs, in turn (A B A B)")
     parser.add_argument("--grpo-tokens", type=int, default=128)
     parser.add_argument("--grpo-completions", type=int, default=64)
+    parser.add_argument("--grpo-micro-batches", type=int, default=1,
+                        help="grpo: micro-batches per optimizer step (gradient accumulation over one rollout of "
+                             "--grpo-completions; 2 fits the 128 x 256 row's BF16 arm on an 80 GB H100)")
     parser.add_argument("--grpo-timeout", type=int, default=280)
     parser.add_argument("--grpo-arms", default="fp8,bf16",
                         help=f"grpo: arms, comma-separated, of {GRPO_ARMS} (fp8_reload: FP8 with vllm_fp8_direct_sync "

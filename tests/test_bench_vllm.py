@@ -196,6 +196,15 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
             assert events.count("init") == 2
         else:
             assert timings["direct_sync"] is None
+    # --grpo-micro-batches 2: the same 16-completion rollout once per optimizer step, trained in two micro-batches
+    opts.grpo_completions, opts.grpo_micro_batches = 16, 2
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    timings = bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
+    assert len(timings["step_s"]) == 2 and len(timings["generate_s"]) == 2  # one rollout per step, not per micro-batch
+    opts.grpo_micro_batches = 3  # 16 completions do not split into 3 micro-batches of whole groups
+    with pytest.raises(ValueError, match="--grpo-micro-batches 3"):
+        bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
 
 
 def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monkeypatch, tmp_path):
