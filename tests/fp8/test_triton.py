@@ -679,6 +679,22 @@ def test_launch_hook_passes_only_hooks_with_something_to_call():
     assert launch._launch_hook(plain) is plain
 
 
+def test_launch_key_keys_scalars_by_type_and_value_and_refuses_other_arguments_by_name():
+    """The direct launch's cache key: an fp32 scalar is keyed by value and type (1.0 and 1 are different kernels;
+    a float once crashed every ragged-token forward on the H100), tensors by dtype and alignment, and an argument
+    it cannot key is refused with the kernel parameter's name."""
+    kernel = quantize._zero_token_rows_kernel
+    q, config = torch.zeros(4, 4), {}  # (the key holds the config dict's identity: one per chosen config)
+
+    def key(*tail, s=q):
+        return launch._launch_key(kernel, 0, (q, s, 1, 2, 3, 4, 5, *tail), {"BLOCK_K": 8}, config)
+
+    assert key(1.0) == key(1.0) and key(1.0) != key(1) and key(1.0) != key(2.0)
+    assert key(1.0) != key(1.0, s=q.to(torch.bfloat16))
+    with pytest.raises(TypeError, match=r"argument 7 \(SCALE\) is a str"):
+        key("1.0")
+
+
 def _garbage_buffers(n, k, transposed):
     """Code/scale/flag buffers holding stale values (a previous weight's), on the test device."""
     nbn, nbk = -(-n // BLOCK), -(-k // BLOCK)

@@ -169,17 +169,15 @@ def _launch_key(kernel, device: int, args: tuple, kwargs: dict, config_kwargs: d
     """The exact int and float arguments (shapes, strides, fp32 scalars) and each tensor's dtype and address mod 16:
     a finer key than Triton's specialization (==1, %16 for ints; none for floats), so a hit always means Triton
     would have picked this very kernel. Anything else is refused by name: a key that ignored it could reuse the
-    wrong kernel."""
-    parts = []
-    for index, a in enumerate(args):
-        if type(a) is int or type(a) is float:
-            parts.append((type(a), a))  # typed: 1 and 1.0 compile to different kernels
-        elif isinstance(a, torch.Tensor):
-            parts.append((a.dtype, a.data_ptr() & 15))
-        else:
-            raise TypeError(f"{getattr(kernel, '__name__', kernel)}: argument {index} "
-                            f"({kernel.arg_names[index]}) is a {type(a).__name__}; the fast launch keys ints, floats "
-                            f"and tensors only")
+    wrong kernel. (One comprehension: this runs on every launch, host time the direct launch exists to save.)"""
+    try:
+        parts = [a if type(a) is int else (float, a) if type(a) is float else (a.dtype, a.data_ptr() & 15)
+                 for a in args]  # (float, a): 1 and 1.0 compile to different kernels
+    except AttributeError:
+        index, a = next((i, a) for i, a in enumerate(args) if type(a) not in (int, float)
+                        and not isinstance(a, torch.Tensor))
+        raise TypeError(f"{getattr(kernel, '__name__', kernel)}: argument {index} ({kernel.arg_names[index]}) is a "
+                        f"{type(a).__name__}; the fast launch keys ints, floats and tensors only") from None
     return (kernel, device, id(config_kwargs), *kwargs.values(), *parts)
 
 
