@@ -103,15 +103,12 @@ def quantize_1x128(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_la
     if fn is not reference.quantize_1x128:
         return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, nonfinite_count=nonfinite_count,
                   weight_bad=weight_bad, members=members, out_rows=out_rows)
-    counted = x
-    if out_rows is not None:
-        x = reference.zero_rows_appended(x, out_rows, "quantize_1x128")
-    q, s = fn(x, block=block, pow2=pow2)
+    padded = x if out_rows is None else reference.zero_rows_appended(x, out_rows, "quantize_1x128")
+    q, s = fn(padded, block=block, pow2=pow2)
     if gemm_layout:
         q, s = _to_gemm_layout("quantize_1x128", (q, s), block)
     if nonfinite_count is not None:  # x's own rows, not the zero tokens
-        add_nonfinite_rows(nonfinite_count, s if out_rows is None else s.narrow(0, 0, counted.shape[0]), weight_bad,
-                           members)
+        add_nonfinite_rows(nonfinite_count, s if out_rows is None else s.narrow(0, 0, x.shape[0]), weight_bad, members)
     return q, s
 
 
