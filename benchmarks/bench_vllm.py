@@ -77,9 +77,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Any
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+PROCESS_START = time.perf_counter()  # a grpo worker's startup_s counts from here
 
 # vLLM reads these at import and engine start; the engine runs in this process (what TRL's colocate mode does).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -1095,11 +1098,13 @@ def part_hf_decode(opts) -> None:
 # part grpo: one process per arm (each owns a colocated engine)
 
 
-def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, int, int] = (4096, 14336, 32, 8)
-                ) -> dict:
-    """Runs in its own process: CalibratedGRPOTrainer with vLLM colocate rollouts; returns per-step timings.
+def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, int, int] = (4096, 14336, 32, 8),
+                progress: Callable[[dict], None] | None = None) -> dict:
+    """Runs in its own process: CalibratedGRPOTrainer with vLLM colocate rollouts; returns per-step timings, and
+    ``startup_s`` (process start to the trainer built: model, FP8 conversion, the engine's start).
     dims: hidden, intermediate, heads, KV heads (Llama-3-8B's by default; tests/test_bench_vllm.py runs it on CPU
-    with a tiny model and a recorded engine)."""
+    with a tiny model and a recorded engine). progress: called with the timings after every step (the worker
+    writes them out, so a run stopped by --grpo-timeout still reports the steps it finished)."""
     from transformers import TrainerCallback
 
     from calclip.models.tiny import build_tiny_tokenizer
@@ -1145,6 +1150,8 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         def on_step_end(self, *a, **k):
             cuda_sync()
             timings["step_s"].append(time.perf_counter() - self.start)
+            if progress is not None:
+                progress(timings)
 
     # TRL builds LLM(...) with its own arguments; the attention backend is added to them in both arms (the GPU
     # bundle was checked with Triton attention; vLLM 0.24 has no environment variable for it).
@@ -1157,6 +1164,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         trainer = CalibratedGRPOTrainer(model=base, reward_funcs=digit_share_reward, args=args,
                                         train_dataset=tiny_prompt_dataset(completions // 8 * opts.grpo_steps),
                                         processing_class=tokenizer, callbacks=[StepClock()])
+    timings["startup_s"] = time.perf_counter() - PROCESS_START
     generation = trainer.vllm_generation
     for method, key in (("sync_weights", "sync_s"), ("generate", "generate_s")):
         original = getattr(generation, method)
@@ -1212,7 +1220,12 @@ def part_grpo(opts) -> None:
                                for b in (err.stdout, err.stderr))[-3000:]
                 print(f"   !! grpo {label} timed out after {opts.grpo_timeout} s (--grpo-timeout); last output:\n"
                       f"{said}", flush=True)
-                runs[label].append({"error": f"timed out after {opts.grpo_timeout} s: {said[-400:]}"})
+                finished = json.loads(out.read_text()) if out.exists() else {}
+                if len(finished.get("step_s", ())) > opts.grpo_warmup:  # the steps it finished still count
+                    print(f"   {len(finished['step_s'])} step(s) finished before the timeout count", flush=True)
+                    runs[label].append({**finished, "timed_out_after_s": opts.grpo_timeout})
+                else:
+                    runs[label].append({"error": f"timed out after {opts.grpo_timeout} s: {said[-400:]}"})
                 continue
             print(f"   exit {proc.returncode} after {time.perf_counter() - start:.0f} s", flush=True)
             if proc.returncode != 0 or not out.exists():
@@ -1229,7 +1242,9 @@ def part_grpo(opts) -> None:
             continue
         step, gen, sync = (pooled_after(ok, key, opts.grpo_warmup) for key in ("step_s", "generate_s", "sync_s"))
         step_median, gen_median, sync_median = (statistics.median(v) for v in (step, gen, sync))
+        startup = [r["startup_s"] for r in ok if "startup_s" in r]
         results[arm] = {"runs": arm_runs, "timed_steps": len(step), "step_median_s": step_median,
+                        "startup_median_s": statistics.median(startup) if startup else None,
                         "step_range_s": [min(step), max(step)], "generate_median_s": gen_median,
                         "sync_median_s": sync_median, "sync_share": sync_median / step_median}
         directs = [r.get("direct_sync") for r in ok]
@@ -1237,21 +1252,21 @@ def part_grpo(opts) -> None:
                  for d in directs}
         rows.append([arm, f"{fmt(step_median)} [{fmt(min(step))}-{fmt(max(step))}]", fmt(gen_median),
                      fmt(sync_median * 1e3, 0), f"{100 * sync_median / step_median:.1f}%", ", ".join(sorted(paths))[:60],
-                     str(len(step))])
+                     str(len(step)), fmt(statistics.median(startup)) if startup else "-"])
         save_results(opts)
     for recipe in opts.recipes:
         label = recipe_label("fp8", recipe, "_")
         if "step_median_s" in results.get(label, {}) and "step_median_s" in results.get("bf16", {}):
             ratio = results["bf16"]["step_median_s"] / results[label]["step_median_s"]
             results[recipe_label("bf16_over_fp8", recipe, "_") + "_step"] = ratio
-            rows.append([recipe_label("BF16/FP8", recipe) + " step time", f"{ratio:.2f}x", "", "", "", "", ""])
+            rows.append([recipe_label("BF16/FP8", recipe) + " step time", f"{ratio:.2f}x", "", "", "", "", "", ""])
     save_results(opts)
     print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
           f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step, trained in "
           f"{opts.grpo_micro_batches} micro-batch(es) (median [min-max] of the steps after "
           f"the first {opts.grpo_warmup} of each run, {opts.grpo_rounds} round(s) of the arms in turn)")
     _common.table(["arm", "step s", "rollout s", "weight sync ms", "sync share of step", "FP8 sync path",
-                   "steps timed"], rows)
+                   "steps timed", "startup s"], rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1473,8 +1488,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = parse_args(argv)
     if opts.grpo_worker:
-        timings = grpo_worker(opts.grpo_worker, opts)
-        Path(opts.grpo_json).write_text(json.dumps(timings))
+        out = Path(opts.grpo_json)
+        timings = grpo_worker(opts.grpo_worker, opts,
+                              progress=lambda so_far: out.write_text(json.dumps({**so_far, "partial": True})))
+        out.write_text(json.dumps(timings))
         return 0
     if opts.child_json:  # one part (one model) in this process
         RESULTS["env"] = {"vllm": _common.package_version("vllm"), "torch": torch.__version__,

@@ -183,8 +183,12 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
             monkeypatch.delenv(var, raising=False)
         events.clear()
-        timings = bench_vllm.grpo_worker(arm, opts, device="cpu", dims=(128, 256, 4, 4))
+        seen = []  # what a run stopped by --grpo-timeout would have left: the timings after every finished step
+        timings = bench_vllm.grpo_worker(arm, opts, device="cpu", dims=(128, 256, 4, 4),
+                                         progress=lambda so_far: seen.append(list(so_far["step_s"])))
         assert len(timings["step_s"]) == 2 and len(timings["generate_s"]) == 2 and len(timings["sync_s"]) == 2
+        assert seen == [timings["step_s"][:1], timings["step_s"]]
+        assert timings["startup_s"] > 0
         assert all(t > 0 for key in ("step_s", "generate_s", "sync_s") for t in timings[key])
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
         fp8 = arm.startswith("fp8")
@@ -716,3 +720,26 @@ def test_decode_arms_reach_the_engine_with_their_own_backend_and_format(monkeypa
         assert group["input_activations"]["dynamic"] is True
     with pytest.raises(SystemExit):
         bench_vllm.parse_args(["--decode-arms", "fp8,nope"])
+
+
+def test_grpo_part_keeps_the_steps_a_timed_out_run_finished(monkeypatch, tmp_path):
+    """A worker stopped by --grpo-timeout leaves the timings of the steps it finished (written after each step):
+    those past --grpo-warmup count; one that finished no step past the warm-up is an error."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    left = {"fp8": [9.0, 1.1, 1.3], "bf16": [2.0]}
+
+    def run(cmd, capture_output, text, timeout):
+        arm = cmd[cmd.index("--grpo-worker") + 1]
+        Path(cmd[cmd.index("--grpo-json") + 1]).write_text(json.dumps(
+            {"step_s": left[arm], "generate_s": [1.0] * len(left[arm]), "sync_s": [0.01] * len(left[arm]),
+             "startup_s": 40.0, "partial": True}))
+        raise bench_vllm.subprocess.TimeoutExpired(cmd, timeout, output=b"capturing", stderr=b"")
+
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-warmup", "1", "--grpo-timeout", "5"]))
+    grpo = bench_vllm.RESULTS["grpo"]
+    assert grpo["fp8"]["timed_steps"] == 2 and grpo["fp8"]["step_median_s"] == pytest.approx(1.2)
+    assert grpo["fp8"]["runs"][0]["timed_out_after_s"] == 5 and grpo["fp8"]["startup_median_s"] == 40.0
+    assert "timed out after 5 s" in grpo["bf16"]["error"]
+    assert "bf16_over_fp8_step" not in grpo
