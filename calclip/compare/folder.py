@@ -38,7 +38,7 @@ UNCOMPARED_FIELDS = frozenset(RUN_FIELDS) | {
     # Quantizing in the producing kernels, or keeping W^T's codes resident: bit-equal outputs and gradients too.
     "fp8_fuse_producers", "fp8_resident_dgrad_codes",
     # Engine speed options of the colocated vLLM engine (the FP8 KV cache is not: it changes the rollouts).
-    "vllm_async_scheduling", "vllm_max_num_batched_tokens",
+    "vllm_async_scheduling", "vllm_max_num_batched_tokens", "vllm_max_cudagraph_capture_size",
 }
 
 

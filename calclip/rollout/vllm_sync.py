@@ -587,11 +587,12 @@ def engine_model_kwargs(model: nn.Module, processing_class: Any, directory: str 
 
 @contextlib.contextmanager
 def merged_call_kwargs(namespace: Any, attr: str, extra: Mapping[str, Any]):
-    """Temporarily replace ``namespace.attr`` (a callable) by one that merges ``extra`` into its kwargs."""
+    """Temporarily replace ``namespace.attr`` (a callable) by one that merges ``extra`` into its kwargs
+    (``merge_engine_kwargs``)."""
     original = getattr(namespace, attr)
 
     def call(*args, **kwargs):
-        return original(*args, **{**kwargs, **extra})
+        return original(*args, **merge_engine_kwargs(kwargs, extra))
 
     setattr(namespace, attr, call)
     try:
@@ -617,10 +618,13 @@ def layerwise_reload_stream(
 
 
 def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool | None = None,
-                        max_num_batched_tokens: int | None = None) -> dict[str, Any]:
+                        max_num_batched_tokens: int | None = None,
+                        max_cudagraph_capture_size: int | None = None) -> dict[str, Any]:
     """``vllm.LLM`` arguments for the colocated engine's speed options, only those that differ from what TRL 1.16
-    builds today (``LLM(...)`` without kv_cache_dtype / async_scheduling, ``max_num_batched_tokens=4096``), so the
-    defaults change nothing. kv_cache_dtype "auto" is the model's dtype; async_scheduling None is vLLM's choice."""
+    builds today (``LLM(...)`` without kv_cache_dtype / async_scheduling / compilation_config,
+    ``max_num_batched_tokens=4096``), so the defaults change nothing. kv_cache_dtype "auto" is the model's dtype;
+    async_scheduling None is vLLM's choice; max_cudagraph_capture_size None is vLLM's (twice max_num_seqs, at most
+    512: sizes a batch of at most max_num_seqs decoding sequences never replays)."""
     kwargs: dict[str, Any] = {}
     if kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = kv_cache_dtype
@@ -628,7 +632,22 @@ def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool 
         kwargs["async_scheduling"] = bool(async_scheduling)
     if max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = int(max_num_batched_tokens)
+    if max_cudagraph_capture_size is not None:
+        kwargs["compilation_config"] = {"max_cudagraph_capture_size": int(max_cudagraph_capture_size)}
     return kwargs
+
+
+def merge_engine_kwargs(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments from ``layers``, later ones winning, except that their ``compilation_config``
+    dicts are merged key by key (the FP8 numerics' pass switches and a speed option's capture size both live
+    there; a plain update would drop one)."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key == "compilation_config" and isinstance(merged.get(key), Mapping) and isinstance(value, Mapping):
+                value = {**merged[key], **value}
+            merged[key] = value
+    return merged
 
 
 class ColocateEngineMixin:
@@ -660,7 +679,7 @@ class ColocateEngineMixin:
             return super()._init_vllm()
         import trl.generation.vllm_generation as trl_vllm_generation
 
-        extra = {**self._engine_kwargs(), **(self.engine_options or {})}
+        extra = merge_engine_kwargs(self._engine_kwargs(), self.engine_options or {})
         with merged_call_kwargs(trl_vllm_generation, "LLM", extra):
             return super()._init_vllm()  # TRL's: LLM(...), sleep mode, barrier
 

@@ -331,6 +331,15 @@ class CalibratedGRPOConfig(GRPOConfig):
         metadata={"help": "With use_vllm and vllm_mode colocate: vLLM's max_num_batched_tokens (tokens per engine "
                   "step, prefill chunks included). null (default): TRL 1.16's 4096."},
     )
+    vllm_max_cudagraph_capture_size: int | None = field(
+        default=None,
+        metadata={"help": "With use_vllm and vllm_mode colocate: the largest batch the engine captures a CUDA graph "
+                  "for (vLLM's compilation_config.max_cudagraph_capture_size). null (default): the rollout batch, "
+                  "per_device_train_batch_size x vllm_tensor_parallel_size x steps_per_generation (the engine's "
+                  "max_num_seqs as TRL sets it), so no graph is captured for a batch of more sequences than the "
+                  "engine ever decodes at once; vLLM's own default is twice that, at most 512 (half its graphs, "
+                  "and their compile and capture time, unused in decode). An integer: that size."},
+    )
     vllm_fp8_direct_sync: bool = field(
         default=True,
         metadata={"help": "With use_vllm, fp8 and vllm_mode colocate: after the first weight sync (through vLLM's "
@@ -537,6 +546,12 @@ class CalibratedGRPOConfig(GRPOConfig):
                 or not isinstance(self.vllm_max_num_batched_tokens, int) or self.vllm_max_num_batched_tokens < 1):
             raise ValueError(f"vllm_max_num_batched_tokens must be an integer >= 1 or null (TRL's 4096), got "
                              f"{self.vllm_max_num_batched_tokens!r}")
+        if self.vllm_max_cudagraph_capture_size is not None and (
+                isinstance(self.vllm_max_cudagraph_capture_size, bool)
+                or not isinstance(self.vllm_max_cudagraph_capture_size, int)
+                or self.vllm_max_cudagraph_capture_size < 1):
+            raise ValueError(f"vllm_max_cudagraph_capture_size must be an integer >= 1 or null (the rollout batch), "
+                             f"got {self.vllm_max_cudagraph_capture_size!r}")
         for name in ("compile_generation", "keep_generation_cache", "vllm_fp8_match_trainer_numerics",
                      "vllm_fp8_direct_sync"):
             if not isinstance(getattr(self, name), bool):

@@ -216,6 +216,12 @@ class _SampledLogprobRecorder:
         return generate
 
 
+def rollout_batch(args) -> int:
+    """The most sequences the colocated engine decodes at once: its max_num_seqs as TRL 1.16 sets it (one generation
+    batch of this process, spread over its tensor-parallel group)."""
+    return args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation
+
+
 def compiled_generation_problem(device_type: str, master_dtype: torch.dtype, bf16: bool, fp16: bool) -> str | None:
     """Why compile_generation cannot run with these settings, or None.
 
@@ -271,7 +277,9 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         engine_model_root = os.path.join(args.output_dir, ENGINE_MODEL_DIRNAME)
         engine_options = engine_speed_kwargs(kv_cache_dtype=args.vllm_kv_cache_dtype,
                                              async_scheduling=args.vllm_async_scheduling,
-                                             max_num_batched_tokens=args.vllm_max_num_batched_tokens)
+                                             max_num_batched_tokens=args.vllm_max_num_batched_tokens,
+                                             max_cudagraph_capture_size=args.vllm_max_cudagraph_capture_size
+                                             or rollout_batch(args))
         if fp8_vllm:
             # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
             # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.

@@ -44,7 +44,9 @@ from calclip.rollout.vllm_sync import (  # noqa: E402
     check_vllm_compatible,
     engine_fp8_mismatches,
     expected_engine_fp8_tensors,
+    engine_speed_kwargs,
     fp8_engine_kwargs,
+    merge_engine_kwargs,
     output_head_name,
 )
 from tests.fixtures import tiny_training_args  # noqa: E402
@@ -482,7 +484,19 @@ def test_trainer_with_a_rowwise_policy_builds_a_per_channel_engine_and_syncs_its
     assert all(loads[f"{layer}.weight"].dtype == torch.bfloat16 for layer in BF16_LAYERS)
 
 
-OPTIONS = dict(vllm_kv_cache_dtype="fp8", vllm_async_scheduling=False, vllm_max_num_batched_tokens=8192)
+def test_engine_kwargs_merge_their_compilation_configs_key_by_key():
+    numerics = {"linear_backend": "deep_gemm", "compilation_config": {"pass_config": {"fuse_norm_quant": False}}}
+    speed = engine_speed_kwargs(max_cudagraph_capture_size=64, async_scheduling=False)
+    assert merge_engine_kwargs({"max_num_seqs": 64, "linear_backend": "cutlass"}, numerics, speed) == {
+        "max_num_seqs": 64, "linear_backend": "deep_gemm", "async_scheduling": False,
+        "compilation_config": {"pass_config": {"fuse_norm_quant": False}, "max_cudagraph_capture_size": 64}}
+    assert "compilation_config" not in engine_speed_kwargs()  # the default: vLLM's capture sizes
+    later = merge_engine_kwargs(speed, {"compilation_config": {"max_cudagraph_capture_size": 8}})
+    assert later["compilation_config"] == {"max_cudagraph_capture_size": 8}  # a later layer's key wins
+
+
+OPTIONS = dict(vllm_kv_cache_dtype="fp8", vllm_async_scheduling=False, vllm_max_num_batched_tokens=8192,
+               vllm_max_cudagraph_capture_size=24)
 
 
 @pytest.mark.parametrize("options", [{}, OPTIONS], ids=["defaults", "options"])
@@ -493,17 +507,23 @@ def test_engine_options_reach_the_engine_and_their_defaults_change_nothing(fake_
     make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=fp8, **options, **bf16)
     (kw,) = fake_vllm.engine_kwargs
     assert (kw.get("quantization") == "fp8") == fp8  # the FP8 engine's own arguments are kept
+    # the FP8 numerics' compilation passes and the capture size share compilation_config: both reach the engine
+    assert ("pass_config" in kw["compilation_config"]) == fp8
     if not options:
         assert not {"kv_cache_dtype", "async_scheduling"} & set(kw)
         assert kw["max_num_batched_tokens"] == 4096  # TRL 1.16's own value
+        # graphs up to the rollout batch (TRL's max_num_seqs), not vLLM's twice that
+        assert kw["compilation_config"]["max_cudagraph_capture_size"] == kw["max_num_seqs"]
     else:
         assert kw["kv_cache_dtype"] == "fp8" and kw["async_scheduling"] is False
         assert kw["max_num_batched_tokens"] == 8192
+        assert kw["compilation_config"]["max_cudagraph_capture_size"] == 24
 
 
 @pytest.mark.parametrize("field, value", [
     ("vllm_kv_cache_dtype", "int8"), ("vllm_kv_cache_dtype", None), ("vllm_async_scheduling", "yes"),
     ("vllm_max_num_batched_tokens", 0), ("vllm_max_num_batched_tokens", True), ("vllm_max_num_batched_tokens", 1.5),
+    ("vllm_max_cudagraph_capture_size", 0), ("vllm_max_cudagraph_capture_size", "512"),
 ])
 def test_bad_engine_options_are_named(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):

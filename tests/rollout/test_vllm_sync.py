@@ -361,14 +361,16 @@ def test_trainer_builds_block_fp8_engine_after_quantizing(fake_vllm, tokenizer, 
     # the engine runs the trainer's arithmetic: FP32 block scales (no UE8M0 requant), no quant-fusion kernels
     assert kw["linear_backend"] == "cutlass"
     assert kw["compilation_config"] == {"pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False},
-                                        "inductor_compile_config": {"emulate_precision_casts": True}}
+                                        "inductor_compile_config": {"emulate_precision_casts": True},
+                                        "max_cudagraph_capture_size": kw["max_num_seqs"]}  # engine_speed_kwargs'
 
 
 def test_trainer_engine_numerics_follow_the_config(fake_vllm, tokenizer, tmp_path):
     make_vllm_trainer(fake_vllm, tokenizer, tmp_path, vllm_fp8_linear_backend=None,
                       vllm_fp8_match_trainer_numerics=False)
     (kw,) = fake_vllm.engine_kwargs
-    assert "linear_backend" not in kw and "compilation_config" not in kw  # vLLM's own defaults
+    assert "linear_backend" not in kw  # vLLM's own defaults; of compilation_config only the capture size
+    assert kw["compilation_config"] == {"max_cudagraph_capture_size": kw["max_num_seqs"]}
     assert kw["quantization"] == "fp8"
 
 
@@ -579,13 +581,15 @@ def test_bad_linear_backend_is_named(tmp_path, value):
 
 
 def test_bf16_vllm_trainer_keeps_trl_engine_untouched(fake_vllm, tokenizer, tmp_path):
-    """fp8 false, a policy with a local path: TRL's own LLM(...) arguments and per-tensor BF16 sync."""
+    """fp8 false, a policy with a local path: TRL's own LLM(...) arguments (and the capture size, a speed default
+    both arms share) and per-tensor BF16 sync."""
     path = str(tmp_path / "policy")
     trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=False, fp8_keep_last_n_layers=0, model_path=path)
     (kw,) = fake_vllm.engine_kwargs
     assert kw["model"] == path and not (tmp_path / ENGINE_MODEL_DIRNAME).exists()
     assert "quantization" in kw and kw["quantization"] is None
-    assert not {"hf_overrides", "load_format", "linear_backend", "compilation_config"} & set(kw)
+    assert not {"hf_overrides", "load_format", "linear_backend"} & set(kw)
+    assert kw["compilation_config"] == {"max_cudagraph_capture_size": kw["max_num_seqs"]}
     trainer.vllm_generation.sync_weights()
     loads = {name: t for kind, name, t, *rest in (e for e in fake_vllm.recorder.events if e[0] == "load")}
     assert loads and all(t.dtype == torch.bfloat16 for t in loads.values())
