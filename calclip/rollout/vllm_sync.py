@@ -637,6 +637,18 @@ def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool 
     return kwargs
 
 
+def capture_size_for_batch(max_num_seqs: int) -> int:
+    """The smallest ``max_cudagraph_capture_size`` whose capture list (vLLM 0.24: 1, 2, 4, multiples of 8 below 256,
+    multiples of 16 from 256) still holds a graph for a batch of ``max_num_seqs`` decoding sequences: the batch
+    rounded up to the next size of that list, at most vLLM's own 512. (vLLM truncates any other value down to a
+    size of the list, which would leave the full batch without a graph.)"""
+    n = int(max_num_seqs)
+    if n <= 4:
+        return next(size for size in (1, 2, 4) if size >= n)
+    step = 8 if n <= 256 else 16
+    return min(-(-n // step) * step, 512)
+
+
 def merge_engine_kwargs(*layers: Mapping[str, Any]) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments from ``layers``, later ones winning, except that their ``compilation_config``
     dicts are merged key by key (the FP8 numerics' pass switches and a speed option's capture size both live

@@ -336,7 +336,8 @@ class CalibratedGRPOConfig(GRPOConfig):
         metadata={"help": "With use_vllm and vllm_mode colocate: the largest batch the engine captures a CUDA graph "
                   "for (vLLM's compilation_config.max_cudagraph_capture_size). null (default): the rollout batch, "
                   "per_device_train_batch_size x vllm_tensor_parallel_size x steps_per_generation (the engine's "
-                  "max_num_seqs as TRL sets it), so no graph is captured for a batch of more sequences than the "
+                  "max_num_seqs as TRL sets it), rounded up to a size of vLLM's capture list (1, 2, 4, multiples of "
+                  "8, from 256 of 16), so no graph is captured for a batch of more sequences than the "
                   "engine ever decodes at once; vLLM's own default is twice that, at most 512 (half its graphs, "
                   "and their compile and capture time, unused in decode). An integer: that size."},
     )

@@ -146,6 +146,7 @@ from calclip.run.reward_checks import checked_reward_function, exclude_nonfinite
 from calclip.monitoring.ratio_histograms import attach_ratio_histograms
 from calclip.rollout.vllm_sync import (
     ENGINE_MODEL_DIRNAME,
+    capture_size_for_batch,
     check_vllm_compatible,
     engine_speed_kwargs,
     fp8_engine_numerics_kwargs,
@@ -279,7 +280,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                                              async_scheduling=args.vllm_async_scheduling,
                                              max_num_batched_tokens=args.vllm_max_num_batched_tokens,
                                              max_cudagraph_capture_size=args.vllm_max_cudagraph_capture_size
-                                             or rollout_batch(args))
+                                             or capture_size_for_batch(rollout_batch(args)))
         if fp8_vllm:
             # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
             # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.

@@ -41,6 +41,7 @@ from calclip.fp8.export import (  # noqa: E402
 )
 from calclip.rollout.vllm_sync import (  # noqa: E402
     TENSORWISE_ACTIVATION_NOTE,
+    capture_size_for_batch,
     check_vllm_compatible,
     engine_fp8_mismatches,
     expected_engine_fp8_tensors,
@@ -484,6 +485,22 @@ def test_trainer_with_a_rowwise_policy_builds_a_per_channel_engine_and_syncs_its
     assert all(loads[f"{layer}.weight"].dtype == torch.bfloat16 for layer in BF16_LAYERS)
 
 
+def vllm_capture_sizes(cap: int) -> list[int]:
+    """vLLM 0.24's capture list up to ``cap`` (VllmConfig._set_cudagraph_sizes, no speculative decoding)."""
+    sizes = [size for size in (1, 2, 4) if size <= cap] + list(range(8, min(cap + 1, 256), 8))
+    return sizes + (list(range(256, cap + 1, 16)) if cap >= 256 else [])
+
+
+@pytest.mark.parametrize("batch, cap", [(1, 1), (3, 4), (5, 8), (12, 16), (128, 128), (130, 136), (256, 256),
+                                        (257, 272), (600, 512)])
+def test_the_capture_size_keeps_a_graph_for_the_whole_rollout_batch(batch, cap):
+    assert capture_size_for_batch(batch) == cap
+    sizes = vllm_capture_sizes(cap)
+    assert sizes[-1] == cap  # a size of the list: vLLM keeps it as given (it truncates any other)
+    assert cap >= min(batch, 512) and (len(sizes) < 2 or sizes[-2] < batch)  # the smallest such size
+    assert len(sizes) <= len(vllm_capture_sizes(min(2 * batch, 512)))  # never more graphs than vLLM's default
+
+
 def test_engine_kwargs_merge_their_compilation_configs_key_by_key():
     numerics = {"linear_backend": "deep_gemm", "compilation_config": {"pass_config": {"fuse_norm_quant": False}}}
     speed = engine_speed_kwargs(max_cudagraph_capture_size=64, async_scheduling=False)
@@ -513,7 +530,7 @@ def test_engine_options_reach_the_engine_and_their_defaults_change_nothing(fake_
         assert not {"kv_cache_dtype", "async_scheduling"} & set(kw)
         assert kw["max_num_batched_tokens"] == 4096  # TRL 1.16's own value
         # graphs up to the rollout batch (TRL's max_num_seqs), not vLLM's twice that
-        assert kw["compilation_config"]["max_cudagraph_capture_size"] == kw["max_num_seqs"]
+        assert kw["compilation_config"]["max_cudagraph_capture_size"] == capture_size_for_batch(kw["max_num_seqs"])
     else:
         assert kw["kv_cache_dtype"] == "fp8" and kw["async_scheduling"] is False
         assert kw["max_num_batched_tokens"] == 8192

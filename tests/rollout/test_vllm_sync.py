@@ -34,6 +34,7 @@ from calclip.rollout.vllm_sync import (  # noqa: E402
     DEEP_GEMM_WARMUP_ENV,
     DEFAULT_LINEAR_BACKEND,
     apply_deep_gemm_warmup,
+    capture_size_for_batch,
     deep_gemm_e8m0_setting,
     deep_gemm_runs_here,
     fp8_engine_numerics_kwargs,
@@ -362,7 +363,8 @@ def test_trainer_builds_block_fp8_engine_after_quantizing(fake_vllm, tokenizer, 
     assert kw["linear_backend"] == "cutlass"
     assert kw["compilation_config"] == {"pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False},
                                         "inductor_compile_config": {"emulate_precision_casts": True},
-                                        "max_cudagraph_capture_size": kw["max_num_seqs"]}  # engine_speed_kwargs'
+                                        # engine_speed_kwargs'
+                                        "max_cudagraph_capture_size": capture_size_for_batch(kw["max_num_seqs"])}
 
 
 def test_trainer_engine_numerics_follow_the_config(fake_vllm, tokenizer, tmp_path):
@@ -370,7 +372,7 @@ def test_trainer_engine_numerics_follow_the_config(fake_vllm, tokenizer, tmp_pat
                       vllm_fp8_match_trainer_numerics=False)
     (kw,) = fake_vllm.engine_kwargs
     assert "linear_backend" not in kw  # vLLM's own defaults; of compilation_config only the capture size
-    assert kw["compilation_config"] == {"max_cudagraph_capture_size": kw["max_num_seqs"]}
+    assert kw["compilation_config"] == {"max_cudagraph_capture_size": capture_size_for_batch(kw["max_num_seqs"])}
     assert kw["quantization"] == "fp8"
 
 
@@ -589,7 +591,7 @@ def test_bf16_vllm_trainer_keeps_trl_engine_untouched(fake_vllm, tokenizer, tmp_
     assert kw["model"] == path and not (tmp_path / ENGINE_MODEL_DIRNAME).exists()
     assert "quantization" in kw and kw["quantization"] is None
     assert not {"hf_overrides", "load_format", "linear_backend"} & set(kw)
-    assert kw["compilation_config"] == {"max_cudagraph_capture_size": kw["max_num_seqs"]}
+    assert kw["compilation_config"] == {"max_cudagraph_capture_size": capture_size_for_batch(kw["max_num_seqs"])}
     trainer.vllm_generation.sync_weights()
     loads = {name: t for kind, name, t, *rest in (e for e in fake_vllm.recorder.events if e[0] == "load")}
     assert loads and all(t.dtype == torch.bfloat16 for t in loads.values())
