@@ -36,7 +36,8 @@ hf_decode  the same tokens/s for HF ``generate`` (static cache: transformers com
            ``--hf-layers`` layers (compiles once per batch size: ~1 min each).
 grpo       one CalibratedGRPOTrainer step with vLLM colocate rollouts, ``fp8`` true vs false, each arm in its own
            process: step wall time, rollout (generate) time, weight-sync time and its share of the step
-           (median of the steps after the first).
+           (median of the steps after the first), each arm's start; ``--grpo-profile-rollout K``: where the K-th
+           rollout's time went (GPU kernels by ``DECODE_CATEGORIES``, the GPU's busy share of the wall).
 
 Recipes (``--recipes``, comma-separated, default ``blockwise``): the FP8 recipes the mismatch and grpo parts run.
 blockwise is calclip's block-FP8 engine (``quantization="fp8"``, 128x128 weight blocks); rowwise and tensorwise are
@@ -985,6 +986,7 @@ def decode_engine_specs(names: list[str]) -> list[tuple[str, dict]]:
 # (Triton ``_per_token_group_quant_fp8``, or the CUDA op); BF16 linears are cuBLAS (nvjet_*, *gemm*, *xmma*).
 DECODE_CATEGORIES = (
     ("FP8 activation quantizer", r"per_token_group|quant_fp8|_quant_|dynamic_.*quant|scaled_fp8_quant"),
+    ("FP8 GEMM (DeepGEMM)", r"deep_?gemm|sm90_fp8_gemm|fp8_gemm_1d"),
     ("FP8 GEMM (CUTLASS)", r"cutlass|scaled_mm|blockwise|fp8"),
     ("attention", r"attn|attention|flash|paged|reshape_and_cache|kv_cache|unified"),
     ("BF16 GEMM", r"nvjet|gemm|xmma|cublas|sm90_|ampere_|splitk"),
@@ -1166,15 +1168,21 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
                                         processing_class=tokenizer, callbacks=[StepClock()])
     timings["startup_s"] = time.perf_counter() - PROCESS_START
     generation = trainer.vllm_generation
+    profile_at = getattr(opts, "grpo_profile_rollout", 0)  # 1-based; 0: none
     for method, key in (("sync_weights", "sync_s"), ("generate", "generate_s")):
         original = getattr(generation, method)
 
         def timed(*a, _original=original, _key=key, **k):
+            profiled = _key == "generate_s" and len(timings["generate_s"]) + 1 == profile_at
             cuda_sync()
             start = time.perf_counter()
-            out = _original(*a, **k)
-            cuda_sync()
+            with rollout_profiler(profiled) as prof:
+                out = _original(*a, **k)
+                cuda_sync()
             timings[_key].append(time.perf_counter() - start)
+            if profiled:
+                timings["rollout_profile"] = rollout_profile(prof, timings[_key][-1],
+                                                             step=len(timings["generate_s"]) - 1)
             return out
 
         setattr(generation, method, timed)
@@ -1182,6 +1190,37 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     direct = getattr(generation, "_direct_sync", None)  # FP8: whether the syncs after the first were in place
     timings["direct_sync"] = None if direct is None else {"verified": direct.verified, "reason": direct.reason}
     return timings
+
+
+def rollout_profiler(on: bool):
+    """torch.profiler over one rollout (its CUDA kernels on a GPU, CPU events elsewhere), or a no-op."""
+    if not on:
+        return contextlib.nullcontext()
+    activity = torch.profiler.ProfilerActivity
+    return torch.profiler.profile(activities=[activity.CPU, *([activity.CUDA] if torch.cuda.is_available() else [])])
+
+
+def rollout_profile(prof, wall_s: float, *, step: int) -> dict:
+    """Where one profiled rollout's time went: its wall time, the GPU kernel time summed (over every stream: the
+    share of the wall the GPU was busy, when kernels do not overlap), that time by ``DECODE_CATEGORIES``, the
+    kernel launches, and the top kernels. ``step``: the 0-based step it belongs to (its timings are left out of the
+    medians: the profiler slows it)."""
+    times = _common.kernel_times(prof)
+    kernel_ms = sum(us for us, _ in times.values()) / 1e3
+    wall_ms = wall_s * 1e3
+    return {"step": step, "wall_ms": wall_ms, "kernel_ms": kernel_ms, "busy_share": kernel_ms / wall_ms,
+            "launches": sum(n for _, n in times.values()),
+            "split_ms": _common.split_by_category(times, 1, DECODE_CATEGORIES),
+            "top": sorted(((k, us / 1e3, n) for k, (us, n) in times.items()), key=lambda k: -k[1])[:12]}
+
+
+def without_profiled_step(run: dict) -> dict:
+    """A worker's timings with its profiled step (``rollout_profile["step"]``) left out of every per-step list."""
+    step = run.get("rollout_profile", {}).get("step")
+    if step is None:
+        return run
+    return {**run, **{key: [v for i, v in enumerate(run[key]) if i != step]
+                      for key in ("step_s", "generate_s", "sync_s") if key in run}}
 
 
 GRPO_ARMS = ("fp8", "fp8_reload", "bf16")
@@ -1203,6 +1242,7 @@ def part_grpo(opts) -> None:
                    "--grpo-layers", str(opts.grpo_layers), "--grpo-steps", str(opts.grpo_steps),
                    "--grpo-tokens", str(opts.grpo_tokens), "--grpo-completions", str(opts.grpo_completions),
                    "--grpo-micro-batches", str(opts.grpo_micro_batches),
+                   "--grpo-profile-rollout", str(opts.grpo_profile_rollout),
                    "--gpu-util", str(opts.gpu_util), "--logit-std", str(opts.logit_std),
                    "--attention-backend", opts.attention_backend, "--linear-backend", opts.linear_backend]
             if recipe != "blockwise":
@@ -1236,7 +1276,7 @@ def part_grpo(opts) -> None:
             runs[label].append(json.loads(out.read_text()))
     rows = []
     for arm, arm_runs in runs.items():
-        ok = [r for r in arm_runs if "error" not in r]
+        ok = [without_profiled_step(r) for r in arm_runs if "error" not in r]
         if not ok:
             results[arm] = {"error": arm_runs[-1]["error"] if arm_runs else "not run", "runs": arm_runs}
             continue
@@ -1267,6 +1307,29 @@ def part_grpo(opts) -> None:
           f"the first {opts.grpo_warmup} of each run, {opts.grpo_rounds} round(s) of the arms in turn)")
     _common.table(["arm", "step s", "rollout s", "weight sync ms", "sync share of step", "FP8 sync path",
                    "steps timed", "startup s"], rows)
+    print_rollout_profiles(runs)
+
+
+def print_rollout_profiles(runs: dict[str, list[dict]]) -> None:
+    """--grpo-profile-rollout's table: each arm's profiled rollout (its first run's), ms by kernel category."""
+    profiles = {arm: next((r["rollout_profile"] for r in arm_runs if "rollout_profile" in r), None)
+                for arm, arm_runs in runs.items()}
+    profiles = {arm: p for arm, p in profiles.items() if p is not None}
+    if not profiles:
+        return
+    categories = [c for c, _ in DECODE_CATEGORIES] + ["other"]
+    steps = ", ".join(str(p["step"] + 1) for p in profiles.values())
+    print(f"\n### grpo rollout profile: each arm's profiled rollout (step {steps}), GPU kernel ms by category "
+          "(profiler on: slower than the timed rollouts)")
+    rows = [[c, *[fmt(p["split_ms"].get(c, 0.0), 1) for p in profiles.values()]] for c in categories]
+    rows += [["GPU kernels, total", *[fmt(p["kernel_ms"], 1) for p in profiles.values()]],
+             ["rollout wall", *[fmt(p["wall_ms"], 1) for p in profiles.values()]],
+             ["GPU busy share of the wall", *[f"{100 * p['busy_share']:.0f}%" for p in profiles.values()]],
+             ["kernel launches", *[str(p["launches"]) for p in profiles.values()]]]
+    _common.table(["ms per rollout", *profiles], rows)
+    for arm, profile in profiles.items():
+        print(f"\n#### {arm}: top kernels of the profiled rollout (ms, launches)")
+        _common.table(["kernel", "ms", "launches"], [[k[:90], fmt(ms, 2), str(n)] for k, ms, n in profile["top"]])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1334,6 +1397,10 @@ def parse_args(argv=None):
     parser.add_argument("--grpo-micro-batches", type=int, default=1,
                         help="grpo: micro-batches per optimizer step (gradient accumulation over one rollout of "
                              "--grpo-completions; 2 fits the 128 x 256 row's BF16 arm on an 80 GB H100)")
+    parser.add_argument("--grpo-profile-rollout", type=int, default=0,
+                        help="grpo: run each worker's K-th rollout (1-based) under torch.profiler and report where its "
+                             "time went (GPU kernels by category, busy share of the wall, top kernels); that step is "
+                             "left out of the medians. 0 (default): none")
     parser.add_argument("--grpo-timeout", type=int, default=280)
     parser.add_argument("--grpo-arms", default="fp8,bf16",
                         help=f"grpo: arms, comma-separated, of {GRPO_ARMS} (fp8_reload: FP8 with vllm_fp8_direct_sync "

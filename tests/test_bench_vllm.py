@@ -178,7 +178,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         monkeypatch.setenv(var, "0")
         monkeypatch.delenv(var)
     opts = argparse.Namespace(grpo_layers=1, logit_std=4.0, grpo_completions=8, gpu_util=0.2, grpo_tokens=6,
-                              grpo_steps=2, attention_backend="TRITON_ATTN")
+                              grpo_steps=2, attention_backend="TRITON_ATTN", grpo_profile_rollout=2)
     for arm in ("fp8", "fp8_reload", "bf16"):  # (the bench runs each arm in its own process)
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
             monkeypatch.delenv(var, raising=False)
@@ -189,6 +189,9 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         assert len(timings["step_s"]) == 2 and len(timings["generate_s"]) == 2 and len(timings["sync_s"]) == 2
         assert seen == [timings["step_s"][:1], timings["step_s"]]
         assert timings["startup_s"] > 0
+        profile = timings["rollout_profile"]  # --grpo-profile-rollout 2: the second step's rollout, under the profiler
+        assert profile["step"] == 1 and 0 < profile["wall_ms"] == pytest.approx(timings["generate_s"][1] * 1e3)
+        assert set(profile["split_ms"]) == {*(c for c, _ in bench_vllm.DECODE_CATEGORIES), "other"}
         assert all(t > 0 for key in ("step_s", "generate_s", "sync_s") for t in timings[key])
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
         fp8 = arm.startswith("fp8")
@@ -650,6 +653,7 @@ def test_decode_kernels_fall_in_their_categories_and_split_per_step():
     assert cat("void vllm::per_token_group_quant_8bit_kernel<__nv_bfloat16>") == "FP8 activation quantizer"
     assert cat("_per_token_group_quant_fp8") == "FP8 activation quantizer"
     assert cat("void cutlass::device_kernel<vllm::cutlass_3x_gemm_fp8_blockwise<...>>") == "FP8 GEMM (CUTLASS)"
+    assert cat("void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u, 4096u, 4096u, 64u, 128u>") == "FP8 GEMM (DeepGEMM)"
     assert cat("kernel_unified_attention_2d") == "attention"
     assert cat("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "BF16 GEMM"
     assert cat("void vllm::rms_norm_kernel<c10::BFloat16>") == "norms and activation"
@@ -743,3 +747,34 @@ def test_grpo_part_keeps_the_steps_a_timed_out_run_finished(monkeypatch, tmp_pat
     assert grpo["fp8"]["runs"][0]["timed_out_after_s"] == 5 and grpo["fp8"]["startup_median_s"] == 40.0
     assert "timed out after 5 s" in grpo["bf16"]["error"]
     assert "bf16_over_fp8_step" not in grpo
+
+
+def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_went(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    times = {"nvjet_sm90_tst_256x128": (3000.0, 64), "void deep_gemm::sm90_fp8_gemm_1d2d_impl<>": (1500.0, 64),
+             "_per_token_group_quant_fp8": (500.0, 64), "kernel_unified_attention_2d": (800.0, 16)}
+    prof = types.SimpleNamespace()
+    monkeypatch.setattr(bench_vllm._common, "kernel_times", lambda p: times if p is prof else {})
+    profile = bench_vllm.rollout_profile(prof, 0.010, step=2)
+    assert profile["kernel_ms"] == pytest.approx(5.8) and profile["busy_share"] == pytest.approx(0.58)
+    assert profile["split_ms"]["FP8 GEMM (DeepGEMM)"] == pytest.approx(1.5) and profile["launches"] == 208
+    assert profile["top"][0] == ("nvjet_sm90_tst_256x128", 3.0, 64)
+
+    def run(cmd, capture_output, text, timeout):
+        arm = cmd[cmd.index("--grpo-worker") + 1]
+        assert cmd[cmd.index("--grpo-profile-rollout") + 1] == "3"
+        steps = [9.0, 1.0, 5.0, 1.2] if arm == "fp8" else [9.0, 1.4, 1.5, 1.6]  # fp8's profiled step 3: 5.0 s
+        Path(cmd[cmd.index("--grpo-json") + 1]).write_text(json.dumps(
+            {"step_s": steps, "generate_s": [s / 2 for s in steps], "sync_s": [0.01] * 4, "direct_sync": None,
+             **({"rollout_profile": profile} if arm == "fp8" else {})}))
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-warmup", "1",
+                                                "--grpo-profile-rollout", "3"]))
+    grpo = bench_vllm.RESULTS["grpo"]
+    assert grpo["fp8"]["timed_steps"] == 2 and grpo["fp8"]["step_median_s"] == pytest.approx(1.1)  # 5.0 left out
+    assert grpo["bf16"]["timed_steps"] == 3 and grpo["bf16"]["step_median_s"] == pytest.approx(1.5)
+    printed = capsys.readouterr().out
+    assert "grpo rollout profile" in printed and "FP8 GEMM (DeepGEMM)" in printed and "58%" in printed
