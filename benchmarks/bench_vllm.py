@@ -1138,7 +1138,10 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         per_device_train_batch_size=completions // micro, num_generations=8, gradient_accumulation_steps=micro,
         steps_per_generation=micro, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
         learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False,
-        generation_kwargs={"min_tokens": opts.grpo_tokens}, check_dataset=False,
+        # --grpo-detokenize off: vLLM skips its per-step incremental detokenization (TRL reads token ids only)
+        generation_kwargs={"min_tokens": opts.grpo_tokens,
+                           **({"detokenize": False} if getattr(opts, "grpo_detokenize", "on") == "off" else {})},
+        check_dataset=False,
         fp8_recipe=getattr(opts, "grpo_recipe", None) or "blockwise",
         vllm_kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto"),
         vllm_async_scheduling=getattr(opts, "async_scheduling", None))
@@ -1251,6 +1254,8 @@ def part_grpo(opts) -> None:
                 cmd += ["--kv-cache-dtype", opts.kv_cache_dtype]
             if opts.async_scheduling is not None:
                 cmd += ["--async-scheduling", "on" if opts.async_scheduling else "off"]
+            if opts.grpo_detokenize != "on":
+                cmd += ["--grpo-detokenize", opts.grpo_detokenize]
             print(f"-- grpo {label}, round {round_index + 1}/{opts.grpo_rounds}: {' '.join(cmd[2:])}", flush=True)
             start = time.perf_counter()
             try:
@@ -1401,6 +1406,9 @@ def parse_args(argv=None):
                         help="grpo: run each worker's K-th rollout (1-based) under torch.profiler and report where its "
                              "time went (GPU kernels by category, busy share of the wall, top kernels); that step is "
                              "left out of the medians. 0 (default): none")
+    parser.add_argument("--grpo-detokenize", default="on", choices=("on", "off"),
+                        help="grpo: vLLM's incremental detokenization of every sequence at every step, which TRL's "
+                             "colocated generate leaves on although it reads token ids only (on, default: as TRL)")
     parser.add_argument("--grpo-timeout", type=int, default=280)
     parser.add_argument("--grpo-arms", default="fp8,bf16",
                         help=f"grpo: arms, comma-separated, of {GRPO_ARMS} (fp8_reload: FP8 with vllm_fp8_direct_sync "

@@ -164,6 +164,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
 
         def generate(self, prompts, sampling_params, use_tqdm):
             assert sampling_params["min_tokens"] == 6
+            assert sampling_params.get("detokenize", True) == (opts.grpo_detokenize == "on")
             ids = [7] * 6  # a character token of the tiny tokenizer, never EOS
             logprobs = [{7: types.SimpleNamespace(rank=1, logprob=-0.5)}] * 6
             return [types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
@@ -178,7 +179,8 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         monkeypatch.setenv(var, "0")
         monkeypatch.delenv(var)
     opts = argparse.Namespace(grpo_layers=1, logit_std=4.0, grpo_completions=8, gpu_util=0.2, grpo_tokens=6,
-                              grpo_steps=2, attention_backend="TRITON_ATTN", grpo_profile_rollout=2)
+                              grpo_steps=2, attention_backend="TRITON_ATTN", grpo_profile_rollout=2,
+                              grpo_detokenize="on")
     for arm in ("fp8", "fp8_reload", "bf16"):  # (the bench runs each arm in its own process)
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
             monkeypatch.delenv(var, raising=False)
@@ -204,7 +206,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         else:
             assert timings["direct_sync"] is None
     # --grpo-micro-batches 2: the same 16-completion rollout once per optimizer step, trained in two micro-batches
-    opts.grpo_completions, opts.grpo_micro_batches = 16, 2
+    opts.grpo_completions, opts.grpo_micro_batches, opts.grpo_detokenize = 16, 2, "off"
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     timings = bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
@@ -763,7 +765,7 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
 
     def run(cmd, capture_output, text, timeout):
         arm = cmd[cmd.index("--grpo-worker") + 1]
-        assert cmd[cmd.index("--grpo-profile-rollout") + 1] == "3"
+        assert cmd[cmd.index("--grpo-profile-rollout") + 1] == "3" and cmd[cmd.index("--grpo-detokenize") + 1] == "off"
         steps = [9.0, 1.0, 5.0, 1.2] if arm == "fp8" else [9.0, 1.4, 1.5, 1.6]  # fp8's profiled step 3: 5.0 s
         Path(cmd[cmd.index("--grpo-json") + 1]).write_text(json.dumps(
             {"step_s": steps, "generate_s": [s / 2 for s in steps], "sync_s": [0.01] * 4, "direct_sync": None,
@@ -772,7 +774,7 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
 
     monkeypatch.setattr(bench_vllm.subprocess, "run", run)
     bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-warmup", "1",
-                                                "--grpo-profile-rollout", "3"]))
+                                                "--grpo-profile-rollout", "3", "--grpo-detokenize", "off"]))
     grpo = bench_vllm.RESULTS["grpo"]
     assert grpo["fp8"]["timed_steps"] == 2 and grpo["fp8"]["step_median_s"] == pytest.approx(1.1)  # 5.0 left out
     assert grpo["bf16"]["timed_steps"] == 3 and grpo["bf16"]["step_median_s"] == pytest.approx(1.5)
