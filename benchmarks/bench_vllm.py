@@ -1144,7 +1144,8 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         check_dataset=False,
         fp8_recipe=getattr(opts, "grpo_recipe", None) or "blockwise",
         vllm_kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto"),
-        vllm_async_scheduling=getattr(opts, "async_scheduling", None))
+        vllm_async_scheduling=getattr(opts, "async_scheduling", None),
+        vllm_max_cudagraph_capture_size=getattr(opts, "grpo_capture_size", None))
     timings = {"step_s": [], "generate_s": [], "sync_s": []}
 
     class StepClock(TrainerCallback):
@@ -1256,6 +1257,8 @@ def part_grpo(opts) -> None:
                 cmd += ["--async-scheduling", "on" if opts.async_scheduling else "off"]
             if opts.grpo_detokenize != "on":
                 cmd += ["--grpo-detokenize", opts.grpo_detokenize]
+            if opts.grpo_capture_size is not None:
+                cmd += ["--grpo-capture-size", str(opts.grpo_capture_size)]
             print(f"-- grpo {label}, round {round_index + 1}/{opts.grpo_rounds}: {' '.join(cmd[2:])}", flush=True)
             start = time.perf_counter()
             try:
@@ -1409,6 +1412,9 @@ def parse_args(argv=None):
     parser.add_argument("--grpo-detokenize", default="on", choices=("on", "off"),
                         help="grpo: vLLM's incremental detokenization of every sequence at every step, which TRL's "
                              "colocated generate leaves on although it reads token ids only (on, default: as TRL)")
+    parser.add_argument("--grpo-capture-size", type=int, default=None,
+                        help="grpo: the engines' vllm_max_cudagraph_capture_size (default: the trainer's, the rollout "
+                             "batch; vLLM's own default is twice that, at most 512)")
     parser.add_argument("--grpo-timeout", type=int, default=280)
     parser.add_argument("--grpo-arms", default="fp8,bf16",
                         help=f"grpo: arms, comma-separated, of {GRPO_ARMS} (fp8_reload: FP8 with vllm_fp8_direct_sync "

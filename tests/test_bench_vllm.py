@@ -180,7 +180,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         monkeypatch.delenv(var)
     opts = argparse.Namespace(grpo_layers=1, logit_std=4.0, grpo_completions=8, gpu_util=0.2, grpo_tokens=6,
                               grpo_steps=2, attention_backend="TRITON_ATTN", grpo_profile_rollout=2,
-                              grpo_detokenize="on")
+                              grpo_detokenize="on", grpo_capture_size=None)
     for arm in ("fp8", "fp8_reload", "bf16"):  # (the bench runs each arm in its own process)
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
             monkeypatch.delenv(var, raising=False)
@@ -196,6 +196,8 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         assert set(profile["split_ms"]) == {*(c for c, _ in bench_vllm.DECODE_CATEGORIES), "other"}
         assert all(t > 0 for key in ("step_s", "generate_s", "sync_s") for t in timings[key])
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
+        # the trainer's capture size (the rollout batch of 8) unless --grpo-capture-size gives one
+        assert engine_kwargs[-1]["compilation_config"]["max_cudagraph_capture_size"] == (opts.grpo_capture_size or 8)
         fp8 = arm.startswith("fp8")
         assert (engine_kwargs[-1].get("quantization") == "fp8") == fp8
         assert ("init" in events and "finalize" in events) == fp8
@@ -207,10 +209,12 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
             assert timings["direct_sync"] is None
     # --grpo-micro-batches 2: the same 16-completion rollout once per optimizer step, trained in two micro-batches
     opts.grpo_completions, opts.grpo_micro_batches, opts.grpo_detokenize = 16, 2, "off"
+    opts.grpo_capture_size = 32
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     timings = bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
     assert len(timings["step_s"]) == 2 and len(timings["generate_s"]) == 2  # one rollout per step, not per micro-batch
+    assert engine_kwargs[-1]["compilation_config"]["max_cudagraph_capture_size"] == 32  # --grpo-capture-size 32
     opts.grpo_micro_batches = 3  # 16 completions do not split into 3 micro-batches of whole groups
     with pytest.raises(ValueError, match="--grpo-micro-batches 3"):
         bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
@@ -766,6 +770,7 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
     def run(cmd, capture_output, text, timeout):
         arm = cmd[cmd.index("--grpo-worker") + 1]
         assert cmd[cmd.index("--grpo-profile-rollout") + 1] == "3" and cmd[cmd.index("--grpo-detokenize") + 1] == "off"
+        assert cmd[cmd.index("--grpo-capture-size") + 1] == "256"
         steps = [9.0, 1.0, 5.0, 1.2] if arm == "fp8" else [9.0, 1.4, 1.5, 1.6]  # fp8's profiled step 3: 5.0 s
         Path(cmd[cmd.index("--grpo-json") + 1]).write_text(json.dumps(
             {"step_s": steps, "generate_s": [s / 2 for s in steps], "sync_s": [0.01] * 4, "direct_sync": None,
@@ -774,7 +779,8 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
 
     monkeypatch.setattr(bench_vllm.subprocess, "run", run)
     bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-warmup", "1",
-                                                "--grpo-profile-rollout", "3", "--grpo-detokenize", "off"]))
+                                                "--grpo-profile-rollout", "3", "--grpo-detokenize", "off",
+                                                "--grpo-capture-size", "256"]))
     grpo = bench_vllm.RESULTS["grpo"]
     assert grpo["fp8"]["timed_steps"] == 2 and grpo["fp8"]["step_median_s"] == pytest.approx(1.1)  # 5.0 left out
     assert grpo["bf16"]["timed_steps"] == 3 and grpo["bf16"]["step_median_s"] == pytest.approx(1.5)
