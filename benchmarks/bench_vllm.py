@@ -1290,8 +1290,12 @@ def part_grpo(opts) -> None:
             continue
         step, gen, sync = (pooled_after(ok, key, opts.grpo_warmup) for key in ("step_s", "generate_s", "sync_s"))
         step_median, gen_median, sync_median = (statistics.median(v) for v in (step, gen, sync))
+        # the rest of each step: log-probs, loss, backward, optimizer (one rollout and one sync per step)
+        train = [t - g - y for t, g, y in zip(step, gen, sync)] if len(step) == len(gen) == len(sync) else []
+        train_median = statistics.median(train) if train else None
         startup = [r["startup_s"] for r in ok if "startup_s" in r]
         results[arm] = {"runs": arm_runs, "timed_steps": len(step), "step_median_s": step_median,
+                        "train_median_s": train_median,
                         "startup_median_s": statistics.median(startup) if startup else None,
                         "step_range_s": [min(step), max(step)], "generate_median_s": gen_median,
                         "sync_median_s": sync_median, "sync_share": sync_median / step_median}
@@ -1299,21 +1303,25 @@ def part_grpo(opts) -> None:
         paths = {"-" if d is None else "in place" if d["verified"] else f"reload ({d['reason'] or 'off'})"
                  for d in directs}
         rows.append([arm, f"{fmt(step_median)} [{fmt(min(step))}-{fmt(max(step))}]", fmt(gen_median),
-                     fmt(sync_median * 1e3, 0), f"{100 * sync_median / step_median:.1f}%", ", ".join(sorted(paths))[:60],
+                     fmt(train_median), fmt(sync_median * 1e3, 0), f"{100 * sync_median / step_median:.1f}%", ", ".join(sorted(paths))[:60],
                      str(len(step)), fmt(statistics.median(startup)) if startup else "-"])
         save_results(opts)
     for recipe in opts.recipes:
         label = recipe_label("fp8", recipe, "_")
         if "step_median_s" in results.get(label, {}) and "step_median_s" in results.get("bf16", {}):
-            ratio = results["bf16"]["step_median_s"] / results[label]["step_median_s"]
-            results[recipe_label("bf16_over_fp8", recipe, "_") + "_step"] = ratio
-            rows.append([recipe_label("BF16/FP8", recipe) + " step time", f"{ratio:.2f}x", "", "", "", "", "", ""])
+            bf16, fp8, key = results["bf16"], results[label], recipe_label("bf16_over_fp8", recipe, "_")
+            ratios = {part: bf16[f"{part}_median_s"] / fp8[f"{part}_median_s"] if bf16.get(f"{part}_median_s")
+                      and fp8.get(f"{part}_median_s") else None for part in ("step", "generate", "train")}
+            results[key + "_step"] = ratios["step"]
+            results[key + "_rollout"], results[key + "_train"] = ratios["generate"], ratios["train"]
+            rows.append([recipe_label("BF16/FP8", recipe), *(f"{r:.2f}x" if r else "-" for r in ratios.values()),
+                         "", "", "", "", ""])
     save_results(opts)
     print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
           f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step, trained in "
           f"{opts.grpo_micro_batches} micro-batch(es) (median [min-max] of the steps after "
           f"the first {opts.grpo_warmup} of each run, {opts.grpo_rounds} round(s) of the arms in turn)")
-    _common.table(["arm", "step s", "rollout s", "weight sync ms", "sync share of step", "FP8 sync path",
+    _common.table(["arm", "step s", "rollout s", "training s", "weight sync ms", "sync share of step", "FP8 sync path",
                    "steps timed", "startup s"], rows)
     print_rollout_profiles(runs)
 

@@ -249,6 +249,10 @@ def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monke
     assert "CUDA out of memory" in grpo["bf16"]["runs"][1]["error"]
     assert grpo["bf16_over_fp8_step"] == pytest.approx(1.4 / 1.05)
     assert grpo["fp8"]["sync_share"] == pytest.approx(0.05 / 1.05)
+    # rollout = step / 2 in this stand-in, so rollout and training ratios (step - rollout - sync) follow
+    assert grpo["bf16_over_fp8_rollout"] == pytest.approx(0.7 / 0.525)
+    assert grpo["fp8"]["train_median_s"] == pytest.approx(1.05 / 2 - 0.05)
+    assert grpo["bf16_over_fp8_train"] == pytest.approx((0.7 - 0.05) / (0.525 - 0.05))
 
 
 class StandInEngine:
