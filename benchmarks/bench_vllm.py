@@ -273,12 +273,13 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
     (weights from ``model_dir``, or dummy with ``opts.dummy_bf16``)."""
     from vllm import LLM
 
-    from calclip.rollout.vllm_sync import fp8_engine_kwargs, fp8_engine_numerics_kwargs, sync_fp8_weights
+    from calclip.rollout.vllm_sync import (fp8_engine_kwargs, fp8_engine_numerics_kwargs, merge_engine_kwargs,
+                                           sync_fp8_weights)
 
     kwargs = dict(model=model_dir, dtype="bfloat16", gpu_memory_utilization=gpu_util, max_model_len=max_model_len,
                   max_num_seqs=max_num_seqs, seed=0, logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
-                  enable_prefix_caching=False, attention_backend=opts.attention_backend)
-    compilation = {"cudagraph_capture_sizes": capture_sizes(batches)}
+                  enable_prefix_caching=False, attention_backend=opts.attention_backend,
+                  compilation_config={"cudagraph_capture_sizes": capture_sizes(batches)})
     fp8 = policy is not None or quantization_config is not None
     if fp8:
         if policy is not None:
@@ -288,16 +289,12 @@ def make_llm(model_dir: str, opts, *, policy=None, quantization_config=None, num
                           hf_overrides={"quantization_config": quantization_config}, load_format="dummy")
         if numerics == "calclip":  # the trainer's engine numerics, "fastest" resolved for this engine's recipe
             recipe = "blockwise" if kwargs.get("quantization") == "fp8" else "rowwise"
-            extra = fp8_engine_numerics_kwargs(linear_backend=getattr(opts, "linear_backend", "fastest"),
-                                               recipe=recipe)
-            compilation.update(extra.pop("compilation_config", {}))
-            kwargs.update(extra)
+            kwargs = merge_engine_kwargs(kwargs, fp8_engine_numerics_kwargs(
+                linear_backend=getattr(opts, "linear_backend", "fastest"), recipe=recipe))
     elif opts.dummy_bf16:
         kwargs["load_format"] = "dummy"
-    overrides = dict(engine_overrides or {})
-    compilation.update(overrides.pop("compilation_config", {}))
-    kwargs.update(overrides)  # last: a decode arm's own linear backend / quantization beats the numerics defaults
-    kwargs["compilation_config"] = compilation
+    # last: a decode arm's own linear backend / quantization beats the numerics defaults
+    kwargs = merge_engine_kwargs(kwargs, engine_overrides or {})
     if getattr(opts, "enforce_eager", False):  # no torch.compile, no CUDA graphs: rules them in or out of a mismatch
         kwargs["enforce_eager"] = True
     if getattr(opts, "model_impl", "auto") != "auto":  # "transformers": HF's modeling code inside the engine
