@@ -992,6 +992,17 @@ DECODE_CATEGORIES = (
 )
 
 
+def kernel_profiler():
+    """torch.profiler recording CUDA kernels (CPU events only where there is no CUDA: the CPU tests, no kernel rows)."""
+    activity = torch.profiler.ProfilerActivity
+    return torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU])
+
+
+def top_kernels(times: dict[str, tuple[float, int]], n: int) -> list[tuple[str, float, int]]:
+    """The ``n`` kernels of ``_common.kernel_times`` with the most device time: (name, ms, launches)."""
+    return sorted(((k, us / 1e3, calls) for k, (us, calls) in times.items()), key=lambda k: -k[1])[:n]
+
+
 def decode_split(times: dict[str, tuple[float, int]], steps: int) -> dict[str, float]:
     """``_common.kernel_times`` of a profile -> ms per decode step by ``DECODE_CATEGORIES``, and "total"."""
     split = _common.split_by_category(times, steps, DECODE_CATEGORIES)
@@ -1025,13 +1036,12 @@ def part_decode_profile(opts) -> None:
         params = SamplingParams(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
                                 detokenize=False)
         llm.generate(requests, params, use_tqdm=False)  # warm-up
-        activity = torch.profiler.ProfilerActivity  # CPU only where there is no CUDA (tests: no kernel rows)
-        with torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU]) as prof:
+        with kernel_profiler() as prof:
             llm.generate(requests, params, use_tqdm=False)
         cuda_sync()
         times = _common.kernel_times(prof)
         splits[name] = decode_split(times, new_tokens)
-        tops[name] = sorted(((k, us / 1e3, n) for k, (us, n) in times.items()), key=lambda k: -k[1])[:10]
+        tops[name] = top_kernels(times, 10)
         results[name] = {"split_ms_per_step": splits[name], "top": tops[name]}
         save_results(opts)
         shutdown(llm)
@@ -1177,7 +1187,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
             profiled = _key == "generate_s" and len(timings["generate_s"]) + 1 == profile_at
             cuda_sync()
             start = time.perf_counter()
-            with rollout_profiler(profiled) as prof:
+            with kernel_profiler() if profiled else contextlib.nullcontext() as prof:
                 out = _original(*a, **k)
                 cuda_sync()
             timings[_key].append(time.perf_counter() - start)
@@ -1193,26 +1203,16 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     return timings
 
 
-def rollout_profiler(on: bool):
-    """torch.profiler over one rollout (its CUDA kernels on a GPU, CPU events elsewhere), or a no-op."""
-    if not on:
-        return contextlib.nullcontext()
-    activity = torch.profiler.ProfilerActivity
-    return torch.profiler.profile(activities=[activity.CPU, *([activity.CUDA] if torch.cuda.is_available() else [])])
-
-
 def rollout_profile(prof, wall_s: float, *, step: int) -> dict:
     """Where one profiled rollout's time went: its wall time, the GPU kernel time summed (over every stream: the
     share of the wall the GPU was busy, when kernels do not overlap), that time by ``DECODE_CATEGORIES``, the
     kernel launches, and the top kernels. ``step``: the 0-based step it belongs to (its timings are left out of the
     medians: the profiler slows it)."""
     times = _common.kernel_times(prof)
-    kernel_ms = sum(us for us, _ in times.values()) / 1e3
-    wall_ms = wall_s * 1e3
+    split = decode_split(times, 1)  # the whole rollout as one "step"
+    kernel_ms, wall_ms = split.pop("total"), wall_s * 1e3
     return {"step": step, "wall_ms": wall_ms, "kernel_ms": kernel_ms, "busy_share": kernel_ms / wall_ms,
-            "launches": sum(n for _, n in times.values()),
-            "split_ms": _common.split_by_category(times, 1, DECODE_CATEGORIES),
-            "top": sorted(((k, us / 1e3, n) for k, (us, n) in times.items()), key=lambda k: -k[1])[:12]}
+            "launches": sum(n for _, n in times.values()), "split_ms": split, "top": top_kernels(times, 12)}
 
 
 def without_profiled_step(run: dict) -> dict:
