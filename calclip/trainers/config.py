@@ -542,17 +542,11 @@ class CalibratedGRPOConfig(GRPOConfig):
         if self.vllm_async_scheduling is not None and not isinstance(self.vllm_async_scheduling, bool):
             raise ValueError(f"vllm_async_scheduling must be true, false or null (vLLM's choice), got "
                              f"{self.vllm_async_scheduling!r}")
-        if self.vllm_max_num_batched_tokens is not None and (
-                isinstance(self.vllm_max_num_batched_tokens, bool)
-                or not isinstance(self.vllm_max_num_batched_tokens, int) or self.vllm_max_num_batched_tokens < 1):
-            raise ValueError(f"vllm_max_num_batched_tokens must be an integer >= 1 or null (TRL's 4096), got "
-                             f"{self.vllm_max_num_batched_tokens!r}")
-        if self.vllm_max_cudagraph_capture_size is not None and (
-                isinstance(self.vllm_max_cudagraph_capture_size, bool)
-                or not isinstance(self.vllm_max_cudagraph_capture_size, int)
-                or self.vllm_max_cudagraph_capture_size < 1):
-            raise ValueError(f"vllm_max_cudagraph_capture_size must be an integer >= 1 or null (the rollout batch), "
-                             f"got {self.vllm_max_cudagraph_capture_size!r}")
+        for name, null in (("vllm_max_num_batched_tokens", "TRL's 4096"),
+                           ("vllm_max_cudagraph_capture_size", "the rollout batch")):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 or null ({null}), got {value!r}")
         for name in ("compile_generation", "keep_generation_cache", "vllm_fp8_match_trainer_numerics",
                      "vllm_fp8_direct_sync"):
             if not isinstance(getattr(self, name), bool):
