@@ -1300,7 +1300,8 @@ def part_grpo(opts) -> None:
         paths = {"-" if d is None else "in place" if d["verified"] else f"reload ({d['reason'] or 'off'})"
                  for d in directs}
         rows.append([arm, f"{fmt(step_median)} [{fmt(min(step))}-{fmt(max(step))}]", fmt(gen_median),
-                     fmt(train_median), fmt(sync_median * 1e3, 0), f"{100 * sync_median / step_median:.1f}%", ", ".join(sorted(paths))[:60],
+                     fmt(train_median), fmt(sync_median * 1e3, 0), f"{100 * sync_median / step_median:.1f}%",
+                     ", ".join(sorted(paths))[:60],
                      str(len(step)), fmt(statistics.median(startup)) if startup else "-"])
         save_results(opts)
     for recipe in opts.recipes:
