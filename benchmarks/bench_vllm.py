@@ -1215,6 +1215,24 @@ def rollout_profile(prof, wall_s: float, *, step: int) -> dict:
             "launches": sum(n for _, n in times.values()), "split_ms": split, "top": top_kernels(times, 12)}
 
 
+def worker_summary(run: dict, warmup: int) -> str:
+    """One grpo worker's run in a line, printed as it ends (a call cut short by its time limit keeps it): its
+    steps, the medians after ``warmup``, its first step and start-up, and its rollout profile's GPU share."""
+    def median(key):
+        values = run.get(key, [])[warmup:]
+        return fmt(statistics.median(values)) if values else "-"
+
+    steps = run.get("step_s", [])
+    text = (f"{len(steps)} step(s); after the first {warmup}: step {median('step_s')} s, rollout "
+            f"{median('generate_s')} s, sync {median('sync_s')} s; first step "
+            f"{fmt(steps[0]) if steps else '-'} s, start-up {fmt(run.get('startup_s'))} s")
+    profile = run.get("rollout_profile")
+    if profile:
+        text += (f"; profiled rollout (step {profile['step'] + 1}): GPU kernels {fmt(profile['kernel_ms'], 1)} of "
+                 f"{fmt(profile['wall_ms'], 1)} ms ({100 * profile['busy_share']:.0f}% busy)")
+    return text
+
+
 def without_profiled_step(run: dict) -> dict:
     """A worker's timings with its profiled step (``rollout_profile["step"]``) left out of every per-step list."""
     step = run.get("rollout_profile", {}).get("step")
@@ -1269,6 +1287,7 @@ def part_grpo(opts) -> None:
                 if len(finished.get("step_s", ())) > opts.grpo_warmup:  # the steps it finished still count
                     print(f"   {len(finished['step_s'])} step(s) finished before the timeout count", flush=True)
                     runs[label].append({**finished, "timed_out_after_s": opts.grpo_timeout})
+                    print(f"   {worker_summary(without_profiled_step(runs[label][-1]), opts.grpo_warmup)}", flush=True)
                 else:
                     runs[label].append({"error": f"timed out after {opts.grpo_timeout} s: {said[-400:]}"})
                 continue
@@ -1279,6 +1298,10 @@ def part_grpo(opts) -> None:
                 runs[label].append({"error": tail[-500:]})
                 continue
             runs[label].append(json.loads(out.read_text()))
+            print(f"   {worker_summary(without_profiled_step(runs[label][-1]), opts.grpo_warmup)}", flush=True)
+            results.setdefault("workers", {})[label] = runs[label]  # kept if the whole call is cut short
+            save_results(opts)
+    results.pop("workers", None)
     rows = []
     for arm, arm_runs in runs.items():
         ok = [without_profiled_step(r) for r in arm_runs if "error" not in r]

@@ -790,3 +790,30 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
     assert grpo["bf16"]["timed_steps"] == 3 and grpo["bf16"]["step_median_s"] == pytest.approx(1.5)
     printed = capsys.readouterr().out
     assert "grpo rollout profile" in printed and "FP8 GEMM (DeepGEMM)" in printed and "58%" in printed
+
+
+def test_grpo_part_prints_and_saves_each_worker_as_it_ends(monkeypatch, tmp_path, capsys):
+    """A device call cut short between workers (its time limit kills the parent) still has every finished worker:
+    a line printed as each ends (steps, medians after the warm-up, first step, start-up) and $OUT's JSON."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+
+    class CallCut(BaseException):
+        pass
+
+    def run(cmd, capture_output, text, timeout):
+        if cmd[cmd.index("--grpo-worker") + 1] == "bf16":
+            raise CallCut  # the second worker never ends
+        Path(cmd[cmd.index("--grpo-json") + 1]).write_text(json.dumps(
+            {"step_s": [98.0, 4.0, 4.4, 4.2], "generate_s": [20.0, 3.0, 3.4, 3.2], "sync_s": [0.1] * 4,
+             "startup_s": 91.5, "direct_sync": None}))
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    with pytest.raises(CallCut):
+        bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-warmup", "1"]))
+    printed = capsys.readouterr().out
+    assert "4 step(s); after the first 1: step 4.200 s, rollout 3.200 s" in printed
+    assert "first step 98.000 s, start-up 91.500 s" in printed
+    saved = json.loads((tmp_path / "bench_vllm.json").read_text())
+    assert saved["grpo"]["workers"]["fp8"][0]["step_s"] == [98.0, 4.0, 4.4, 4.2]
