@@ -37,7 +37,9 @@ hf_decode  the same tokens/s for HF ``generate`` (static cache: transformers com
 grpo       one CalibratedGRPOTrainer step with vLLM colocate rollouts, ``fp8`` true vs false, each arm in its own
            process: step wall time, rollout (generate) time, weight-sync time and its share of the step
            (median of the steps after the first), each arm's start; ``--grpo-profile-rollout K``: where the K-th
-           rollout's time went (GPU kernels by ``DECODE_CATEGORIES``, the GPU's busy share of the wall).
+           rollout's time went (GPU kernels by ``DECODE_CATEGORIES``, the GPU's busy share of the wall);
+           ``--grpo-profile-host K``: the K-th rollout under cProfile (the Python functions the host spends the
+           rollout in: vLLM's scheduler, input preparation, sampler, output processing, TRL's).
 
 Recipes (``--recipes``, comma-separated, default ``blockwise``): the FP8 recipes the mismatch and grpo parts run.
 blockwise is calclip's block-FP8 engine (``quantization="fp8"``, 128x128 weight blocks); rowwise and tensorwise are
@@ -70,10 +72,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import gc
 import json
 import math
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -1107,6 +1111,15 @@ def part_hf_decode(opts) -> None:
 # part grpo: one process per arm (each owns a colocated engine)
 
 
+def check_grpo_profiles(opts) -> None:
+    """--grpo-profile-rollout and --grpo-profile-host may not name the same rollout (each profiler slows the
+    other's measurement)."""
+    profile_at, host_at = getattr(opts, "grpo_profile_rollout", 0), getattr(opts, "grpo_profile_host", 0)
+    if profile_at and profile_at == host_at:
+        raise ValueError(f"--grpo-profile-rollout {profile_at} and --grpo-profile-host {host_at}: profile different "
+                         f"rollouts (each profiler slows the other's)")
+
+
 def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, int, int] = (4096, 14336, 32, 8),
                 progress: Callable[[dict], None] | None = None) -> dict:
     """Runs in its own process: CalibratedGRPOTrainer with vLLM colocate rollouts; returns per-step timings, and
@@ -1116,6 +1129,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     writes them out, so a run stopped by --grpo-timeout still reports the steps it finished)."""
     from transformers import TrainerCallback
 
+    check_grpo_profiles(opts)
     from calclip.models.tiny import build_tiny_tokenizer
     from calclip.trainers import CalibratedGRPOConfig, CalibratedGRPOTrainer
     from tests.fixtures import digit_share_reward, tiny_prompt_dataset
@@ -1179,21 +1193,24 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
                                         processing_class=tokenizer, callbacks=[StepClock()])
     timings["startup_s"] = time.perf_counter() - PROCESS_START
     generation = trainer.vllm_generation
-    profile_at = getattr(opts, "grpo_profile_rollout", 0)  # 1-based; 0: none
+    profile_at, host_at = getattr(opts, "grpo_profile_rollout", 0), getattr(opts, "grpo_profile_host", 0)  # 1-based
     for method, key in (("sync_weights", "sync_s"), ("generate", "generate_s")):
         original = getattr(generation, method)
 
         def timed(*a, _original=original, _key=key, **k):
-            profiled = _key == "generate_s" and len(timings["generate_s"]) + 1 == profile_at
+            rollout = len(timings["generate_s"]) + 1 if _key == "generate_s" else 0
+            profiler = (kernel_profiler() if rollout == profile_at else cProfile.Profile() if rollout == host_at
+                        else contextlib.nullcontext())
             cuda_sync()
             start = time.perf_counter()
-            with kernel_profiler() if profiled else contextlib.nullcontext() as prof:
+            with profiler:
                 out = _original(*a, **k)
                 cuda_sync()
             timings[_key].append(time.perf_counter() - start)
-            if profiled:
-                timings["rollout_profile"] = rollout_profile(prof, timings[_key][-1],
-                                                             step=len(timings["generate_s"]) - 1)
+            if rollout and rollout == profile_at:
+                timings["rollout_profile"] = rollout_profile(profiler, timings[_key][-1], step=rollout - 1)
+            elif rollout and rollout == host_at:
+                timings["host_profile"] = host_profile(profiler, timings[_key][-1], step=rollout - 1)
             return out
 
         setattr(generation, method, timed)
@@ -1215,6 +1232,28 @@ def rollout_profile(prof, wall_s: float, *, step: int) -> dict:
             "launches": sum(n for _, n in times.values()), "split_ms": split, "top": top_kernels(times, 12)}
 
 
+def _function_label(key: tuple[str, int, str]) -> str:
+    """A pstats key (file, line, function) as 'vllm/v1/core/sched/scheduler.py:240(schedule)': the path from its
+    package root (after site-packages, or the last three parts), or '<built-in method ...>' as pstats names it."""
+    file, line, name = key
+    if file == "~":
+        return name
+    parts = Path(file).parts
+    tail = parts[parts.index("site-packages") + 1:] if "site-packages" in parts else parts[-3:]
+    return f"{'/'.join(tail)}:{line}({name})"
+
+
+def host_profile(prof: cProfile.Profile, wall_s: float, *, step: int, n: int = 30) -> dict:
+    """Where one rollout's host time went, from cProfile (``--grpo-profile-host``): its wall time under the
+    profiler, and the ``n`` functions with the most cumulative and the most own time (label, own ms, cumulative
+    ms, calls). A function waiting on the GPU (a synchronize, ``.tolist()`` of a CUDA tensor) holds that wait as
+    its own time. ``step``: the 0-based step (left out of the medians: cProfile slows Python severalfold)."""
+    rows = [(_function_label(key), own * 1e3, cumulative * 1e3, calls)
+            for key, (_, calls, own, cumulative, _) in pstats.Stats(prof).stats.items()]
+    return {"step": step, "wall_ms": wall_s * 1e3,
+            "top_cumulative": sorted(rows, key=lambda r: -r[2])[:n], "top_own": sorted(rows, key=lambda r: -r[1])[:n]}
+
+
 def worker_summary(run: dict, warmup: int) -> str:
     """One grpo worker's run in a line, printed as it ends (a call cut short by its time limit keeps it): its
     steps, the medians after ``warmup``, its first step and start-up, and its rollout profile's GPU share."""
@@ -1230,15 +1269,21 @@ def worker_summary(run: dict, warmup: int) -> str:
     if profile:
         text += (f"; profiled rollout (step {profile['step'] + 1}): GPU kernels {fmt(profile['kernel_ms'], 1)} of "
                  f"{fmt(profile['wall_ms'], 1)} ms ({100 * profile['busy_share']:.0f}% busy)")
+    host = run.get("host_profile")
+    if host and host["top_own"]:
+        label, own, _, _ = host["top_own"][0]
+        text += (f"; host-profiled rollout (step {host['step'] + 1}): {fmt(host['wall_ms'], 1)} ms, most own time "
+                 f"in {label} ({fmt(own, 1)} ms)")
     return text
 
 
 def without_profiled_step(run: dict) -> dict:
-    """A worker's timings with its profiled step (``rollout_profile["step"]``) left out of every per-step list."""
-    step = run.get("rollout_profile", {}).get("step")
-    if step is None:
+    """A worker's timings with its profiled steps (``rollout_profile["step"]``, ``host_profile["step"]``) left out
+    of every per-step list."""
+    steps = {run[key]["step"] for key in ("rollout_profile", "host_profile") if key in run}
+    if not steps:
         return run
-    return {**run, **{key: [v for i, v in enumerate(run[key]) if i != step]
+    return {**run, **{key: [v for i, v in enumerate(run[key]) if i not in steps]
                       for key in ("step_s", "generate_s", "sync_s") if key in run}}
 
 
@@ -1262,6 +1307,7 @@ def part_grpo(opts) -> None:
                    "--grpo-tokens", str(opts.grpo_tokens), "--grpo-completions", str(opts.grpo_completions),
                    "--grpo-micro-batches", str(opts.grpo_micro_batches),
                    "--grpo-profile-rollout", str(opts.grpo_profile_rollout),
+                   "--grpo-profile-host", str(opts.grpo_profile_host),
                    "--gpu-util", str(opts.gpu_util), "--logit-std", str(opts.logit_std),
                    "--attention-backend", opts.attention_backend, "--linear-backend", opts.linear_backend]
             if recipe != "blockwise":
@@ -1345,6 +1391,7 @@ def part_grpo(opts) -> None:
     _common.table(["arm", "step s", "rollout s", "training s", "weight sync ms", "sync share of step", "FP8 sync path",
                    "steps timed", "startup s"], rows)
     print_rollout_profiles(runs)
+    print_host_profiles(runs)
 
 
 def print_rollout_profiles(runs: dict[str, list[dict]]) -> None:
@@ -1367,6 +1414,23 @@ def print_rollout_profiles(runs: dict[str, list[dict]]) -> None:
     for arm, profile in profiles.items():
         print(f"\n#### {arm}: top kernels of the profiled rollout (ms, launches)")
         _common.table(["kernel", "ms", "launches"], [[k[:90], fmt(ms, 2), str(n)] for k, ms, n in profile["top"]])
+
+
+def print_host_profiles(runs: dict[str, list[dict]]) -> None:
+    """--grpo-profile-host's tables: each arm's host-profiled rollout (its first run's), the Python functions with
+    the most cumulative time and the most own time, as shares of that rollout's wall (under cProfile)."""
+    for arm, arm_runs in runs.items():
+        host = next((r["host_profile"] for r in arm_runs if "host_profile" in r), None)
+        if host is None:
+            continue
+        wall = host["wall_ms"]
+        for kind, key in (("cumulative", "top_cumulative"), ("own", "top_own")):
+            print(f"\n#### {arm}: host profile of rollout {host['step'] + 1} (cProfile, {fmt(wall, 1)} ms wall under "
+                  f"the profiler), by {kind} time")
+            _common.table(["function", "own ms", "cumulative ms", f"{kind} share of wall", "calls"],
+                          [[label[:100], fmt(own, 1), fmt(cum, 1),
+                            f"{100 * (cum if kind == 'cumulative' else own) / wall:.1f}%" if wall else "-", str(calls)]
+                           for label, own, cum, calls in host[key]])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1438,6 +1502,10 @@ def parse_args(argv=None):
                         help="grpo: run each worker's K-th rollout (1-based) under torch.profiler and report where its "
                              "time went (GPU kernels by category, busy share of the wall, top kernels); that step is "
                              "left out of the medians. 0 (default): none")
+    parser.add_argument("--grpo-profile-host", type=int, default=0,
+                        help="grpo: run each worker's K-th rollout (1-based, not --grpo-profile-rollout's) under "
+                             "cProfile and report the host's time by Python function (own and cumulative); that step "
+                             "is left out of the medians. 0 (default): none")
     parser.add_argument("--grpo-detokenize", default="on", choices=("on", "off"),
                         help="grpo: vLLM's incremental detokenization of every sequence at every step, which TRL's "
                              "colocated generate leaves on although it reads token ids only (on, default: as TRL)")
@@ -1476,6 +1544,10 @@ def parse_args(argv=None):
     if not opts.grpo_arms or set(opts.grpo_arms) - set(GRPO_ARMS):
         parser.error(f"--grpo-arms: unknown or none {sorted(set(opts.grpo_arms) - set(GRPO_ARMS))}; choose from "
                      f"{list(GRPO_ARMS)}")
+    try:
+        check_grpo_profiles(opts)
+    except ValueError as err:
+        parser.error(str(err))
     opts.decode_arms = [a for a in opts.decode_arms.split(",") if a]
     unknown = set(opts.decode_arms) - set(DECODE_ENGINES)
     if unknown or not opts.decode_arms:

@@ -209,12 +209,25 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
             assert timings["direct_sync"] is None
     # --grpo-micro-batches 2: the same 16-completion rollout once per optimizer step, trained in two micro-batches
     opts.grpo_completions, opts.grpo_micro_batches, opts.grpo_detokenize = 16, 2, "off"
-    opts.grpo_capture_size = 32
+    opts.grpo_capture_size, opts.grpo_profile_host = 32, 1  # and the first rollout under cProfile
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     timings = bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
     assert len(timings["step_s"]) == 2 and len(timings["generate_s"]) == 2  # one rollout per step, not per micro-batch
     assert engine_kwargs[-1]["compilation_config"]["max_cudagraph_capture_size"] == 32  # --grpo-capture-size 32
+    host = timings["host_profile"]
+    assert host["step"] == 0 and host["wall_ms"] == pytest.approx(timings["generate_s"][0] * 1e3)
+    # TRL's own generate (site-packages path from its package) is inside the profiled call, around the engine's
+    trl_generate = [r for r in host["top_cumulative"] if r[0].startswith("trl/generation/vllm_generation.py:")
+                    and r[0].endswith("(generate)")]
+    assert trl_generate and 0 < trl_generate[0][2] <= host["wall_ms"] and trl_generate[0][3] == 1
+    assert all(0 <= own <= cumulative + 1e-6 for _, own, cumulative, _ in host["top_cumulative"])
+    # rollout 1 under cProfile, rollout 2 under torch.profiler: both steps left out of the medians
+    assert timings["rollout_profile"]["step"] == 1 and bench_vllm.without_profiled_step(timings)["step_s"] == []
+    opts.grpo_profile_host = 2  # the same rollout as --grpo-profile-rollout: refused
+    with pytest.raises(ValueError, match="profile different rollouts"):
+        bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
+    opts.grpo_profile_host = 0
     opts.grpo_micro_batches = 3  # 16 completions do not split into 3 micro-batches of whole groups
     with pytest.raises(ValueError, match="--grpo-micro-batches 3"):
         bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
@@ -654,6 +667,9 @@ def test_grpo_arms_are_checked():
     assert bench_vllm.parse_args([]).grpo_arms == ["fp8", "bf16"]
     with pytest.raises(SystemExit):
         bench_vllm.parse_args(["--grpo-arms", "fp16"])
+    assert bench_vllm.parse_args(["--grpo-profile-rollout", "4", "--grpo-profile-host", "5"]).grpo_profile_host == 5
+    with pytest.raises(SystemExit):  # one rollout under both profilers: each would slow the other's measurement
+        bench_vllm.parse_args(["--grpo-profile-rollout", "4", "--grpo-profile-host", "4"])
 
 
 def test_decode_kernels_fall_in_their_categories_and_split_per_step():
@@ -778,8 +794,14 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
         steps = [9.0, 1.0, 5.0, 1.2] if arm == "fp8" else [9.0, 1.4, 1.5, 1.6]  # fp8's profiled step 3: 5.0 s
         Path(cmd[cmd.index("--grpo-json") + 1]).write_text(json.dumps(
             {"step_s": steps, "generate_s": [s / 2 for s in steps], "sync_s": [0.01] * 4, "direct_sync": None,
-             **({"rollout_profile": profile} if arm == "fp8" else {})}))
+             **({"rollout_profile": profile} if arm == "fp8" else {"host_profile": host})}))
         return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    # bf16's rollout 2 under cProfile: 400 of its 500 ms inside vLLM's step, 300 of them in the scheduler itself
+    host = {"step": 1, "wall_ms": 500.0,
+            "top_cumulative": [["vllm/v1/engine/llm_engine.py:280(step)", 20.0, 400.0, 256],
+                               ["vllm/v1/core/sched/scheduler.py:240(schedule)", 300.0, 300.0, 256]],
+            "top_own": [["vllm/v1/core/sched/scheduler.py:240(schedule)", 300.0, 300.0, 256]]}
 
     monkeypatch.setattr(bench_vllm.subprocess, "run", run)
     bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-warmup", "1",
@@ -787,9 +809,14 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
                                                 "--grpo-capture-size", "256"]))
     grpo = bench_vllm.RESULTS["grpo"]
     assert grpo["fp8"]["timed_steps"] == 2 and grpo["fp8"]["step_median_s"] == pytest.approx(1.1)  # 5.0 left out
-    assert grpo["bf16"]["timed_steps"] == 3 and grpo["bf16"]["step_median_s"] == pytest.approx(1.5)
+    assert grpo["bf16"]["timed_steps"] == 2 and grpo["bf16"]["step_median_s"] == pytest.approx(1.55)  # 1.4 out
     printed = capsys.readouterr().out
     assert "grpo rollout profile" in printed and "FP8 GEMM (DeepGEMM)" in printed and "58%" in printed
+    assert "bf16: host profile of rollout 2 (cProfile, 500.0 ms wall" in printed
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines()
+             if line.startswith("| vllm")]
+    assert ["vllm/v1/engine/llm_engine.py:280(step)", "20.0", "400.0", "80.0%", "256"] in cells  # cumulative share
+    assert ["vllm/v1/core/sched/scheduler.py:240(schedule)", "300.0", "300.0", "60.0%", "256"] in cells  # own share
 
 
 def test_grpo_part_prints_and_saves_each_worker_as_it_ends(monkeypatch, tmp_path, capsys):
