@@ -1159,9 +1159,10 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         per_device_train_batch_size=completions // micro, num_generations=8, gradient_accumulation_steps=micro,
         steps_per_generation=micro, max_completion_length=opts.grpo_tokens, max_steps=opts.grpo_steps,
         learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False,
-        # --grpo-detokenize off: vLLM skips its per-step incremental detokenization (TRL reads token ids only)
-        generation_kwargs={"min_tokens": opts.grpo_tokens,
-                           **({"detokenize": False} if getattr(opts, "grpo_detokenize", "on") == "off" else {})},
+        generation_kwargs={"min_tokens": opts.grpo_tokens},
+        # --grpo-detokenize: the trainer's vllm_detokenize (auto: its default, off; on: vLLM's per-step
+        # detokenization, which TRL never reads, as before 2026-12-05)
+        vllm_detokenize={"auto": None, "on": True, "off": False}[getattr(opts, "grpo_detokenize", "auto")],
         check_dataset=False,
         fp8_recipe=getattr(opts, "grpo_recipe", None) or "blockwise",
         vllm_kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto"),
@@ -1316,7 +1317,7 @@ def part_grpo(opts) -> None:
                 cmd += ["--kv-cache-dtype", opts.kv_cache_dtype]
             if opts.async_scheduling is not None:
                 cmd += ["--async-scheduling", "on" if opts.async_scheduling else "off"]
-            if opts.grpo_detokenize != "on":
+            if opts.grpo_detokenize != "auto":
                 cmd += ["--grpo-detokenize", opts.grpo_detokenize]
             if opts.grpo_capture_size is not None:
                 cmd += ["--grpo-capture-size", str(opts.grpo_capture_size)]
@@ -1506,9 +1507,10 @@ def parse_args(argv=None):
                         help="grpo: run each worker's K-th rollout (1-based, not --grpo-profile-rollout's) under "
                              "cProfile and report the host's time by Python function (own and cumulative); that step "
                              "is left out of the medians. 0 (default): none")
-    parser.add_argument("--grpo-detokenize", default="on", choices=("on", "off"),
-                        help="grpo: vLLM's incremental detokenization of every sequence at every step, which TRL's "
-                             "colocated generate leaves on although it reads token ids only (on, default: as TRL)")
+    parser.add_argument("--grpo-detokenize", default="auto", choices=("auto", "on", "off"),
+                        help="grpo: the trainer's vllm_detokenize, vLLM's detokenization of every sequence (and its "
+                             "log-prob tokens) at every step, which TRL reads nothing of: auto (default) the trainer's "
+                             "default (off); on: as TRL alone leaves it (the rows before 2026-12-05)")
     parser.add_argument("--grpo-capture-size", type=int, default=None,
                         help="grpo: the engines' vllm_max_cudagraph_capture_size (default: the trainer's, the rollout "
                              "batch; vLLM's own default is twice that, at most 512)")

@@ -164,7 +164,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
 
         def generate(self, prompts, sampling_params, use_tqdm):
             assert sampling_params["min_tokens"] == 6
-            assert sampling_params.get("detokenize", True) == (opts.grpo_detokenize == "on")
+            assert sampling_params.get("detokenize", True) == (opts.grpo_detokenize == "on")  # auto: the trainer's off
             ids = [7] * 6  # a character token of the tiny tokenizer, never EOS
             logprobs = [{7: types.SimpleNamespace(rank=1, logprob=-0.5)}] * 6
             return [types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
@@ -180,7 +180,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         monkeypatch.delenv(var)
     opts = argparse.Namespace(grpo_layers=1, logit_std=4.0, grpo_completions=8, gpu_util=0.2, grpo_tokens=6,
                               grpo_steps=2, attention_backend="TRITON_ATTN", grpo_profile_rollout=2,
-                              grpo_detokenize="on", grpo_capture_size=None)
+                              grpo_detokenize="on", grpo_capture_size=None)  # "on": as TRL alone
     for arm in ("fp8", "fp8_reload", "bf16"):  # (the bench runs each arm in its own process)
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
             monkeypatch.delenv(var, raising=False)
@@ -208,7 +208,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         else:
             assert timings["direct_sync"] is None
     # --grpo-micro-batches 2: the same 16-completion rollout once per optimizer step, trained in two micro-batches
-    opts.grpo_completions, opts.grpo_micro_batches, opts.grpo_detokenize = 16, 2, "off"
+    opts.grpo_completions, opts.grpo_micro_batches, opts.grpo_detokenize = 16, 2, "auto"
     opts.grpo_capture_size, opts.grpo_profile_host = 32, 1  # and the first rollout under cProfile
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

@@ -39,6 +39,8 @@ UNCOMPARED_FIELDS = frozenset(RUN_FIELDS) | {
     "fp8_fuse_producers", "fp8_resident_dgrad_codes",
     # Engine speed options of the colocated vLLM engine (the FP8 KV cache is not: it changes the rollouts).
     "vllm_async_scheduling", "vllm_max_num_batched_tokens", "vllm_max_cudagraph_capture_size",
+    # Whether vLLM also writes the completions' text: the same token ids and log-probs either way.
+    "vllm_detokenize",
 }
 
 

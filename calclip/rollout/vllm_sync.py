@@ -637,6 +637,27 @@ def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool 
     return kwargs
 
 
+def colocate_sampling_defaults(detokenize: bool | None, generation_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``SamplingParams`` defaults of the colocated engine's rollouts, applied under the user's
+    ``generation_kwargs`` (the trainer's ``vllm_detokenize``). TRL reads only token ids and log-probs, so by default
+    (None) vLLM does not detokenize, unless ``generation_kwargs`` sets ``detokenize`` itself or has ``stop``
+    strings, which vLLM matches on the text. True / False: that value. Raises ValueError (naming both fields)
+    where ``generation_kwargs`` contradicts an explicit value or has stop strings that False would refuse."""
+    kwargs = dict(generation_kwargs or {})
+    if "detokenize" in kwargs:
+        if detokenize is not None and bool(kwargs["detokenize"]) != detokenize:
+            raise ValueError(f"vllm_detokenize={detokenize} contradicts generation_kwargs['detokenize']="
+                             f"{kwargs['detokenize']!r}: set one of them")
+        return {}
+    stop = kwargs.get("stop")
+    if stop and detokenize is False:
+        raise ValueError(f"vllm_detokenize=False with generation_kwargs['stop']={stop!r}: vLLM matches stop strings "
+                         f"on the detokenized text; use null (on when stop strings are given) or true")
+    if detokenize is None:
+        return {} if stop else {"detokenize": False}
+    return {"detokenize": bool(detokenize)}
+
+
 def capture_size_for_batch(max_num_seqs: int) -> int:
     """The smallest ``max_cudagraph_capture_size`` whose capture list (vLLM 0.24: 1, 2, 4, multiples of 8 below 256,
     multiples of 16 from 256) still holds a graph for a batch of ``max_num_seqs`` decoding sequences: the batch
@@ -672,10 +693,19 @@ class ColocateEngineMixin:
       engine_options: extra ``vllm.LLM`` arguments of the colocated engine, BF16 and FP8 alike (the trainer's
         ``vllm_kv_cache_dtype`` / ``vllm_async_scheduling`` / ``vllm_max_num_batched_tokens``, through
         ``engine_speed_kwargs``); merged over TRL's arguments.
+      sampling_defaults: ``SamplingParams`` arguments of the colocated engine's rollouts under the user's
+        ``generation_kwargs`` (``colocate_sampling_defaults``: detokenization off); server mode keeps TRL's.
     """
 
     engine_model_root: str | None = None
     engine_options: Mapping[str, Any] | None = None
+    sampling_defaults: Mapping[str, Any] | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.mode == "colocate" and self.sampling_defaults:
+            # TRL's colocated generate updates its SamplingParams arguments with self.generation_kwargs
+            self.generation_kwargs = {**self.sampling_defaults, **self.generation_kwargs}
 
     def _init_vllm(self):
         return self._start_engine()
@@ -854,25 +884,29 @@ def _grpo_generation_class(make: Callable[[type], type], **attributes):
         grpo_module.VLLMGeneration = original
 
 
-def use_vllm_generation(*, engine_model_root: str | None = None, engine_options: Mapping[str, Any] | None = None):
+def use_vllm_generation(*, engine_model_root: str | None = None, engine_options: Mapping[str, Any] | None = None,
+                        sampling_defaults: Mapping[str, Any] | None = None):
     """While active, ``GRPOTrainer.__init__`` builds a ``CalclipVLLMGeneration``: TRL's BF16 engine and sync, which
     also starts for a policy without a loadable ``name_or_path`` (its directory written under
-    ``engine_model_root``, see ``ColocateEngineMixin``), with ``engine_options`` merged into its ``LLM(...)``."""
+    ``engine_model_root``, see ``ColocateEngineMixin``), with ``engine_options`` merged into its ``LLM(...)`` and
+    ``sampling_defaults`` under its rollouts' ``generation_kwargs``."""
     return _grpo_generation_class(vllm_generation_class, engine_model_root=engine_model_root,
-                                  engine_options=None if engine_options is None else dict(engine_options))
+                                  engine_options=None if engine_options is None else dict(engine_options),
+                                  sampling_defaults=None if sampling_defaults is None else dict(sampling_defaults))
 
 
 def use_fp8_vllm_generation(
     *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False,
     engine_kwargs: Mapping[str, Any] | None = None, engine_model_root: str | None = None, direct_sync: bool = True,
-    engine_options: Mapping[str, Any] | None = None,
+    engine_options: Mapping[str, Any] | None = None, sampling_defaults: Mapping[str, Any] | None = None,
 ):
     """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
 
     ``engine_kwargs``: the colocated engine's extra ``vllm.LLM`` arguments (None: ``fp8_engine_numerics_kwargs()``).
     ``engine_model_root``: see ``ColocateEngineMixin`` (a policy without a loadable ``name_or_path``).
     ``direct_sync``: ``FP8VLLMGenerationMixin.fp8_direct_sync`` (in-place syncs once the engine's layout is checked).
-    ``engine_options``: ``ColocateEngineMixin.engine_options`` (``engine_speed_kwargs``).
+    ``engine_options``: ``ColocateEngineMixin.engine_options`` (``engine_speed_kwargs``); ``sampling_defaults``:
+    ``ColocateEngineMixin.sampling_defaults`` (``colocate_sampling_defaults``).
     With ``defer_engine`` (what ``CalibratedGRPOTrainer`` uses, since it quantizes after ``super().__init__()``):
 
         with use_fp8_vllm_generation(defer_engine=True):
@@ -885,4 +919,5 @@ def use_fp8_vllm_generation(
         fp8_defer_engine=defer_engine, fp8_engine_extra=None if engine_kwargs is None else dict(engine_kwargs),
         engine_model_root=engine_model_root, fp8_direct_sync=direct_sync,
         engine_options=None if engine_options is None else dict(engine_options),
+        sampling_defaults=None if sampling_defaults is None else dict(sampling_defaults),
     )

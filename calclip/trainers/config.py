@@ -24,7 +24,7 @@ from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
 from calclip.fp8.config import Fp8Config, check_fp8_combination, fp8_recipe_names
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
-from calclip.rollout.vllm_sync import linear_backend_problem
+from calclip.rollout.vllm_sync import colocate_sampling_defaults, linear_backend_problem
 from calclip.run.config_file import bounded_repr
 from calclip.monitoring.callbacks import SPIKE_WINDOW_MAX
 from calclip.run.field_checks import check_field_types, check_inherited_ranges, resume_flag
@@ -326,6 +326,15 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "while the current one runs on the GPU). null (default): vLLM's own choice, which vLLM 0.24 turns "
                   "on for TRL's external_launcher engine; true/false force it."},
     )
+    vllm_detokenize: bool | None = field(
+        default=None,
+        metadata={"help": "With use_vllm and vllm_mode colocate: whether vLLM detokenizes the completions as it "
+                  "generates (SamplingParams.detokenize). TRL reads only token ids and log-probs, and detokenizing "
+                  "(the text and every log-prob's token) was most of vLLM's per-step output processing at 128 "
+                  "sequences (docs/vllm.md, Engine options). null (default): off, unless generation_kwargs sets "
+                  "'detokenize' or has 'stop' strings (which need it); true/false force it (false with stop strings "
+                  "is refused)."},
+    )
     vllm_max_num_batched_tokens: int | None = field(
         default=None,
         metadata={"help": "With use_vllm and vllm_mode colocate: vLLM's max_num_batched_tokens (tokens per engine "
@@ -486,6 +495,12 @@ class CalibratedGRPOConfig(GRPOConfig):
         high_min = 1.0 + self.clip_epsilon_high if self.calibration_high_min is None else self.calibration_high_min
         return high_min, self.calibration_high_max
 
+    def _check_vllm_detokenize(self) -> None:
+        # (its type is checked with every field's: run.field_checks)
+        if self.generation_kwargs is not None and not isinstance(self.generation_kwargs, dict):
+            return  # TRL's own field: its checks, not calclip's
+        colocate_sampling_defaults(self.vllm_detokenize, self.generation_kwargs)  # raises on a contradiction
+
     def _fp8_options(self) -> dict:
         """The Fp8Config options of the fp8_* fields (FP8_CONFIG_FIELDS)."""
         return {option: getattr(self, name) for name, option in FP8_CONFIG_FIELDS.items()}
@@ -542,6 +557,7 @@ class CalibratedGRPOConfig(GRPOConfig):
         if self.vllm_async_scheduling is not None and not isinstance(self.vllm_async_scheduling, bool):
             raise ValueError(f"vllm_async_scheduling must be true, false or null (vLLM's choice), got "
                              f"{self.vllm_async_scheduling!r}")
+        self._check_vllm_detokenize()
         for name, null in (("vllm_max_num_batched_tokens", "TRL's 4096"),
                            ("vllm_max_cudagraph_capture_size", "the rollout batch")):
             value = getattr(self, name)

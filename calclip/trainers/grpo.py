@@ -148,6 +148,7 @@ from calclip.rollout.vllm_sync import (
     ENGINE_MODEL_DIRNAME,
     capture_size_for_batch,
     check_vllm_compatible,
+    colocate_sampling_defaults,
     engine_speed_kwargs,
     fp8_engine_numerics_kwargs,
     use_fp8_vllm_generation,
@@ -281,17 +282,20 @@ class CalibratedGRPOTrainer(GRPOTrainer):
                                              max_num_batched_tokens=args.vllm_max_num_batched_tokens,
                                              max_cudagraph_capture_size=args.vllm_max_cudagraph_capture_size
                                              or capture_size_for_batch(rollout_batch(args)))
+        sampling_defaults = colocate_sampling_defaults(args.vllm_detokenize, args.generation_kwargs)
         if fp8_vllm:
             # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
             # super().__init__(), before the policy is quantized below, so the colocated engine starts afterwards.
             vllm_hook = use_fp8_vllm_generation(
                 defer_engine=True, check_vllm_shapes=False, engine_model_root=engine_model_root,
                 direct_sync=args.vllm_fp8_direct_sync, engine_options=engine_options,
+                sampling_defaults=sampling_defaults,
                 engine_kwargs=fp8_engine_numerics_kwargs(linear_backend=args.vllm_fp8_linear_backend,
                                                          match_trainer=args.vllm_fp8_match_trainer_numerics,
                                                          recipe=args.fp8_recipe))
         elif args.use_vllm:
-            vllm_hook = use_vllm_generation(engine_model_root=engine_model_root, engine_options=engine_options)
+            vllm_hook = use_vllm_generation(engine_model_root=engine_model_root, engine_options=engine_options,
+                                            sampling_defaults=sampling_defaults)
         else:
             vllm_hook = contextlib.nullcontext()
         with vllm_hook:

@@ -537,6 +537,40 @@ def test_engine_options_reach_the_engine_and_their_defaults_change_nothing(fake_
         assert kw["compilation_config"]["max_cudagraph_capture_size"] == 24
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("detokenize, generation_kwargs, expected", [
+    (None, None, False),  # default: TRL reads token ids and log-probs only
+    (None, {"stop": ["\n\n"]}, True),  # stop strings are matched on the text: vLLM's default stays
+    (None, {"detokenize": True, "top_k": 5}, True),  # the user's own SamplingParams argument wins
+    (True, None, True),
+    (False, {"top_k": 5}, False),
+])
+def test_colocated_rollouts_skip_detokenizing_unless_asked(fake_vllm, tokenizer, tmp_path, fp8, detokenize,
+                                                          generation_kwargs, expected):
+    bf16 = {} if fp8 else dict(fp8_keep_last_n_layers=0)
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=fp8, vllm_detokenize=detokenize,
+                                generation_kwargs=generation_kwargs, **bf16)
+    prompt = tokenizer("ab")["input_ids"]
+    trainer.vllm_generation.generate(prompts=[prompt, prompt], images=None, num_generations=1)
+    (params,) = fake_vllm.sampling_params  # what TRL's colocated generate gave vLLM's SamplingParams
+    assert params.get("detokenize", True) is expected
+    assert params["logprobs"] == 0 and params["max_tokens"] == trainer.args.max_completion_length  # TRL's own
+    for key, value in (generation_kwargs or {}).items():
+        assert params[key] == value
+    assert trainer.args.generation_kwargs == generation_kwargs  # the user's config is not rewritten
+
+
+@pytest.mark.parametrize("detokenize, generation_kwargs, message", [
+    (False, {"stop": ["</answer>"]}, "vllm_detokenize=False with generation_kwargs\\['stop'\\]"),
+    (True, {"detokenize": False}, "vllm_detokenize=True contradicts generation_kwargs\\['detokenize'\\]"),
+    ("no", None, "vllm_detokenize must be a boolean"),
+])
+def test_contradictory_detokenize_settings_are_refused(tmp_path, detokenize, generation_kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_training_args(CalibratedGRPOConfig, tmp_path, vllm_detokenize=detokenize,
+                           generation_kwargs=generation_kwargs)
+
+
 @pytest.mark.parametrize("field, value", [
     ("vllm_kv_cache_dtype", "int8"), ("vllm_kv_cache_dtype", None), ("vllm_async_scheduling", "yes"),
     ("vllm_max_num_batched_tokens", 0), ("vllm_max_num_batched_tokens", True), ("vllm_max_num_batched_tokens", 1.5),

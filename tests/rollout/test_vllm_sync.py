@@ -243,6 +243,7 @@ class FakeVLLM:
     def __init__(self, recorder, tokenizer):
         self.recorder, self.tokenizer = recorder, tokenizer
         self.engine_kwargs = []
+        self.sampling_params = []  # the SamplingParams arguments of each generate call (SamplingParams is a dict here)
         self.fp8_modules_at_engine_start = None
 
     def llm(self, model_of):
@@ -266,6 +267,7 @@ class FakeVLLM:
 
             def generate(self, prompts, sampling_params, use_tqdm):
                 fake.recorder.events.append(("generate", len(prompts)))
+                fake.sampling_params.append(sampling_params)
                 return [fake.request_output(p["prompt_token_ids"]) for p in prompts]
 
         return LLM
@@ -804,6 +806,7 @@ def test_pathless_policy_in_server_mode_writes_nothing(fake_vllm, tokenizer, tmp
                                 vllm_mode="server")
     assert trainer.vllm_generation.vllm_client is not None
     assert not fake_vllm.engine_kwargs and not (tmp_path / ENGINE_MODEL_DIRNAME).exists()
+    assert trainer.vllm_generation.generation_kwargs == {}  # the colocated engine's sampling defaults stay there
 
 
 @pytest.mark.parametrize("name", ["org/tiny-model", "tiny-model", "DIR", "FILE"])
