@@ -637,6 +637,39 @@ def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool 
     return kwargs
 
 
+# The process-wide cache directories vLLM 0.24 moves to its own compile cache when an engine compiles
+# (``InductorAdaptor.initialize_cache``: ``<VLLM_CACHE_ROOT>/torch_compile_cache/<hash>/rank_<r>_<dp>``, the hash covering
+# the model's path and config): Inductor's (FX graphs, AOTAutograd, autotuning) and Triton's (compiled kernels, and
+# the autotuning timings ``triton.autotune(cache_results=True)`` keeps there).
+COMPILE_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+@contextlib.contextmanager
+def compile_cache_dirs_kept():
+    """Around a colocated engine's start: afterwards the trainer's compile and Triton caches are where they were
+    (``COMPILE_CACHE_ENV`` restored, unset if they were, and Inductor's memoized paths cleared, as torch's own
+    ``temporary_cache_dir`` does). Without it every compile after the engine's start (``compile_layers``' graphs,
+    calclip's Triton kernels and their autotuning) lands in the engine's cache directory, a new one whenever the
+    engine's model path is new (each run's ``engine-model`` directory, a temporary one), so each such process
+    compiled and autotuned everything again (docs/vllm.md, Engine options)."""
+    saved = {name: os.environ.get(name) for name in COMPILE_CACHE_ENV}
+    try:
+        yield
+    finally:
+        moved = [name for name, value in saved.items() if os.environ.get(name) != value]
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        clear = getattr(sys.modules.get("torch._inductor.utils"), "clear_caches", None)
+        if moved and clear is not None:
+            clear()
+        if moved:
+            _logger.info("the vLLM engine's start moved %s; restored for the trainer's own compiles",
+                         ", ".join(moved))
+
+
 def colocate_sampling_defaults(detokenize: bool | None, generation_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """``SamplingParams`` defaults of the colocated engine's rollouts, applied under the user's
     ``generation_kwargs`` (the trainer's ``vllm_detokenize``). TRL reads only token ids and log-probs, so by default
@@ -722,7 +755,7 @@ class ColocateEngineMixin:
         import trl.generation.vllm_generation as trl_vllm_generation
 
         extra = merge_engine_kwargs(self._engine_kwargs(), self.engine_options or {})
-        with merged_call_kwargs(trl_vllm_generation, "LLM", extra):
+        with merged_call_kwargs(trl_vllm_generation, "LLM", extra), compile_cache_dirs_kept():
             return super()._init_vllm()  # TRL's: LLM(...), sleep mode, barrier
 
 

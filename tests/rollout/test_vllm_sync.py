@@ -30,6 +30,7 @@ trl_vllm_generation = pytest.importorskip("trl.generation.vllm_generation")
 from calclip.fp8 import Fp8Config, FP8BlockLinear, quantize_model  # noqa: E402
 from calclip.rollout import vllm_sync  # noqa: E402
 from calclip.rollout.vllm_sync import (  # noqa: E402
+    COMPILE_CACHE_ENV,
     DEEP_GEMM_E8M0_ENV,
     DEEP_GEMM_WARMUP_ENV,
     DEFAULT_LINEAR_BACKEND,
@@ -244,6 +245,7 @@ class FakeVLLM:
         self.recorder, self.tokenizer = recorder, tokenizer
         self.engine_kwargs = []
         self.sampling_params = []  # the SamplingParams arguments of each generate call (SamplingParams is a dict here)
+        self.env_set_by_engine = {}  # environment variables the engine's start sets (vLLM: its compile cache dirs)
         self.fp8_modules_at_engine_start = None
 
     def llm(self, model_of):
@@ -252,6 +254,8 @@ class FakeVLLM:
         class LLM:
             def __init__(self, **kwargs):
                 fake.engine_kwargs.append(kwargs)
+                for name, value in fake.env_set_by_engine.items():  # as vLLM's compile does (its cache dirs)
+                    os.environ[name] = value
                 fake.fp8_modules_at_engine_start = sorted(
                     n for n, m in model_of().named_modules() if isinstance(m, FP8BlockLinear))
                 vllm_model = types.SimpleNamespace(load_weights=lambda weights: fake.recorder.events.extend(
@@ -799,6 +803,25 @@ def test_pathless_policy_engine_starts_from_its_written_config_and_gets_the_weig
         else:
             assert torch.equal(loads[name], param), name
     assert any(isinstance(m, FP8BlockLinear) for m in model.modules()) == fp8
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("user_dir", [None, "mine"])
+def test_the_engines_start_leaves_the_trainers_compile_caches_where_they_were(fake_vllm, tokenizer, tmp_path,
+                                                                            monkeypatch, fp8, user_dir):
+    """vLLM's compile points TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR at its own cache (one per model path and
+    config); after the colocated engine's start both are what they were, set or unset, for the trainer's compiles."""
+    for name in COMPILE_CACHE_ENV:
+        if user_dir is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(tmp_path / user_dir / name))
+    before = {name: os.environ.get(name) for name in COMPILE_CACHE_ENV}
+    fake_vllm.env_set_by_engine = {name: str(tmp_path / "vllm-cache" / name) for name in COMPILE_CACHE_ENV}
+    bf16 = {} if fp8 else dict(fp8_keep_last_n_layers=0)
+    make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=fp8, **bf16)
+    assert len(fake_vllm.engine_kwargs) == 1  # the engine started (and moved both)
+    assert {name: os.environ.get(name) for name in COMPILE_CACHE_ENV} == before
 
 
 def test_pathless_policy_in_server_mode_writes_nothing(fake_vllm, tokenizer, tmp_path):
