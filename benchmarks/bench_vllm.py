@@ -1141,7 +1141,13 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     base = random_llama("grpo", opts.grpo_layers, device, opts.logit_std)
     base.config.pad_token_id, base.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     base.config.bos_token_id = tokenizer.bos_token_id
-    model_dir = save_for_vllm(base, tempfile.mkdtemp(prefix=f"bench_vllm_grpo_{arm}_"), tokenizer)
+    # One directory per arm and model, the same in every round and run (the weights are seeded): vLLM's compile cache
+    # is keyed on the model's path and config, so a fresh temporary directory per worker made every engine start
+    # compile cold, which a user's second run with the same model does not.
+    model_dir = Path(tempfile.gettempdir()) / (f"bench_vllm_grpo_{arm}_{opts.grpo_layers}L_" + "x".join(map(str, dims))
+                                               + f"_std{opts.logit_std:g}")
+    model_dir.mkdir(exist_ok=True)
+    model_dir = save_for_vllm(base, str(model_dir), tokenizer)
     base.config._name_or_path = model_dir  # TRL's colocated LLM(model=model.name_or_path)
     completions, micro = opts.grpo_completions, getattr(opts, "grpo_micro_batches", 1)
     if completions % micro or (completions // micro) % 8:
