@@ -623,7 +623,8 @@ def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool 
     """``vllm.LLM`` arguments for the colocated engine's speed options, only those that differ from what TRL 1.16
     builds today (``LLM(...)`` without kv_cache_dtype / async_scheduling / compilation_config,
     ``max_num_batched_tokens=4096``), so the defaults change nothing. kv_cache_dtype "auto" is the model's dtype;
-    async_scheduling None is vLLM's choice; max_cudagraph_capture_size None is vLLM's (twice max_num_seqs, at most
+    async_scheduling None is vLLM's choice; max_cudagraph_capture_size None gives no argument (the colocated
+    engine then captures up to its max_num_seqs, ``ColocateEngineMixin``; vLLM's own default is twice that, at most
     512: sizes a batch of at most max_num_seqs decoding sequences never replays)."""
     kwargs: dict[str, Any] = {}
     if kv_cache_dtype != "auto":
@@ -724,8 +725,9 @@ class ColocateEngineMixin:
       engine_model_root: where a pathless policy's engine directory is written, one ``rank-<process index>``
         folder per process (each colocated process builds its own engine); None: such a policy is refused.
       engine_options: extra ``vllm.LLM`` arguments of the colocated engine, BF16 and FP8 alike (the trainer's
-        ``vllm_kv_cache_dtype`` / ``vllm_async_scheduling`` / ``vllm_max_num_batched_tokens``, through
-        ``engine_speed_kwargs``); merged over TRL's arguments.
+        ``vllm_kv_cache_dtype`` / ``vllm_async_scheduling`` / ``vllm_max_num_batched_tokens`` /
+        ``vllm_max_cudagraph_capture_size``, through ``engine_speed_kwargs``); merged over TRL's arguments and the
+        mixin's default capture size, ``capture_size_for_batch`` of TRL's ``max_num_seqs``.
       sampling_defaults: ``SamplingParams`` arguments of the colocated engine's rollouts under the user's
         ``generation_kwargs`` (``colocate_sampling_defaults``: detokenization off); server mode keeps TRL's.
     """
@@ -754,7 +756,11 @@ class ColocateEngineMixin:
             return super()._init_vllm()
         import trl.generation.vllm_generation as trl_vllm_generation
 
-        extra = merge_engine_kwargs(self._engine_kwargs(), self.engine_options or {})
+        # CUDA graphs up to the batch this engine decodes (TRL's max_num_seqs), unless the options give a size
+        seqs = getattr(self, "max_num_seqs", None)
+        capture = ({"compilation_config": {"max_cudagraph_capture_size": capture_size_for_batch(seqs)}}
+                   if isinstance(seqs, int) else {})
+        extra = merge_engine_kwargs(self._engine_kwargs(), capture, self.engine_options or {})
         with merged_call_kwargs(trl_vllm_generation, "LLM", extra), compile_cache_dirs_kept():
             return super()._init_vllm()  # TRL's: LLM(...), sleep mode, barrier
 

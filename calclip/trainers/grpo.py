@@ -146,7 +146,6 @@ from calclip.run.reward_checks import checked_reward_function, exclude_nonfinite
 from calclip.monitoring.ratio_histograms import attach_ratio_histograms
 from calclip.rollout.vllm_sync import (
     ENGINE_MODEL_DIRNAME,
-    capture_size_for_batch,
     check_vllm_compatible,
     colocate_sampling_defaults,
     engine_speed_kwargs,
@@ -218,12 +217,6 @@ class _SampledLogprobRecorder:
         return generate
 
 
-def rollout_batch(args) -> int:
-    """The most sequences the colocated engine decodes at once: its max_num_seqs as TRL 1.16 sets it (one generation
-    batch of this process, spread over its tensor-parallel group)."""
-    return args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation
-
-
 def compiled_generation_problem(device_type: str, master_dtype: torch.dtype, bf16: bool, fp16: bool) -> str | None:
     """Why compile_generation cannot run with these settings, or None.
 
@@ -280,8 +273,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         engine_options = engine_speed_kwargs(kv_cache_dtype=args.vllm_kv_cache_dtype,
                                              async_scheduling=args.vllm_async_scheduling,
                                              max_num_batched_tokens=args.vllm_max_num_batched_tokens,
-                                             max_cudagraph_capture_size=args.vllm_max_cudagraph_capture_size
-                                             or capture_size_for_batch(rollout_batch(args)))
+                                             max_cudagraph_capture_size=args.vllm_max_cudagraph_capture_size)
         sampling_defaults = colocate_sampling_defaults(args.vllm_detokenize, args.generation_kwargs)
         if fp8_vllm:
             # vLLM rollouts on the policy's own FP8 codes (docs/vllm.md): TRL builds its vLLM generation inside
