@@ -172,12 +172,16 @@ def operand_rows(backend: str, a: Tensor, out_dtype: torch.dtype, row_scales: bo
     rows torch._scaled_mm needs and ``scaled_mm_on_padded_rows`` copies nothing; a GEMM that goes elsewhere after all
     (N % 16 != 0) runs on the padded operand, whose extra rows are zeros, and the caller keeps the first M rows."""
     m, k = a.shape
-    if (backend not in ("auto", "scaled_mm") or not a.is_cuda or out_dtype != torch.bfloat16 or k % BLOCK
-            or not _is_sm90(a.device)):
+    if backend not in ("auto", "scaled_mm") or not a.is_cuda or not _is_sm90(a.device):
         return m
-    if (k // BLOCK) % 4 and not row_scales:  # the 128x128 scale's leading dimension: garbage on cuBLAS
+    rows = scaled_mm_rows(m)
+    if rows is m:  # no padding at this size: nothing to decide (and no guard on a symbolic m)
         return m
-    return scaled_mm_rows(m)
+    # resolve_backend's two cuBLAS layouts at any N (N only enters through N % 16 and the weight's own rows)
+    any_n = SCALED_MM_ROW_MULTIPLE
+    takes = scaled_mm_supports("1x128", "128x128", rows, any_n, k, out_dtype) or (
+        row_scales and scaled_mm_supports("1x128", "1x128", rows, any_n, k, out_dtype))
+    return rows if takes else m
 
 
 def pad_1x128_rows(q: Tensor, s: Tensor, rows) -> tuple[Tensor, Tensor]:
