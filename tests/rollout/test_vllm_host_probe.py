@@ -4,30 +4,23 @@ with what the engine hands TRL checked against the synthetic model outputs (each
 ids, one log-prob per token, text only when detokenizing). Needs the vLLM wheel's Python files (CALCLIP_VLLM_CPU_SITE,
 built by benchmarks/vllm_cpu_site.sh as .ci/run does); skips without them. The timings it prints are not asserted."""
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SITE = os.environ.get("CALCLIP_VLLM_CPU_SITE")
-if not SITE:
-    pytest.skip("set CALCLIP_VLLM_CPU_SITE to the vLLM 0.24 wheel's files and their deps (vllm_cpu_site.sh)",
-                allow_module_level=True)
+from tests.rollout._vllm_cpu_site import run_probe, skip_without_site
+
+skip_without_site()
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_probe(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SITE, str(ROOT)])}
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_vllm_host_cpu.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+def host_probe(*args: str) -> subprocess.CompletedProcess:
+    return run_probe("probe_vllm_host_cpu.py", *args)
 
 
 def test_the_engines_outputs_hold_what_the_model_sampled_in_every_setting():
-    result = run_probe("--batch", "12", "--tokens", "20", "--rounds", "1")
+    result = host_probe("--batch", "12", "--tokens", "20", "--rounds", "1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert any(line.startswith("vLLM 0.24.0 host work per decode step, batch 12, 20 tokens") and "outputs checked"
@@ -42,5 +35,5 @@ def test_the_engines_outputs_hold_what_the_model_sampled_in_every_setting():
 
 
 def test_a_setting_that_does_not_exist_is_named():
-    result = run_probe("--settings", "trl,fast")
+    result = host_probe("--settings", "trl,fast")
     assert result.returncode == 2 and "unknown ['fast']" in result.stderr
