@@ -172,16 +172,17 @@ def operand_rows(backend: str, a: Tensor, out_dtype: torch.dtype, row_scales: bo
     rows torch._scaled_mm needs and ``scaled_mm_on_padded_rows`` copies nothing; a GEMM that goes elsewhere after all
     (N % 16 != 0) runs on the padded operand, whose extra rows are zeros, and the caller keeps the first M rows."""
     m, k = a.shape
-    if backend not in ("auto", "scaled_mm") or not a.is_cuda or not _is_sm90(a.device):
+    if backend not in ("auto", "scaled_mm") or not a.is_cuda:
         return m
     rows = scaled_mm_rows(m)
     if rows is m:  # no padding at this size: nothing to decide (and no guard on a symbolic m)
         return m
-    # resolve_backend's two cuBLAS layouts at any N (N only enters through N % 16 and the weight's own rows)
+    # resolve_backend's two cuBLAS layouts at any N (N only enters through N % 16 and the weight's own rows); the
+    # device is asked last (fake CUDA tensors on a CPU build of torch reach here while tracing)
     any_n = SCALED_MM_ROW_MULTIPLE
     takes = scaled_mm_supports("1x128", "128x128", rows, any_n, k, out_dtype) or (
         row_scales and scaled_mm_supports("1x128", "1x128", rows, any_n, k, out_dtype))
-    return rows if takes else m
+    return rows if takes and _is_sm90(a.device) else m
 
 
 def pad_1x128_rows(q: Tensor, s: Tensor, rows) -> tuple[Tensor, Tensor]:
