@@ -19,12 +19,15 @@ and log-probs only); ``no_logprobs`` the decode benchmark's requests (``detokeni
 Model outputs are synthetic (token ids drawn from the tokenizer's vocabulary, log-prob -0.5, rank 1); what the
 engine returns is checked against them (``check_outputs``). Printed: microseconds per step of each part, median
 over ``--rounds`` rounds, each round a fresh scheduler and output processor. Timings depend on the host; compare
-columns measured in one run.
+columns measured in one run. Python's garbage collector runs as in the engine (``--gc on``, the default): the
+collections that a part's allocations trigger are charged to that part, and their cost grows with everything else the
+process holds (a trainer holds far more than this probe); ``--gc off`` times the parts' own work.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -172,6 +175,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=14)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
+    parser.add_argument("--gc", default="on", choices=("on", "off"),
+                        help="Python's garbage collector during the rounds (on: as in the engine; off: each part's own "
+                             "work, without the collections its allocations trigger)")
     opts = parser.parse_args(argv)
     settings = [s.strip() for s in opts.settings.split(",") if s.strip()]
     unknown = set(settings) - set(SETTINGS)
@@ -188,12 +194,20 @@ def main(argv=None) -> int:
     times = {s: {part: [] for part in PARTS} for s in settings}
     for round_index in range(opts.rounds):  # settings in turn within each round
         for setting in settings:
-            result = run_round(setting, config, tokenizer, opts.batch, opts.tokens, opts.prompt_len, round_index)
+            if opts.gc == "off":
+                gc.collect()
+                gc.disable()
+            try:
+                result = run_round(setting, config, tokenizer, opts.batch, opts.tokens, opts.prompt_len,
+                                   round_index)
+            finally:
+                gc.enable()
             check_outputs(result["outputs"], result["sampled"], setting, tokenizer)
             for part in PARTS:
                 times[setting][part].append(result["per_step_s"][part])
     print(f"vLLM {vllm.__version__} host work per decode step, batch {opts.batch}, {opts.tokens} tokens per request, "
-          f"median of {opts.rounds} round(s), us (CPU: {os.cpu_count()} cores; outputs checked)")
+          f"median of {opts.rounds} round(s), garbage collector {opts.gc}, us (CPU: {os.cpu_count()} cores; outputs "
+          f"checked)")
     header = ["part", *settings]
     rows = [[part, *(f"{1e6 * statistics.median(times[s][part]):.0f}" for s in settings)] for part in PARTS]
     rows.append(["total", *(f"{1e6 * sum(statistics.median(times[s][p]) for p in PARTS):.0f}" for s in settings)])
