@@ -1205,19 +1205,20 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         original = getattr(generation, method)
 
         def timed(*a, _original=original, _key=key, **k):
-            rollout = len(timings["generate_s"]) + 1 if _key == "generate_s" else 0
-            profiler = (kernel_profiler() if rollout == profile_at else cProfile.Profile() if rollout == host_at
-                        else contextlib.nullcontext())
+            # which profiler this call runs under: only a rollout (never a sync) whose 1-based number was asked
+            rollout = len(timings["generate_s"]) + 1 if _key == "generate_s" else None
+            kind = "rollout_profile" if rollout == profile_at else "host_profile" if rollout == host_at else None
+            profiler = {"rollout_profile": kernel_profiler, "host_profile": cProfile.Profile}.get(
+                kind, contextlib.nullcontext)()
             cuda_sync()
             start = time.perf_counter()
             with profiler:
                 out = _original(*a, **k)
                 cuda_sync()
             timings[_key].append(time.perf_counter() - start)
-            if rollout and rollout == profile_at:
-                timings["rollout_profile"] = rollout_profile(profiler, timings[_key][-1], step=rollout - 1)
-            elif rollout and rollout == host_at:
-                timings["host_profile"] = host_profile(profiler, timings[_key][-1], step=rollout - 1)
+            if kind is not None:
+                summarize = rollout_profile if kind == "rollout_profile" else host_profile
+                timings[kind] = summarize(profiler, timings[_key][-1], step=rollout - 1)
             return out
 
         setattr(generation, method, timed)

@@ -181,16 +181,21 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
     opts = argparse.Namespace(grpo_layers=1, logit_std=4.0, grpo_completions=8, gpu_util=0.2, grpo_tokens=6,
                               grpo_steps=2, attention_backend="TRITON_ATTN", grpo_profile_rollout=2,
                               grpo_detokenize="on", grpo_capture_size=None)  # "on": as TRL alone
+    profiled = []  # every torch.profiler the worker opens: the asked rollout's only, never a sync's
+    kernel_profiler = bench_vllm.kernel_profiler
+    monkeypatch.setattr(bench_vllm, "kernel_profiler", lambda: profiled.append(1) or kernel_profiler())
     for arm in ("fp8", "fp8_reload", "bf16"):  # (the bench runs each arm in its own process)
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
             monkeypatch.delenv(var, raising=False)
         events.clear()
+        profiled.clear()
         seen = []  # what a run stopped by --grpo-timeout would have left: the timings after every finished step
         timings = bench_vllm.grpo_worker(arm, opts, device="cpu", dims=(128, 256, 4, 4),
                                          progress=lambda so_far: seen.append(list(so_far["step_s"])))
         assert len(timings["step_s"]) == 2 and len(timings["generate_s"]) == 2 and len(timings["sync_s"]) == 2
         assert seen == [timings["step_s"][:1], timings["step_s"]]
         assert timings["startup_s"] > 0
+        assert len(profiled) == 1  # two syncs and two rollouts: only rollout 2 under torch.profiler
         profile = timings["rollout_profile"]  # --grpo-profile-rollout 2: the second step's rollout, under the profiler
         assert profile["step"] == 1 and 0 < profile["wall_ms"] == pytest.approx(timings["generate_s"][1] * 1e3)
         assert set(profile["split_ms"]) == {*(c for c, _ in bench_vllm.DECODE_CATEGORIES), "other"}
@@ -227,7 +232,12 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
     opts.grpo_profile_host = 2  # the same rollout as --grpo-profile-rollout: refused
     with pytest.raises(ValueError, match="profile different rollouts"):
         bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
-    opts.grpo_profile_host = 0
+    opts.grpo_profile_host = opts.grpo_profile_rollout = 0  # no profile asked: nothing runs under a profiler
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    profiled.clear()
+    timings = bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
+    assert not profiled and "rollout_profile" not in timings and "host_profile" not in timings
     opts.grpo_micro_batches = 3  # 16 completions do not split into 3 micro-batches of whole groups
     with pytest.raises(ValueError, match="--grpo-micro-batches 3"):
         bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
