@@ -1340,19 +1340,20 @@ def part_grpo(opts) -> None:
                 finished = json.loads(out.read_text()) if out.exists() else {}
                 if len(finished.get("step_s", ())) > opts.grpo_warmup:  # the steps it finished still count
                     print(f"   {len(finished['step_s'])} step(s) finished before the timeout count", flush=True)
-                    runs[label].append({**finished, "timed_out_after_s": opts.grpo_timeout})
-                    print(f"   {worker_summary(without_profiled_step(runs[label][-1]), opts.grpo_warmup)}", flush=True)
+                    run = {**finished, "timed_out_after_s": opts.grpo_timeout}
                 else:
-                    runs[label].append({"error": f"timed out after {opts.grpo_timeout} s: {said[-400:]}"})
-                continue
-            print(f"   exit {proc.returncode} after {time.perf_counter() - start:.0f} s", flush=True)
-            if proc.returncode != 0 or not out.exists():
-                tail = (proc.stdout + proc.stderr)[-3000:]
-                print(f"   !! grpo {label} failed; last output:\n{tail}", flush=True)
-                runs[label].append({"error": tail[-500:]})
-                continue
-            runs[label].append(json.loads(out.read_text()))
-            print(f"   {worker_summary(without_profiled_step(runs[label][-1]), opts.grpo_warmup)}", flush=True)
+                    run = {"error": f"timed out after {opts.grpo_timeout} s: {said[-400:]}"}
+            else:
+                print(f"   exit {proc.returncode} after {time.perf_counter() - start:.0f} s", flush=True)
+                if proc.returncode != 0 or not out.exists():
+                    tail = (proc.stdout + proc.stderr)[-3000:]
+                    print(f"   !! grpo {label} failed; last output:\n{tail}", flush=True)
+                    run = {"error": tail[-500:]}
+                else:
+                    run = json.loads(out.read_text())
+            runs[label].append(run)
+            if "error" not in run:
+                print(f"   {worker_summary(without_profiled_step(run), opts.grpo_warmup)}", flush=True)
             results.setdefault("workers", {})[label] = runs[label]  # kept if the whole call is cut short
             save_results(opts)
     results.pop("workers", None)
