@@ -33,12 +33,11 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402  (puts the repository root on sys.path)
 
 SETTINGS = {  # SamplingParams beyond TRL's fixed ones (n=1, temperature 1, top_p 1, top_k 0, min_p 0, penalty 1)
     "trl": {"logprobs": 0, "detokenize": True},
@@ -211,10 +210,7 @@ def main(argv=None) -> int:
     header = ["part", *settings]
     rows = [[part, *(f"{1e6 * statistics.median(times[s][part]):.0f}" for s in settings)] for part in PARTS]
     rows.append(["total", *(f"{1e6 * sum(statistics.median(times[s][p]) for p in PARTS):.0f}" for s in settings)])
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    _common.table(header, rows)
     return 0
 
 
