@@ -39,7 +39,8 @@ grpo       one CalibratedGRPOTrainer step with vLLM colocate rollouts, ``fp8`` t
            (median of the steps after the first), each arm's start; ``--grpo-profile-rollout K``: where the K-th
            rollout's time went (GPU kernels by ``DECODE_CATEGORIES``, the GPU's busy share of the wall);
            ``--grpo-profile-host K``: the K-th rollout under cProfile (the Python functions the host spends the
-           rollout in: vLLM's scheduler, input preparation, sampler, output processing, TRL's).
+           rollout in: vLLM's scheduler, input preparation, sampler, output processing, TRL's; with $OUT set, the
+           whole profile is saved as $OUT/host_<arm>.pstats).
 
 Recipes (``--recipes``, comma-separated, default ``blockwise``): the FP8 recipes the mismatch and grpo parts run.
 blockwise is calclip's block-FP8 engine (``quantization="fp8"``, 128x128 weight blocks); rowwise and tensorwise are
@@ -1174,7 +1175,8 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         vllm_kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto"),
         vllm_async_scheduling=getattr(opts, "async_scheduling", None),
         vllm_max_cudagraph_capture_size=getattr(opts, "grpo_capture_size", None))
-    timings = {"step_s": [], "generate_s": [], "sync_s": []}
+    timings = {"step_s": [], "generate_s": [], "sync_s": [], "gc_ms": [], "gc_collections": []}
+    gc_clock = GcClock()
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -1212,13 +1214,18 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
                 kind, contextlib.nullcontext)()
             cuda_sync()
             start = time.perf_counter()
-            with profiler:
+            with profiler, (gc_clock if _key == "generate_s" else contextlib.nullcontext()):
                 out = _original(*a, **k)
                 cuda_sync()
             timings[_key].append(time.perf_counter() - start)
+            if _key == "generate_s":
+                timings["gc_ms"].append(gc_clock.pause_ms)
+                timings["gc_collections"].append(list(gc_clock.collections))
             if kind is not None:
                 summarize = rollout_profile if kind == "rollout_profile" else host_profile
                 timings[kind] = summarize(profiler, timings[_key][-1], step=rollout - 1)
+                if kind == "host_profile" and os.environ.get("OUT"):  # the whole profile, for pstats' callers view
+                    profiler.dump_stats(os.path.join(os.environ["OUT"], f"host_{arm}.pstats"))
             return out
 
         setattr(generation, method, timed)
@@ -1226,6 +1233,33 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     direct = getattr(generation, "_direct_sync", None)  # FP8: whether the syncs after the first were in place
     timings["direct_sync"] = None if direct is None else {"verified": direct.verified, "reason": direct.reason}
     return timings
+
+
+class GcClock:
+    """The garbage collector's pauses inside a ``with`` block, from ``gc.callbacks``: ``pause_ms`` (the time
+    between each collection's start and stop) and ``collections`` (how many of generation 0, 1, 2), reset on entry.
+    A grpo worker wraps every rollout in it: the Python heap of a trainer process with an engine in it is large,
+    and a rollout allocates per token."""
+
+    def __init__(self):
+        self.pause_ms, self.collections, self._start = 0.0, [0, 0, 0], None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.pause_ms += (time.perf_counter() - self._start) * 1e3
+            self.collections[info["generation"]] += 1
+            self._start = None
+
+    def __enter__(self):
+        self.pause_ms, self.collections, self._start = 0.0, [0, 0, 0], None
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+        return False
 
 
 def rollout_profile(prof, wall_s: float, *, step: int) -> dict:
@@ -1273,6 +1307,10 @@ def worker_summary(run: dict, warmup: int) -> str:
     text = (f"{len(steps)} step(s); after the first {warmup}: step {median('step_s')} s, rollout "
             f"{median('generate_s')} s, sync {median('sync_s')} s; first step "
             f"{fmt(steps[0]) if steps else '-'} s, start-up {fmt(run.get('startup_s'))} s")
+    if run.get("gc_ms"):  # GcClock: the collector's pauses inside each rollout
+        last = run["gc_collections"][-1]
+        text += (f"; GC pauses per rollout {median('gc_ms')} ms (the last rollout's collections of generations "
+                 f"0/1/2: {last[0]}/{last[1]}/{last[2]})")
     profile = run.get("rollout_profile")
     if profile:
         text += (f"; profiled rollout (step {profile['step'] + 1}): GPU kernels {fmt(profile['kernel_ms'], 1)} of "
@@ -1292,7 +1330,7 @@ def without_profiled_step(run: dict) -> dict:
     if not steps:
         return run
     return {**run, **{key: [v for i, v in enumerate(run[key]) if i not in steps]
-                      for key in ("step_s", "generate_s", "sync_s") if key in run}}
+                      for key in ("step_s", "generate_s", "sync_s", "gc_ms", "gc_collections") if key in run}}
 
 
 GRPO_ARMS = ("fp8", "fp8_reload", "bf16")
