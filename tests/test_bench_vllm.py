@@ -184,7 +184,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
     profiled = []  # every torch.profiler the worker opens: the asked rollout's only, never a sync's
     kernel_profiler = bench_vllm.kernel_profiler
     monkeypatch.setattr(bench_vllm, "kernel_profiler", lambda: profiled.append(1) or kernel_profiler())
-    for arm in ("fp8", "fp8_reload", "bf16"):  # (the bench runs each arm in its own process)
+    for arm in ("fp8", "fp8_reload", "bf16", "bf16_gcpause"):  # (the bench runs each arm in its own process)
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
             monkeypatch.delenv(var, raising=False)
         events.clear()
@@ -200,6 +200,11 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         assert profile["step"] == 1 and 0 < profile["wall_ms"] == pytest.approx(timings["generate_s"][1] * 1e3)
         assert set(profile["split_ms"]) == {*(c for c, _ in bench_vllm.DECODE_CATEGORIES), "other"}
         assert all(t > 0 for key in ("step_s", "generate_s", "sync_s") for t in timings[key])
+        # each rollout's collector pauses; with the collector off during rollouts (vllm_pause_gc) at most the one
+        # collection that the first allocation after it is switched back on runs, of what the rollout left
+        assert len(timings["gc_ms"]) == len(timings["gc_collections"]) == 2
+        if arm.endswith("_gcpause"):
+            assert all(sum(counts) <= 1 for counts in timings["gc_collections"])
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
         # the trainer's capture size (the rollout batch of 8) unless --grpo-capture-size gives one
         assert engine_kwargs[-1]["compilation_config"]["max_cudagraph_capture_size"] == (opts.grpo_capture_size or 8)
@@ -854,3 +859,18 @@ def test_grpo_part_prints_and_saves_each_worker_as_it_ends(monkeypatch, tmp_path
     assert "first step 98.000 s, start-up 91.500 s" in printed
     saved = json.loads((tmp_path / "bench_vllm.json").read_text())
     assert saved["grpo"]["workers"]["fp8"][0]["step_s"] == [98.0, 4.0, 4.4, 4.2]
+
+
+def test_gc_clock_counts_the_collections_inside_its_block_only():
+    import gc
+
+    clock = bench_vllm.GcClock()
+    with clock:
+        gc.collect(0)
+        gc.collect()  # generation 2
+    assert clock.collections == [1, 0, 1] and clock.pause_ms > 0
+    gc.collect()  # outside: neither counted nor timed
+    assert clock.collections == [1, 0, 1] and clock._callback not in gc.callbacks
+    with clock:  # entering again starts from zero
+        pass
+    assert clock.collections == [0, 0, 0] and clock.pause_ms == 0.0

@@ -41,6 +41,8 @@ UNCOMPARED_FIELDS = frozenset(RUN_FIELDS) | {
     "vllm_async_scheduling", "vllm_max_num_batched_tokens", "vllm_max_cudagraph_capture_size",
     # Whether vLLM also writes the completions' text: the same token ids and log-probs either way.
     "vllm_detokenize",
+    # The garbage collector off during rollouts: when Python frees memory, not what is generated or trained.
+    "vllm_pause_gc",
 }
 
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import logging
 import os
 import shutil
@@ -671,6 +672,23 @@ def compile_cache_dirs_kept():
                          ", ".join(moved))
 
 
+@contextlib.contextmanager
+def gc_paused(pause: bool = True):
+    """Python's garbage collector off for the block (a colocated rollout), back on after it, unless it was off
+    already or ``pause`` is False. vLLM's engine allocates Python objects for every sequence at every decode step
+    (outputs, log-prob lists), so the collector runs hundreds of times per rollout, each run walking the objects of
+    the trainer process that vLLM's start-up did not freeze. Reference counting still frees everything acyclic
+    at once; cycles made during the rollout wait for the first collection after it."""
+    if not pause or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def colocate_sampling_defaults(detokenize: bool | None, generation_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """``SamplingParams`` defaults of the colocated engine's rollouts, applied under the user's
     ``generation_kwargs`` (the trainer's ``vllm_detokenize``). TRL reads only token ids and log-probs, so by default
@@ -730,11 +748,13 @@ class ColocateEngineMixin:
         mixin's default capture size, ``capture_size_for_batch`` of TRL's ``max_num_seqs``.
       sampling_defaults: ``SamplingParams`` arguments of the colocated engine's rollouts under the user's
         ``generation_kwargs`` (``colocate_sampling_defaults``: detokenization off); server mode keeps TRL's.
+      pause_gc: the garbage collector is off during each colocated rollout (``gc_paused``; default False).
     """
 
     engine_model_root: str | None = None
     engine_options: Mapping[str, Any] | None = None
     sampling_defaults: Mapping[str, Any] | None = None
+    pause_gc: bool = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -744,6 +764,10 @@ class ColocateEngineMixin:
 
     def _init_vllm(self):
         return self._start_engine()
+
+    def generate(self, *args, **kwargs):
+        with gc_paused(self.pause_gc and self.mode == "colocate"):
+            return super().generate(*args, **kwargs)
 
     def _engine_kwargs(self) -> dict[str, Any]:
         """The extra ``vllm.LLM`` arguments of the colocated engine."""
@@ -924,20 +948,23 @@ def _grpo_generation_class(make: Callable[[type], type], **attributes):
 
 
 def use_vllm_generation(*, engine_model_root: str | None = None, engine_options: Mapping[str, Any] | None = None,
-                        sampling_defaults: Mapping[str, Any] | None = None):
+                        sampling_defaults: Mapping[str, Any] | None = None, pause_gc: bool = False):
     """While active, ``GRPOTrainer.__init__`` builds a ``CalclipVLLMGeneration``: TRL's BF16 engine and sync, which
     also starts for a policy without a loadable ``name_or_path`` (its directory written under
-    ``engine_model_root``, see ``ColocateEngineMixin``), with ``engine_options`` merged into its ``LLM(...)`` and
-    ``sampling_defaults`` under its rollouts' ``generation_kwargs``."""
+    ``engine_model_root``, see ``ColocateEngineMixin``), with ``engine_options`` merged into its ``LLM(...)``,
+    ``sampling_defaults`` under its rollouts' ``generation_kwargs`` and the garbage collector paused during its
+    colocated rollouts with ``pause_gc``."""
     return _grpo_generation_class(vllm_generation_class, engine_model_root=engine_model_root,
                                   engine_options=None if engine_options is None else dict(engine_options),
-                                  sampling_defaults=None if sampling_defaults is None else dict(sampling_defaults))
+                                  sampling_defaults=None if sampling_defaults is None else dict(sampling_defaults),
+                                  pause_gc=bool(pause_gc))
 
 
 def use_fp8_vllm_generation(
     *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False,
     engine_kwargs: Mapping[str, Any] | None = None, engine_model_root: str | None = None, direct_sync: bool = True,
     engine_options: Mapping[str, Any] | None = None, sampling_defaults: Mapping[str, Any] | None = None,
+    pause_gc: bool = False,
 ):
     """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
 
@@ -945,7 +972,8 @@ def use_fp8_vllm_generation(
     ``engine_model_root``: see ``ColocateEngineMixin`` (a policy without a loadable ``name_or_path``).
     ``direct_sync``: ``FP8VLLMGenerationMixin.fp8_direct_sync`` (in-place syncs once the engine's layout is checked).
     ``engine_options``: ``ColocateEngineMixin.engine_options`` (``engine_speed_kwargs``); ``sampling_defaults``:
-    ``ColocateEngineMixin.sampling_defaults`` (``colocate_sampling_defaults``).
+    ``ColocateEngineMixin.sampling_defaults`` (``colocate_sampling_defaults``); ``pause_gc``:
+    ``ColocateEngineMixin.pause_gc``.
     With ``defer_engine`` (what ``CalibratedGRPOTrainer`` uses, since it quantizes after ``super().__init__()``):
 
         with use_fp8_vllm_generation(defer_engine=True):
@@ -958,5 +986,5 @@ def use_fp8_vllm_generation(
         fp8_defer_engine=defer_engine, fp8_engine_extra=None if engine_kwargs is None else dict(engine_kwargs),
         engine_model_root=engine_model_root, fp8_direct_sync=direct_sync,
         engine_options=None if engine_options is None else dict(engine_options),
-        sampling_defaults=None if sampling_defaults is None else dict(sampling_defaults),
+        sampling_defaults=None if sampling_defaults is None else dict(sampling_defaults), pause_gc=bool(pause_gc),
     )

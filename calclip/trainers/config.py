@@ -335,6 +335,13 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "'detokenize' or has 'stop' strings (which need it); true/false force it (false with stop strings "
                   "is refused)."},
     )
+    vllm_pause_gc: bool = field(
+        default=False,
+        metadata={"help": "With use_vllm and vllm_mode colocate: switch Python's garbage collector off for each "
+                  "rollout and back on after it. The colocated engine allocates Python objects for every sequence "
+                  "at every decode step, so the collector runs hundreds of times per rollout in a process that "
+                  "also holds the trainer (docs/vllm.md, Engine options). Acyclic garbage is still freed at once."},
+    )
     vllm_max_num_batched_tokens: int | None = field(
         default=None,
         metadata={"help": "With use_vllm and vllm_mode colocate: vLLM's max_num_batched_tokens (tokens per engine "

@@ -281,13 +281,13 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             vllm_hook = use_fp8_vllm_generation(
                 defer_engine=True, check_vllm_shapes=False, engine_model_root=engine_model_root,
                 direct_sync=args.vllm_fp8_direct_sync, engine_options=engine_options,
-                sampling_defaults=sampling_defaults,
+                sampling_defaults=sampling_defaults, pause_gc=args.vllm_pause_gc,
                 engine_kwargs=fp8_engine_numerics_kwargs(linear_backend=args.vllm_fp8_linear_backend,
                                                          match_trainer=args.vllm_fp8_match_trainer_numerics,
                                                          recipe=args.fp8_recipe))
         elif args.use_vllm:
             vllm_hook = use_vllm_generation(engine_model_root=engine_model_root, engine_options=engine_options,
-                                            sampling_defaults=sampling_defaults)
+                                            sampling_defaults=sampling_defaults, pause_gc=args.vllm_pause_gc)
         else:
             vllm_hook = contextlib.nullcontext()
         with vllm_hook:

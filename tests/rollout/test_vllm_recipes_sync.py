@@ -16,6 +16,7 @@ Expected values come from three independent places:
   stand-in below holds exactly that, with its own offsets written out.
 """
 
+import gc
 import json
 import logging
 
@@ -45,6 +46,7 @@ from calclip.rollout.vllm_sync import (  # noqa: E402
     check_vllm_compatible,
     engine_fp8_mismatches,
     expected_engine_fp8_tensors,
+    gc_paused,
     engine_speed_kwargs,
     fp8_engine_kwargs,
     merge_engine_kwargs,
@@ -558,6 +560,32 @@ def test_colocated_rollouts_skip_detokenizing_unless_asked(fake_vllm, tokenizer,
     for key, value in (generation_kwargs or {}).items():
         assert params[key] == value
     assert trainer.args.generation_kwargs == generation_kwargs  # the user's config is not rewritten
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("pause", [True, False])
+def test_colocated_rollouts_run_with_the_garbage_collector_paused_when_asked(fake_vllm, tokenizer, tmp_path, fp8,
+                                                                            pause):
+    bf16 = {} if fp8 else dict(fp8_keep_last_n_layers=0)
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=fp8, vllm_pause_gc=pause, **bf16)
+    prompt = tokenizer("ab")["input_ids"]
+    assert gc.isenabled()
+    trainer.vllm_generation.generate(prompts=[prompt], images=None, num_generations=1)
+    assert fake_vllm.gc_enabled == [not pause] and gc.isenabled()  # off inside the engine's generate only
+    gc.disable()  # a user who switched the collector off keeps it off
+    try:
+        trainer.vllm_generation.generate(prompts=[prompt], images=None, num_generations=1)
+        assert fake_vllm.gc_enabled[-1] is False and not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_failed_rollout_turns_the_garbage_collector_back_on():
+    with pytest.raises(RuntimeError, match="engine died"):
+        with gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("engine died")
+    assert gc.isenabled()
 
 
 @pytest.mark.parametrize("detokenize, generation_kwargs, message", [

@@ -13,6 +13,7 @@ Expected tensor spec = vLLM ``Fp8LinearMethod.create_weights`` with block quant
 
 import ast
 import functools
+import gc
 import os
 import re
 import subprocess
@@ -245,6 +246,7 @@ class FakeVLLM:
         self.recorder, self.tokenizer = recorder, tokenizer
         self.engine_kwargs = []
         self.sampling_params = []  # the SamplingParams arguments of each generate call (SamplingParams is a dict here)
+        self.gc_enabled = []  # gc.isenabled() inside each generate call
         self.env_set_by_engine = {}  # environment variables the engine's start sets (vLLM: its compile cache dirs)
         self.fp8_modules_at_engine_start = None
 
@@ -272,6 +274,7 @@ class FakeVLLM:
             def generate(self, prompts, sampling_params, use_tqdm):
                 fake.recorder.events.append(("generate", len(prompts)))
                 fake.sampling_params.append(sampling_params)
+                fake.gc_enabled.append(gc.isenabled())
                 return [fake.request_output(p["prompt_token_ids"]) for p in prompts]
 
         return LLM
