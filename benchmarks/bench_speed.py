@@ -1227,7 +1227,7 @@ def parse_args(argv=None):
                         "same model with a speed lever changed, beside the default FP8 arms")
     parser.add_argument("--fp8-options-b", default=None, metavar="KEY=VALUE,...",
                         help="Fp8Config fields of the FP8B arms (fp8y, fp8yc, fp8yr): a second variant beside FP8+ in the "
-                        "same interleaved run, e.g. resident_dgrad_codes=false")
+                        "same interleaved run, e.g. resident_dgrad_codes=true")
     parser.add_argument("--peak-per-process", action="store_true",
                         help="model section: after each row, each arm's peak memory measured in a process of its own")
     parser.add_argument("--solo-peak", default=None, help=argparse.SUPPRESS)  # print_solo_peaks' child processes

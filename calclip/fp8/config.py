@@ -221,7 +221,9 @@ class Fp8Config:
         1-byte-per-parameter copy on CUDA, refreshed with them), or, False, transpose them from the W codes in each
         backward that needs them (a transposing copy of N x K bytes per layer and backward, freed after its GEMM):
         FP8's resident weight codes halve. The transpose of 128x128-block codes is exact (each block's scale moves
-        with it), so outputs and gradients are the same bit for bit. Default True until measured on a GPU.
+        with it), so outputs and gradients are the same bit for bit. Default False: on the H100 (2026-12-05) the
+        on-demand transpose made the step faster, not slower (Qwen2.5-7B dims 1.04x, 1.5B dims 1.01x, compiled by
+        layer) and the peak lower by the W^T codes (0.65 GiB at 7B dims, 0.35 at 1.5B; docs/benchmarks.md).
     """
 
     block_size: int = BLOCK
@@ -241,7 +243,7 @@ class Fp8Config:
     refresh_graph: bool = True
     share_sibling_inputs: bool = True
     fuse_producers: bool = False
-    resident_dgrad_codes: bool = True
+    resident_dgrad_codes: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:

@@ -211,11 +211,11 @@ def test_refresh_of_a_model_with_nothing_changed_skips_the_layers(monkeypatch):
     """refresh_fp8_weights returns after one pass over the weights' keys when no weight changed since it last
     refreshed them all, and refreshes (codes equal to a fresh quantization) after anything that changes a weight:
     an optimizer step, an in-place write, an explicit invalidation, a re-conversion; with grad on it builds the
-    dgrad codes the no-grad refresh did not."""
+    dgrad codes the no-grad refresh did not (resident_dgrad_codes)."""
     from calclip.fp8 import invalidate_fp8_weight_caches
     from calclip.fp8.reference import quantize_128x128
 
-    model = quantize_model(_model(), Fp8Config(keep_patterns=()))
+    model = quantize_model(_model(), Fp8Config(keep_patterns=(), resident_dgrad_codes=True))
     layers = model._calclip_fp8_layers
     calls = _count_layer_refreshes(monkeypatch)
 

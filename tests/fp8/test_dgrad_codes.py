@@ -21,7 +21,7 @@ def _model(seed=0, device="cpu"):
 
 def _pair(device="cpu"):
     base = _model(device=device)
-    resident = quantize_model(copy.deepcopy(base), Fp8Config(keep_patterns=()))
+    resident = quantize_model(copy.deepcopy(base), Fp8Config(keep_patterns=(), resident_dgrad_codes=True))
     on_demand = quantize_model(copy.deepcopy(base), Fp8Config(keep_patterns=(), resident_dgrad_codes=False))
     return resident, on_demand
 
@@ -57,6 +57,7 @@ def test_on_demand_dgrad_codes_equal_resident_ones_and_keep_no_buffers():
     assert all(m._fp8_qwt is None and m._fp8_swt is None for m in _layers(on_demand))
     with pytest.raises(ValueError, match="resident_dgrad_codes must be a bool"):
         Fp8Config(resident_dgrad_codes=1)
+    assert Fp8Config().resident_dgrad_codes is False  # the default: measured faster and smaller on the H100
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

@@ -58,10 +58,12 @@ def test_inductor_training_equals_eager_across_optimizer_steps(mode, tokens):
     assert replay_count(model) == 2
 
 
-def test_graph_refresh_writes_the_codes_a_fresh_quantization_gives():
+@pytest.mark.parametrize("resident", [True, False])
+def test_graph_refresh_writes_the_codes_a_fresh_quantization_gives(resident):
     """Layers compiled one by one (the trainer's compile_layers) inside an eager root: after each optimizer step the
-    root's pre-hook refreshes every layer, by a graph replay from the third step on; the codes, scales and W^T then
-    equal a fresh quantization of the new weights, and the forward equals an eager twin's."""
+    root's pre-hook refreshes every layer, by a graph replay from the third step on; the codes, scales and (with
+    resident_dgrad_codes) W^T then equal a fresh quantization of the new weights, and the forward equals an eager
+    twin's. Without resident W^T codes no such buffer is kept."""
     class Stack(nn.Module):
         def __init__(self):
             super().__init__()
@@ -77,7 +79,7 @@ def test_graph_refresh_writes_the_codes_a_fresh_quantization_gives():
     model = Stack().cuda().to(torch.bfloat16)
     twin = copy.deepcopy(model)
     for m in (model, twin):
-        quantize_model(m, Fp8Config(keep_patterns=()))
+        quantize_model(m, Fp8Config(keep_patterns=(), resident_dgrad_codes=resident))
     compile_repeated_blocks(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (twin, model)]
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -91,9 +93,11 @@ def test_graph_refresh_writes_the_codes_a_fresh_quantization_gives():
             q, s = quantize_128x128(layer.weight.detach())
             assert torch.equal(layer._fp8_qw.view(torch.uint8), q.view(torch.uint8)), step
             assert torch.equal(layer._fp8_sw, s), step
-            if step:  # W^T exists from the first backward on, refreshed with the codes
+            if step and resident:  # W^T exists from the first backward on, refreshed with the codes
                 assert torch.equal(layer._fp8_qwt.view(torch.uint8), q.t().contiguous().view(torch.uint8)), step
                 assert torch.equal(layer._fp8_swt, s.t().contiguous()), step
+            elif not resident:
+                assert layer._fp8_qwt is None and layer._fp8_swt is None, step
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -328,10 +328,11 @@ def test_weight_refresh_writes_codes_and_dgrad_codes_in_place():
     """After an optimizer step the layer's refresh writes the new weight's codes, scales, non-finite flag and W^T
     codes (kernels.requantize_128x128_, two launches) into the same buffers: equal to the reference's, W^T
     current without the next backward's copies, and a backward of a forward that saw the old codes raises."""
-    from calclip.fp8 import FP8BlockLinear
+    from calclip.fp8 import FP8BlockLinear, Fp8Config
 
     torch.manual_seed(0)
-    layer = FP8BlockLinear(576, 1536, bias=False, device="cuda", dtype=torch.float32)  # fp32 masters
+    layer = FP8BlockLinear(576, 1536, bias=False, device="cuda", dtype=torch.float32,  # fp32 masters
+                           config=Fp8Config(resident_dgrad_codes=True))  # the resident W^T codes' refresh
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
     x = torch.randn(256, 576, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -40,7 +40,7 @@ def test_each_fp8_field_arrives_in_the_trainers_fp8config():
         "fp8_recipe": "blockwise", "fp8_backward": "bf16", "fp8_gemm": "triton", "fp8_power_of_two_scales": True,
         "fp8_keep_first_n_layers": 1, "fp8_keep_last_n_layers": 2, "fp8_keep_patterns": ["mlp"],
         "fp8_decode_fused_max_m": 8, "fp8_decode_group_siblings": True, "fp8_share_sibling_inputs": False,
-        "fp8_fuse_producers": True, "fp8_resident_dgrad_codes": False,
+        "fp8_fuse_producers": True, "fp8_resident_dgrad_codes": True,
     }  # fmt: skip
     assert set(values) == set(FP8_CONFIG_FIELDS)
     config = CalibratedGRPOConfig(**CPU, **values)
