@@ -1157,8 +1157,9 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     on_gpu = device.type == "cuda"
     args = CalibratedGRPOConfig(
         output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm.startswith("fp8"),
-        vllm_fp8_direct_sync=arm != "fp8_reload", vllm_pause_gc=arm.endswith("_gcpause"), vllm_fp8_linear_backend=engine_linear_backend(
-            getattr(opts, "linear_backend", "fastest"), getattr(opts, "grpo_recipe", None) or "blockwise"),
+        vllm_fp8_direct_sync=arm != "fp8_reload", vllm_pause_gc=not arm.endswith("_gcon"),
+        vllm_fp8_linear_backend=engine_linear_backend(getattr(opts, "linear_backend", "fastest"),
+                                                      getattr(opts, "grpo_recipe", None) or "blockwise"),
         use_vllm=True, vllm_mode="colocate",
         vllm_gpu_memory_utilization=opts.gpu_util, clip_mode="static",
         # --grpo-micro-batches: the same rollout of `completions` per optimizer step, trained in that many
@@ -1333,7 +1334,7 @@ def without_profiled_step(run: dict) -> dict:
                       for key in ("step_s", "generate_s", "sync_s", "gc_ms", "gc_collections") if key in run}}
 
 
-GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "fp8_gcpause", "bf16_gcpause")
+GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "fp8_gcon", "bf16_gcon")
 
 
 def part_grpo(opts) -> None:
@@ -1563,8 +1564,8 @@ def parse_args(argv=None):
     parser.add_argument("--grpo-timeout", type=int, default=280)
     parser.add_argument("--grpo-arms", default="fp8,bf16",
                         help=f"grpo: arms, comma-separated, of {GRPO_ARMS} (fp8_reload: FP8 with vllm_fp8_direct_sync "
-                             "off, every sync through vLLM's layerwise reload; *_gcpause: with vllm_pause_gc, the "
-                             "garbage collector off during each rollout)")
+                             "off, every sync through vLLM's layerwise reload; *_gcon: vllm_pause_gc off, the "
+                             "garbage collector running during rollouts as before 2026-12-05)")
     parser.add_argument("--recipes", default="blockwise",
                         help="mismatch, grpo: FP8 recipes, comma-separated, of blockwise,rowwise,tensorwise "
                              "(rowwise / tensorwise: torchao's, served per channel by vLLM's compressed-tensors path)")

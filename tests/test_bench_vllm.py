@@ -184,7 +184,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
     profiled = []  # every torch.profiler the worker opens: the asked rollout's only, never a sync's
     kernel_profiler = bench_vllm.kernel_profiler
     monkeypatch.setattr(bench_vllm, "kernel_profiler", lambda: profiled.append(1) or kernel_profiler())
-    for arm in ("fp8", "fp8_reload", "bf16", "bf16_gcpause"):  # (the bench runs each arm in its own process)
+    for arm in ("fp8", "fp8_reload", "bf16", "bf16_gcon"):  # (the bench runs each arm in its own process)
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
             monkeypatch.delenv(var, raising=False)
         events.clear()
@@ -200,10 +200,10 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         assert profile["step"] == 1 and 0 < profile["wall_ms"] == pytest.approx(timings["generate_s"][1] * 1e3)
         assert set(profile["split_ms"]) == {*(c for c, _ in bench_vllm.DECODE_CATEGORIES), "other"}
         assert all(t > 0 for key in ("step_s", "generate_s", "sync_s") for t in timings[key])
-        # each rollout's collector pauses; with the collector off during rollouts (vllm_pause_gc) at most the one
-        # collection that the first allocation after it is switched back on runs, of what the rollout left
+        # each rollout's collector pauses; with the collector off during rollouts (vllm_pause_gc, the default; not
+        # in the _gcon arm) at most the one collection that the first allocation after it is switched back on runs
         assert len(timings["gc_ms"]) == len(timings["gc_collections"]) == 2
-        if arm.endswith("_gcpause"):
+        if not arm.endswith("_gcon"):
             assert all(sum(counts) <= 1 for counts in timings["gc_collections"])
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
         # the trainer's capture size (the rollout batch of 8) unless --grpo-capture-size gives one

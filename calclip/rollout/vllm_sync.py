@@ -748,13 +748,13 @@ class ColocateEngineMixin:
         mixin's default capture size, ``capture_size_for_batch`` of TRL's ``max_num_seqs``.
       sampling_defaults: ``SamplingParams`` arguments of the colocated engine's rollouts under the user's
         ``generation_kwargs`` (``colocate_sampling_defaults``: detokenization off); server mode keeps TRL's.
-      pause_gc: the garbage collector is off during each colocated rollout (``gc_paused``; default False).
+      pause_gc: the garbage collector is off during each colocated rollout (``gc_paused``; default True).
     """
 
     engine_model_root: str | None = None
     engine_options: Mapping[str, Any] | None = None
     sampling_defaults: Mapping[str, Any] | None = None
-    pause_gc: bool = False
+    pause_gc: bool = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -948,7 +948,7 @@ def _grpo_generation_class(make: Callable[[type], type], **attributes):
 
 
 def use_vllm_generation(*, engine_model_root: str | None = None, engine_options: Mapping[str, Any] | None = None,
-                        sampling_defaults: Mapping[str, Any] | None = None, pause_gc: bool = False):
+                        sampling_defaults: Mapping[str, Any] | None = None, pause_gc: bool = True):
     """While active, ``GRPOTrainer.__init__`` builds a ``CalclipVLLMGeneration``: TRL's BF16 engine and sync, which
     also starts for a policy without a loadable ``name_or_path`` (its directory written under
     ``engine_model_root``, see ``ColocateEngineMixin``), with ``engine_options`` merged into its ``LLM(...)``,
@@ -964,7 +964,7 @@ def use_fp8_vllm_generation(
     *, export_dir: str | None = None, check_vllm_shapes: bool = True, defer_engine: bool = False,
     engine_kwargs: Mapping[str, Any] | None = None, engine_model_root: str | None = None, direct_sync: bool = True,
     engine_options: Mapping[str, Any] | None = None, sampling_defaults: Mapping[str, Any] | None = None,
-    pause_gc: bool = False,
+    pause_gc: bool = True,
 ):
     """While active, ``GRPOTrainer.__init__`` builds an ``FP8VLLMGeneration`` instead of TRL's class.
 

@@ -563,15 +563,17 @@ def test_colocated_rollouts_skip_detokenizing_unless_asked(fake_vllm, tokenizer,
 
 
 @pytest.mark.parametrize("fp8", [True, False])
-@pytest.mark.parametrize("pause", [True, False])
-def test_colocated_rollouts_run_with_the_garbage_collector_paused_when_asked(fake_vllm, tokenizer, tmp_path, fp8,
-                                                                            pause):
+@pytest.mark.parametrize("pause", [None, True, False])  # None: the default, paused
+def test_colocated_rollouts_run_with_the_garbage_collector_paused_unless_asked_not_to(fake_vllm, tokenizer, tmp_path,
+                                                                                     fp8, pause):
     bf16 = {} if fp8 else dict(fp8_keep_last_n_layers=0)
-    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=fp8, vllm_pause_gc=pause, **bf16)
+    asked = {} if pause is None else {"vllm_pause_gc": pause}
+    trainer = make_vllm_trainer(fake_vllm, tokenizer, tmp_path, fp8=fp8, **asked, **bf16)
     prompt = tokenizer("ab")["input_ids"]
     assert gc.isenabled()
     trainer.vllm_generation.generate(prompts=[prompt], images=None, num_generations=1)
-    assert fake_vllm.gc_enabled == [not pause] and gc.isenabled()  # off inside the engine's generate only
+    paused = pause is not False
+    assert fake_vllm.gc_enabled == [not paused] and gc.isenabled()  # off inside the engine's generate only
     gc.disable()  # a user who switched the collector off keeps it off
     try:
         trainer.vllm_generation.generate(prompts=[prompt], images=None, num_generations=1)
@@ -602,7 +604,7 @@ def test_contradictory_detokenize_settings_are_refused(tmp_path, detokenize, gen
 @pytest.mark.parametrize("field, value", [
     ("vllm_kv_cache_dtype", "int8"), ("vllm_kv_cache_dtype", None), ("vllm_async_scheduling", "yes"),
     ("vllm_max_num_batched_tokens", 0), ("vllm_max_num_batched_tokens", True), ("vllm_max_num_batched_tokens", 1.5),
-    ("vllm_max_cudagraph_capture_size", 0), ("vllm_max_cudagraph_capture_size", "512"),
+    ("vllm_max_cudagraph_capture_size", 0), ("vllm_max_cudagraph_capture_size", "512"), ("vllm_pause_gc", "yes"),
 ])
 def test_bad_engine_options_are_named(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
