@@ -64,9 +64,10 @@ distributions are sharp enough that log-prob errors show (std-0.02 init gives ne
 hidden size 576 is not a multiple of 128: its FP8 policy keeps what vLLM's block-FP8 linear cannot serve in BF16
 (``vllm_keep_patterns``: all but down_proj), for training too.
 
-Environment: vLLM 0.24.0 (the bundle of ../shared/vllm; Triton attention, no FlashInfer sampler, DeepGEMM absent so
-vLLM's automatic GEMM choice is CUTLASS there), torch 2.11, transformers; ``grpo`` also needs trl 1.16 and
-datasets (with dill, multiprocess, xxhash). Nothing reaches a hub: random models are built from configs.
+Environment: vLLM 0.24.0 (the bundle of ../shared/vllm, built with DeepGEMM kept as docs/benchmarks.md says; without
+it vLLM's automatic block-FP8 GEMM is CUTLASS; Triton attention, no FlashInfer sampler), torch 2.11, transformers;
+``grpo`` also needs trl 1.16 and datasets (with dill, multiprocess, xxhash). Nothing reaches a hub: random models are
+built from configs.
 """
 
 from __future__ import annotations
