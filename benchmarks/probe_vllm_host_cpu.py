@@ -1,7 +1,8 @@
 """The host work of one decode step of the colocated GRPO engine, in vLLM 0.24.0's own Python, on a CPU.
 
     SITE=$(bash benchmarks/vllm_cpu_site.sh .vllm-cpu | tail -n 1)
-    PYTHONPATH=$SITE python benchmarks/probe_vllm_host_cpu.py [--batch 128] [--tokens 256] [--rounds 3]
+    PYTHONPATH=$SITE python benchmarks/probe_vllm_host_cpu.py [--batch 128] [--tokens 256] [--rounds 3] \
+        [--gc on|off] [--prefix-caching on|off]
 
 Why: on an H100 the 8-layer GRPO rollout kept the GPU busy 8% of its wall (docs/vllm.md, "Where the 8-layer
 rollout's time goes"): the host sets the rollout's speed, for BF16 and FP8 alike. This probe times the parts of
@@ -21,7 +22,10 @@ engine returns is checked against them (``check_outputs``). Printed: microsecond
 over ``--rounds`` rounds, each round a fresh scheduler and output processor. Timings depend on the host; compare
 columns measured in one run. Python's garbage collector runs as in the engine (``--gc on``, the default): the
 collections that a part's allocations trigger are charged to that part, and their cost grows with everything else the
-process holds (a trainer holds far more than this probe); ``--gc off`` times the parts' own work.
+process holds (a trainer holds far more than this probe); ``--gc off`` times the parts' own work. Prefix caching is on
+(``--prefix-caching on``, the default: vLLM's own, which TRL's colocated ``LLM(...)`` keeps): each request then hashes
+every block of 16 tokens it fills, as the engine's requests do; before 2026-12-05 (eighth session) the probe ran
+without it, as ``--prefix-caching off`` does now.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ SETTINGS = {  # SamplingParams beyond TRL's fixed ones (n=1, temperature 1, top_
 PARTS = ("schedule", "update_from_output", "process_outputs")
 
 
-def build_config(batch: int, tokens: int, prompt_len: int, model_dir: str):
+def build_config(batch: int, tokens: int, prompt_len: int, model_dir: str, prefix_caching: bool = True):
     """vLLM's engine config for a tiny Llama at ``model_dir`` with TRL 1.16's colocated arguments
     (``max_num_seqs`` = the batch, ``max_num_batched_tokens=4096``), on vLLM's CPU platform (the GPU wheel reports
     none on a CPU; the scheduler's code is the same)."""
@@ -60,7 +64,7 @@ def build_config(batch: int, tokens: int, prompt_len: int, model_dir: str):
 
     args = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_num_seqs=batch,
                       max_num_batched_tokens=4096, max_model_len=prompt_len + tokens + 16, enforce_eager=True,
-                      enable_prefix_caching=False, seed=0)
+                      enable_prefix_caching=prefix_caching, seed=0)
     return args.create_engine_config()
 
 
@@ -86,7 +90,8 @@ def sampling_params(setting: str, tokens: int):
 
 def run_round(setting: str, vllm_config, tokenizer, batch: int, tokens: int, prompt_len: int, seed: int) -> dict:
     """One rollout of ``batch`` requests x ``tokens`` decode steps through a fresh scheduler and output processor;
-    returns the seconds spent in each part per decode step (the prefill step left out) and the final outputs."""
+    returns the seconds spent in each part per decode step (the prefill step left out), the final outputs, and the
+    block hashes each request held before the last step (0 without prefix caching)."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.output_processor import OutputProcessor
@@ -105,6 +110,14 @@ def run_round(setting: str, vllm_config, tokenizer, batch: int, tokens: int, pro
                           structured_output_manager=StructuredOutputManager(vllm_config), block_size=block,
                           log_stats=False)
     processor = OutputProcessor(tokenizer, log_stats=False)
+    hasher = None
+    if vllm_config.cache_config.enable_prefix_caching:  # what EngineCore.__init__ builds for its requests
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(block, hash_fn)
     params = sampling_params(setting, tokens)
     rng = np.random.default_rng(seed)
     vocab = len(tokenizer)
@@ -117,10 +130,13 @@ def run_round(setting: str, vllm_config, tokenizer, batch: int, tokens: int, pro
                                     arrival_time=time.time(), lora_request=None, cache_salt=None,
                                     data_parallel_rank=None, external_req_id=str(i))
         processor.add_request(request, prompt=None)
-        scheduler.add_request(Request.from_engine_core_request(request, block_hasher=None))
+        scheduler.add_request(Request.from_engine_core_request(request, block_hasher=hasher))
     spent = {part: 0.0 for part in PARTS}
     finished = []
+    hashed = []
     for step in range(tokens):
+        if step == tokens - 1:
+            hashed = [len(r.block_hashes) for r in scheduler.requests.values()]
         clock = time.perf_counter()
         scheduled = scheduler.schedule()
         after_schedule = time.perf_counter()
@@ -145,7 +161,7 @@ def run_round(setting: str, vllm_config, tokenizer, batch: int, tokens: int, pro
             spent["update_from_output"] += after_update - before_update
             spent["process_outputs"] += done - after_update
     return {"per_step_s": {part: s / (tokens - 1) for part, s in spent.items()}, "outputs": finished,
-            "sampled": sampled}
+            "sampled": sampled, "block_hashes": hashed}
 
 
 def check_outputs(outputs, sampled: np.ndarray, setting: str, tokenizer) -> None:
@@ -177,6 +193,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gc", default="on", choices=("on", "off"),
                         help="Python's garbage collector during the rounds (on: as in the engine; off: each part's own "
                              "work, without the collections its allocations trigger)")
+    parser.add_argument("--prefix-caching", default="on", choices=("on", "off"),
+                        help="vLLM's prefix caching (on: its default and the colocated engine's; every request hashes "
+                             "each full block of tokens)")
     opts = parser.parse_args(argv)
     settings = [s.strip() for s in opts.settings.split(",") if s.strip()]
     unknown = set(settings) - set(SETTINGS)
@@ -187,10 +206,11 @@ def main(argv=None) -> int:
     tokenizer = build_tiny_tokenizer()
     model_dir = tempfile.mkdtemp(prefix="probe_vllm_host_")
     save_tiny_llama(model_dir, tokenizer)
-    config = build_config(opts.batch, opts.tokens, opts.prompt_len, model_dir)
+    config = build_config(opts.batch, opts.tokens, opts.prompt_len, model_dir, opts.prefix_caching == "on")
     import vllm
 
     times = {s: {part: [] for part in PARTS} for s in settings}
+    hashes = set()
     for round_index in range(opts.rounds):  # settings in turn within each round
         for setting in settings:
             if opts.gc == "off":
@@ -202,11 +222,13 @@ def main(argv=None) -> int:
             finally:
                 gc.enable()
             check_outputs(result["outputs"], result["sampled"], setting, tokenizer)
+            hashes.update(result["block_hashes"])
             for part in PARTS:
                 times[setting][part].append(result["per_step_s"][part])
     print(f"vLLM {vllm.__version__} host work per decode step, batch {opts.batch}, {opts.tokens} tokens per request, "
-          f"median of {opts.rounds} round(s), garbage collector {opts.gc}, us (CPU: {os.cpu_count()} cores; outputs "
-          f"checked)")
+          f"median of {opts.rounds} round(s), garbage collector {opts.gc}, prefix caching {opts.prefix_caching} (block "
+          f"hashes per request before the last step: {','.join(map(str, sorted(hashes)))}), us (CPU: {os.cpu_count()} "
+          f"cores; outputs checked)")
     header = ["part", *settings]
     rows = [[part, *(f"{1e6 * statistics.median(times[s][part]):.0f}" for s in settings)] for part in PARTS]
     rows.append(["total", *(f"{1e6 * sum(statistics.median(times[s][p]) for p in PARTS):.0f}" for s in settings)])

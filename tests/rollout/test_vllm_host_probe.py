@@ -23,7 +23,9 @@ def test_the_engines_outputs_hold_what_the_model_sampled_in_every_setting():
     result = host_probe("--batch", "12", "--tokens", "20", "--rounds", "1", "--gc", "off")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
+    # prefix caching on (the engine's default): 14 prompt + 19 sampled tokens fill 2 blocks of 16 before the last step
     assert any(line.startswith("vLLM 0.24.0 host work per decode step, batch 12, 20 tokens") and "collector off" in line
+               and "prefix caching on (block hashes per request before the last step: 2)" in line
                and "outputs checked" in line for line in lines)
     rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines
                                              if line.startswith("| "))}
@@ -38,3 +40,10 @@ def test_the_engines_outputs_hold_what_the_model_sampled_in_every_setting():
 def test_a_setting_that_does_not_exist_is_named():
     result = host_probe("--settings", "trl,fast")
     assert result.returncode == 2 and "unknown ['fast']" in result.stderr
+
+
+def test_without_prefix_caching_no_request_hashes_its_blocks():
+    result = host_probe("--batch", "8", "--tokens", "20", "--rounds", "1", "--settings", "trl_no_detokenize",
+                        "--prefix-caching", "off")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "prefix caching off (block hashes per request before the last step: 0)" in result.stdout
