@@ -214,9 +214,10 @@ class Fp8Config:
         Mistral / Qwen2 / Qwen3 decoder layer's RMSNorm writes its bf16 output with its FP8 codes (both layouts),
         its MLP's SiLU(gate) * up likewise (``calclip.fp8.producers``): per layer 3 input quantizations fewer, and
         each of those tensors read once instead of twice or three times. Same outputs, codes, gradients and
-        non-finite count bit for bit (CPU tests, tiny Llama and Qwen2). Architectures it does not recognise (Phi-3,
-        Gemma) keep today's path. Default False until its kernels have run on a GPU (they are tested under Triton's
-        CPU interpreter only); needs share_sibling_inputs.
+        non-finite count bit for bit (CPU tests, tiny Llama and Qwen2; its kernels' tests pass on an H100 too).
+        Architectures it does not recognise (Phi-3, Gemma) keep today's path. Default False: in the compiled step
+        (compile_layers) it bought 1.01x and no memory at Qwen2.5-7B dims on the H100, Inductor already recomputing
+        what it drops; eager steps keep less (counted on CPU, not measured on a GPU). Needs share_sibling_inputs.
     resident_dgrad_codes: keep the W^T codes that the dgrad GEMM reads resident beside the W codes (a second
         1-byte-per-parameter copy on CUDA, refreshed with them), or, False, transpose them from the W codes in each
         backward that needs them (a transposing copy of N x K bytes per layer and backward, freed after its GEMM):

@@ -252,7 +252,8 @@ class CalibratedGRPOConfig(GRPOConfig):
                                  "SiLU(gate)*up -> down_proj) in the kernels that produce them (Fp8Config."
                                  "fuse_producers, calclip.fp8.producers; Llama / Mistral / Qwen2 / Qwen3 layers, "
                                  "others keep the separate quantizers). Same outputs, codes and gradients bit for bit "
-                                 "(CPU tests); off until measured on a GPU. Needs fp8_share_sibling_inputs."}
+                                 "(CPU and H100 tests); off: compiled by layer it bought 1.01x and no memory at "
+                                 "Qwen2.5-7B dims (H100). Needs fp8_share_sibling_inputs."}
     )
     fp8_resident_dgrad_codes: bool = field(
         default=False, metadata={"help": "Keep the W^T weight codes the backward's dgrad GEMM reads resident beside "
