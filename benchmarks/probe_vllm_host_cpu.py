@@ -202,6 +202,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--settings: unknown {sorted(unknown)}; choose from {list(SETTINGS)}")
     from calclip.models.tiny import build_tiny_tokenizer
+    from calclip.rollout.vllm_sync import gc_paused
 
     tokenizer = build_tiny_tokenizer()
     model_dir = tempfile.mkdtemp(prefix="probe_vllm_host_")
@@ -215,12 +216,9 @@ def main(argv=None) -> int:
         for setting in settings:
             if opts.gc == "off":
                 gc.collect()
-                gc.disable()
-            try:
+            with gc_paused(opts.gc == "off"):  # what the trainer's vllm_pause_gc does around a rollout
                 result = run_round(setting, config, tokenizer, opts.batch, opts.tokens, opts.prompt_len,
                                    round_index)
-            finally:
-                gc.enable()
             check_outputs(result["outputs"], result["sampled"], setting, tokenizer)
             hashes.update(result["block_hashes"])
             for part in PARTS:
