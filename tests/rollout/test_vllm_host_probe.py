@@ -47,3 +47,11 @@ def test_without_prefix_caching_no_request_hashes_its_blocks():
                         "--prefix-caching", "off")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "prefix caching off (block hashes per request before the last step: 0)" in result.stdout
+
+
+def test_a_larger_kv_block_is_hashed_once_per_its_tokens():
+    # 14 prompt + 19 sampled tokens fill one block of 32 (two of 16 in the first test): the engine's block size is used
+    result = host_probe("--batch", "8", "--tokens", "20", "--rounds", "1", "--settings", "trl_no_detokenize",
+                        "--block-size", "32")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "KV blocks of 32 tokens, prefix caching on (block hashes per request before the last step: 1)" in result.stdout
