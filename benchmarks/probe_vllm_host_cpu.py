@@ -4,8 +4,8 @@
     PYTHONPATH=$SITE python benchmarks/probe_vllm_host_cpu.py [--batch 128] [--tokens 256] [--rounds 3] \
         [--gc on|off] [--prefix-caching on|off] [--block-size 16]
 
-Why: on an H100 the 8-layer GRPO rollout kept the GPU busy 8% of its wall (docs/vllm.md, "Where the 8-layer
-rollout's time goes"): the host sets the rollout's speed, for BF16 and FP8 alike. This probe times the parts of
+Why: on an H100 the 8-layer GRPO rollout kept the GPU busy 8% of its wall (docs/benchmarks-log.md,
+seventh session): the host sets the rollout's speed, for BF16 and FP8 alike. This probe times the parts of
 that host work that need no GPU, with vLLM's real classes: the scheduler (``Scheduler.schedule`` and
 ``update_from_output``, with a KV cache manager of the engine's block size) and the front end's
 ``OutputProcessor.process_outputs`` (incremental detokenization, the per-token log-prob dicts, the request

@@ -95,7 +95,7 @@ _RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
 _logger = logging.getLogger(__name__)
 
 
-# The engine's GEMM for the FP8 linears (docs/vllm.md, "Numerics" and "Block-FP8 GEMM backends"): "fastest" is
+# The engine's GEMM for the FP8 linears (docs/vllm.md, "Numerics" and "Performance"): "fastest" is
 # calclip's measured choice, resolved when the engine's arguments are built (``resolve_linear_backend``): DeepGEMM for
 # the blockwise recipe where vLLM can run it (H200, 2026-12-05: 1.36x / 1.23x BF16's decode at batch 64 / 256, where
 # CUTLASS measured 1.00x / 1.14x), CUTLASS elsewhere. Both serve the trainer's FP32 block scales unchanged.
@@ -254,7 +254,7 @@ DEEP_GEMM_START_NOTE = (
     "calclip: this FP8 vLLM engine ran its block-FP8 linears on DeepGEMM (vllm_fp8_linear_backend 'fastest' picks it "
     "where vLLM reports DeepGEMM usable and nvcc is found; or 'deep_gemm' set explicitly). DeepGEMM compiles its "
     "kernels with nvcc as they are first used; if this error comes from there, set vllm_fp8_linear_backend: cutlass "
-    "(vLLM's CUTLASS block-FP8 GEMM: the same codes and scales, slower decode; docs/vllm.md, Block-FP8 GEMM backends)")
+    "(vLLM's CUTLASS block-FP8 GEMM: the same codes and scales, slower decode; docs/vllm.md, Engine configuration)")
 
 
 def add_exception_note(err: BaseException, note: str) -> None:
