@@ -121,6 +121,23 @@ def test_cli_tiny_run_prints_the_ratio(tmp_path):
         memory_budget.main(["--tokens", "128,256"])  # one 128-token sequence: refused
 
 
+def test_cli_compiled_by_layer_counts_fp8_codes_below_bf16_inputs():
+    """--mode layers: each decoder layer compiled (AOTAutograd + Inductor's partitioner), calclip's quantizers as
+    opaque ops; the FP8 arm's saved linear inputs are codes, fewer bytes than BF16's (the run broke when the
+    quantizers gained their ``out_rows`` argument and nothing ran this mode)."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_budget.py"), "--models",
+                           f"{HIDDEN}:{INTER}:{HEADS}:{KV_HEADS}:1", "--vocab", str(VOCAB), "--arms", "bf16,fp8",
+                           "--tokens", "256,512", "--scale-to", "256x2048", "--mode", "layers", "--no-backward"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in
+                                             done.stdout.splitlines() if line.startswith("| saved"))}
+    bf16_codes, fp8_codes = map(float, rows["saved: decoder layer (compiled) (fp8)"][:2])
+    assert bf16_codes == 0 < fp8_codes, rows
+    bf16_total, fp8_total = map(float, rows["saved total"][:2])
+    assert 0 < fp8_total < bf16_total, rows["saved total"]
+
+
 def test_peak_estimate_is_the_profiled_peak_of_a_bf16_step(base):
     """The tables' peak estimate, end of the forward + the loss backward's two fp32 [tokens, vocab] gradients, against
     the CPU allocator's real high-water mark over a fwd + bwd of the BF16 model (torch.profiler's memory timeline):
