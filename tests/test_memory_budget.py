@@ -121,6 +121,7 @@ def test_cli_tiny_run_prints_the_ratio(tmp_path):
         memory_budget.main(["--tokens", "128,256"])  # one 128-token sequence: refused
 
 
+@pytest.mark.slow  # compiles a decoder layer per arm and token count (~12 s on 2 cores)
 def test_cli_compiled_by_layer_counts_fp8_codes_below_bf16_inputs():
     """--mode layers: each decoder layer compiled (AOTAutograd + Inductor's partitioner), calclip's quantizers as
     opaque ops; the FP8 arm's saved linear inputs are codes, fewer bytes than BF16's (the run broke when the
