@@ -1157,8 +1157,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
                          f"micro-batches of whole groups of 8 generations")
     on_gpu = device.type == "cuda"
     args = CalibratedGRPOConfig(
-        output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, fp8=arm.startswith("fp8"),
-        vllm_fp8_direct_sync=arm != "fp8_reload", vllm_pause_gc=not arm.endswith("_gcon"),
+        output_dir=tempfile.mkdtemp(), report_to="none", bf16=on_gpu, use_cpu=not on_gpu, **grpo_arm_settings(arm),
         vllm_fp8_linear_backend=engine_linear_backend(getattr(opts, "linear_backend", "fastest"),
                                                       getattr(opts, "grpo_recipe", None) or "blockwise"),
         use_vllm=True, vllm_mode="colocate",
@@ -1335,7 +1334,20 @@ def without_profiled_step(run: dict) -> dict:
                       for key in ("step_s", "generate_s", "sync_s", "gc_ms", "gc_collections") if key in run}}
 
 
-GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "fp8_gcon", "bf16_gcon")
+GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "bf16_eager", "fp8_gcon", "bf16_gcon")
+# the BF16 configurations an FP8 arm's ratio is taken against (the fastest of those measured in the run): BF16 compiled
+# by layer (the trainer's compile_layers default, "bf16") and eager ("bf16_eager"), both with the collector paused
+GRPO_BF16_BASELINES = ("bf16", "bf16_eager")
+
+
+def grpo_arm_settings(arm: str) -> dict:
+    """The CalibratedGRPOConfig fields that make ``arm`` what its name says: FP8 or BF16, the FP8 sync in place or
+    through vLLM's reload (``fp8_reload``), the collector paused during rollouts or on (``*_gcon``), the policy's
+    layers compiled (the default: compile_layers auto, on for BF16 and FP8 on CUDA) or eager (``bf16_eager``)."""
+    if arm not in GRPO_ARMS:
+        raise ValueError(f"grpo arm {arm!r}: choose from {GRPO_ARMS}")
+    return {"fp8": arm.startswith("fp8"), "vllm_fp8_direct_sync": arm != "fp8_reload",
+            "vllm_pause_gc": not arm.endswith("_gcon"), "compile_layers": False if arm == "bf16_eager" else None}
 
 
 def part_grpo(opts) -> None:
@@ -1422,16 +1434,20 @@ def part_grpo(opts) -> None:
                      ", ".join(sorted(paths))[:60],
                      str(len(step)), fmt(statistics.median(startup)) if startup else "-"])
         save_results(opts)
+    # the baseline: the fastest BF16 configuration measured in this run (by step median), never a slower one
+    measured = [b for b in GRPO_BF16_BASELINES if "step_median_s" in results.get(b, {})]
+    baseline = min(measured, key=lambda b: results[b]["step_median_s"]) if measured else None
+    results["bf16_baseline"] = baseline
     for recipe in opts.recipes:
         label = recipe_label("fp8", recipe, "_")
-        if "step_median_s" in results.get(label, {}) and "step_median_s" in results.get("bf16", {}):
-            bf16, fp8, key = results["bf16"], results[label], recipe_label("bf16_over_fp8", recipe, "_")
+        if "step_median_s" in results.get(label, {}) and baseline is not None:
+            bf16, fp8, key = results[baseline], results[label], recipe_label("bf16_over_fp8", recipe, "_")
             ratios = {part: bf16[f"{part}_median_s"] / fp8[f"{part}_median_s"] if bf16.get(f"{part}_median_s")
                       and fp8.get(f"{part}_median_s") else None for part in ("step", "generate", "train")}
             results[key + "_step"] = ratios["step"]
             results[key + "_rollout"], results[key + "_train"] = ratios["generate"], ratios["train"]
-            rows.append([recipe_label("BF16/FP8", recipe), *(f"{r:.2f}x" if r else "-" for r in ratios.values()),
-                         "", "", "", "", ""])
+            rows.append([recipe_label(f"{baseline} (fastest BF16) / FP8", recipe),
+                         *(f"{r:.2f}x" if r else "-" for r in ratios.values()), "", "", "", "", ""])
     save_results(opts)
     print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
           f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step, trained in "
@@ -1566,7 +1582,8 @@ def parse_args(argv=None):
     parser.add_argument("--grpo-arms", default="fp8,bf16",
                         help=f"grpo: arms, comma-separated, of {GRPO_ARMS} (fp8_reload: FP8 with vllm_fp8_direct_sync "
                              "off, every sync through vLLM's layerwise reload; *_gcon: vllm_pause_gc off, the "
-                             "garbage collector running during rollouts as before 2026-12-05)")
+                             "garbage collector running during rollouts as before 2026-12-05; bf16_eager: BF16 with "
+                             "compile_layers off. FP8 arms' ratios are against the fastest of bf16 / bf16_eager run)")
     parser.add_argument("--recipes", default="blockwise",
                         help="mismatch, grpo: FP8 recipes, comma-separated, of blockwise,rowwise,tensorwise "
                              "(rowwise / tensorwise: torchao's, served per channel by vLLM's compressed-tensors path)")

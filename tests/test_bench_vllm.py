@@ -283,6 +283,47 @@ def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monke
     assert grpo["bf16_over_fp8_train"] == pytest.approx((0.7 - 0.05) / (0.525 - 0.05))
 
 
+def test_grpo_ratios_are_against_the_fastest_bf16_configuration_measured(monkeypatch, tmp_path):
+    """With bf16 (compiled by layer) and bf16_eager both run, the FP8 arm's ratios are taken against whichever was
+    faster in this run, and the results name it; with only one BF16 arm run, against that one."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    step_times = {"fp8": [9.0, 1.0, 1.0], "bf16": [9.0, 1.6, 1.6], "bf16_eager": [9.0, 1.2, 1.2]}
+
+    def run(cmd, capture_output, text, timeout):
+        arm = cmd[cmd.index("--grpo-worker") + 1]
+        steps = step_times[arm]
+        Path(cmd[cmd.index("--grpo-json") + 1]).write_text(json.dumps(
+            {"step_s": steps, "generate_s": [s / 2 for s in steps], "sync_s": [0.0] * 3, "direct_sync": None}))
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    for arms, baseline in (("fp8,bf16,bf16_eager", "bf16_eager"), ("fp8,bf16", "bf16")):
+        monkeypatch.setattr(bench_vllm, "RESULTS", {})
+        bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-arms", arms, "--grpo-warmup", "1"]))
+        grpo = bench_vllm.RESULTS["grpo"]
+        assert grpo["bf16_baseline"] == baseline
+        assert grpo["bf16_over_fp8_step"] == pytest.approx(step_times[baseline][1] / 1.0)
+    step_times["bf16_eager"] = [9.0, 2.0, 2.0]  # eager slower: the compiled BF16 stays the baseline
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-arms", "fp8,bf16,bf16_eager",
+                                                "--grpo-warmup", "1"]))
+    assert bench_vllm.RESULTS["grpo"]["bf16_baseline"] == "bf16"
+    assert bench_vllm.RESULTS["grpo"]["bf16_over_fp8_step"] == pytest.approx(1.6)
+
+
+def test_grpo_arm_settings_say_what_each_arm_changes():
+    assert bench_vllm.grpo_arm_settings("bf16") == {"fp8": False, "vllm_fp8_direct_sync": True, "vllm_pause_gc": True,
+                                                    "compile_layers": None}
+    assert bench_vllm.grpo_arm_settings("bf16_eager")["compile_layers"] is False
+    assert bench_vllm.grpo_arm_settings("fp8")["fp8"] and bench_vllm.grpo_arm_settings("fp8")["compile_layers"] is None
+    assert bench_vllm.grpo_arm_settings("fp8_reload")["vllm_fp8_direct_sync"] is False
+    assert bench_vllm.grpo_arm_settings("bf16_gcon")["vllm_pause_gc"] is False
+    with pytest.raises(ValueError, match="grpo arm 'bf16c'"):
+        bench_vllm.grpo_arm_settings("bf16c")
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--parts", "grpo", "--grpo-arms", "fp8,bf16c"])
+
+
 class StandInEngine:
     """A vllm.LLM stand-in for the mismatch part on CPU: an HF model loaded from the engine's directory that takes
     every synced tensor (FP8 codes + weight_scale_inv, or + per-row weight_scale, are dequantized into its BF16
