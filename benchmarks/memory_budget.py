@@ -32,7 +32,8 @@ without Inductor's kernels (``--compile-backend partitioner``): the saved set is
 what Inductor runs. On CPU calclip's quantizers are torch ops (the reference), which the partitioner may split and
 recompute piece by piece; on CUDA they are Triton kernels, each one unit; so on CPU they run as opaque custom ops
 (``opaque_quantizers``), one unit each, like the kernels. There the partitioner moves the 128x1 quantization of the
-q/k/v and gate/up inputs into the backward and saves their bf16 inputs instead (docs/benchmarks.md, "Where the memory goes (counted)").
+q/k/v and gate/up inputs into the backward and saves their bf16 inputs instead (docs/benchmarks.md, "Where the memory
+goes (counted)").
 On a GPU, ``--device cuda --mode layers --compile-backend inductor`` counts the real compiled step.
 
 Transients (not counted, estimated): beside the bf16 dy, the backward of an FP8 linear holds dy's 1x128 codes during
@@ -76,7 +77,8 @@ ARMS: dict[str, dict | None] = {
     "fp8-fused": {"fuse_producers": True, "resident_dgrad_codes": True},
     "fp8-lean": {"resident_dgrad_codes": False, "fuse_producers": True},
     # x and dy quantized in both layouts by one kernel: in a compiled layer the 128x1 codes then come out of the node the
-    # forward needs, so the partitioner cannot move them into the backward (docs/benchmarks.md, "Where the memory goes (counted)")
+    # forward needs, so the partitioner cannot move them into the backward (docs/benchmarks.md, "Where the memory
+    # goes (counted)")
     "fp8-fusedq": {"fused_quantizer": True, "resident_dgrad_codes": True},
 }
 # tokens per sequence of the counting runs: --tokens are multiples of it, at least two sequences (with one, HF's loss

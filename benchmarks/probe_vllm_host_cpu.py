@@ -198,8 +198,8 @@ def main(argv=None) -> int:
                         help="vLLM's prefix caching (on: its default and the colocated engine's; every request hashes "
                              "each full block of tokens)")
     parser.add_argument("--block-size", type=int, default=16,
-                        help="the KV cache's tokens per block (vLLM's default on CUDA: 16): each request allocates, and "
-                             "with prefix caching hashes, one block per that many tokens")
+                        help="the KV cache's tokens per block (vLLM's default on CUDA: 16): each request allocates, "
+                             "and with prefix caching hashes, one block per that many tokens")
     opts = parser.parse_args(argv)
     settings = [s.strip() for s in opts.settings.split(",") if s.strip()]
     unknown = set(settings) - set(SETTINGS)

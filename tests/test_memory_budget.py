@@ -129,7 +129,8 @@ def test_cli_compiled_by_layer_counts_fp8_codes_below_bf16_inputs():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_budget.py"), "--models",
                            f"{HIDDEN}:{INTER}:{HEADS}:{KV_HEADS}:1", "--vocab", str(VOCAB), "--arms", "bf16,fp8",
                            "--tokens", "256,512", "--scale-to", "256x2048", "--mode", "layers", "--no-backward"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in
                                              done.stdout.splitlines() if line.startswith("| saved"))}

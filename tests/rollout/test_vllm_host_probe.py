@@ -54,4 +54,5 @@ def test_a_larger_kv_block_is_hashed_once_per_its_tokens():
     result = host_probe("--batch", "8", "--tokens", "20", "--rounds", "1", "--settings", "trl_no_detokenize",
                         "--block-size", "32")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "KV blocks of 32 tokens, prefix caching on (block hashes per request before the last step: 1)" in result.stdout
+    assert ("KV blocks of 32 tokens, prefix caching on (block hashes per request before the last step: 1)"
+            in result.stdout)
