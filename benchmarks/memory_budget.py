@@ -335,30 +335,33 @@ def opaque_quantizers():
     """Inside, calclip's CPU quantizer calls (``quant.quantize_1x128`` / ``quantize_128x1``, which linear_math calls
     through the module) and the fused producers' CPU twins run as the opaque ops of ``_opaque_ops``: a compiled CPU
     layer then saves what a compiled CUDA layer saves (codes the partitioner cannot recompute). CPU tensors only."""
-    from calclip.fp8 import producers, quant, reference
+    from calclip.fp8 import producers, quant
 
     ops = _opaque_ops()
     saved = quant.quantize_1x128, quant.quantize_128x1, quant.quantize_1x128_and_128x1, dict(producers._REFERENCES)
 
-    def padded(x, out_rows, name):  # the operand over out_rows rows, zero tokens past M (quant.quantize_1x128's)
-        return x if out_rows is None else reference.zero_rows_appended(x, out_rows, name)
+    def unpadded(out_rows, name):
+        # linear_math passes out_rows (gemm.operand_rows) to every 1x128 call; it pads CUDA operands only, so on
+        # these CPU tensors it is always None
+        if out_rows is not None:
+            raise ValueError(f"opaque_quantizers: {name}(out_rows={out_rows}) on CPU; only CUDA operands are padded")
 
     def quantize_1x128(x, *, block=128, pow2=False, gemm_layout=False, nonfinite_count=None, weight_bad=None,
                        members=1, out_rows=None):
-        q, s = ops["quantize_1x128"](padded(x, out_rows, "quantize_1x128"), block, pow2)
+        unpadded(out_rows, "quantize_1x128")
+        q, s = ops["quantize_1x128"](x, block, pow2)
         if gemm_layout:
             s = s.t().contiguous().t()
-        if nonfinite_count is not None:  # x's own rows, not the zero tokens
-            quant.add_nonfinite_rows(nonfinite_count, s.narrow(0, 0, x.shape[0]), weight_bad, members)
+        if nonfinite_count is not None:
+            quant.add_nonfinite_rows(nonfinite_count, s, weight_bad, members)
         return q, s
 
     def quantize_128x1(x, *, block=128, pow2=False, gemm_layout=False):
         return ops["quantize_128x1"](x, block, pow2, gemm_layout)
 
     def quantize_1x128_and_128x1(x, *, block=128, pow2=False, gemm_layout=False, out_rows=None):  # fused_quantizer
+        unpadded(out_rows, "quantize_1x128_and_128x1")
         q, s, qt, st = ops["quantize_1x128_and_128x1"](x, block, pow2, gemm_layout)
-        if out_rows is not None:  # the row layout over out_rows rows (zero codes, unit scales past M), as quant's
-            q, s = ops["quantize_1x128"](padded(x, out_rows, "quantize_1x128_and_128x1"), block, pow2)
         return q, (s.t().contiguous().t() if gemm_layout else s), qt, st
 
     quant.quantize_1x128, quant.quantize_128x1 = quantize_1x128, quantize_128x1
