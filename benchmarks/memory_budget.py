@@ -80,6 +80,8 @@ ARMS: dict[str, dict | None] = {
     # forward needs, so the partitioner cannot move them into the backward (docs/benchmarks.md, "Where the memory
     # goes (counted)")
     "fp8-fusedq": {"fused_quantizer": True, "resident_dgrad_codes": True},
+    # no W codes kept between calls either: each forward quantizes W, each backward W^T (Fp8Config.resident_weight_codes)
+    "fp8-transient": {"resident_dgrad_codes": False, "resident_weight_codes": False},
 }
 # tokens per sequence of the counting runs: --tokens are multiples of it, at least two sequences (with one, HF's loss
 # saves its shifted labels as a view of the padded [1, SEQ + 1] labels, 8 bytes more than one per token)
@@ -202,17 +204,17 @@ def fp8_resident_bytes(model: nn.Module) -> dict[str, int]:
 
     out = {"fp8 W codes": 0, "fp8 W scales": 0, "fp8 W^T codes": 0, "fp8 W^T scales": 0, "fp8 flags/counters": 0}
     for layer in fp8_layers(model):
+        for t in (layer._fp8_bad, layer.nonfinite_count):
+            if t is not None:
+                out["fp8 flags/counters"] += t.numel() * t.element_size()
         qw, sw = layer._fp8_qw, layer._fp8_sw
-        if qw is None:
+        if qw is None:  # not made yet, or not kept (Fp8Config.resident_weight_codes=False)
             continue
         out["fp8 W codes"] += qw.numel() * qw.element_size()
         out["fp8 W scales"] += sw.numel() * sw.element_size()
         if layer.fp8_config.backward == "fp8" and layer.fp8_config.resident_dgrad_codes:
             out["fp8 W^T codes"] += qw.numel() * qw.element_size()
             out["fp8 W^T scales"] += sw.numel() * sw.element_size()
-        for t in (layer._fp8_bad, layer.nonfinite_count):
-            if t is not None:
-                out["fp8 flags/counters"] += t.numel() * t.element_size()
     return out
 
 

@@ -35,8 +35,8 @@ UNCOMPARED_FIELDS = frozenset(RUN_FIELDS) | {
     "fp8_decode_fused_max_m", "fp8_decode_group_siblings",
     # Quantizing q/k/v's (gate/up's) shared input once or per linear: the same codes, outputs and gradients.
     "fp8_share_sibling_inputs",
-    # Quantizing in the producing kernels, or keeping W^T's codes resident: bit-equal outputs and gradients too.
-    "fp8_fuse_producers", "fp8_resident_dgrad_codes",
+    # Quantizing in the producing kernels, or keeping W / W^T's codes resident: bit-equal outputs and gradients too.
+    "fp8_fuse_producers", "fp8_resident_dgrad_codes", "fp8_resident_weight_codes",
     # Engine speed options of the colocated vLLM engine (the FP8 KV cache is not: it changes the rollouts).
     "vllm_async_scheduling", "vllm_max_num_batched_tokens", "vllm_max_cudagraph_capture_size",
     # Whether vLLM also writes the completions' text: the same token ids and log-probs either way.

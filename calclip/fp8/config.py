@@ -74,7 +74,7 @@ def require_recipe_available(recipe: str | Fp8Recipe, *, field: str = "Fp8Config
 def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", gemm: str = "auto",
                            block_size: int = BLOCK, fused_quantizer: bool = False,
                            decode_fused_max_m: int | None = None, decode_group_siblings: bool = False,
-                           scaled_mm_row_scales: bool | None = None) -> list[str]:
+                           scaled_mm_row_scales: bool | None = None, resident_weight_codes: bool = True) -> list[str]:
     """``Fp8Config`` option names set to a value that only the blockwise recipe honours, for ``recipe``.
 
     torchao's rowwise/tensorwise recipes always quantize the backward in FP8, have no block size, no fused
@@ -85,14 +85,16 @@ def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", ge
         return []
     conflicts = {"backward": backward != "fp8", "gemm": gemm == "triton", "block_size": block_size != BLOCK,
                  "fused_quantizer": fused_quantizer, "decode_fused_max_m": decode_fused_max_m not in (None, 0),
-                 "decode_group_siblings": decode_group_siblings, "scaled_mm_row_scales": scaled_mm_row_scales}
+                 "decode_group_siblings": decode_group_siblings, "scaled_mm_row_scales": scaled_mm_row_scales,
+                 "resident_weight_codes": not resident_weight_codes}
     return [name for name, conflict in conflicts.items() if conflict]
 
 
 def check_fp8_combination(*, recipe: str | Fp8Recipe, backward: str = "fp8", gemm: str = "auto",
                           block_size: int = BLOCK, fused_quantizer: bool = False,
                           decode_fused_max_m: int | None = None, decode_group_siblings: bool = False,
-                          scaled_mm_row_scales: bool | None = None, subject=lambda name: f"Fp8Config.{name}",
+                          scaled_mm_row_scales: bool | None = None, resident_weight_codes: bool = True,
+                          cache_weights: bool = True, subject=lambda name: f"Fp8Config.{name}",
                           mention=lambda name: name) -> Fp8Recipe:
     """The rules between ``Fp8Config``'s options, in one place: ``Fp8Config.__post_init__`` applies them after
     checking each field alone, and the trainer config applies them to its ``fp8_*`` fields, so the two cannot
@@ -116,13 +118,21 @@ def check_fp8_combination(*, recipe: str | Fp8Recipe, backward: str = "fp8", gem
         raise ValueError(f"{subject('decode_group_siblings')} groups fused decode calls, which "
                          f"{mention('decode_fused_max_m')}=0 turns off; set {mention('decode_fused_max_m')} to None "
                          "(automatic) or N > 0")
+    if not resident_weight_codes and decode_group_siblings:
+        raise ValueError(f"{subject('resident_weight_codes')}=False keeps no weight codes between calls, but "
+                         f"{mention('decode_group_siblings')}=True keeps its members' codes in resident stacked "
+                         f"buffers; set {mention('decode_group_siblings')}=False")
+    if not resident_weight_codes and not cache_weights:
+        raise ValueError(f"{subject('resident_weight_codes')}=False is not available with sharded parameters (FSDP, "
+                         "ZeRO-3: cache_weights=False), whose FP8 layers re-quantize into their buffers in every call; "
+                         f"set {mention('resident_weight_codes')}=True")
     try:
         recipe = get_fp8_recipe(recipe)
     except ValueError:
         raise ValueError(f"{subject('recipe')} must be one of {fp8_recipe_names()}, got {recipe!r}") from None
     values = {"backward": backward, "gemm": gemm, "block_size": block_size, "fused_quantizer": fused_quantizer,
               "decode_fused_max_m": decode_fused_max_m, "decode_group_siblings": decode_group_siblings,
-              "scaled_mm_row_scales": scaled_mm_row_scales}
+              "scaled_mm_row_scales": scaled_mm_row_scales, "resident_weight_codes": resident_weight_codes}
     conflicts = blockwise_only_options(recipe, **values)
     if conflicts:
         settings = ", ".join(f"{mention(name)}={values[name]!r}" for name in conflicts)
@@ -135,6 +145,8 @@ def check_fp8_combination(*, recipe: str | Fp8Recipe, backward: str = "fp8", gem
 # Fp8Config.decode_fused_max_m=None's row limit: RL decode batches (a generation batch of completions is M); the
 # H200 measured the fused kernel faster in eager calls up to M=256, the largest it timed (docs/usage.md, Fused decode).
 DECODE_FUSED_AUTO_MAX_M = 256
+
+
 
 # Fp8Config options that are off by default because no measurement has shown them to pay: kept so that a GPU run can
 # measure them against the default, not recommended for training (docs/usage.md, Experimental FP8 options).
@@ -225,6 +237,15 @@ class Fp8Config:
         with it), so outputs and gradients are the same bit for bit. Default False: on the H100 (2026-12-05) the
         on-demand transpose made the step faster, not slower (Qwen2.5-7B dims 1.04x, 1.5B dims 1.01x, compiled by
         layer) and the peak lower by the W^T codes (0.65 GiB at 7B dims, 0.35 at 1.5B; docs/benchmarks.md).
+    resident_weight_codes: keep every layer's W codes resident between calls (refreshed in place when the weight
+        changes), or, False, quantize the weight in each call that reads it (one 128x128 quantization per layer and
+        forward, a second in the backward for the dgrad GEMM, made from the weight the forward saved) and keep
+        nothing but the layer's non-finite flag: FP8 then holds no copy of the weights through the step, so a training
+        step's peak no longer carries 1 byte per FP8 parameter (0.65 GiB at Qwen2.5-7B dims, 3 layers; counted with
+        ``benchmarks/memory_budget.py``). Inside ``frozen_fp8_weights`` (generation) the codes are built once on
+        entry and freed on exit, so decode does not requantize per token. Same codes, outputs and gradients bit for
+        bit. Costs a read of the weights per forward and backward. Default True until measured on a GPU. Needs
+        ``cache_weights`` and rules out ``decode_group_siblings`` (whose stacked buffers are resident codes).
     """
 
     block_size: int = BLOCK
@@ -245,6 +266,7 @@ class Fp8Config:
     share_sibling_inputs: bool = True
     fuse_producers: bool = False
     resident_dgrad_codes: bool = False
+    resident_weight_codes: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -275,7 +297,7 @@ class Fp8Config:
         object.__setattr__(self, "keep_patterns", patterns)  # lists from YAML become a hashable tuple
         for name in ("cache_weights", "fused_quantizer", "decode_group_siblings", "scaled_mm_row_scales",
                      "refresh_graph", "share_sibling_inputs", "fuse_producers",
-                     "resident_dgrad_codes"):
+                     "resident_dgrad_codes", "resident_weight_codes"):
             value = getattr(self, name)
             if not isinstance(value, bool) and not (name == "scaled_mm_row_scales" and value is None):
                 extra = " or None (automatic)" if name == "scaled_mm_row_scales" else ""
@@ -287,7 +309,8 @@ class Fp8Config:
         recipe = check_fp8_combination(
             recipe=self.recipe, backward=self.backward, gemm=self.gemm, block_size=self.block_size,
             fused_quantizer=self.fused_quantizer, decode_fused_max_m=max_m,
-            decode_group_siblings=self.decode_group_siblings, scaled_mm_row_scales=self.scaled_mm_row_scales)
+            decode_group_siblings=self.decode_group_siblings, scaled_mm_row_scales=self.scaled_mm_row_scales,
+            resident_weight_codes=self.resident_weight_codes, cache_weights=self.cache_weights)
         object.__setattr__(self, "recipe", recipe)  # the Enum member (a str: compares equal to its name)
         row_scales = self.scaled_mm_row_scales
         if row_scales is None:  # automatic: on wherever the option applies

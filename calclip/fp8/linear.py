@@ -114,11 +114,12 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
 
     def _eager_forward(self, x2: Tensor, cfg: Fp8Config, x: Tensor | None = None) -> Tensor:
         self._refresh_weight_codes()
+        qw, sw = (self._fp8_qw, self._fp8_sw) if self._fp8_qw is not None else self._transient_codes()
         share = self._fp8_share or self._fp8_producer_group
         # x: the caller's tensor, the key of the input a sibling may have quantized already (shared_input.py)
         codes = share.codes(self, x, x2, compiled=False) if share is not None and x is not None else None
-        return _FP8BlockLinearFn.apply(x2, self.weight, self._fp8_qw, self._fp8_sw, self._fp8_bad,
-                                       self.nonfinite_count, self, cfg, x2.dtype, torch.is_grad_enabled(), codes)
+        return _FP8BlockLinearFn.apply(x2, self.weight, qw, sw, self._fp8_bad, self.nonfinite_count, self, cfg,
+                                       x2.dtype, torch.is_grad_enabled(), codes)
 
     def _eager_fused_decode(self, x2: Tensor, cfg: Fp8Config, autocast: torch.dtype | None,
                             x: Tensor | None = None) -> Tensor | None:
@@ -146,9 +147,10 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
             if y is not None:
                 return y
         self._refresh_weight_codes()
-        if x2.get_device() != self._fp8_qw.get_device():
+        if x2.get_device() != self._fp8_bad.get_device():
             return None
-        return fused(x2, self._fp8_qw, self._fp8_sw, out_dtype=out_dtype,
+        qw, sw = (self._fp8_qw, self._fp8_sw) if self._fp8_qw is not None else self._transient_codes()
+        return fused(x2, qw, sw, out_dtype=out_dtype,
                      nonfinite_count=self.nonfinite_count, weight_bad=self._fp8_bad, pow2=cfg.power_of_two_scales,
                      round_to=round_to)
 
@@ -158,40 +160,46 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
         return self._eager_forward(x2, cfg) if y is None else y
 
     def _compiled_forward(self, x2: Tensor, cfg: Fp8Config, x: Tensor | None = None) -> Tensor:
-        if self._fp8_qw is None:
+        if self._fp8_bad is None:
             raise RuntimeError("FP8BlockLinear is compiled before its weight codes exist: compile the model that "
                                "quantize_model converted (its pre-hook refreshes them), or call "
                                "calclip.fp8.refresh_fp8_weights(model) before the compiled call")
         grad = torch.is_grad_enabled()
+        # Fp8Config.resident_weight_codes=False: the graph quantizes the weight itself, and a backward quantizes W^T
+        # from the weight it saves (no codes live from the forward to the backward)
+        transient = self._fp8_qw is None
+        if transient:
+            qw, sw = torch.ops.calclip.fp8_quantize_weight(self.weight.detach(), cfg.block_size,
+                                                           cfg.power_of_two_scales)
+        else:
+            qw, sw = self._fp8_qw, self._fp8_sw
         # CUDA only: under the interpreter (CPU) wrap_triton cannot record a kernel, so such calls stay unfused.
         if x2.is_cuda and _fused_decode_applies(x2, cfg, compiled=True) and _fused_decode_kernel(x2) is not None:
-            return torch.ops.calclip.fp8_linear_decode(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
-                                                       self.nonfinite_count, cfg.power_of_two_scales, x2.dtype)
+            return torch.ops.calclip.fp8_linear_decode(x2, qw, sw, self._fp8_bad, self.nonfinite_count,
+                                                       cfg.power_of_two_scales, x2.dtype)
         share = self._fp8_share or self._fp8_producer_group
+        qwt, swt = self._compiled_dgrad_operands() if grad and not transient else (None, None)
+        if grad and not transient and qwt is None:
+            raise RuntimeError(_NO_DGRAD_CODES)
+        from_weight = grad and transient
         if share is not None and x is not None:
-            qwt, swt = self._compiled_dgrad_operands() if grad else (None, None)
-            if grad and qwt is None:
-                raise RuntimeError(_NO_DGRAD_CODES)
             qx, sx, qxt, sxt = share.codes(self, x, x2, compiled=True)
             return torch.ops.calclip.fp8_linear_forward_codes(
-                x2, self.weight, qx, sx, qxt, sxt, self._fp8_qw, self._fp8_sw, qwt, swt, cfg.power_of_two_scales,
-                cfg.fused_quantizer, cfg.gemm, x2.dtype, cfg.row_scales)
+                x2, self.weight, qx, sx, qxt, sxt, qw, sw, qwt, swt, cfg.power_of_two_scales, cfg.fused_quantizer,
+                cfg.gemm, x2.dtype, cfg.row_scales, from_weight, cfg.block_size)
         if not grad:
-            return torch.ops.calclip.fp8_linear_infer(x2, self._fp8_qw, self._fp8_sw, self._fp8_bad,
-                                                      self.nonfinite_count, cfg.power_of_two_scales, cfg.gemm,
-                                                      x2.dtype, cfg.row_scales)
-        qwt, swt = self._compiled_dgrad_operands()
-        if qwt is None:
-            raise RuntimeError(_NO_DGRAD_CODES)
+            return torch.ops.calclip.fp8_linear_infer(x2, qw, sw, self._fp8_bad, self.nonfinite_count,
+                                                      cfg.power_of_two_scales, cfg.gemm, x2.dtype, cfg.row_scales)
         y, _, _, bad_rows = torch.ops.calclip.fp8_linear_forward(
-            x2, self.weight, self._fp8_qw, self._fp8_sw, qwt, swt, self._fp8_bad, self.weight.requires_grad,
-            cfg.power_of_two_scales, cfg.fused_quantizer, cfg.gemm, x2.dtype, cfg.row_scales)
+            x2, self.weight, qw, sw, qwt, swt, self._fp8_bad, self.weight.requires_grad, cfg.power_of_two_scales,
+            cfg.fused_quantizer, cfg.gemm, x2.dtype, cfg.row_scales, from_weight, cfg.block_size)
         self.nonfinite_count.add_(bad_rows)
         return y
 
     def _compiled_dgrad_operands(self) -> tuple[Tensor | None, Tensor | None]:
         """The dgrad codes a compiled training call saves: the resident W^T buffers (refreshed before the graph by the
-        root's pre-hook), or views of the W codes transposed (``Fp8Config.resident_dgrad_codes=False``)."""
+        root's pre-hook), or views of the W codes transposed (``Fp8Config.resident_dgrad_codes=False``). Not for a
+        layer without resident W codes (``Fp8Config.resident_weight_codes=False``): that backward quantizes W^T."""
         if self.fp8_config.resident_dgrad_codes:
             return self._fp8_qwt, self._fp8_swt
         return self._fp8_qw.t(), self._fp8_sw.t()

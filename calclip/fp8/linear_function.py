@@ -2,7 +2,8 @@
 dispatcher round trip per call). Compiled calls take the triton ops of linear_ops.py instead.
 
 Saved for backward (backward="fp8"): x quantized 128x1 — FP8 codes + one fp32 scale per 128 tokens per feature,
-~1.03 bytes per element instead of BF16's 2 — and the weight's W^T codes (the layer's own buffers, no extra memory).
+~1.03 bytes per element instead of BF16's 2 — and the weight's W^T codes (the layer's own buffers, no extra memory),
+or with ``Fp8Config.resident_weight_codes=False`` the weight itself, whose W^T codes the backward makes.
 x is quantized 128x1 directly in the forward, not dequantized from the forward's 1x128 codes and re-quantized in the
 backward: one rounding instead of two.
 
@@ -42,7 +43,9 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         ctx.cfg, ctx.need = cfg, (need_dx, need_dw)
         ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         if fp8_backward:
+            # (W^T codes, scales), or (weight, None) with no resident W codes: the backward quantizes W^T from it
             saved_w = layer._dgrad_operands() if need_dx else (None, None)
+            ctx.dgrad_from_weight = need_dx and saved_w[1] is None
             ctx.save_for_backward(*saved_w, qxt if need_dw else None, sxt if need_dw else None)
         else:
             ctx.save_for_backward(qw if need_dx else None, sw if need_dx else None, x2 if need_dw else None)
@@ -55,6 +58,10 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         dy2 = dy if dy.is_contiguous() else dy.contiguous()
         if cfg.backward == "fp8":
             qwt, swt, qxt, sxt = ctx.saved_tensors
+            if ctx.dgrad_from_weight:  # Fp8Config.resident_weight_codes=False: W^T's codes from the saved weight
+                # W quantized as the forward did (contiguous reads), transposed by _backward's copy on CUDA
+                qw, sw = quant.quantize_128x128(qwt.detach(), block=cfg.block_size, pow2=cfg.power_of_two_scales)
+                qwt, swt = qw.t(), sw.t()
             dx, dw = _backward(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, cfg.power_of_two_scales,
                                cfg.fused_quantizer, cfg.gemm, ctx.x_dtype, ctx.w_dtype, cfg.row_scales)
         else:  # straight-through: plain matmuls in the input dtype

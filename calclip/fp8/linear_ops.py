@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from calclip.fp8 import quant
 from calclip.fp8.compile_cache import tag_compile_caches
 from calclip.fp8.linear_math import _backward, _forward, _fused_decode_kernel, _gemm, _quantize_input
 
@@ -24,15 +25,24 @@ from calclip.fp8.linear_math import _backward, _forward, _fused_decode_kernel, _
 tag_compile_caches()
 
 
+@torch.library.triton_op("calclip::fp8_quantize_weight", mutates_args=())
+def _quantize_weight_op(weight: Tensor, block: int, pow2: bool) -> tuple[Tensor, Tensor]:
+    """A weight's 128x128 codes [N, K] and scales, made in the graph (``Fp8Config.resident_weight_codes=False``):
+    ``quant.quantize_128x128``."""
+    return quant.quantize_128x128(weight, block=block, pow2=pow2)
+
+
 @torch.library.triton_op("calclip::fp8_linear_forward", mutates_args=())
 def _forward_op(x2: Tensor, weight: Tensor, qw: Tensor, sw: Tensor, qwt: Tensor | None, swt: Tensor | None,
                 weight_bad: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool, gemm: str,
-                out_dtype: torch.dtype, row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                out_dtype: torch.dtype, row_scales: bool = False, dgrad_from_weight: bool = False,
+                block: int = 128) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (y [M, N], qxt [wgrad_rows(M), K] (128x1 codes, column-major) or [0], sxt [M/128, K] or [0], non-finite
     rows []).
     weight and the dgrad codes qwt/swt are inputs only for autograd (the weight's grad slot, saved for dx). The
     count is returned, not added to the layer's counter: torch.library registers autograd for functional ops only
-    (calls without grad take ``_infer_op``, which adds in place)."""
+    (calls without grad take ``_infer_op``, which adds in place). dgrad_from_weight (qwt/swt None): the backward
+    quantizes W^T from the weight, in ``block`` tiles (``Fp8Config.resident_weight_codes=False``)."""
     counter = torch.zeros((), dtype=torch.int64, device=x2.device)
     y, qxt, sxt = _forward(x2, qw, sw, weight_bad, counter, save_for_wgrad, pow2, fused, gemm, out_dtype,
                            row_scales)
@@ -60,9 +70,11 @@ def _quantize_input_op(x2: Tensor, weight_bad: Tensor, members: int, save_for_wg
 @torch.library.triton_op("calclip::fp8_linear_forward_codes", mutates_args=())
 def _forward_codes_op(x2: Tensor, weight: Tensor, qx: Tensor, sx: Tensor, qxt: Tensor, sxt: Tensor, qw: Tensor,
                       sw: Tensor, qwt: Tensor | None, swt: Tensor | None, pow2: bool, fused: bool, gemm: str,
-                      out_dtype: torch.dtype, row_scales: bool = False) -> Tensor:
+                      out_dtype: torch.dtype, row_scales: bool = False, dgrad_from_weight: bool = False,
+                      block: int = 128) -> Tensor:
     """``fp8_linear_forward`` for an x quantized already (``fp8_quantize_input``) -> y [M, N]. x2 and weight are
-    inputs only for autograd (their grad slots); the backward is ``fp8_linear_backward`` with qxt/sxt."""
+    inputs only for autograd (their grad slots); the backward is ``fp8_linear_backward`` with qxt/sxt (and W^T
+    quantized from the weight when ``dgrad_from_weight``)."""
     return _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales, m=x2.shape[0])
 
 
@@ -94,35 +106,50 @@ def _decode_op(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: 
                                     pow2=pow2)
 
 
+def _save_dgrad_operands(ctx, weight: Tensor, qwt: Tensor | None, swt: Tensor | None, qxt: Tensor, sxt: Tensor,
+                         dgrad_from_weight: bool, block: int) -> None:
+    """Save what the backward's GEMMs read: the dgrad codes, or (``dgrad_from_weight``) the weight itself, which the
+    backward quantizes (W^T) and autograd's version check guards like the codes."""
+    ctx.from_weight = (dgrad_from_weight, block)
+    ctx.save_for_backward(weight if dgrad_from_weight else qwt, None if dgrad_from_weight else swt, qxt, sxt)
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    x2, weight, qw, sw, qwt, swt, weight_bad, save_for_wgrad, pow2, fused, gemm, out_dtype, row_scales = inputs
+    (x2, weight, qw, sw, qwt, swt, weight_bad, save_for_wgrad, pow2, fused, gemm, out_dtype, row_scales,
+     dgrad_from_weight, block) = inputs
     _, qxt, sxt, _ = output
     ctx.opts = (pow2, fused, gemm, x2.dtype, weight.dtype, row_scales)
-    ctx.save_for_backward(qwt, swt, qxt, sxt)
+    _save_dgrad_operands(ctx, weight, qwt, swt, qxt, sxt, dgrad_from_weight, block)
 
 
 def _forward_op_backward(ctx, dy2, _dqxt, _dsxt, _dcount):
     qwt, swt, qxt, sxt = ctx.saved_tensors
     pow2, fused, gemm, x_dtype, w_dtype, row_scales = ctx.opts
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    from_weight, block = ctx.from_weight
+    if need_dx and from_weight:  # qwt is the weight [N, K]: quantized as the forward did, then transposed (views;
+        # the backward's contiguous copy on CUDA), which is exact for 128x128 tiles
+        qw, sw = torch.ops.calclip.fp8_quantize_weight(qwt.detach(), block, pow2)
+        qwt, swt = qw.t(), sw.t()
     if need_dx and qwt is None:
         raise RuntimeError("calclip::fp8_linear_forward ran without dgrad codes but its input needs a gradient")
     dx, dw = torch.ops.calclip.fp8_linear_backward(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, pow2, fused, gemm,
                                                    x_dtype, w_dtype, row_scales)
-    return (dx if need_dx else None), (dw if need_dw else None), *([None] * 11)
+    return (dx if need_dx else None), (dw if need_dw else None), *([None] * 13)
 
 
 _forward_op.register_autograd(_forward_op_backward, setup_context=_setup_context)
 
 
 def _codes_setup_context(ctx, inputs, output) -> None:
-    x2, weight, _qx, _sx, qxt, sxt, _qw, _sw, qwt, swt, pow2, fused, gemm, _out_dtype, row_scales = inputs
+    (x2, weight, _qx, _sx, qxt, sxt, _qw, _sw, qwt, swt, pow2, fused, gemm, _out_dtype, row_scales,
+     dgrad_from_weight, block) = inputs
     ctx.opts = (pow2, fused, gemm, x2.dtype, weight.dtype, row_scales)
-    ctx.save_for_backward(qwt, swt, qxt, sxt)
+    _save_dgrad_operands(ctx, weight, qwt, swt, qxt, sxt, dgrad_from_weight, block)
 
 
 def _forward_codes_op_backward(ctx, dy2):
-    return *_forward_op_backward(ctx, dy2, None, None, None)[:2], *([None] * 13)
+    return *_forward_op_backward(ctx, dy2, None, None, None)[:2], *([None] * 15)
 
 
 _forward_codes_op.register_autograd(_forward_codes_op_backward, setup_context=_codes_setup_context)

@@ -157,6 +157,15 @@ def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tu
     return _impl(w, "quantize_128x128", block)(w, block=block, pow2=pow2)
 
 
+def weight_has_nonfinite_block(w: Tensor) -> Tensor:
+    """bool []: whether ``quantize_128x128(w)`` gives a NaN scale, i.e. w holds a NaN or an Inf once in fp32
+    (reference.py, numerics 1 and 6), without making the codes: the flag a layer keeps when it keeps no codes. One
+    reduction over w (its largest magnitude, NaN-propagating), no temporary of w's size."""
+    if w.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=w.device)
+    return ~torch.isfinite(torch.linalg.vector_norm(w.float() if w.dtype == torch.float64 else w, float("inf")))
+
+
 def requantize_128x128_(w: Tensor, q: Tensor, s: Tensor, bad: Tensor, *,
                         transposed: tuple[Tensor, Tensor] | None = None, block: int = BLOCK,
                         pow2: bool = False) -> None:

@@ -74,6 +74,8 @@ class Fp8WeightCodes:
         # converted, the root's pre-hook does it for all layers (one graph break per model, not per layer).
         self._fp8_refreshed_by_root = False
         self._fp8_own_refresh_hook = self.register_forward_pre_hook(_refresh_layer_before_compiled_call)
+        # Fp8Config.resident_weight_codes=False: codes held only inside frozen_fp8_weights (a generation call)
+        self._fp8_hold_codes = False
 
     def _set_refreshed_by_root(self, by_root: bool) -> None:
         """Whether the converted root's pre-hook refreshes this layer's codes before compiled calls. If it does, the
@@ -94,13 +96,59 @@ class Fp8WeightCodes:
 
     def quantized_weight(self) -> tuple[Tensor, Tensor, Tensor]:
         """(codes [N, K] e4m3fn, scales [N/128, K/128] fp32, 0-dim bool "weight has a non-finite block"),
-        current for the weight as it is now (re-quantized in place when it changed, see module docstring)."""
+        current for the weight as it is now (re-quantized in place when it changed, see module docstring; with
+        ``Fp8Config.resident_weight_codes=False`` quantized for this call and kept by nobody)."""
         self._refresh_weight_codes()
+        if self._fp8_qw is None:
+            return (*self._transient_codes(), self._fp8_bad)
         return self._fp8_qw, self._fp8_sw, self._fp8_bad
+
+    def _codes_resident(self) -> bool:
+        """Whether this layer keeps its W codes between calls: always, unless ``Fp8Config.resident_weight_codes``
+        is False and no ``frozen_fp8_weights`` block holds them."""
+        return self.fp8_config.resident_weight_codes or self._fp8_hold_codes
+
+    def _transient_codes(self) -> tuple[Tensor, Tensor]:
+        """(codes, scales) of the weight as it is now, made for one call (``Fp8Config.resident_weight_codes=False``):
+        the same 128x128 quantization the resident buffers hold."""
+        cfg = self.fp8_config
+        with torch.inference_mode(False), torch.no_grad():
+            return quant.quantize_128x128(self.weight.detach(), block=cfg.block_size, pow2=cfg.power_of_two_scales)
+
+    def _refresh_weight_flag(self, key: tuple) -> None:
+        """Codes not resident: bring only the non-finite flag (and the counter) up to date with the weight, in place,
+        so that sibling groups and fused producers read every member's flag before any member quantizes its weight."""
+        w = self.weight.detach()
+        with torch.inference_mode(False), torch.no_grad():
+            bad = self._flag_buffer(w.device)
+            bad.copy_(quant.weight_has_nonfinite_block(w))
+            if self.nonfinite_count is None or self.nonfinite_count.device != w.device:
+                self._new_counter(w.device)
+        self._fp8_key = key
+        self._fp8_dgrad_key = None
+
+    def _flag_buffer(self, device: torch.device) -> Tensor:
+        """The layer's non-finite flag (bool []), kept at one address while the layer stays on ``device`` (a compiled
+        graph or a CUDA graph reads it in place)."""
+        bad = self._fp8_bad
+        if bad is None or bad.device != device:
+            bad = self._fp8_bad = torch.zeros((), dtype=torch.bool, device=device)
+            _mark_static(bad)
+        return bad
+
+    def _release_weight_codes(self) -> None:
+        """Drop the resident W and W^T codes (``Fp8Config.resident_weight_codes=False`` on leaving a
+        ``frozen_fp8_weights`` block); the flag and its key stay, still current for the weight."""
+        self._fp8_qw = self._fp8_sw = self._fp8_qwt = self._fp8_swt = None
+        self._fp8_dgrad_key = None
 
     def _refresh_weight_codes(self) -> None:
         key = self._weight_key()
-        if self._fp8_key == key and self.fp8_config.cache_weights:
+        if not self._codes_resident():
+            if self._fp8_key != key or self._fp8_bad is None:
+                self._refresh_weight_flag(key)
+            return
+        if self._fp8_key == key and self.fp8_config.cache_weights and self._fp8_qw is not None:
             return
         cfg = self.fp8_config
         w = self.weight.detach()
@@ -113,14 +161,15 @@ class Fp8WeightCodes:
             if new_buffers and group is not None and w.shape == (self.out_features, self.in_features):
                 # a grouped sibling's codes are views into the group's stacked buffers (one launch for all)
                 qw, sw = group.buffers(self._fp8_group_index, w.device)
-                bad = torch.zeros((), dtype=torch.bool, device=w.device)
+                bad = self._flag_buffer(w.device)
                 quant.requantize_128x128_(w, qw, sw, bad, block=cfg.block_size, pow2=cfg.power_of_two_scales)
-                self._fp8_qw, self._fp8_sw, self._fp8_bad = qw, sw, bad
-                _mark_static(qw, sw, bad)
+                self._fp8_qw, self._fp8_sw = qw, sw
+                _mark_static(qw, sw)
             elif new_buffers:
                 qw, sw = quant.quantize_128x128(w, block=cfg.block_size, pow2=cfg.power_of_two_scales)
-                self._fp8_qw, self._fp8_sw, self._fp8_bad = qw, sw, torch.isnan(sw).any()
-                _mark_static(self._fp8_qw, self._fp8_sw, self._fp8_bad)
+                self._fp8_qw, self._fp8_sw = qw, sw
+                self._flag_buffer(w.device).copy_(torch.isnan(sw).any())
+                _mark_static(self._fp8_qw, self._fp8_sw)
             else:  # in place: captured graphs and saved-for-backward checks see the same tensors
                 qwt = self._fp8_qwt
                 # W^T's buffers, once a backward has made them (CUDA; on CPU they are views of the codes), are
@@ -153,10 +202,13 @@ class Fp8WeightCodes:
         self._fp8_dgrad_key = self._fp8_key
         return self._fp8_qwt, self._fp8_swt
 
-    def _dgrad_operands(self) -> tuple[Tensor, Tensor]:
+    def _dgrad_operands(self) -> tuple[Tensor, Tensor | None]:
         """What a backward saves for dx = dy W: the resident W^T codes (``_dgrad_codes``), or with
         ``Fp8Config.resident_dgrad_codes=False`` views of the W codes transposed, which the backward makes contiguous
-        on CUDA (linear_math._backward) and frees after its GEMM."""
+        on CUDA (linear_math._backward) and frees after its GEMM; with no resident W codes
+        (``Fp8Config.resident_weight_codes=False``) the weight itself and None: the backward quantizes W^T from it."""
+        if self._fp8_qw is None:
+            return self.weight, None
         if self.fp8_config.resident_dgrad_codes:
             return self._dgrad_codes()
         return self._fp8_qw.t(), self._fp8_sw.t()
@@ -174,7 +226,8 @@ class Fp8WeightCodes:
         self._refresh_weight_codes()
         if for_backward is None:  # grad mode alone: a frozen weight (a LoRA base) still needs W^T for dx
             for_backward = torch.is_grad_enabled()
-        if for_backward and self.fp8_config.backward == "fp8" and self.fp8_config.resident_dgrad_codes:
+        if (for_backward and self.fp8_config.backward == "fp8" and self.fp8_config.resident_dgrad_codes
+                and self._fp8_qw is not None):
             self._dgrad_codes()
 
 
@@ -269,6 +322,18 @@ def refresh_for_compiled_blocks(model: nn.Module) -> None:
         model._calclip_compiled_blocks = True
 
 
+def _hold_codes(model: nn.Module, layers: list[Fp8WeightCodes], hold: bool) -> None:
+    """Make ``layers`` (without resident codes) keep their codes from the next refresh on (hold), or free them now
+    (not hold); either way ``refresh_fp8_weights``' "all fresh" key of the model no longer holds."""
+    if not layers:
+        return
+    for layer in layers:
+        layer._fp8_hold_codes = hold
+        if not hold:
+            layer._release_weight_codes()
+    model.__dict__.pop("_calclip_codes_key", None)
+
+
 @contextlib.contextmanager
 def frozen_fp8_weights(model: nn.Module):
     """A block in which the weights of ``model``'s FP8 layers do not change: a generation call.
@@ -279,6 +344,10 @@ def frozen_fp8_weights(model: nn.Module):
     own per-layer check. On a normal exit the weights are checked once: if one changed inside (an optimizer step,
     ``load_state_dict``), it raises, since compiled calls inside may have used the codes of entry.
 
+    Layers that keep no codes between calls (``Fp8Config.resident_weight_codes=False``) hold them for the block:
+    built on entry, freed on exit (a CUDA graph captured inside over them is re-recorded at the next block, whose
+    codes have new addresses).
+
     Does nothing for a model without FP8 layers, inside another ``frozen_fp8_weights`` of the same model, and when
     a layer does not cache its codes (``cache_weights=False``, sharded parameters: those re-quantize on every call).
     The trainer wraps each transformers ``generate`` call in it."""
@@ -287,12 +356,18 @@ def frozen_fp8_weights(model: nn.Module):
     if key is None:
         yield model
         return
-    refresh_fp8_weights(model, for_backward=False)  # re-quantizes codes, not weights: ``key`` still holds
-    model._calclip_frozen = True
+    # Fp8Config.resident_weight_codes=False: these layers hold their codes for the block and free them after it
+    held = [layer for layer in layers if not layer.fp8_config.resident_weight_codes]
+    _hold_codes(model, held, True)
     try:
-        yield model
+        refresh_fp8_weights(model, for_backward=False)  # re-quantizes codes, not weights: ``key`` still holds
+        model._calclip_frozen = True
+        try:
+            yield model
+        finally:
+            model._calclip_frozen = False
     finally:
-        model._calclip_frozen = False
+        _hold_codes(model, held, False)
     if _all_codes_key(layers, False) != key:
         raise RuntimeError("a weight of an FP8 layer changed inside frozen_fp8_weights(model): compiled calls inside "
                            "may have run on the codes of entry; change weights outside the block")

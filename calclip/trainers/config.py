@@ -57,6 +57,7 @@ FP8_CONFIG_FIELDS: dict[str, str] = {
     "fp8_share_sibling_inputs": "share_sibling_inputs",
     "fp8_fuse_producers": "fuse_producers",
     "fp8_resident_dgrad_codes": "resident_dgrad_codes",
+    "fp8_resident_weight_codes": "resident_weight_codes",
 }
 # fp8_* fields that are the trainer's own, not Fp8Config options (none yet; ``fp8`` itself switches FP8 on).
 TRAINER_ONLY_FP8_FIELDS: tuple[str, ...] = ()
@@ -260,6 +261,13 @@ class CalibratedGRPOConfig(GRPOConfig):
                                  "the W codes (a second 1-byte-per-parameter copy); false (default) transposes them "
                                  "from the W codes in each backward (exact), which measured faster and 0.65 GiB "
                                  "smaller at Qwen2.5-7B dims on the H100 (Fp8Config.resident_dgrad_codes)."}
+    )
+    fp8_resident_weight_codes: bool = field(
+        default=True, metadata={"help": "Keep the FP8 layers' W codes resident between calls (1 byte per FP8 "
+                                "parameter); false quantizes each weight in every forward and its W^T in the backward "
+                                "(exact, the same codes) and holds codes only during generation, so FP8 keeps no copy "
+                                "of the weights through the training step (Fp8Config.resident_weight_codes; not with "
+                                "fp8_decode_group_siblings or sharded parameters). On until measured on a GPU."}
     )
     compile_generation: bool = field(
         default=False,

@@ -42,14 +42,29 @@ def test_each_fp8_field_arrives_in_the_trainers_fp8config():
         "fp8_decode_fused_max_m": 8, "fp8_decode_group_siblings": True, "fp8_share_sibling_inputs": False,
         "fp8_fuse_producers": True, "fp8_resident_dgrad_codes": True,
     }  # fmt: skip
-    assert set(values) == set(FP8_CONFIG_FIELDS)
+    # fp8_resident_weight_codes=False rules out fp8_decode_group_siblings and the trainer's cache_weights=False: its
+    # own combination below
+    assert set(values) | {"fp8_resident_weight_codes"} == set(FP8_CONFIG_FIELDS)
     config = CalibratedGRPOConfig(**CPU, **values)
     fp8 = config.fp8_config(cache_weights=False)
     defaults = Fp8Config()
     for name, option in FP8_CONFIG_FIELDS.items():
+        if name not in values:
+            continue
         expected = ("mlp", "lm_head") if option == "keep_patterns" else values[name]  # the LM head stays BF16
         assert getattr(fp8, option) == expected, name
         if option != "recipe":  # blockwise is both the default and the only recipe without torchao
             assert getattr(defaults, option) != expected, name  # so the value really came from the field
     assert fp8.cache_weights is False  # the trainer's own option
     assert CalibratedGRPOConfig(**CPU).fp8_config().keep_patterns == ("lm_head",)  # not listed twice
+
+
+def test_resident_weight_codes_field_arrives_and_its_rules_name_the_fields():
+    import pytest
+
+    config = CalibratedGRPOConfig(**CPU, fp8_resident_weight_codes=False)
+    assert config.fp8_config().resident_weight_codes is False and Fp8Config().resident_weight_codes is True
+    with pytest.raises(ValueError, match="fp8_resident_weight_codes=False .* fp8_decode_group_siblings=True"):
+        CalibratedGRPOConfig(**CPU, fp8_resident_weight_codes=False, fp8_decode_group_siblings=True)
+    with pytest.raises(ValueError, match="sharded parameters"):  # what the trainer builds under FSDP / ZeRO-3
+        config.fp8_config(cache_weights=False)
