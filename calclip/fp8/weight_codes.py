@@ -21,6 +21,10 @@ or before each call of one submodule of a converted model compiled on its own (i
 root's hook, which that call does not run; a bare FP8BlockLinear compiled alone refreshes in its own hook).
 ``frozen_fp8_weights(model)`` marks a block (a generation call) in which no weight changes, so compiled calls skip
 that refresh.
+
+``Fp8Config.resident_weight_codes=False`` keeps none of this between calls: each call quantizes the weight it reads,
+a backward quantizes it again from the weight it saved, and a refresh only brings the layer's non-finite flag up to
+date (one reduction over the weight); ``frozen_fp8_weights`` holds the codes for its block and frees them after it.
 """
 
 from __future__ import annotations
