@@ -12,34 +12,15 @@ from calclip.fp8 import Fp8Config, pop_nonfinite_count, quantize_model, refresh_
 from calclip.fp8 import linear_math, quant
 from calclip.fp8.linear import FP8BlockLinear
 from calclip.fp8.shared_input import SharedInput
+from _decoder_block import DecoderBlock
 
 NAN = float("nan")
-
-
-class _Block(nn.Module):
-    """q/k/v reading one x and gate/up reading another, as a Llama decoder layer does; ragged 128-blocks."""
-
-    def __init__(self, k=200, nq=256, nkv=70, inter=300):
-        super().__init__()
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj, self.self_attn.k_proj = nn.Linear(k, nq, bias=False), nn.Linear(k, nkv, bias=False)
-        self.self_attn.v_proj, self.self_attn.o_proj = nn.Linear(k, nkv, bias=False), nn.Linear(nq, k, bias=False)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj, self.mlp.up_proj = nn.Linear(k, inter, bias=False), nn.Linear(k, inter, bias=False)
-        self.mlp.down_proj = nn.Linear(inter, k, bias=False)
-
-    def forward(self, x):
-        a = self.self_attn
-        q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
-        h = x + a.o_proj(q * (k.sum(-1, keepdim=True) + v.mean(-1, keepdim=True)))
-        m = self.mlp
-        return h + m.down_proj(torch.nn.functional.silu(m.gate_proj(h)) * m.up_proj(h))
 
 
 def _pair(seed=0, **options):
     """The same two-layer model converted with and without shared inputs."""
     torch.manual_seed(seed)
-    base = nn.Sequential(_Block(), _Block())
+    base = nn.Sequential(DecoderBlock(), DecoderBlock())
     shared = quantize_model(copy.deepcopy(base), Fp8Config(keep_patterns=(), **options))
     alone = quantize_model(copy.deepcopy(base), Fp8Config(keep_patterns=(), share_sibling_inputs=False, **options))
     return shared, alone
@@ -59,7 +40,7 @@ def test_groups_q_k_v_and_gate_up_by_default():
     assert all(m._fp8_share is None for m in alone.modules() if isinstance(m, FP8BlockLinear))
     # not for sharded weights (cache_weights=False) nor the straight-through backward
     for options in ({"cache_weights": False}, {"backward": "bf16"}):
-        model = quantize_model(copy.deepcopy(nn.Sequential(_Block())), Fp8Config(keep_patterns=(), **options))
+        model = quantize_model(copy.deepcopy(nn.Sequential(DecoderBlock())), Fp8Config(keep_patterns=(), **options))
         assert all(m._fp8_share is None for m in model.modules() if isinstance(m, FP8BlockLinear)), options
     with pytest.raises(ValueError, match="share_sibling_inputs must be a bool"):
         Fp8Config(share_sibling_inputs="yes")

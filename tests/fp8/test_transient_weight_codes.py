@@ -1,8 +1,8 @@
 """Fp8Config.resident_weight_codes=False: no layer keeps its W codes between calls. Each forward quantizes the
-weight it reads, the backward quantizes W^T from the weight it saved, and only the non-finite flag stays resident;
-inside ``frozen_fp8_weights`` (generation) the codes are held for the block and freed after it. Same outputs,
-gradients and non-finite counts bit for bit as resident codes, eager and compiled, with shared inputs and fused
-producers; on CUDA (marked gpu) the step's peak lower by the codes."""
+weight it reads, the backward quantizes it again from the weight it saved (then transposes the codes), and only the
+non-finite flag stays resident; inside ``frozen_fp8_weights`` (generation) the codes are held for the block and freed
+after it. Same outputs, gradients and non-finite counts bit for bit as resident codes, eager and compiled, with shared
+inputs and fused producers; on CUDA (marked gpu) the step's peak lower by the codes."""
 
 import copy
 import os
@@ -15,34 +15,15 @@ from calclip.fp8 import Fp8Config, frozen_fp8_weights, pop_nonfinite_count, quan
 from calclip.fp8 import quant
 from calclip.fp8.linear import FP8BlockLinear
 from calclip.fp8.reference import quantize_128x128
+from _decoder_block import DecoderBlock
 
 NAN, INF = float("nan"), float("inf")
-
-
-class _Block(nn.Module):
-    """q/k/v reading one x, gate/up another (shared inputs), o_proj and down_proj alone; ragged 128-blocks."""
-
-    def __init__(self, k=200, nq=256, nkv=70, inter=300):
-        super().__init__()
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj, self.self_attn.k_proj = nn.Linear(k, nq, bias=False), nn.Linear(k, nkv, bias=False)
-        self.self_attn.v_proj, self.self_attn.o_proj = nn.Linear(k, nkv, bias=False), nn.Linear(nq, k, bias=True)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj, self.mlp.up_proj = nn.Linear(k, inter, bias=False), nn.Linear(k, inter, bias=False)
-        self.mlp.down_proj = nn.Linear(inter, k, bias=False)
-
-    def forward(self, x):
-        a = self.self_attn
-        q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
-        h = x + a.o_proj(q * (k.sum(-1, keepdim=True) + v.mean(-1, keepdim=True)))
-        m = self.mlp
-        return h + m.down_proj(torch.nn.functional.silu(m.gate_proj(h)) * m.up_proj(h))
 
 
 def _pair(seed=0, device="cpu", dtype=torch.float32, **options):
     """The same two-block model converted with resident codes (the default) and without."""
     torch.manual_seed(seed)
-    base = nn.Sequential(_Block(), _Block()).to(device, dtype)
+    base = nn.Sequential(DecoderBlock(o_bias=True), DecoderBlock(o_bias=True)).to(device, dtype)
     resident = quantize_model(copy.deepcopy(base), Fp8Config(keep_patterns=(), **options))
     transient = quantize_model(copy.deepcopy(base), Fp8Config(keep_patterns=(), resident_weight_codes=False,
                                                               **options))
