@@ -219,7 +219,7 @@ def _plan(group, x: Tensor, dtypes: tuple[torch.dtype, ...]) -> tuple | None:
     if not _kernels_serve(x) or first.weight.device != x.device:
         return None
     if compiled:
-        if first._fp8_qw is None:
+        if first._fp8_bad is None:  # not refreshed yet (the flag exists with or without resident codes)
             return None  # the linears raise their own error
         from calclip.fp8.siblings import bad_weight_count
 

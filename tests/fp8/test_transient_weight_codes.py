@@ -190,6 +190,28 @@ def test_tiny_llama_with_fused_producers_equals_resident_codes():
     assert _codes_held(models[1]) == [] and sum("forward" in m.__dict__ for m in models[1].modules()) == 6
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1" and not torch.cuda.is_available(),
+                    reason="fused producers run calclip's Triton kernels: CUDA, or TRITON_INTERPRET=1 on CPU")
+def test_compiled_calls_keep_the_fused_producers(monkeypatch):
+    """A compiled call's producer plan asks for the members' flags, which exist without resident codes: the fused
+    RMSNorm / SiLU-multiply stay in the compiled graph (found in review: the plan checked the W codes instead)."""
+    transformers = pytest.importorskip("transformers")
+    from calclip.fp8 import producers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=192, intermediate_size=300, num_hidden_layers=1, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=64)).to(torch.bfloat16).to(device)
+    model = quantize_model(model, Fp8Config(fuse_producers=True, resident_weight_codes=False))
+    refresh_fp8_weights(model, for_backward=True)  # what the root's pre-hook does before a compiled call
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    norm = model.model.layers[0].input_layernorm
+    plan = producers._plan(norm._calclip_consumers, torch.randn(2, 5, 192, dtype=torch.bfloat16, device=device),
+                           (torch.bfloat16,))
+    assert plan is not None and _codes_held(model) == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_step_peak_lower_by_the_codes_with_the_same_gradients():
