@@ -397,3 +397,26 @@ def test_a_static_run_logs_no_starvation(tokenizer, tmp_path):
         trainer.train()
     assert logged(trainer, "calib/short_rounds") == []
     assert not any("rounds in a row without a fit" in str(w.message) for w in caught)
+
+
+@pytest.mark.slow
+def test_per_call_weight_codes_train_as_resident_codes_do(tokenizer, tmp_path):
+    """``fp8_resident_weight_codes: false``: a calibrated FP8 run (rollouts in frozen_fp8_weights, old log-probs,
+    training steps) logs every loss and calibrated bound of the default run bit for bit, and no FP8 layer holds
+    weight codes once training ends; the field reaches every layer."""
+    def run(name, **fields):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = make_trainer(tokenizer, tmp_path / name, clip_mode="calibrated", fp8=True, seed=0, **fields)
+            trainer.train()
+        logs = [(e["loss"], e["calib/low"], e["calib/high"]) for e in trainer.state.log_history if "loss" in e]
+        return trainer, logs
+
+    resident, resident_logs = run("resident")
+    per_call, per_call_logs = run("per_call", fp8_resident_weight_codes=False)
+    assert per_call_logs and per_call_logs == resident_logs
+    layers = [m for m in per_call.model.modules() if isinstance(m, FP8BlockLinear)]
+    assert layers and all(not m.fp8_config.resident_weight_codes and m._fp8_qw is None and m._fp8_qwt is None
+                          for m in layers)
+    assert all(m._fp8_qw is not None for m in resident.model.modules() if isinstance(m, FP8BlockLinear))
