@@ -80,7 +80,7 @@ ARMS: dict[str, dict | None] = {
     # forward needs, so the partitioner cannot move them into the backward (docs/benchmarks.md, "Where the memory
     # goes (counted)")
     "fp8-fusedq": {"fused_quantizer": True, "resident_dgrad_codes": True},
-    # no W codes kept between calls either: each forward quantizes W, each backward W^T (Fp8Config.resident_weight_codes)
+    # no W codes kept between calls either: each forward and each backward quantizes W (Fp8Config.resident_weight_codes)
     "fp8-transient": {"resident_dgrad_codes": False, "resident_weight_codes": False},
 }
 # tokens per sequence of the counting runs: --tokens are multiples of it, at least two sequences (with one, HF's loss

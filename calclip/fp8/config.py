@@ -146,8 +146,6 @@ def check_fp8_combination(*, recipe: str | Fp8Recipe, backward: str = "fp8", gem
 # H200 measured the fused kernel faster in eager calls up to M=256, the largest it timed (docs/usage.md, Fused decode).
 DECODE_FUSED_AUTO_MAX_M = 256
 
-
-
 # Fp8Config options that are off by default because no measurement has shown them to pay: kept so that a GPU run can
 # measure them against the default, not recommended for training (docs/usage.md, Experimental FP8 options).
 EXPERIMENTAL_OPTIONS: tuple[str, ...] = ("fused_quantizer", "decode_group_siblings")
