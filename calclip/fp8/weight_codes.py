@@ -126,8 +126,7 @@ class Fp8WeightCodes:
         with torch.inference_mode(False), torch.no_grad():
             bad = self._flag_buffer(w.device)
             bad.copy_(quant.weight_has_nonfinite_block(w))
-            if self.nonfinite_count is None or self.nonfinite_count.device != w.device:
-                self._new_counter(w.device)
+            self._counter_on(w.device)
         self._fp8_key = key
         self._fp8_dgrad_key = None
 
@@ -148,11 +147,12 @@ class Fp8WeightCodes:
 
     def _refresh_weight_codes(self) -> None:
         key = self._weight_key()
+        # current codes (resident, or held by frozen_fp8_weights): every eager call's fast return, checked first
+        if self._fp8_key == key and self._fp8_qw is not None and self.fp8_config.cache_weights:
+            return
         if not self._codes_resident():
             if self._fp8_key != key or self._fp8_bad is None:
                 self._refresh_weight_flag(key)
-            return
-        if self._fp8_key == key and self.fp8_config.cache_weights and self._fp8_qw is not None:
             return
         cfg = self.fp8_config
         w = self.weight.detach()
@@ -182,8 +182,7 @@ class Fp8WeightCodes:
                 quant.requantize_128x128_(w, qw, self._fp8_sw, self._fp8_bad,
                                           transposed=(qwt, self._fp8_swt) if dgrad_fresh else None,
                                           block=cfg.block_size, pow2=cfg.power_of_two_scales)
-            if self.nonfinite_count is None or self.nonfinite_count.device != qw.device:
-                self._new_counter(qw.device)
+            self._counter_on(qw.device)
         self._fp8_key = key
         self._fp8_dgrad_key = key if dgrad_fresh else None  # else W^T follows on the next backward that needs it
 
@@ -216,6 +215,11 @@ class Fp8WeightCodes:
         if self.fp8_config.resident_dgrad_codes:
             return self._dgrad_codes()
         return self._fp8_qw.t(), self._fp8_sw.t()
+
+    def _counter_on(self, device: torch.device) -> None:
+        """Make the non-finite row counter live on ``device`` (created, or moved with its count), if it does not."""
+        if self.nonfinite_count is None or self.nonfinite_count.device != device:
+            self._new_counter(device)
 
     def _new_counter(self, device: torch.device) -> None:
         old = self.nonfinite_count
