@@ -163,17 +163,27 @@ def test_options_that_keep_resident_codes_are_refused():
         Fp8Config(resident_weight_codes=False, decode_group_siblings=True)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1" and not torch.cuda.is_available(),
-                    reason="fused producers run calclip's Triton kernels: CUDA, or TRITON_INTERPRET=1 on CPU")
-def test_tiny_llama_with_fused_producers_equals_resident_codes():
-    """Fused producers read every member's flag before any member quantizes its weight: the resident flag."""
+_NEEDS_KERNELS = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1" and not torch.cuda.is_available(),
+                                    reason="fused producers run calclip's Triton kernels: CUDA, or TRITON_INTERPRET=1 "
+                                           "on CPU")
+
+
+def _tiny_llama(layers):
+    """A random bf16 transformers Llama whose layers the fused producers recognise, and the device it is on."""
     transformers = pytest.importorskip("transformers")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=97, hidden_size=192, intermediate_size=300, num_hidden_layers=2, num_attention_heads=3,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=64)).to(torch.bfloat16).to(device)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=97, hidden_size=192, intermediate_size=300, num_hidden_layers=layers, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=64))
+    return model.to(torch.bfloat16).to(device), device
+
+
+@pytest.mark.slow
+@_NEEDS_KERNELS
+def test_tiny_llama_with_fused_producers_equals_resident_codes():
+    """Fused producers read every member's flag before any member quantizes its weight: the resident flag."""
+    base, device = _tiny_llama(layers=2)
     with torch.no_grad():
         base.model.layers[1].mlp.down_proj.weight[3, 17] = NAN  # a bad weight: counted the same either way
     models = [quantize_model(copy.deepcopy(base), Fp8Config(fuse_producers=True, resident_weight_codes=resident))
@@ -190,19 +200,13 @@ def test_tiny_llama_with_fused_producers_equals_resident_codes():
     assert _codes_held(models[1]) == [] and sum("forward" in m.__dict__ for m in models[1].modules()) == 6
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1" and not torch.cuda.is_available(),
-                    reason="fused producers run calclip's Triton kernels: CUDA, or TRITON_INTERPRET=1 on CPU")
+@_NEEDS_KERNELS
 def test_compiled_calls_keep_the_fused_producers(monkeypatch):
     """A compiled call's producer plan asks for the members' flags, which exist without resident codes: the fused
     RMSNorm / SiLU-multiply stay in the compiled graph (found in review: the plan checked the W codes instead)."""
-    transformers = pytest.importorskip("transformers")
     from calclip.fp8 import producers
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=97, hidden_size=192, intermediate_size=300, num_hidden_layers=1, num_attention_heads=3,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=64)).to(torch.bfloat16).to(device)
+    model, device = _tiny_llama(layers=1)
     model = quantize_model(model, Fp8Config(fuse_producers=True, resident_weight_codes=False))
     refresh_fp8_weights(model, for_backward=True)  # what the root's pre-hook does before a compiled call
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
