@@ -1233,6 +1233,11 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
     trainer.train()
     direct = getattr(generation, "_direct_sync", None)  # FP8: whether the syncs after the first were in place
     timings["direct_sync"] = None if direct is None else {"verified": direct.verified, "reason": direct.reason}
+    if args.fp8:  # one more sync (the last step's update), then the engine against the reference quantizer
+        from calclip.rollout.vllm_sync import engine_fp8_mismatches, vllm_engine_model
+
+        type(generation).sync_weights(generation)  # not the timed wrapper: the steps' syncs are what was timed
+        timings["engine_mismatches"] = engine_fp8_mismatches(vllm_engine_model(generation.llm)[0], trainer.model)
     return timings
 
 
@@ -1429,6 +1434,11 @@ def part_grpo(opts) -> None:
         directs = [r.get("direct_sync") for r in ok]
         paths = {"-" if d is None else "in place" if d["verified"] else f"reload ({d['reason'] or 'off'})"
                  for d in directs}
+        # after the run: does the engine hold the reference quantizer's codes of the trained policy?
+        checked = [r["engine_mismatches"] for r in ok if "engine_mismatches" in r]
+        if checked:
+            paths = {f"{p}, {'codes = reference' if not any(checked) else 'CODES DIFFER: ' + str(checked[0][:1])}"
+                     for p in paths}
         rows.append([arm, f"{fmt(step_median)} [{fmt(min(step))}-{fmt(max(step))}]", fmt(gen_median),
                      fmt(train_median), fmt(sync_median * 1e3, 0), f"{100 * sync_median / step_median:.1f}%",
                      ", ".join(sorted(paths))[:60],

@@ -214,9 +214,14 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         if arm == "fp8":  # the stand-in engine lists no parameters: the layout check refuses, every sync reloads
             assert timings["direct_sync"]["verified"] is False
             assert "no such engine parameter" in timings["direct_sync"]["reason"]
-            assert events.count("init") == 2
+            assert events.count("init") == 3  # the two steps' syncs and the untimed one before the engine check
         else:
             assert timings["direct_sync"] is None
+        if fp8:  # after the run, the engine against the reference quantizer: the stand-in holds no FP8 tensor
+            mismatches = timings["engine_mismatches"]
+            assert mismatches and all(m.endswith("missing in the engine") for m in mismatches)
+        else:
+            assert "engine_mismatches" not in timings
     # --grpo-micro-batches 2: the same 16-completion rollout once per optimizer step, trained in two micro-batches
     opts.grpo_completions, opts.grpo_micro_batches, opts.grpo_detokenize = 16, 2, "auto"
     opts.grpo_capture_size, opts.grpo_profile_host = 32, 1  # and the first rollout under cProfile
@@ -248,9 +253,10 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
 
 
-def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monkeypatch, tmp_path):
+def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monkeypatch, tmp_path, capsys):
     """--grpo-rounds 2 runs fp8, bf16, fp8, bf16 (each its own process), leaves each run's first --grpo-warmup steps
-    out, and takes the medians over the pooled rest; a failed run is recorded and the others still count."""
+    out, and takes the medians over the pooled rest; a failed run is recorded and the others still count. The FP8
+    row says whether the engine held the reference quantizer's codes after each run."""
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(bench_vllm, "RESULTS", {})
     order = []
@@ -263,12 +269,14 @@ def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monke
         order.append(arm)
         if steps is None:
             return types.SimpleNamespace(returncode=1, stdout="", stderr="CUDA out of memory")
+        fp8 = {"direct_sync": {"verified": True, "reason": None}, "engine_mismatches": []} if arm == "fp8" else {}
         out.write_text(json.dumps({"step_s": steps, "generate_s": [s / 2 for s in steps],
-                                   "sync_s": [0.05] * len(steps), "direct_sync": None}))
+                                   "sync_s": [0.05] * len(steps), "direct_sync": None, **fp8}))
         return types.SimpleNamespace(returncode=0, stdout="", stderr="")
 
     monkeypatch.setattr(bench_vllm.subprocess, "run", run)
     bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-rounds", "2", "--grpo-warmup", "2"]))
+    assert "| in place, codes = reference |" in capsys.readouterr().out
     assert order == ["fp8", "bf16", "fp8", "bf16"]
     grpo = bench_vllm.RESULTS["grpo"]
     assert grpo["fp8"]["timed_steps"] == 4 and grpo["fp8"]["step_median_s"] == pytest.approx(1.05)

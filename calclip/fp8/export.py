@@ -224,11 +224,44 @@ def quantize_weight_for_export(weight: Tensor, spec: Fp8WeightSpec) -> tuple[Ten
     return q, s
 
 
+def live_fp8_layers(model: nn.Module) -> dict[str, FP8BlockLinear]:
+    """Module name (wrapper prefixes stripped) -> FP8BlockLinear, for the layers of ``model`` whose codes a sync
+    stream may send as they are (``quantize_named_params(live_layers=...)``): those that keep codes between calls
+    (``Fp8Config.cache_weights``; sharded parameters, gathered for each call, do not)."""
+    return {clean_param_name(name): module for name, module in model.named_modules()
+            if isinstance(module, FP8BlockLinear) and module.fp8_config.cache_weights}
+
+
+def _streams_weight_of(tensor: Tensor, layer: FP8BlockLinear) -> bool:
+    """Whether ``tensor`` is ``layer``'s weight itself (its ``.data``: same storage, layout and dtype), not a gathered
+    or edited copy of it."""
+    w = layer.weight
+    return (tensor.device == w.device and tensor.dtype == w.dtype and tensor.shape == w.shape
+            and tensor.stride() == w.stride() and tensor.data_ptr() == w.data_ptr())
+
+
+def requantize_live_layers(layers: Mapping[str, FP8BlockLinear]) -> None:
+    """Bring every layer's weight codes up to date with its weight as it is now (``FP8BlockLinear.requantize``: the
+    codes its next forward multiplies with) and raise naming the layers whose weight holds a NaN or an Inf, reading
+    all their flags back at once (one host sync, before anything is sent)."""
+    if not layers:
+        return
+    names = list(layers)
+    flags = [layers[name].requantize() for name in names]
+    device = flags[0].device
+    bad = torch.stack([flag.to(device) for flag in flags]).tolist()
+    nonfinite = [name for name, is_bad in zip(names, bad) if is_bad]
+    if nonfinite:
+        raise ValueError(f"weight has non-finite values in {len(nonfinite)} FP8 layer(s): {nonfinite}; refusing to "
+                         "send NaN scales")
+
+
 def quantize_named_params(
     named_params: Iterable[tuple[str, Tensor]],
     fp8_modules: Mapping[str, Fp8WeightSpec],
     *,
     scale_name: str = SCALE_NAME,
+    live_layers: Mapping[str, FP8BlockLinear] | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """Rewrite a (name, tensor) stream: ``<fp8 module>.weight`` becomes the FP8 codes plus its scale tensor,
     ``<module>.<scale_name>`` for blockwise layers, ``<module>.weight_scale`` for rowwise / tensorwise ones.
@@ -236,7 +269,16 @@ def quantize_named_params(
     Every other tensor passes through unchanged. Names are matched after stripping wrapper prefixes, and the
     cleaned name is yielded. Lazy: one weight is quantized at a time, while the caller's gather (FSDP/ZeRO-3) for
     that parameter is still open.
+
+    live_layers (``live_fp8_layers``): where a streamed tensor is such a layer's weight itself, the stream sends the
+    layer's own codes, brought up to date before the first tensor is yielded (``requantize_live_layers``, which
+    refuses a non-finite weight of any of them before anything is sent). That is one fused kernel per weight instead
+    of the reference quantizer's passes over an FP32 copy and a host sync per weight, and the training forward that
+    follows finds its codes current. The codes are the same bits either way (the kernels are tested against the
+    reference). Any other tensor (a gathered or edited copy) is quantized by the reference quantizer, as without.
     """
+    if live_layers:
+        requantize_live_layers(live_layers)
     for name, tensor in named_params:
         name = clean_param_name(name)
         module_name, _, leaf = name.rpartition(".")
@@ -244,7 +286,14 @@ def quantize_named_params(
         if spec is None:
             yield name, tensor
             continue
-        q, s = quantize_weight_for_export(tensor, spec)
+        layer = live_layers.get(module_name) if live_layers else None
+        if layer is not None and spec.blockwise and _streams_weight_of(tensor, layer):
+            q, s, _ = layer.quantized_weight()
+        else:
+            try:
+                q, s = quantize_weight_for_export(tensor, spec)
+            except ValueError as err:
+                raise ValueError(f"{module_name}: {err}") from None
         yield name, q
         yield f"{module_name}.{scale_name if spec.blockwise else spec.scale_name}", s
 
@@ -254,17 +303,21 @@ def fp8_weight_sync_tensors(
     *,
     fp8_modules: Mapping[str, Fp8WeightSpec] | None = None,
     scale_name: str = SCALE_NAME,
+    live_codes: bool = False,
 ) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) for every parameter of ``model`` as vLLM's block-FP8 checkpoint loader expects them.
 
     FP8 linears: ``weight`` float8_e4m3fn [N, K] and ``weight_scale_inv`` float32 [ceil(N/128), ceil(K/128)];
     other parameters unchanged (tied parameters once, as ``named_parameters`` yields them). Send these inside
     vLLM's layerwise reload (checkpoint format); ``calclip.rollout.vllm_sync`` does that for TRL.
+    live_codes: send the layers' own codes, brought up to date (``quantize_named_params``' ``live_layers``), instead
+    of quantizing every weight again with the reference quantizer: the same bits, faster.
     """
     if fp8_modules is None:
         fp8_modules = fp8_weight_specs(model)
     yield from quantize_named_params(
-        ((n, p.data) for n, p in model.named_parameters()), fp8_modules, scale_name=scale_name
+        ((n, p.data) for n, p in model.named_parameters()), fp8_modules, scale_name=scale_name,
+        live_layers=live_fp8_layers(model) if live_codes else None,
     )
 
 

@@ -107,6 +107,17 @@ class Fp8WeightCodes:
             return (*self._transient_codes(), self._fp8_bad)
         return self._fp8_qw, self._fp8_sw, self._fp8_bad
 
+    def requantize(self) -> Tensor:
+        """Quantize the weight as it is now, whatever the staleness key says, and return the non-finite flag (bool [],
+        on the weight's device, not read back). For code that sends the codes elsewhere (the vLLM weight sync), which
+        must send the weight's codes even where it was written through ``.data`` without
+        ``invalidate_fp8_weight_caches()``. Resident codes (and W^T, once a backward made it) are rewritten in place
+        and marked current, so the next forward does not quantize again; without resident codes only the flag is
+        refreshed."""
+        self._fp8_key = None
+        self._refresh_weight_codes()
+        return self._fp8_bad
+
     def _codes_resident(self) -> bool:
         """Whether this layer keeps its W codes between calls: always, unless ``Fp8Config.resident_weight_codes``
         is False and no ``frozen_fp8_weights`` block holds them."""

@@ -82,6 +82,7 @@ from calclip.fp8.export import (
     fp8_weight_specs,
     fp8_weight_sync_tensors,
     linear_shapes,
+    live_fp8_layers,
     quantize_named_params,
     shared_recipe,
     vllm_fp8_problems,
@@ -328,7 +329,8 @@ def sync_fp8_weights(llm, policy: nn.Module, fp8_modules: Mapping[str, Fp8Weight
     old weights). For scripts and tests that drive ``vllm.LLM`` without TRL. Returns the number of tensors sent."""
     policy = unwrap_model(policy)
     model, model_config = vllm_engine_model(llm)
-    count = reload_weights_layerwise(model, model_config, fp8_weight_sync_tensors(policy, fp8_modules=fp8_modules))
+    count = reload_weights_layerwise(model, model_config,
+                                     fp8_weight_sync_tensors(policy, fp8_modules=fp8_modules, live_codes=True))
     llm.reset_prefix_cache()
     return count
 
@@ -880,8 +882,14 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
         return vllm_engine_model(self.llm)
 
     def _checkpoint_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """TRL's parameter stream with every FP8 linear's weight as codes + ``weight_scale_inv``."""
-        return quantize_named_params(super()._iter_named_params(), self._fp8_specs(), scale_name=SCALE_NAME)
+        """TRL's parameter stream with every FP8 linear's weight as codes + ``weight_scale_inv``: the layers' own
+        codes, brought up to date (``quantize_named_params``' ``live_layers``), except under PEFT, whose merge and
+        unmerge write the weights through ``.data`` around the stream (codes refreshed from the merged weights would
+        look current to the next training forward): there each weight is quantized again, as exported."""
+        model = unwrap_model(self.model)
+        live = None if getattr(model, "peft_config", None) else live_fp8_layers(model)
+        return quantize_named_params(super()._iter_named_params(), self._fp8_specs(), scale_name=SCALE_NAME,
+                                     live_layers=live)
 
     def _iter_named_params(self):
         stream = self._checkpoint_stream()

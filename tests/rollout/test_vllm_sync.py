@@ -152,6 +152,114 @@ def test_colocate_sync_loads_fp8_checkpoint_tensors_inside_layerwise_reload(fake
     assert torch.equal(loads["model.layers.1.mlp.down_proj.weight_scale_inv"], s)
 
 
+def _loads(events):
+    return {name: t for kind, name, t in (e for e in events if e[0] == "load")}
+
+
+def _count_weight_quantizations(monkeypatch):
+    """Count every weight quantization an FP8 layer makes (its refresh kernel and the unfused quantizer)."""
+    from calclip.fp8 import quant
+
+    calls = []
+    for fn in ("requantize_128x128_", "quantize_128x128"):
+        original = getattr(quant, fn)
+        monkeypatch.setattr(quant, fn, lambda *a, _f=original, _n=fn, **k: calls.append(_n) or _f(*a, **k))
+    return calls
+
+
+def test_colocate_sync_sends_the_layers_own_codes_and_the_next_forward_quantizes_nothing(fake_reload, monkeypatch):
+    """The stream sends each FP8 layer's resident codes (the same storage), brought up to date with the weight as it
+    is after an optimizer step; they equal the reference quantizer's bits, and the training forward after the sync
+    finds them current (no weight is quantized again)."""
+    from calclip.fp8.reference import quantize_128x128
+
+    model = tiny_fp8_llama()
+    ids = torch.randint(0, 320, (2, 8))
+    model(ids).logits.sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # every weight moves: the codes of the forward are stale
+    gen = make_generation(model, "colocate", fake_reload)
+    gen.sync_weights()
+    loads = _loads(fake_reload.events)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8BlockLinear)}
+    assert len(layers) == 14
+    for name, layer in layers.items():
+        q, s = loads[f"{name}.weight"], loads[f"{name}.weight_scale_inv"]
+        assert q.data_ptr() == layer._fp8_qw.data_ptr() and s.data_ptr() == layer._fp8_sw.data_ptr()
+        ref_q, ref_s = quantize_128x128(layer.weight.detach())
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+    calls = _count_weight_quantizations(monkeypatch)
+    model(ids).logits.sum().backward()
+    assert calls == []
+
+
+def test_sync_without_resident_codes_sends_reference_codes_and_keeps_none(fake_reload):
+    from calclip.fp8.reference import quantize_128x128
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=384, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = quantize_model(transformers.LlamaForCausalLM(cfg).float().eval(), Fp8Config(resident_weight_codes=False))
+    make_generation(model, "colocate", fake_reload).sync_weights()
+    loads = _loads(fake_reload.events)
+    for name, layer in model.named_modules():
+        if isinstance(layer, FP8BlockLinear):
+            ref_q, ref_s = quantize_128x128(layer.weight.detach())
+            assert torch.equal(loads[f"{name}.weight"].view(torch.uint8), ref_q.view(torch.uint8))
+            assert torch.equal(loads[f"{name}.weight_scale_inv"], ref_s)
+            assert layer._fp8_qw is None and not bool(layer._fp8_bad)
+
+
+def test_sync_sends_codes_of_weights_written_through_data_without_invalidating(fake_reload):
+    """A weight written through ``.data`` (no version bump, no ``invalidate_fp8_weight_caches``) keeps a key that
+    looks current; the sync still sends the codes of the weight as it is."""
+    from calclip.fp8.reference import quantize_128x128
+
+    model = tiny_fp8_llama()
+    layer = model.get_submodule("model.layers.0.mlp.up_proj")
+    stale_q, _, _ = layer.quantized_weight()
+    stale_q = stale_q.clone()
+    layer.weight.data.mul_(3.0)
+    make_generation(model, "colocate", fake_reload).sync_weights()
+    sent = _loads(fake_reload.events)["model.layers.0.mlp.up_proj.weight"]
+    ref_q, _ = quantize_128x128(layer.weight.detach())
+    assert torch.equal(sent.view(torch.uint8), ref_q.view(torch.uint8))
+    assert not torch.equal(sent.view(torch.uint8), stale_q.view(torch.uint8))
+
+
+def test_sync_refuses_a_non_finite_weight_naming_it_before_anything_is_sent(fake_reload):
+    model = tiny_fp8_llama()
+    with torch.no_grad():
+        model.get_submodule("model.layers.1.self_attn.o_proj").weight[3, 5] = float("inf")
+    gen = make_generation(model, "colocate", fake_reload)
+    with pytest.raises(ValueError, match=r"non-finite values in 1 FP8 layer\(s\): \['model.layers.1.self_attn.o_proj'\]"):
+        gen.sync_weights()
+    assert not any(e[0] == "load" for e in fake_reload.events)
+
+
+def test_peft_policies_and_copied_tensors_are_quantized_again_as_exported(fake_reload):
+    """Under PEFT (merge/unmerge write weights through ``.data`` around the stream) and for a stream tensor that is
+    not the layer's weight itself (a gathered copy), the codes come from the reference quantizer, not the layer."""
+    from calclip.fp8.export import fp8_weight_specs, live_fp8_layers, quantize_named_params
+    from calclip.fp8.reference import quantize_128x128
+
+    model = tiny_fp8_llama()
+    model.peft_config = {"default": object()}
+    make_generation(model, "colocate", fake_reload).sync_weights()
+    loads = _loads(fake_reload.events)
+    for name, layer in model.named_modules():
+        if isinstance(layer, FP8BlockLinear):
+            sent = loads[f"{name}.weight"]
+            assert layer._fp8_qw is None or sent.data_ptr() != layer._fp8_qw.data_ptr()
+            assert torch.equal(sent.view(torch.uint8), quantize_128x128(layer.weight.detach())[0].view(torch.uint8))
+    del model.peft_config
+    name = "model.layers.0.self_attn.q_proj"
+    copy = model.get_submodule(name).weight.detach() * 2  # what a gather hands over: another tensor
+    (_, q), (_, s) = quantize_named_params([(f"{name}.weight", copy)], fp8_weight_specs(model),
+                                           live_layers=live_fp8_layers(model))
+    ref_q, ref_s = quantize_128x128(copy)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+
+
 def test_server_sync_announces_fp8_metadata_matching_the_stream(fake_reload):
     model = tiny_fp8_llama()
     gen = make_generation(model, "server", fake_reload)
