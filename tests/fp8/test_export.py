@@ -227,3 +227,34 @@ def test_export_refuses_a_model_without_fp8_layers(tmp_path):
     with pytest.raises(ValueError, match="quantize_model"):
         export_fp8_checkpoint(model, tmp_path, config_dict=cfg.to_dict())
     assert not isinstance(model.lm_head, FP8BlockLinear) and isinstance(model.lm_head, nn.Linear)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers' CUDA refresh kernels")
+def test_live_sync_codes_are_the_reference_codes_and_leave_the_next_step_nothing_to_quantize_on_cuda(monkeypatch):
+    """On CUDA the layers' own codes come from the Triton refresh kernels (sibling groups' stacked buffers
+    included): after AdamW steps the live stream sends the reference quantizer's bits, and the next training step
+    quantizes no weight before its optimizer step."""
+    from calclip.fp8 import quant
+
+    model, _ = tiny_llama(256, 384)
+    model = quantize_model(model.to("cuda", torch.bfloat16).train(), Fp8Config())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 320, (2, 64), device="cuda")
+    for _ in range(2):
+        model(ids).logits.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    live = dict(fp8_weight_sync_tensors(model, live_codes=True))
+    reference = dict(fp8_weight_sync_tensors(model))
+    assert live.keys() == reference.keys()
+    for name, tensor in reference.items():
+        got = live[name]
+        if tensor.dtype == FP8:
+            got, tensor = got.view(torch.uint8), tensor.view(torch.uint8)
+        assert torch.equal(got, tensor), name
+    calls = []
+    for fn in ("requantize_128x128_", "quantize_128x128"):
+        original = getattr(quant, fn)
+        monkeypatch.setattr(quant, fn, lambda *a, _f=original, _n=fn, **k: calls.append(_n) or _f(*a, **k))
+    model(ids).logits.float().pow(2).mean().backward()
+    assert calls == []
