@@ -227,9 +227,10 @@ def quantize_weight_for_export(weight: Tensor, spec: Fp8WeightSpec) -> tuple[Ten
 def live_fp8_layers(model: nn.Module) -> dict[str, FP8BlockLinear]:
     """Module name (wrapper prefixes stripped) -> FP8BlockLinear, for the layers of ``model`` whose codes a sync
     stream may send as they are (``quantize_named_params(live_layers=...)``): those that keep codes between calls
-    (``Fp8Config.cache_weights``; sharded parameters, gathered for each call, do not)."""
+    (``Fp8Config.cache_weights``; sharded parameters, gathered for each call, do not) and hold their whole weight."""
     return {clean_param_name(name): module for name, module in model.named_modules()
-            if isinstance(module, FP8BlockLinear) and module.fp8_config.cache_weights}
+            if isinstance(module, FP8BlockLinear) and module.fp8_config.cache_weights
+            and tuple(module.weight.shape) == (module.out_features, module.in_features)}
 
 
 def _streams_weight_of(tensor: Tensor, layer: FP8BlockLinear) -> bool:
