@@ -16,7 +16,11 @@ copies) and the executor's need CUDA and are not here.
 Settings (each a column): ``trl`` is what TRL 1.16's colocated ``VLLMGeneration.generate`` asks (``logprobs=0``,
 detokenize on, ``min_tokens`` as the benchmark's workers set it, ``output_kind`` FINAL_ONLY as ``LLM.generate``
 sets it); ``trl_no_detokenize`` the same with ``detokenize=False`` (``--grpo-detokenize off``; TRL reads token ids
-and log-probs only); ``no_logprobs`` the decode benchmark's requests (``detokenize=False``, no log-probs).
+and log-probs only); ``no_logprobs`` the decode benchmark's requests (``detokenize=False``, no log-probs); ``trl_flat`` is
+``trl_no_detokenize`` with vLLM's ``flat_logprobs`` (log-probs kept in a few flat lists instead of a dict and a
+``Logprob`` per token; TRL's ``extract_logprobs`` reads them through the same sequence interface). The
+``read_logprobs`` part reads every log-prob of the finished outputs as TRL's extraction does (once per rollout, shown
+per decode step).
 Model outputs are synthetic (token ids drawn from the tokenizer's vocabulary, log-prob -0.5, rank 1); what the
 engine returns is checked against them (``check_outputs``). Printed: microseconds per step of each part, median
 over ``--rounds`` rounds, each round a fresh scheduler and output processor. Timings depend on the host; compare
@@ -47,8 +51,9 @@ SETTINGS = {  # SamplingParams beyond TRL's fixed ones (n=1, temperature 1, top_
     "trl": {"logprobs": 0, "detokenize": True},
     "trl_no_detokenize": {"logprobs": 0, "detokenize": False},
     "no_logprobs": {"logprobs": None, "detokenize": False},
+    "trl_flat": {"logprobs": 0, "detokenize": False, "flat_logprobs": True},
 }
-PARTS = ("schedule", "update_from_output", "process_outputs")
+PARTS = ("schedule", "update_from_output", "process_outputs", "read_logprobs")
 
 
 def build_config(batch: int, tokens: int, prompt_len: int, model_dir: str, prefix_caching: bool = True,
@@ -161,8 +166,25 @@ def run_round(setting: str, vllm_config, tokenizer, batch: int, tokens: int, pro
             spent["schedule"] += after_schedule - clock
             spent["update_from_output"] += after_update - before_update
             spent["process_outputs"] += done - after_update
+    if params.logprobs is not None:  # what TRL then does once with the outputs, charged per decode step
+        clock = time.perf_counter()
+        read_logprobs(finished)
+        spent["read_logprobs"] = time.perf_counter() - clock
     return {"per_step_s": {part: s / (tokens - 1) for part, s in spent.items()}, "outputs": finished,
             "sampled": sampled, "block_hashes": hashed}
+
+
+def read_logprobs(outputs) -> int:
+    """Read every log-prob of ``outputs`` as TRL 1.16's ``extract_logprobs`` does (each position's {token id:
+    Logprob} mapping, its items by rank, each logprob and rank); returns how many were read. (TRL's module itself
+    imports vLLM's ``LLM``, whose server dependencies this CPU site lacks.)"""
+    count = 0
+    for out in outputs:
+        for completion in out.outputs:
+            for position in completion.logprobs:
+                for _, item in sorted(position.items(), key=lambda pair: pair[1].rank):
+                    count += item.logprob is not None and item.rank is not None
+    return count
 
 
 def check_outputs(outputs, sampled: np.ndarray, setting: str, tokenizer) -> None:
