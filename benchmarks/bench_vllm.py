@@ -40,7 +40,9 @@ grpo       one CalibratedGRPOTrainer step with vLLM colocate rollouts, ``fp8`` t
            rollout's time went (GPU kernels by ``DECODE_CATEGORIES``, the GPU's busy share of the wall);
            ``--grpo-profile-host K``: the K-th rollout under cProfile (the Python functions the host spends the
            rollout in: vLLM's scheduler, input preparation, sampler, output processing, TRL's; with $OUT set, the
-           whole profile is saved as $OUT/host_<arm>.pstats).
+           whole profile is saved as $OUT/host_<arm>.pstats). After its run an FP8 arm syncs once more and checks
+           the engine against the reference quantizer's codes; an arm whose timed rollouts differ by more than
+           ``ROLLOUT_DRIFT`` (the machine changed speed mid-run) gets a warning under the table.
 
 Recipes (``--recipes``, comma-separated, default ``blockwise``): the FP8 recipes the mismatch and grpo parts run.
 blockwise is calclip's block-FP8 engine (``quantization="fp8"``, 128x128 weight blocks); rowwise and tensorwise are
@@ -1342,6 +1344,10 @@ def without_profiled_step(run: dict) -> dict:
 GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "bf16_eager", "fp8_gcon", "bf16_gcon")
 # the BF16 configurations an FP8 arm's ratio is taken against (the fastest of those measured in the run): BF16 compiled
 # by layer (the trainer's compile_layers default, "bf16") and eager ("bf16_eager"), both with the collector paused
+# Within one arm every timed step's rollout is the same work (same prompts, lengths forced by min_tokens): a spread
+# wider than this means the machine changed speed mid-run (seen on a shared H100: one BF16 arm's rollouts went from
+# 1.10 to 1.64-1.67 s), and the part prints a warning instead of letting the ratio pass for a measurement.
+ROLLOUT_DRIFT = 1.25
 GRPO_BF16_BASELINES = ("bf16", "bf16_eager")
 
 
@@ -1414,7 +1420,7 @@ def part_grpo(opts) -> None:
             results.setdefault("workers", {})[label] = runs[label]  # kept if the whole call is cut short
             save_results(opts)
     results.pop("workers", None)
-    rows = []
+    rows, drifted = [], []
     for arm, arm_runs in runs.items():
         ok = [without_profiled_step(r) for r in arm_runs if "error" not in r]
         if not ok:
@@ -1422,6 +1428,10 @@ def part_grpo(opts) -> None:
             continue
         step, gen, sync = (pooled_after(ok, key, opts.grpo_warmup) for key in ("step_s", "generate_s", "sync_s"))
         step_median, gen_median, sync_median = (statistics.median(v) for v in (step, gen, sync))
+        if max(gen) > ROLLOUT_DRIFT * min(gen):  # the same rollout, timed again: the host changed speed
+            drifted.append(f"   !! {arm}: its timed rollouts took {min(gen):.3f}-{max(gen):.3f} s "
+                           f"(x{max(gen) / min(gen):.2f}): the machine's speed changed within the arm, so this run's "
+                           f"ratios do not measure FP8; rerun before quoting them")
         # the rest of each step: log-probs, loss, backward, optimizer (one rollout and one sync per step)
         train = [t - g - y for t, g, y in zip(step, gen, sync)] if len(step) == len(gen) == len(sync) else []
         train_median = statistics.median(train) if train else None
@@ -1465,6 +1475,10 @@ def part_grpo(opts) -> None:
           f"the first {opts.grpo_warmup} of each run, {opts.grpo_rounds} round(s) of the arms in turn)")
     _common.table(["arm", "step s", "rollout s", "training s", "weight sync ms", "sync share of step", "FP8 sync path",
                    "steps timed", "startup s"], rows)
+    for line in drifted:
+        print(line)
+    results["rollout_drift"] = [line.split(":")[0].strip(" !") for line in drifted]
+    save_results(opts)
     print_rollout_profiles(runs)
     print_host_profiles(runs)
 

@@ -276,7 +276,12 @@ def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monke
 
     monkeypatch.setattr(bench_vllm.subprocess, "run", run)
     bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-rounds", "2", "--grpo-warmup", "2"]))
-    assert "| in place, codes = reference |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| in place, codes = reference |" in out
+    # fp8's timed rollouts (step / 2 here) span 0.45-0.60 s, x1.33: flagged as a machine changing speed; bf16's
+    # 0.65-0.75 s (x1.15) is not
+    assert "!! fp8: its timed rollouts took 0.450-0.600 s (x1.33)" in out and "!! bf16" not in out
+    assert bench_vllm.RESULTS["grpo"]["rollout_drift"] == ["fp8"]
     assert order == ["fp8", "bf16", "fp8", "bf16"]
     grpo = bench_vllm.RESULTS["grpo"]
     assert grpo["fp8"]["timed_steps"] == 4 and grpo["fp8"]["step_median_s"] == pytest.approx(1.05)
