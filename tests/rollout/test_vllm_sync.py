@@ -12,6 +12,7 @@ Expected tensor spec = vLLM ``Fp8LinearMethod.create_weights`` with block quant
 """
 
 import ast
+import dataclasses
 import functools
 import gc
 import os
@@ -252,18 +253,15 @@ def test_peft_policies_and_copied_tensors_are_quantized_again_as_exported(fake_r
             assert layer._fp8_qw is None or sent.data_ptr() != layer._fp8_qw.data_ptr()
             assert torch.equal(sent.view(torch.uint8), quantize_128x128(layer.weight.detach())[0].view(torch.uint8))
     del model.peft_config
-    from calclip.fp8.export import live_fp8_layers as live_of
-
     sharded = model.get_submodule("model.layers.1.mlp.down_proj")
     whole = sharded.weight
     sharded.weight = torch.nn.Parameter(whole.detach().flatten()[:10])  # what ZeRO-3 leaves outside a gather
-    assert "model.layers.1.mlp.down_proj" not in live_of(model) and "model.layers.0.mlp.down_proj" in live_of(model)
+    live = live_fp8_layers(model)
+    assert "model.layers.1.mlp.down_proj" not in live and "model.layers.0.mlp.down_proj" in live
     sharded.weight = whole
-    import dataclasses
-
     config = sharded.fp8_config
     sharded.fp8_config = dataclasses.replace(config, cache_weights=False)  # the trainer's setting under FSDP / ZeRO-3
-    assert "model.layers.1.mlp.down_proj" not in live_of(model)
+    assert "model.layers.1.mlp.down_proj" not in live_fp8_layers(model)
     sharded.fp8_config = config
     name = "model.layers.0.self_attn.q_proj"
     copy = model.get_submodule(name).weight.detach() * 2  # what a gather hands over: another tensor
