@@ -16,9 +16,9 @@ copies) and the executor's need CUDA and are not here.
 Settings (each a column): ``trl`` is what TRL 1.16's colocated ``VLLMGeneration.generate`` asks (``logprobs=0``,
 detokenize on, ``min_tokens`` as the benchmark's workers set it, ``output_kind`` FINAL_ONLY as ``LLM.generate``
 sets it); ``trl_no_detokenize`` the same with ``detokenize=False`` (``--grpo-detokenize off``; TRL reads token ids
-and log-probs only); ``no_logprobs`` the decode benchmark's requests (``detokenize=False``, no log-probs); ``trl_flat`` is
-``trl_no_detokenize`` with vLLM's ``flat_logprobs`` (log-probs kept in a few flat lists instead of a dict and a
-``Logprob`` per token; TRL's ``extract_logprobs`` reads them through the same sequence interface). The
+and log-probs only); ``no_logprobs`` the decode benchmark's requests (``detokenize=False``, no log-probs);
+``trl_flat`` is ``trl_no_detokenize`` with vLLM's ``flat_logprobs`` (log-probs kept in a few flat lists instead of a
+dict and a ``Logprob`` per token; TRL's ``extract_logprobs`` reads them through the same sequence interface). The
 ``read_logprobs`` part reads every log-prob of the finished outputs as TRL's extraction does (once per rollout, shown
 per decode step).
 Model outputs are synthetic (token ids drawn from the tokenizer's vocabulary, log-prob -0.5, rank 1); what the

@@ -232,7 +232,8 @@ def test_sync_refuses_a_non_finite_weight_naming_it_before_anything_is_sent(fake
     with torch.no_grad():
         model.get_submodule("model.layers.1.self_attn.o_proj").weight[3, 5] = float("inf")
     gen = make_generation(model, "colocate", fake_reload)
-    with pytest.raises(ValueError, match=r"non-finite values in 1 FP8 layer\(s\): \['model.layers.1.self_attn.o_proj'\]"):
+    named = r"non-finite values in 1 FP8 layer\(s\): \['model.layers.1.self_attn.o_proj'\]"
+    with pytest.raises(ValueError, match=named):
         gen.sync_weights()
     assert not any(e[0] == "load" for e in fake_reload.events)
 
