@@ -234,7 +234,7 @@ def test_live_sync_codes_are_the_reference_codes_and_leave_the_next_step_nothing
     """On CUDA the layers' own codes come from the Triton refresh kernels (sibling groups' stacked buffers
     included): after AdamW steps the live stream sends the reference quantizer's bits, and the next training step
     quantizes no weight before its optimizer step."""
-    from calclip.fp8 import quant
+    from tests.fp8._quant_calls import count_weight_quantizations
 
     model, _ = tiny_llama(256, 384)
     model = quantize_model(model.to("cuda", torch.bfloat16).train(), Fp8Config())
@@ -252,9 +252,6 @@ def test_live_sync_codes_are_the_reference_codes_and_leave_the_next_step_nothing
         if tensor.dtype == FP8:
             got, tensor = got.view(torch.uint8), tensor.view(torch.uint8)
         assert torch.equal(got, tensor), name
-    calls = []
-    for fn in ("requantize_128x128_", "quantize_128x128"):
-        original = getattr(quant, fn)
-        monkeypatch.setattr(quant, fn, lambda *a, _f=original, _n=fn, **k: calls.append(_n) or _f(*a, **k))
+    calls = count_weight_quantizations(monkeypatch)
     model(ids).logits.float().pow(2).mean().backward()
     assert calls == []

@@ -54,6 +54,8 @@ from calclip.rollout.vllm_sync import (  # noqa: E402
     vllm_generation_class,
 )
 
+from tests.fp8._quant_calls import count_weight_quantizations  # noqa: E402
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -157,17 +159,6 @@ def _loads(events):
     return {name: t for kind, name, t in (e for e in events if e[0] == "load")}
 
 
-def _count_weight_quantizations(monkeypatch):
-    """Count every weight quantization an FP8 layer makes (its refresh kernel and the unfused quantizer)."""
-    from calclip.fp8 import quant
-
-    calls = []
-    for fn in ("requantize_128x128_", "quantize_128x128"):
-        original = getattr(quant, fn)
-        monkeypatch.setattr(quant, fn, lambda *a, _f=original, _n=fn, **k: calls.append(_n) or _f(*a, **k))
-    return calls
-
-
 def test_colocate_sync_sends_the_layers_own_codes_and_the_next_forward_quantizes_nothing(fake_reload, monkeypatch):
     """The stream sends each FP8 layer's resident codes (the same storage), brought up to date with the weight as it
     is after an optimizer step; they equal the reference quantizer's bits, and the training forward after the sync
@@ -188,7 +179,7 @@ def test_colocate_sync_sends_the_layers_own_codes_and_the_next_forward_quantizes
         assert q.data_ptr() == layer._fp8_qw.data_ptr() and s.data_ptr() == layer._fp8_sw.data_ptr()
         ref_q, ref_s = quantize_128x128(layer.weight.detach())
         assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
-    calls = _count_weight_quantizations(monkeypatch)
+    calls = count_weight_quantizations(monkeypatch)
     model(ids).logits.sum().backward()
     assert calls == []
 
