@@ -1420,7 +1420,7 @@ def part_grpo(opts) -> None:
             results.setdefault("workers", {})[label] = runs[label]  # kept if the whole call is cut short
             save_results(opts)
     results.pop("workers", None)
-    rows, drifted = [], []
+    rows, drifted = [], {}  # drifted: arm -> its warning
     for arm, arm_runs in runs.items():
         ok = [without_profiled_step(r) for r in arm_runs if "error" not in r]
         if not ok:
@@ -1429,9 +1429,9 @@ def part_grpo(opts) -> None:
         step, gen, sync = (pooled_after(ok, key, opts.grpo_warmup) for key in ("step_s", "generate_s", "sync_s"))
         step_median, gen_median, sync_median = (statistics.median(v) for v in (step, gen, sync))
         if max(gen) > ROLLOUT_DRIFT * min(gen):  # the same rollout, timed again: the host changed speed
-            drifted.append(f"   !! {arm}: its timed rollouts took {min(gen):.3f}-{max(gen):.3f} s "
-                           f"(x{max(gen) / min(gen):.2f}): the machine's speed changed within the arm, so this run's "
-                           f"ratios do not measure FP8; rerun before quoting them")
+            drifted[arm] = (f"   !! {arm}: its timed rollouts took {min(gen):.3f}-{max(gen):.3f} s "
+                            f"(x{max(gen) / min(gen):.2f}): the machine's speed changed within the arm, so this run's "
+                            f"ratios do not measure FP8; rerun before quoting them")
         # the rest of each step: log-probs, loss, backward, optimizer (one rollout and one sync per step)
         train = [t - g - y for t, g, y in zip(step, gen, sync)] if len(step) == len(gen) == len(sync) else []
         train_median = statistics.median(train) if train else None
@@ -1447,7 +1447,8 @@ def part_grpo(opts) -> None:
         # after the run: does the engine hold the reference quantizer's codes of the trained policy?
         checked = [r["engine_mismatches"] for r in ok if "engine_mismatches" in r]
         if checked:
-            paths = {f"{p}, {'codes = reference' if not any(checked) else 'CODES DIFFER: ' + str(checked[0][:1])}"
+            differ = next((bad for bad in checked if bad), None)
+            paths = {f"{p}, {'codes = reference' if differ is None else 'CODES DIFFER: ' + str(differ[:1])}"
                      for p in paths}
         rows.append([arm, f"{fmt(step_median)} [{fmt(min(step))}-{fmt(max(step))}]", fmt(gen_median),
                      fmt(train_median), fmt(sync_median * 1e3, 0), f"{100 * sync_median / step_median:.1f}%",
@@ -1458,6 +1459,7 @@ def part_grpo(opts) -> None:
     measured = [b for b in GRPO_BF16_BASELINES if "step_median_s" in results.get(b, {})]
     baseline = min(measured, key=lambda b: results[b]["step_median_s"]) if measured else None
     results["bf16_baseline"] = baseline
+    results["rollout_drift"] = list(drifted)
     for recipe in opts.recipes:
         label = recipe_label("fp8", recipe, "_")
         if "step_median_s" in results.get(label, {}) and baseline is not None:
@@ -1475,10 +1477,8 @@ def part_grpo(opts) -> None:
           f"the first {opts.grpo_warmup} of each run, {opts.grpo_rounds} round(s) of the arms in turn)")
     _common.table(["arm", "step s", "rollout s", "training s", "weight sync ms", "sync share of step", "FP8 sync path",
                    "steps timed", "startup s"], rows)
-    for line in drifted:
+    for line in drifted.values():
         print(line)
-    results["rollout_drift"] = [line.split(":")[0].strip(" !") for line in drifted]
-    save_results(opts)
     print_rollout_profiles(runs)
     print_host_profiles(runs)
 

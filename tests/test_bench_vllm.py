@@ -324,6 +324,27 @@ def test_grpo_ratios_are_against_the_fastest_bf16_configuration_measured(monkeyp
     assert bench_vllm.RESULTS["grpo"]["bf16_over_fp8_step"] == pytest.approx(1.6)
 
 
+def test_grpo_fp8_row_names_an_engine_tensor_that_differs_in_any_round(monkeypatch, tmp_path, capsys):
+    """Two FP8 rounds, the engine as the reference quantizer would have it after the first only: the row names the
+    second round's differing tensor, not the first round's empty list."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    mismatches = iter([[], ["model.layers.0.mlp.down_proj.weight: engine ..."]])
+
+    def run(cmd, capture_output, text, timeout):
+        Path(cmd[cmd.index("--grpo-json") + 1]).write_text(json.dumps(
+            {"step_s": [9.0, 1.0, 1.0], "generate_s": [4.5, 0.5, 0.5], "sync_s": [0.0] * 3,
+             "direct_sync": {"verified": True, "reason": None}, "engine_mismatches": next(mismatches)}))
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-arms", "fp8", "--grpo-rounds", "2",
+                                                "--grpo-warmup", "1"]))
+    out = capsys.readouterr().out
+    # (the column keeps 60 characters)
+    assert "in place, CODES DIFFER: ['model.layers.0.mlp.down_proj" in out and "codes = reference" not in out
+
+
 def test_grpo_arm_settings_say_what_each_arm_changes():
     assert bench_vllm.grpo_arm_settings("bf16") == {"fp8": False, "vllm_fp8_direct_sync": True, "vllm_pause_gc": True,
                                                     "compile_layers": None}
