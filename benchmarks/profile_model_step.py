@@ -153,9 +153,10 @@ def main(argv=None) -> int:
     row = bs.TINY_MODELS[0] if opts.tiny else bs.parse_model_rows(opts.model)[0]
     sizes = bs.TINY_SIZES if opts.tiny else bs.GPU_SIZES
     arms = [a.strip() for a in opts.arms.split(",") if a.strip()]
-    unknown = [a for a in arms if a not in bs.MODEL_ARMS or a.startswith("torchao")]
+    unknown = [a for a in arms if a not in bs.MODEL_ARMS or a.startswith(("torchao", "fp8y"))]
     if unknown or not arms:
-        parser.error(f"--arms: unknown or unsupported {unknown}; choose from {[a for a in bs.MODEL_ARMS if 'ao' not in a]}")
+        parser.error(f"--arms: unknown or unsupported {unknown}; choose from "
+                     f"{[a for a in bs.MODEL_ARMS if not a.startswith(('torchao', 'fp8y'))]}")
     fp8_options = bs.parse_fp8_options(opts.fp8_options)
     if any(a.startswith("fp8x") for a in arms) and not fp8_options:
         parser.error("--arms fp8x/fp8xc need --fp8-options")
@@ -172,14 +173,8 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(base.parameters(), lr=1e-5, fused=device.type == "cuda")
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(3, sizes.vocab, (batch, sizes.seq), generator=gen).to(device)
-    makers = {
-        "bf16": lambda: base,
-        "bf16c": lambda: bs.compile_module(base, compile_opts),
-        "fp8": lambda: bs.calclip_fp8_copy(base),
-        "fp8c": lambda: bs.compile_module(bs.calclip_fp8_copy(base), compile_opts),
-        "fp8x": lambda: bs.calclip_fp8_copy(base, fp8_options),
-        "fp8xc": lambda: bs.compile_module(bs.calclip_fp8_copy(base, fp8_options), compile_opts),
-    }
+    makers = bs.model_arm_makers(base, argparse.Namespace(**vars(compile_opts), fp8_options=fp8_options,
+                                                          fp8_options_b=None), peer=None)
     results = {}
     for key in arms:
         name = bs.MODEL_ARMS[key]

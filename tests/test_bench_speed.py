@@ -340,3 +340,19 @@ def test_profile_probe_reports_the_host_side_with_the_weight_refresh(capsys):
     assert rows["BF16 compile"][3] == "0.00 (0)"
     refresh_ms, refresh_calls = rows["FP8 compile"][3].split()
     assert refresh_calls == "(1)" and float(refresh_ms) > 0
+
+
+@pytest.mark.slow
+def test_profile_probe_runs_every_by_layer_arm_bench_speed_has(capsys):
+    """The probe takes its arms from bench_speed's makers, so the by-layer arms (``bf16r``, ``fp8r``, ``fp8xr``) run
+    here too (they raised KeyError when the probe kept its own shorter list); arms it cannot build are refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_model_step as probe
+
+    assert probe.main(["--tiny", "--arms", "bf16r,fp8xr", "--fp8-options", "resident_weight_codes=false",
+                       "--steps", "1", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| BF16 by layer ms (share) | FP8+ by layer ms (share) |" in out
+    for refused in ("fp8y", "torchaoc"):
+        with pytest.raises(SystemExit):
+            probe.main(["--tiny", "--arms", f"bf16r,{refused}", "--steps", "1"])
