@@ -42,7 +42,9 @@ grpo       one CalibratedGRPOTrainer step with vLLM colocate rollouts, ``fp8`` t
            rollout in: vLLM's scheduler, input preparation, sampler, output processing, TRL's; with $OUT set, the
            whole profile is saved as $OUT/host_<arm>.pstats). After its run an FP8 arm syncs once more and checks
            the engine against the reference quantizer's codes; an arm whose timed rollouts differ by more than
-           ``ROLLOUT_DRIFT`` (the machine changed speed mid-run) gets a warning under the table.
+           ``ROLLOUT_DRIFT`` (the machine changed speed mid-run) gets a warning under the table. With
+           ``--grpo-rounds`` > 1 the step ratio is also printed round by round (each round's runs ran back to
+           back), and each worker's line gives its rollouts' CPU share of their wall and the host's load average.
 
 Recipes (``--recipes``, comma-separated, default ``blockwise``): the FP8 recipes the mismatch and grpo parts run.
 blockwise is calclip's block-FP8 engine (``quantization="fp8"``, 128x128 weight blocks); rowwise and tensorwise are
@@ -1178,7 +1180,8 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         vllm_kv_cache_dtype=getattr(opts, "kv_cache_dtype", "auto"),
         vllm_async_scheduling=getattr(opts, "async_scheduling", None),
         vllm_max_cudagraph_capture_size=getattr(opts, "grpo_capture_size", None))
-    timings = {"step_s": [], "generate_s": [], "sync_s": [], "gc_ms": [], "gc_collections": []}
+    timings = {"step_s": [], "generate_s": [], "sync_s": [], "gc_ms": [], "gc_collections": [], "rollout_cpu_s": [],
+               "load1": []}
     gc_clock = GcClock()
 
     class StepClock(TrainerCallback):
@@ -1216,7 +1219,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
             profiler = {"rollout_profile": kernel_profiler, "host_profile": cProfile.Profile}.get(
                 kind, contextlib.nullcontext)()
             cuda_sync()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             with profiler, (gc_clock if _key == "generate_s" else contextlib.nullcontext()):
                 out = _original(*a, **k)
                 cuda_sync()
@@ -1224,6 +1227,10 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
             if _key == "generate_s":
                 timings["gc_ms"].append(gc_clock.pause_ms)
                 timings["gc_collections"].append(list(gc_clock.collections))
+                # the rollout's CPU time (every thread of this process: the engine runs in it) and the machine's
+                # 1-minute load average: a host-bound decode slowed by other work on a shared host shows here
+                timings["rollout_cpu_s"].append(time.process_time() - cpu_start)
+                timings["load1"].append(os.getloadavg()[0])
             if kind is not None:
                 summarize = rollout_profile if kind == "rollout_profile" else host_profile
                 timings[kind] = summarize(profiler, timings[_key][-1], step=rollout - 1)
@@ -1319,6 +1326,11 @@ def worker_summary(run: dict, warmup: int) -> str:
         last = run["gc_collections"][-1]
         text += (f"; GC pauses per rollout {median('gc_ms')} ms (the last rollout's collections of generations "
                  f"0/1/2: {last[0]}/{last[1]}/{last[2]})")
+    if run.get("rollout_cpu_s") and run.get("generate_s"):  # older worker files have no such lists
+        shares = [c / g for c, g in zip(run["rollout_cpu_s"][warmup:], run["generate_s"][warmup:]) if g > 0]
+        if shares:
+            text += (f"; rollout CPU time {100 * statistics.median(shares):.0f}% of its wall, host load average "
+                     f"{median('load1')}")
     profile = run.get("rollout_profile")
     if profile:
         text += (f"; profiled rollout (step {profile['step'] + 1}): GPU kernels {fmt(profile['kernel_ms'], 1)} of "
@@ -1331,6 +1343,10 @@ def worker_summary(run: dict, warmup: int) -> str:
     return text
 
 
+# a grpo worker's lists with one entry per step (each step runs one rollout and one sync)
+PER_ROLLOUT_KEYS = ("step_s", "generate_s", "sync_s", "gc_ms", "gc_collections", "rollout_cpu_s", "load1")
+
+
 def without_profiled_step(run: dict) -> dict:
     """A worker's timings with its profiled steps (``rollout_profile["step"]``, ``host_profile["step"]``) left out
     of every per-step list."""
@@ -1338,7 +1354,7 @@ def without_profiled_step(run: dict) -> dict:
     if not steps:
         return run
     return {**run, **{key: [v for i, v in enumerate(run[key]) if i not in steps]
-                      for key in ("step_s", "generate_s", "sync_s", "gc_ms", "gc_collections") if key in run}}
+                      for key in PER_ROLLOUT_KEYS if key in run}}
 
 
 GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "bf16_eager", "fp8_gcon", "bf16_gcon")
@@ -1349,6 +1365,17 @@ GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "bf16_eager", "fp8_gcon", "bf16_gcon")
 # 1.10 to 1.64-1.67 s), and the part prints a warning instead of letting the ratio pass for a measurement.
 ROLLOUT_DRIFT = 1.25
 GRPO_BF16_BASELINES = ("bf16", "bf16_eager")
+
+
+def round_ratios(base_runs: list[dict], arm_runs: list[dict], warmup: int) -> list[float | None]:
+    """Round by round (run i of each arm, run back to back), the baseline's step median over the arm's: the ratio
+    a round measured on the host as it was then. None where either run failed or timed none of its steps."""
+    def median_step(run):
+        steps = without_profiled_step(run).get("step_s", [])[warmup:] if "error" not in run else []
+        return statistics.median(steps) if steps else None
+
+    pairs = [(median_step(b), median_step(a)) for b, a in zip(base_runs, arm_runs)]
+    return [b / a if b and a else None for b, a in pairs]
 
 
 def grpo_arm_settings(arm: str) -> dict:
@@ -1460,6 +1487,7 @@ def part_grpo(opts) -> None:
     baseline = min(measured, key=lambda b: results[b]["step_median_s"]) if measured else None
     results["bf16_baseline"] = baseline
     results["rollout_drift"] = list(drifted)
+    per_round = []
     for recipe in opts.recipes:
         label = recipe_label("fp8", recipe, "_")
         if "step_median_s" in results.get(label, {}) and baseline is not None:
@@ -1470,6 +1498,13 @@ def part_grpo(opts) -> None:
             results[key + "_rollout"], results[key + "_train"] = ratios["generate"], ratios["train"]
             rows.append([recipe_label(f"{baseline} (fastest BF16) / FP8", recipe),
                          *(f"{r:.2f}x" if r else "-" for r in ratios.values()), "", "", "", "", ""])
+            by_round = round_ratios(runs[baseline], runs[label], opts.grpo_warmup)
+            results[key + "_step_by_round"] = by_round
+            if len(by_round) > 1:  # how far the rounds agree: the pooled median hides a round the host slowed
+                measured_rounds = [r for r in by_round if r is not None]
+                per_round.append(f"   step ratio {baseline} / {label} round by round: "
+                                 + ", ".join(f"{r:.2f}x" if r else "-" for r in by_round)
+                                 + (f" (median {statistics.median(measured_rounds):.2f}x)" if measured_rounds else ""))
     save_results(opts)
     print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
           f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step, trained in "
@@ -1477,7 +1512,7 @@ def part_grpo(opts) -> None:
           f"the first {opts.grpo_warmup} of each run, {opts.grpo_rounds} round(s) of the arms in turn)")
     _common.table(["arm", "step s", "rollout s", "training s", "weight sync ms", "sync share of step", "FP8 sync path",
                    "steps timed", "startup s"], rows)
-    for line in drifted.values():
+    for line in [*per_round, *drifted.values()]:
         print(line)
     print_rollout_profiles(runs)
     print_host_profiles(runs)

@@ -203,6 +203,9 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         # each rollout's collector pauses; with the collector off during rollouts (vllm_pause_gc, the default; not
         # in the _gcon arm) at most the one collection that the first allocation after it is switched back on runs
         assert len(timings["gc_ms"]) == len(timings["gc_collections"]) == 2
+        # each rollout's CPU time (the stand-in engine runs in this process) and the host's load average beside it
+        assert len(timings["rollout_cpu_s"]) == len(timings["load1"]) == 2
+        assert all(c > 0 for c in timings["rollout_cpu_s"]) and all(load >= 0 for load in timings["load1"])
         if not arm.endswith("_gcon"):
             assert all(sum(counts) <= 1 for counts in timings["gc_collections"])
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
@@ -294,6 +297,9 @@ def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monke
     assert grpo["bf16_over_fp8_rollout"] == pytest.approx(0.7 / 0.525)
     assert grpo["fp8"]["train_median_s"] == pytest.approx(1.05 / 2 - 0.05)
     assert grpo["bf16_over_fp8_train"] == pytest.approx((0.7 - 0.05) / (0.525 - 0.05))
+    # round by round: round 1's pair (BF16 1.4 s / FP8 1.1 s); round 2's BF16 run failed, so that round has none
+    assert grpo["bf16_over_fp8_step_by_round"] == [pytest.approx(1.4 / 1.1), None]
+    assert "step ratio bf16 / fp8 round by round: 1.27x, - (median 1.27x)" in out
 
 
 def test_grpo_ratios_are_against_the_fastest_bf16_configuration_measured(monkeypatch, tmp_path):
@@ -949,3 +955,15 @@ def test_gc_clock_counts_the_collections_inside_its_block_only():
     with clock:  # entering again starts from zero
         pass
     assert clock.collections == [0, 0, 0] and clock.pause_ms == 0.0
+
+
+def test_grpo_worker_summary_gives_the_rollouts_cpu_share_and_the_host_load():
+    """The line each worker prints: the rollout's CPU time as a share of its wall (a host-bound decode on a shared
+    machine drops here) and the load average, both medians after the warm-up; older worker files have neither."""
+    run = {"step_s": [9.0, 3.0, 3.0, 3.2], "generate_s": [5.0, 1.0, 2.0, 1.0], "sync_s": [0.1] * 4,
+           "rollout_cpu_s": [5.0, 0.9, 1.0, 0.8], "load1": [1.0, 2.0, 9.0, 3.0]}
+    line = bench_vllm.worker_summary(run, warmup=1)
+    # shares after the first step 0.9, 0.5, 0.8: median 80%; load median of 2, 9, 3
+    assert "rollout CPU time 80% of its wall, host load average 3.000" in line
+    del run["rollout_cpu_s"], run["load1"]
+    assert "CPU time" not in bench_vllm.worker_summary(run, warmup=1)
