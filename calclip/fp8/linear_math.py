@@ -25,7 +25,7 @@ from calclip.fp8 import quant
 from calclip.fp8.config import Fp8Config
 from calclip.fp8.gemm import (fp8_block_gemm, operand_rows, resolve_backend, row_scales_of, scaled_mm_blockwise,
                               scaled_mm_on_padded_rows)
-from calclip.fp8.tracing import is_traced, same_size
+from calclip.fp8.tracing import is_traced, one_buffer, same_size
 
 # (backend, a_blocks, b_blocks, m, n, k, out_dtype, device, row_scales) -> "scaled_mm" | other backend name
 _gemm_choice: dict[tuple, str] = {}
@@ -82,6 +82,8 @@ def _quantize_input(x2: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wg
     wgrad GEMM), else None; counter (int64 []) += the non-finite rows of ``members`` linears reading x2
     (``weight_bad``: the one linear's flag, or an int32 count of bad weights among members)."""
     rows = _out_rows(gemm, x2, x2.dtype, row_scales)
+    if save_for_wgrad and not fused:  # two kernels read x2: stored once by its producer (tracing.one_buffer)
+        x2 = one_buffer(x2)
     if save_for_wgrad and fused:
         qx, sx, qxt, sxt = quant.quantize_1x128_and_128x1(x2, pow2=pow2, gemm_layout=True, out_rows=rows)
         quant.add_nonfinite_rows(counter, sx if rows is None else sx.narrow(0, 0, x2.shape[0]), weight_bad, members)
@@ -111,6 +113,8 @@ def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, n
     """dy2 [M, N]; W^T codes qwt [K, N], swt [K/128, N/128]; saved x 128x1 -> (dx [M, K], dW [N, K])."""
     dx = dw = None
     both_at_once = need_dx and need_dw and fused  # Fp8Config.fused_quantizer: one kernel writes both layouts
+    if need_dx and need_dw and not fused:  # two kernels read dy2: stored once by its producer (tracing.one_buffer)
+        dy2 = one_buffer(dy2)
     if need_dx:
         # dy's 1x128 codes over the rows the dgrad GEMM runs on (gemm.operand_rows: zero tokens past M, no copy)
         rows = _out_rows(gemm, dy2, x_dtype, row_scales)

@@ -4,6 +4,8 @@ layer and the Triton kernels all import, so none of them imports another for it.
 
 from __future__ import annotations
 
+import os
+
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
@@ -35,3 +37,28 @@ def same_size(a, b) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(a == b))
+
+
+# devices whose quantizers are user Triton kernels inside a compiled graph (CPU runs the torch reference quantizers,
+# which Inductor fuses like any other op); a module attribute so a CPU test can trace the CUDA graph's form.
+# CALCLIP_ONE_BUFFER=0 leaves the quantizers' inputs as Inductor lays them out (compile_cache.DISPATCH_ENV).
+TRITON_KERNEL_DEVICES: tuple[str, ...] = ("cuda",) if os.environ.get("CALCLIP_ONE_BUFFER", "1") != "0" else ()
+
+
+def one_buffer(t: Tensor) -> Tensor:
+    """``t`` as one buffer for the two quantizer kernels that read it inside a compiled graph (x's 1x128 and 128x1
+    codes, and dy's); ``t`` itself outside tracing and where the quantizers are not Triton kernels.
+
+    Inductor gives every argument of a user Triton kernel the exact strides it was traced with, and where the argument
+    is a pointwise result not yet in memory (the SiLU-multiply before down_proj, RMSNorm before q/k/v and gate/up, the
+    SiLU backward before gate/up's backward) it realizes a copy per kernel argument, which it then fuses into the
+    producer: the producer stored its output twice, once per quantizer (the H100 profile of 2026-12-06 at Qwen2.5-1.5B
+    dims: FP8's SiLU-multiply kernels 3.1 / 5.5 ms forward / backward against BF16's 2.3 / 3.9, at the same ~3 TB/s).
+    Forcing the stride order it already has makes Inductor realize it once, as one store both kernels read; an input
+    already in memory (a GEMM's output) is unchanged. The values, strides and codes are the same bit for bit."""
+    if t.device.type not in TRITON_KERNEL_DEVICES or not is_traced(t):
+        return t
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+    from torch import ops
+
+    return ops.prims.inductor_force_stride_order(t, t.stride())

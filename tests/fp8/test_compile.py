@@ -314,3 +314,67 @@ def test_frozen_weights_is_a_no_op_where_it_cannot_freeze():
             pass
         assert model._calclip_frozen
     assert not model._calclip_frozen
+
+
+def _pinned_and_equal(monkeypatch, devices, backend):
+    """Compile _pair()'s model with ``backend`` (an AOTAutograd backend, the graph list it fills) while
+    ``tracing.TRITON_KERNEL_DEVICES`` is ``devices``: the output and every gradient bit-equal to eager; returns how many
+    prims.inductor_force_stride_order nodes the captured graphs (forward and backward) hold."""
+    from calclip.fp8 import tracing
+
+    monkeypatch.setattr(tracing, "TRITON_KERNEL_DEVICES", devices)
+    torch._dynamo.reset()
+    eager, model = _pair()
+    compiled = torch.compile(model, backend=backend[0])
+    x = torch.randn(64, 256)
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ye, yc = eager(xe), compiled(xc)
+    assert torch.equal(ye, yc)
+    ye.square().sum().backward()
+    yc.square().sum().backward()
+    assert torch.equal(xe.grad, xc.grad)
+    for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
+        assert torch.equal(pe.grad, pc.grad), name
+    pin = torch.ops.prims.inductor_force_stride_order.default
+    return sum(node.target is pin for gm in backend[1] for node in gm.graph.nodes)
+
+
+@pytest.mark.slow
+def test_a_tensor_both_quantizers_read_is_one_buffer_where_they_are_triton_kernels(monkeypatch):
+    """tracing.one_buffer: where the quantizers are Triton kernels (CUDA; CPU traced as CUDA is, here) the compiled
+    graphs pin each layer's x (forward: read by its 1x128 and 128x1 quantizers) and dy (backward) with
+    prims.inductor_force_stride_order, so Inductor stores a pointwise producer's output once for both instead of once
+    per kernel; nothing changes a bit. On CPU as shipped no node is added."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers the prim the count looks for)
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, _inputs):
+        graphs.append(gm)
+        return gm
+
+    backend = (aot_autograd(fw_compiler=capture, bw_compiler=capture), graphs)
+    assert _pinned_and_equal(monkeypatch, ("cuda",), backend) == 0
+    graphs.clear()
+    # three layers: three inputs in the forward, three output gradients in the backward
+    assert _pinned_and_equal(monkeypatch, ("cuda", "cpu"), backend) == 6
+
+
+def test_one_buffer_is_switched_off_by_its_environment_variable():
+    """CALCLIP_ONE_BUFFER=0 (read at import, part of the compile caches' key): no device pins the quantizers'
+    input; unset or 1: CUDA does."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "import calclip.fp8.tracing as t; print(t.TRITON_KERNEL_DEVICES)"
+    seen = {}
+    for value in ("0", "1", None):
+        env = {k: v for k, v in os.environ.items() if k != "CALCLIP_ONE_BUFFER"}
+        if value is not None:
+            env["CALCLIP_ONE_BUFFER"] = value
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        seen[value] = done.stdout.strip()
+    assert seen == {"0": "()", "1": "('cuda',)", None: "('cuda',)"}

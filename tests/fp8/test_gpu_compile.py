@@ -117,6 +117,37 @@ def test_inductor_launches_calclip_kernels_itself():
     assert "calclip.fp8_linear_forward" not in code and "calclip.fp8_linear_backward" not in code
 
 
+class _GatedMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = nn.Linear(512, 1024, bias=False), nn.Linear(512, 1024, bias=False)
+        self.down = nn.Linear(1024, 512, bias=False)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def test_inductor_stores_a_quantized_activation_once_for_both_quantizers():
+    """tracing.one_buffer: silu(gate) * up, read by down's 1x128 and 128x1 quantizers, is stored once by its
+    Inductor kernel (Inductor copied it once per Triton kernel argument before: two stores, and four in the SiLU
+    backward, whose d_gate and d_up each feed two quantizers)."""
+    import re
+
+    torch.manual_seed(0)
+    model = quantize_model(_GatedMlp().cuda().to(torch.bfloat16), Fp8Config(keep_patterns=()))
+    compiled = torch.compile(model)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    _, codes = run_and_get_code(lambda: compiled(x).float().sum().backward())
+    # Inductor's kernels: name = async_compile.triton('name', '''source''', ...)
+    found = re.findall(r"async_compile\.triton\('(\w+)', '''(.*?)'''", "\n".join(codes), flags=re.S)
+    silu = {name: src.count("tl.store(") for name, src in found if "silu" in name}
+    forward = {n: c for n, c in silu.items() if "silu_backward" not in n}
+    backward = {n: c for n, c in silu.items() if "silu_backward" in n}
+    assert forward and backward, sorted(name for name, _ in found)
+    assert sum(forward.values()) == 1, forward  # h = silu(gate) * up, once
+    assert sum(backward.values()) == 2, backward  # d_gate and d_up, once each
+
+
 def test_compiled_inference_counts_nonfinite_tokens_on_gpu():
     model = _chain()
     compiled = torch.compile(model)
