@@ -356,3 +356,11 @@ def test_profile_probe_runs_every_by_layer_arm_bench_speed_has(capsys):
     for refused in ("fp8y", "torchaoc"):
         with pytest.raises(SystemExit):
             probe.main(["--tiny", "--arms", f"bf16r,{refused}", "--steps", "1"])
+
+
+def test_header_names_the_calclip_switches_a_run_had_set():
+    """A row measured with autotune off (or any calclip dispatch switch set) says so in its header."""
+    assert bench_speed.dispatch_switches({}) == "default"
+    assert bench_speed.dispatch_switches({"CALCLIP_TRITON_AUTOTUNE": "0", "CALCLIP_ONE_BUFFER": "0",
+                                          "UNRELATED": "1"}) == "CALCLIP_TRITON_AUTOTUNE=0 CALCLIP_ONE_BUFFER=0"
+    assert "calclip switches " in bench_speed.header_line(bench_speed.TINY_SIZES)
