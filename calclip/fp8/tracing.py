@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
@@ -55,10 +56,14 @@ def one_buffer(t: Tensor) -> Tensor:
     producer: the producer stored its output twice, once per quantizer (the H100 profile of 2026-12-06 at Qwen2.5-1.5B
     dims: FP8's SiLU-multiply kernels 3.1 / 5.5 ms forward / backward against BF16's 2.3 / 3.9, at the same ~3 TB/s).
     Forcing the stride order it already has makes Inductor realize it once, as one store both kernels read; an input
-    already in memory (a GEMM's output) is unchanged. The values, strides and codes are the same bit for bit."""
+    already in memory (a GEMM's output) is unchanged. The values, strides and codes are the same bit for bit. (Under
+    the aot_eager backend the prim's eager form runs instead, and copies: a debugging backend, not a fast one.)"""
     if t.device.type not in TRITON_KERNEL_DEVICES or not is_traced(t):
         return t
-    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
-    from torch import ops
+    if t.device.type == "cuda" and not torch.backends.cuda.is_built():
+        # CUDA stand-ins traced by a CPU-only torch (tests/fp8/test_model_dims.py's GEMM-choice sweep): the prim's
+        # meta function copies, which such a torch cannot do for a CUDA tensor
+        return t
+    from torch._inductor import inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
 
-    return ops.prims.inductor_force_stride_order(t, t.stride())
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
