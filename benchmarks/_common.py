@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import itertools
+import os
 import platform
 import subprocess
 import sys
@@ -186,3 +187,13 @@ def split_by_category(times: dict[str, tuple[float, int]], steps: int, categorie
     for kernel, (us, _) in times.items():
         split[kernel_category(kernel, categories)] += us / steps / 1e3
     return split
+
+
+def dispatch_switches(env=os.environ) -> str:
+    """calclip's dispatch switches set in ``env`` (``compile_cache.DISPATCH_ENV``: autotune, one_buffer, ...), or
+    "default", for a benchmark's header: a row measured with one of them set says so (the H100 model rows of
+    2026-12-05/06 ran with CALCLIP_TRITON_AUTOTUNE=0; the product's default autotunes)."""
+    from calclip.fp8.compile_cache import DISPATCH_ENV
+
+    chosen = [f"{name}={env[name]}" for name in DISPATCH_ENV if name in env]
+    return " ".join(chosen) if chosen else "default"

@@ -68,7 +68,7 @@ import torch
 from torch import nn
 
 import _common  # noqa: F401  (puts the repository root on sys.path)
-from _common import git_commit, package_version, rotating, table
+from _common import dispatch_switches, git_commit, package_version, rotating, table
 
 SECTIONS = ("layer", "model", "decode", "trainer", "smollm")
 ROOT = Path(__file__).resolve().parents[1]
@@ -1179,16 +1179,6 @@ def header_line(sizes: Sizes) -> str:
             f"(cuda {torch.version.cuda})  triton {package_version('triton')}  transformers "
             f"{package_version('transformers')}  torchao {package_version('torchao')}  device {device}  "
             f"calclip switches {dispatch_switches()}")
-
-
-def dispatch_switches(env=os.environ) -> str:
-    """calclip's dispatch switches set in ``env`` (``compile_cache.DISPATCH_ENV``: autotune, one_buffer, ...), or
-    "default": a row measured with one of them set says so in its header (the H100 model rows of 2026-12-05/06 ran
-    with CALCLIP_TRITON_AUTOTUNE=0, the product's default autotunes)."""
-    from calclip.fp8.compile_cache import DISPATCH_ENV
-
-    set_ = [f"{name}={env[name]}" for name in DISPATCH_ENV if name in env]
-    return " ".join(set_) if set_ else "default"
 
 
 # GPU defaults, and the smaller ones --tiny uses on the shared CPU machine; explicit flags win over both.

@@ -1810,7 +1810,8 @@ def main(argv=None) -> int:
         return 0
     _common.header("bench_vllm: vLLM rollouts on calclip's FP8 codes")
     print(f"vllm {_common.package_version('vllm')}  trl {_common.package_version('trl')}  transformers "
-          f"{_common.package_version('transformers')}  calclip {_common.git_commit()}", flush=True)
+          f"{_common.package_version('transformers')}  calclip {_common.git_commit()}  calclip switches "
+          f"{_common.dispatch_switches()}", flush=True)
     RESULTS["argv"] = argv
     if opts.in_process:
         run_in_process(opts)
