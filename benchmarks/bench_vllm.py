@@ -1369,9 +1369,10 @@ GRPO_BF16_BASELINES = ("bf16", "bf16_eager")
 
 def round_ratios(base_runs: list[dict], arm_runs: list[dict], warmup: int) -> list[float | None]:
     """Round by round (run i of each arm, run back to back), the baseline's step median over the arm's: the ratio
-    a round measured on the host as it was then. None where either run failed or timed none of its steps."""
+    a round measured on the host as it was then, each run's steps taken as the pooled medians take them
+    (``pooled_after``). None where either run failed or has no step."""
     def median_step(run):
-        steps = without_profiled_step(run).get("step_s", [])[warmup:] if "error" not in run else []
+        steps = pooled_after([without_profiled_step(run)], "step_s", warmup) if "error" not in run else []
         return statistics.median(steps) if steps else None
 
     pairs = [(median_step(b), median_step(a)) for b, a in zip(base_runs, arm_runs)]

@@ -164,7 +164,6 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run on the GPU machine, or pass --tiny")
         return 2
-    compile_opts = argparse.Namespace(compile_backend="aot_eager" if opts.tiny else "inductor", compile_mode=None)
     batch = row.batch or sizes.batch
     print(bs.header_line(sizes))
     print(f"profile_model_step: {row.label}, {batch}x{sizes.seq} tokens, vocab {sizes.vocab}, arms {arms}, "
@@ -173,8 +172,10 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(base.parameters(), lr=1e-5, fused=device.type == "cuda")
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(3, sizes.vocab, (batch, sizes.seq), generator=gen).to(device)
-    makers = bs.model_arm_makers(base, argparse.Namespace(**vars(compile_opts), fp8_options=fp8_options,
-                                                          fp8_options_b=None), peer=None)
+    # the arms' makers, as bench_speed builds them (no torchao peer, no second FP8 option set)
+    arm_opts = argparse.Namespace(compile_backend="aot_eager" if opts.tiny else "inductor", compile_mode=None,
+                                  fp8_options=fp8_options, fp8_options_b=None)
+    makers = bs.model_arm_makers(base, arm_opts, peer=None)
     results = {}
     for key in arms:
         name = bs.MODEL_ARMS[key]
