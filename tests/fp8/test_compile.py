@@ -316,16 +316,25 @@ def test_frozen_weights_is_a_no_op_where_it_cannot_freeze():
     assert not model._calclip_frozen
 
 
-def _pinned_and_equal(monkeypatch, devices, backend):
-    """Compile _pair()'s model with ``backend`` (an AOTAutograd backend, the graph list it fills) while
-    ``tracing.TRITON_KERNEL_DEVICES`` is ``devices``: the output and every gradient bit-equal to eager; returns how many
-    prims.inductor_force_stride_order nodes the captured graphs (forward and backward) hold."""
+def _pins_compiled_bit_equal(monkeypatch, devices):
+    """Compile _pair()'s model (AOTAutograd, graphs captured) while ``tracing.TRITON_KERNEL_DEVICES`` is ``devices``:
+    the output and every gradient bit-equal to eager; returns how many prims.inductor_force_stride_order nodes the
+    forward and backward graphs hold."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers the prim counted)
+    from torch._dynamo.backends.common import aot_autograd
+
     from calclip.fp8 import tracing
+
+    graphs = []
+
+    def capture(gm, _inputs):
+        graphs.append(gm)
+        return gm
 
     monkeypatch.setattr(tracing, "TRITON_KERNEL_DEVICES", devices)
     torch._dynamo.reset()
     eager, model = _pair()
-    compiled = torch.compile(model, backend=backend[0])
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
     x = torch.randn(64, 256)
     xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
     ye, yc = eager(xe), compiled(xc)
@@ -336,7 +345,7 @@ def _pinned_and_equal(monkeypatch, devices, backend):
     for (name, pe), pc in zip(eager.named_parameters(), model.parameters()):
         assert torch.equal(pe.grad, pc.grad), name
     pin = torch.ops.prims.inductor_force_stride_order.default
-    return sum(node.target is pin for gm in backend[1] for node in gm.graph.nodes)
+    return sum(node.target is pin for gm in graphs for node in gm.graph.nodes)
 
 
 @pytest.mark.slow
@@ -345,20 +354,9 @@ def test_a_tensor_both_quantizers_read_is_one_buffer_where_they_are_triton_kerne
     graphs pin each layer's x (forward: read by its 1x128 and 128x1 quantizers) and dy (backward) with
     prims.inductor_force_stride_order, so Inductor stores a pointwise producer's output once for both instead of once
     per kernel; nothing changes a bit. On CPU as shipped no node is added."""
-    import torch._inductor.inductor_prims  # noqa: F401  (registers the prim the count looks for)
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = []
-
-    def capture(gm, _inputs):
-        graphs.append(gm)
-        return gm
-
-    backend = (aot_autograd(fw_compiler=capture, bw_compiler=capture), graphs)
-    assert _pinned_and_equal(monkeypatch, ("cuda",), backend) == 0
-    graphs.clear()
+    assert _pins_compiled_bit_equal(monkeypatch, ("cuda",)) == 0
     # three layers: three inputs in the forward, three output gradients in the backward
-    assert _pinned_and_equal(monkeypatch, ("cuda", "cpu"), backend) == 6
+    assert _pins_compiled_bit_equal(monkeypatch, ("cuda", "cpu")) == 6
 
 
 def test_one_buffer_is_switched_off_by_its_environment_variable():
