@@ -181,6 +181,73 @@ def host_times(prof, names) -> dict[str, tuple[float, int]]:
     return {name: (us, n) for name, (us, n) in times.items()}
 
 
+# CUDA runtime calls that hold the host until the GPU catches up (a sync, a copy to or from pageable memory) or that
+# may (the allocator's cudaMalloc / cudaFree): where the GPU idles inside a step although the launches keep ahead.
+WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync", "cudaMalloc", "cudaFree", "cudaHostAlloc")
+
+# CPU ops too generic to name where a launch came from (the profiler's own ranges, the launch calls themselves).
+_GENERIC_OPS = ("ProfilerStep", "cuda", "cu")
+
+
+def _launch_source(launch) -> str:
+    """'outermost > innermost' of the CPU ops enclosing a launch call (by ``cpu_parent``), the generic ones skipped:
+    the step's region (a compiled graph, autograd's backward of one, the optimizer, a calclip range) and the op
+    whose launch it was."""
+    names = []
+    event = getattr(launch, "cpu_parent", None)
+    while event is not None:
+        if not event.name.startswith(_GENERIC_OPS):
+            names.append(event.name)
+        event = getattr(event, "cpu_parent", None)
+    if not names:
+        return "(top level)"
+    inner, outer = names[0][:60], names[-1][:60]
+    return outer if inner == outer else f"{outer} > {inner}"
+
+
+def gpu_idle(events, min_gap_us: float = 20.0) -> dict:
+    """Where the GPU waited for the host, from a finished profiler's events (``prof.events()``).
+
+    The device events (kernels, copies, fills), in start order, leave gaps where nothing ran; summed, they are the
+    idle time between the first and the last. Each gap of at least ``min_gap_us`` is charged to the host code that
+    launched the event after it (the launch call with the same correlation id, its enclosing ops by
+    ``_launch_source``): the GPU was idle because that launch came late. Returns {"span_us", "busy_us", "idle_us",
+    "gaps": {source: [us, count]} for the gaps >= min_gap_us, "waits": {WAIT_CALLS name: [cpu us, calls]}}."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    device = sorted((e for e in events if e.device_type == cuda), key=lambda e: e.time_range.start)
+    launches, waits = {}, {}
+    for event in events:
+        if event.device_type != cpu:
+            continue
+        if event.name in WAIT_CALLS:
+            entry = waits.setdefault(event.name, [0.0, 0])
+            entry[0] += event.time_range.end - event.time_range.start
+            entry[1] += 1
+        if event.name.startswith("cu"):  # a runtime / driver call: the launch of the device event with its id
+            launches[event.id] = event
+    out = {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": {}, "waits": waits}
+    if not device:
+        return out
+    end = device[0].time_range.end
+    out["busy_us"] = device[0].time_range.end - device[0].time_range.start
+    for event in device[1:]:
+        start, stop = event.time_range.start, event.time_range.end
+        gap = start - end
+        if gap > 0:
+            out["idle_us"] += gap
+            if gap >= min_gap_us:
+                launch = launches.get(event.id)
+                source = _launch_source(launch) if launch is not None else "(launch not found)"
+                entry = out["gaps"].setdefault(source, [0.0, 0])
+                entry[0] += gap
+                entry[1] += 1
+        out["busy_us"] += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    out["span_us"] = end - device[0].time_range.start
+    return out
+
+
 def split_by_category(times: dict[str, tuple[float, int]], steps: int, categories) -> dict[str, float]:
     """category -> ms per step, every category of ``categories`` (and "other") present."""
     split = dict.fromkeys([*(name for name, _ in categories), "other"], 0.0)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ (bench_s
 import torch  # noqa: E402
 
 import _common  # noqa: E402,F401  (puts the repository root on sys.path)
-from _common import LAUNCH_CALLS, host_times, kernel_category, kernel_times, table  # noqa: E402
+from _common import LAUNCH_CALLS, gpu_idle, host_times, kernel_category, kernel_times, table  # noqa: E402
 
 # (category, pattern on the kernel name), first match wins. cuBLAS' FP8 kernels carry "qq" in their nvjet names
 # (docs/benchmarks-log.md's profiles: nvjet_sm90_qqtst_... for FP8, nvjet_sm90_tst_... for BF16).
@@ -80,9 +80,10 @@ def refresh_range():
         weight_codes.refresh_fp8_weights = real
 
 
-def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str, tuple[float, int]], dict]:
-    """(wall ms per step, kernel times, host times) of ``steps`` calls of ``step`` under torch.profiler; host times:
-    the CUDA launch calls and calclip's weight refresh before a compiled call (``host_times``)."""
+def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str, tuple[float, int]], dict, dict]:
+    """(wall ms per step, kernel times, host times, GPU idle) of ``steps`` calls of ``step`` under torch.profiler;
+    host times: the CUDA launch calls and calclip's weight refresh before a compiled call (``host_times``); GPU idle:
+    where the GPU waited for the host (``gpu_idle``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -94,14 +95,14 @@ def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str
             step()
         sync()
         wall = (time.perf_counter() - t0) / steps * 1e3
-    return wall, kernel_times(prof), host_times(prof, (*LAUNCH_CALLS, REFRESH_RANGE))
+    return wall, kernel_times(prof), host_times(prof, (*LAUNCH_CALLS, REFRESH_RANGE)), gpu_idle(prof.events())
 
 
 def host_rows(results: dict[str, tuple], steps: int) -> list[list[str]]:
     """Per arm, per step: kernels launched (GPU side), launch calls and their CPU ms, and the weight refresh's
     CPU ms (calls): where a compiled FP8 step's wall exceeds its kernels' time, how much of it is the host's."""
     rows = []
-    for name, (_, kernels, host) in results.items():
+    for name, (_, kernels, host, _) in results.items():
         launched = sum(n for _, n in kernels.values()) / steps
         calls = sum(host[c][1] for c in LAUNCH_CALLS) / steps
         launch_ms = sum(host[c][0] for c in LAUNCH_CALLS) / steps / 1e3
@@ -111,9 +112,35 @@ def host_rows(results: dict[str, tuple], steps: int) -> list[list[str]]:
     return rows
 
 
+def idle_rows(results: dict[str, tuple], steps: int) -> list[list[str]]:
+    """Per arm, per step: GPU idle ms between its first and last kernel (and in gaps >= 20 us), and the host calls
+    that wait for the GPU (``WAIT_CALLS``: syncs, copies, the allocator) as calls and CPU ms."""
+    rows = []
+    for name, (*_, idle) in results.items():
+        big = sum(us for us, _ in idle["gaps"].values())
+        waits = ", ".join(f"{call} {n / steps:.0f} ({us / steps / 1e3:.2f})"
+                          for call, (us, n) in sorted(idle["waits"].items(), key=lambda kv: -kv[1][0])) or "none"
+        rows.append([name, f"{idle['idle_us'] / steps / 1e3:.2f}", f"{big / steps / 1e3:.2f}", waits])
+    return rows
+
+
+def idle_report(results: dict[str, tuple], steps: int, top: int) -> None:
+    """The GPU-idle table, then per arm the host code its largest idle gaps waited on."""
+    print("\n### where the GPU waited for the host, per step")
+    table(["arm", "GPU idle ms", "in gaps >= 20 us ms", "host calls that wait: calls (CPU ms)"],
+          idle_rows(results, steps))
+    print("A gap is charged to the code that launched the kernel after it (its CPU ops, outermost > innermost).")
+    for name, (*_, idle) in results.items():
+        ranked = sorted(idle["gaps"].items(), key=lambda kv: -kv[1][0])[:top]
+        if ranked:
+            print(f"\n#### {name}: the {len(ranked)} largest sources of GPU idle")
+            table(["launched from", "gaps/step", "idle ms/step"],
+                  [[source[:110], f"{n / steps:.1f}", f"{us / steps / 1e3:.3f}"] for source, (us, n) in ranked])
+
+
 def print_report(results: dict[str, tuple[float, dict]], steps: int, top: int) -> None:
     names = list(results)
-    splits = {name: split_by_category(times, steps) for name, (_, times, _) in results.items()}
+    splits = {name: split_by_category(times, steps) for name, (_, times, *_) in results.items()}
     totals = {name: sum(split.values()) for name, split in splits.items()}
     header = ["per step"] + [f"{n} ms (share)" for n in names] + [f"{n} - {names[0]} ms" for n in names[1:]]
     rows = [["wall"] + [f"{results[n][0]:.2f}" for n in names] + [f"{results[n][0] - results[names[0]][0]:+.2f}"
@@ -131,7 +158,8 @@ def print_report(results: dict[str, tuple[float, dict]], steps: int, top: int) -
     print("\n### the host side, per step")
     table(["arm", "kernels run", "launch calls", "launch calls' CPU ms", "weight refresh CPU ms (calls)"],
           host_rows(results, steps))
-    for name, (_, times, _) in results.items():
+    idle_report(results, steps, top)
+    for name, (_, times, *_) in results.items():
         ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
         print(f"\n#### {name}: top {len(ranked)} kernels")
         table(["kernel", "category", "launches/step", "ms/step"],

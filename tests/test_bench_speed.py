@@ -324,6 +324,36 @@ def test_profile_probe_sorts_kernels_into_categories():
     assert split["FP8 quantize"] == 1.0 and split["GEMM BF16"] == 3.0 and split["other"] == 0.0
 
 
+def test_gpu_idle_charges_each_gap_to_the_code_that_launched_the_kernel_after_it():
+    """Kernels at [0, 10], [10, 30], [80, 100], [115, 120] and [300, 310] us: idle 50 + 15 + 180 = 245 us of a 310 us
+    span; the 50 us gap charged to the optimizer's launch, the 180 us gap to a compiled graph's, the 15 us gap (under
+    the threshold) counted in the idle time only; a sync counted as a call that waits."""
+    from types import SimpleNamespace as NS
+
+    from _common import gpu_idle
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def op(name, parent=None, start=0.0, end=1.0, id=0):
+        return NS(name=name, cpu_parent=parent, device_type=cpu, time_range=NS(start=start, end=end), id=id)
+
+    graph = op("Torch-Compiled Region: 0/1")
+    call = op("## Call CompiledFxGraph fabc ##", graph)
+    adam = op("Optimizer.step#AdamW.step")
+    launches = [op("cudaLaunchKernel", call, id=1), op("cuLaunchKernel", call, id=2),
+                op("cudaLaunchKernel", adam, id=3), op("cudaLaunchKernel", None, id=4),
+                op("cuLaunchKernelEx", call, id=5)]
+    kernels = [NS(name=f"k{i}", device_type=cuda, id=i, time_range=NS(start=a, end=b))
+               for i, (a, b) in enumerate([(0, 10), (10, 30), (80, 100), (115, 120), (300, 310)], start=1)]
+    sync = op("cudaStreamSynchronize", start=5.0, end=305.0)
+    idle = gpu_idle([*kernels, *launches, sync, graph, call, adam], min_gap_us=20.0)
+    assert idle["span_us"] == 310 and idle["busy_us"] == 65 and idle["idle_us"] == 245
+    assert idle["gaps"] == {"Optimizer.step#AdamW.step": [50, 1],
+                            "Torch-Compiled Region: 0/1 > ## Call CompiledFxGraph fabc ##": [180, 1]}
+    assert idle["waits"] == {"cudaStreamSynchronize": [300.0, 1]}
+    assert gpu_idle([sync])["idle_us"] == 0.0  # no device events (a CPU run): nothing idles
+
+
 @pytest.mark.slow
 def test_profile_probe_reports_the_host_side_with_the_weight_refresh(capsys):
     """--tiny on CPU (aot_eager): the host table names each arm; the compiled FP8 arm refreshes its weight codes
@@ -333,13 +363,21 @@ def test_profile_probe_reports_the_host_side_with_the_weight_refresh(capsys):
 
     assert probe.main(["--tiny", "--arms", "bf16c,fp8c", "--steps", "2", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
-    host = out[out.index("### the host side, per step"):]
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in host.splitlines() if line.startswith("| BF16") or line.startswith("| FP8")}
+
+    def section(title):
+        text = out[out.index(title) + len(title):]
+        text = text[:text.index("###")] if "###" in text else text
+        return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+                for line in text.splitlines() if line.startswith("| BF16") or line.startswith("| FP8")}
+
+    rows = section("### the host side, per step")
     assert set(rows) == {"BF16 compile", "FP8 compile"}
     assert rows["BF16 compile"][3] == "0.00 (0)"
     refresh_ms, refresh_calls = rows["FP8 compile"][3].split()
     assert refresh_calls == "(1)" and float(refresh_ms) > 0
+    idle = section("### where the GPU waited for the host, per step")  # on CPU: no kernels, nothing idles
+    assert set(idle) == {"BF16 compile", "FP8 compile"}
+    assert all(cells[:2] == ["0.00", "0.00"] for cells in idle.values())
 
 
 @pytest.mark.slow
