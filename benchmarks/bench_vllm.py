@@ -169,6 +169,29 @@ def set_deep_gemm_e8m0(numerics: str, backend: str | None) -> None:
         set_deep_gemm_e8m0_env(_E8M0_AT_START)
 
 
+def host_cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(stolen, total) clock ticks of all the machine's CPUs so far (``/proc/stat``'s first line: user nice system
+    idle iowait irq softirq steal ...), or None where there is no such file or no steal column. On a virtual machine
+    the hypervisor's steal is time other guests took from this one's CPUs: a host-bound rollout slows by it although
+    its own CPU time and the guest's load average do not show it."""
+    try:
+        with open(stat) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time stolen between two ``host_cpu_ticks`` readings (None without both)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
 def cuda_sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -1181,7 +1204,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         vllm_async_scheduling=getattr(opts, "async_scheduling", None),
         vllm_max_cudagraph_capture_size=getattr(opts, "grpo_capture_size", None))
     timings = {"step_s": [], "generate_s": [], "sync_s": [], "gc_ms": [], "gc_collections": [], "rollout_cpu_s": [],
-               "load1": []}
+               "load1": [], "steal": []}
     gc_clock = GcClock()
 
     class StepClock(TrainerCallback):
@@ -1219,7 +1242,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
             profiler = {"rollout_profile": kernel_profiler, "host_profile": cProfile.Profile}.get(
                 kind, contextlib.nullcontext)()
             cuda_sync()
-            start, cpu_start = time.perf_counter(), time.process_time()
+            start, cpu_start, ticks = time.perf_counter(), time.process_time(), host_cpu_ticks()
             with profiler, (gc_clock if _key == "generate_s" else contextlib.nullcontext()):
                 out = _original(*a, **k)
                 cuda_sync()
@@ -1227,10 +1250,12 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
             if _key == "generate_s":
                 timings["gc_ms"].append(gc_clock.pause_ms)
                 timings["gc_collections"].append(list(gc_clock.collections))
-                # the rollout's CPU time (every thread of this process: the engine runs in it) and the machine's
-                # 1-minute load average: a host-bound decode slowed by other work on a shared host shows here
+                # the rollout's CPU time (every thread of this process: the engine runs in it), the machine's
+                # 1-minute load average and the CPU time the hypervisor stole during it: a host-bound decode slowed
+                # by other work on a shared host shows in one of them
                 timings["rollout_cpu_s"].append(time.process_time() - cpu_start)
                 timings["load1"].append(os.getloadavg()[0])
+                timings["steal"].append(steal_share(ticks, host_cpu_ticks()))
             if kind is not None:
                 summarize = rollout_profile if kind == "rollout_profile" else host_profile
                 timings[kind] = summarize(profiler, timings[_key][-1], step=rollout - 1)
@@ -1329,8 +1354,13 @@ def worker_summary(run: dict, warmup: int) -> str:
     if run.get("rollout_cpu_s") and run.get("generate_s"):  # older worker files have no such lists
         shares = [c / g for c, g in zip(run["rollout_cpu_s"][warmup:], run["generate_s"][warmup:]) if g > 0]
         if shares:
-            text += (f"; rollout CPU time {100 * statistics.median(shares):.0f}% of its wall, host load average "
-                     f"{median('load1')}")
+            # CUDA's synchronizations spin by default, so a process waiting on the GPU burns CPU too: ~100% says only
+            # that the rollout was never descheduled, not that it was host-bound
+            text += (f"; rollout CPU time {100 * statistics.median(shares):.0f}% of its wall (spin-waits included), "
+                     f"host load average {median('load1')}")
+    stolen = [v for v in run.get("steal", [])[warmup:] if v is not None]
+    if stolen:
+        text += f", CPU stolen by the hypervisor {100 * statistics.median(stolen):.1f}% (max {100 * max(stolen):.1f}%)"
     profile = run.get("rollout_profile")
     if profile:
         text += (f"; profiled rollout (step {profile['step'] + 1}): GPU kernels {fmt(profile['kernel_ms'], 1)} of "
@@ -1344,7 +1374,8 @@ def worker_summary(run: dict, warmup: int) -> str:
 
 
 # a grpo worker's lists with one entry per step (each step runs one rollout and one sync)
-PER_ROLLOUT_KEYS = ("step_s", "generate_s", "sync_s", "gc_ms", "gc_collections", "rollout_cpu_s", "load1")
+PER_ROLLOUT_KEYS = ("step_s", "generate_s", "sync_s", "gc_ms", "gc_collections", "rollout_cpu_s", "load1",
+                    "steal")
 
 
 def without_profiled_step(run: dict) -> dict:

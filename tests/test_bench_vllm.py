@@ -204,8 +204,9 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         # in the _gcon arm) at most the one collection that the first allocation after it is switched back on runs
         assert len(timings["gc_ms"]) == len(timings["gc_collections"]) == 2
         # each rollout's CPU time (the stand-in engine runs in this process) and the host's load average beside it
-        assert len(timings["rollout_cpu_s"]) == len(timings["load1"]) == 2
+        assert len(timings["rollout_cpu_s"]) == len(timings["load1"]) == len(timings["steal"]) == 2
         assert all(c > 0 for c in timings["rollout_cpu_s"]) and all(load >= 0 for load in timings["load1"])
+        assert all(v is None or 0.0 <= v <= 1.0 for v in timings["steal"])
         if not arm.endswith("_gcon"):
             assert all(sum(counts) <= 1 for counts in timings["gc_collections"])
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
@@ -964,6 +965,27 @@ def test_grpo_worker_summary_gives_the_rollouts_cpu_share_and_the_host_load():
            "rollout_cpu_s": [5.0, 0.9, 1.0, 0.8], "load1": [1.0, 2.0, 9.0, 3.0]}
     line = bench_vllm.worker_summary(run, warmup=1)
     # shares after the first step 0.9, 0.5, 0.8: median 80%; load median of 2, 9, 3
-    assert "rollout CPU time 80% of its wall, host load average 3.000" in line
-    del run["rollout_cpu_s"], run["load1"]
+    assert "rollout CPU time 80% of its wall (spin-waits included), host load average 3.000" in line
+    assert "stolen" not in line  # no steal readings (an older worker file)
+    run["steal"] = [0.5, 0.01, None, 0.05]  # the warm-up's 50% left out, a rollout without a reading skipped
+    assert "CPU stolen by the hypervisor 3.0% (max 5.0%)" in bench_vllm.worker_summary(run, warmup=1)
+    del run["rollout_cpu_s"], run["load1"], run["steal"]
     assert "CPU time" not in bench_vllm.worker_summary(run, warmup=1)
+
+
+def test_host_cpu_ticks_reads_the_steal_column_and_the_share_between_two_readings(tmp_path):
+    """/proc/stat's first line: steal is its eighth number; the share is stolen ticks over all ticks between two
+    readings; a file without the column, a missing file or a clock that did not move gives None."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert bench_vllm.host_cpu_ticks(str(stat)) == (40, 1000)
+    stat.write_text("cpu  150 0 50 900 10 0 0 90 0 0\n")
+    after = bench_vllm.host_cpu_ticks(str(stat))
+    assert after == (90, 1200) and bench_vllm.steal_share((40, 1000), after) == 0.25
+    assert bench_vllm.steal_share((40, 1000), (40, 1000)) is None and bench_vllm.steal_share(None, after) is None
+    stat.write_text("cpu  1 2 3 4\n")
+    assert bench_vllm.host_cpu_ticks(str(stat)) is None
+    assert bench_vllm.host_cpu_ticks(str(tmp_path / "missing")) is None
+    if Path("/proc/stat").exists():  # this machine's own reading
+        stolen, total = bench_vllm.host_cpu_ticks()
+        assert 0 <= stolen <= total
