@@ -1310,8 +1310,18 @@ def rollout_profile(prof, wall_s: float, *, step: int) -> dict:
     times = _common.kernel_times(prof)
     split = decode_split(times, 1)  # the whole rollout as one "step"
     kernel_ms, wall_ms = split.pop("total"), wall_s * 1e3
+    events = prof.events()
+    idle = _common.gpu_idle(events)
+    names = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     return {"step": step, "wall_ms": wall_ms, "kernel_ms": kernel_ms, "busy_share": kernel_ms / wall_ms,
-            "launches": sum(n for _, n in times.values()), "split_ms": split, "top": top_kernels(times, 12)}
+            "launches": sum(n for _, n in times.values()), "split_ms": split, "top": top_kernels(times, 12),
+            # the host side: CUDA-graph replays against kernels launched one by one (outside any graph), and where
+            # the GPU idled, charged to the host code that launched the kernel after each gap
+            "graph_launches": names.count("cudaGraphLaunch"),
+            "launch_calls": sum(names.count(call) for call in _common.LAUNCH_CALLS),
+            "idle_ms": idle["idle_us"] / 1e3,
+            "idle_top": [(source, us / 1e3, n) for source, (us, n) in
+                         sorted(idle["gaps"].items(), key=lambda kv: -kv[1][0])[:8]]}
 
 
 def _function_label(key: tuple[str, int, str]) -> str:
@@ -1565,11 +1575,19 @@ def print_rollout_profiles(runs: dict[str, list[dict]]) -> None:
     rows += [["GPU kernels, total", *[fmt(p["kernel_ms"], 1) for p in profiles.values()]],
              ["rollout wall", *[fmt(p["wall_ms"], 1) for p in profiles.values()]],
              ["GPU busy share of the wall", *[f"{100 * p['busy_share']:.0f}%" for p in profiles.values()]],
-             ["kernel launches", *[str(p["launches"]) for p in profiles.values()]]]
+             ["kernel launches", *[str(p["launches"]) for p in profiles.values()]],
+             # older worker files have no host side
+             ["CUDA graph replays (cudaGraphLaunch)", *[str(p.get("graph_launches", "-")) for p in profiles.values()]],
+             ["kernels launched outside graphs", *[str(p.get("launch_calls", "-")) for p in profiles.values()]],
+             ["GPU idle between kernels", *[fmt(p.get("idle_ms"), 1) for p in profiles.values()]]]
     _common.table(["ms per rollout", *profiles], rows)
     for arm, profile in profiles.items():
         print(f"\n#### {arm}: top kernels of the profiled rollout (ms, launches)")
         _common.table(["kernel", "ms", "launches"], [[k[:90], fmt(ms, 2), str(n)] for k, ms, n in profile["top"]])
+        if profile.get("idle_top"):
+            print(f"\n#### {arm}: where its GPU idled (gaps >= 20 us, charged to the code that launched the next kernel)")
+            _common.table(["launched from", "idle ms", "gaps"],
+                          [[source[:100], fmt(ms, 1), str(n)] for source, ms, n in profile["idle_top"]])
 
 
 def print_host_profiles(runs: dict[str, list[dict]]) -> None:

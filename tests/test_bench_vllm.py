@@ -877,12 +877,27 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
     monkeypatch.setattr(bench_vllm, "RESULTS", {})
     times = {"nvjet_sm90_tst_256x128": (3000.0, 64), "void deep_gemm::sm90_fp8_gemm_1d2d_impl<>": (1500.0, 64),
              "_per_token_group_quant_fp8": (500.0, 64), "kernel_unified_attention_2d": (800.0, 16)}
-    prof = types.SimpleNamespace()
+    # the host side: two graph replays and one eager launch on the CPU; the eager kernel ran 100 us after the
+    # replays' last kernel, launched from the sampler
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name, device, start, end, id, parent=None):
+        return types.SimpleNamespace(name=name, device_type=device, time_range=types.SimpleNamespace(start=start,
+                                     end=end), id=id, cpu_parent=parent)
+
+    sampler = event("aten::argmax", cpu, 0, 1, 0)
+    events = [event("cudaGraphLaunch", cpu, 0, 1, 1), event("cudaGraphLaunch", cpu, 1, 2, 2),
+              event("cudaLaunchKernel", cpu, 2, 3, 3, sampler), sampler,
+              event("graph_kernel", cuda, 10, 50, 1), event("graph_kernel", cuda, 50, 90, 2),
+              event("argmax_kernel", cuda, 190, 200, 3)]
+    prof = types.SimpleNamespace(events=lambda: events)
     monkeypatch.setattr(bench_vllm._common, "kernel_times", lambda p: times if p is prof else {})
     profile = bench_vllm.rollout_profile(prof, 0.010, step=2)
     assert profile["kernel_ms"] == pytest.approx(5.8) and profile["busy_share"] == pytest.approx(0.58)
     assert profile["split_ms"]["FP8 GEMM (DeepGEMM)"] == pytest.approx(1.5) and profile["launches"] == 208
     assert profile["top"][0] == ("nvjet_sm90_tst_256x128", 3.0, 64)
+    assert profile["graph_launches"] == 2 and profile["launch_calls"] == 1
+    assert profile["idle_ms"] == pytest.approx(0.1) and profile["idle_top"] == [("aten::argmax", 0.1, 1)]
 
     def run(cmd, capture_output, text, timeout):
         arm = cmd[cmd.index("--grpo-worker") + 1]
@@ -909,6 +924,11 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
     assert grpo["bf16"]["timed_steps"] == 2 and grpo["bf16"]["step_median_s"] == pytest.approx(1.55)  # 1.4 out
     printed = capsys.readouterr().out
     assert "grpo rollout profile" in printed and "FP8 GEMM (DeepGEMM)" in printed and "58%" in printed
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in printed.splitlines() if line.startswith("| "))}
+    assert rows["CUDA graph replays (cudaGraphLaunch)"] == ["2"] and rows["kernels launched outside graphs"] == ["1"]
+    assert rows["GPU idle between kernels"] == ["0.1"]
+    assert "fp8: where its GPU idled" in printed and rows["aten::argmax"] == ["0.1", "1"]
     assert "bf16: host profile of rollout 2 (cProfile, 500.0 ms wall" in printed
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines()
              if line.startswith("| vllm")]
