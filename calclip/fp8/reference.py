@@ -18,9 +18,11 @@ Numerics — the contract every quantizer here and in ``kernels/quantize.py`` fo
    nothing saturates. (No log2/exp2: approximate transcendental functions on the GPU could differ.)
 5. Codes:  q = float8_e4m3fn( clamp(x / s, -FP8_E4M3_MAX, FP8_E4M3_MAX) )
    ``x / s`` is a true IEEE fp32 division rounded to nearest even (Triton: ``tl.div_rn``, NOT a multiply by
-   a reciprocal and NOT an approximate division); the explicit clamp makes the result independent of how a
-   build's fp8 cast treats out-of-range values (x = amax can give x / s = 448.00003); the fp32 -> e4m3fn cast
-   rounds to nearest even (``cvt.rn.satfinite.e4m3x2.f32`` on NVIDIA GPUs, the same as torch's CPU cast).
+   a reciprocal and NOT an approximate division; a kernel may get the same quotient without dividing per
+   element, as ``kernels.numerics._codes``' Markstein step does, exact for every e4m3 code); the explicit clamp
+   makes the result independent of how a build's fp8 cast treats out-of-range values (x = amax can give
+   x / s = 448.00003); the fp32 -> e4m3fn cast rounds to nearest even (``cvt.rn.satfinite.e4m3x2.f32`` on
+   NVIDIA GPUs, the same as torch's CPU cast).
 6. NaN / Inf: a block that contains ANY non-finite element (NaN, +Inf or -Inf) gets scale NaN, and all of its
    codes are NaN (x / NaN = NaN, clamp keeps NaN, the cast gives e4m3fn NaN; any NaN bit pattern is
    acceptable, compare codes NaN-aware). Rationale: Inf is not representable in e4m3fn, and saturating it to

@@ -24,7 +24,7 @@ from calclip.fp8.kernels.launch import (
     _as_float_input, _bucket, _ceil_div, _check_2d, _check_block, _check_device, _codes_out, _counter_operands,
     _Tuned,
 )
-from calclip.fp8.kernels.numerics import _abs_max, _block_scale, _scaled_codes, _store_codes
+from calclip.fp8.kernels.numerics import _abs_max, _block_scale, _codes, _reciprocal, _scaled_codes, _store_codes
 from calclip.fp8.reference import check_out_rows, zero_group_scale
 
 
@@ -35,9 +35,11 @@ from calclip.fp8.reference import check_out_rows, zero_group_scale
 
 @triton.jit
 def _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, first_group, R, K, NB, stride_xr, stride_sr, stride_sg,
-                           POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+                           POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                           DIV_FREE: tl.constexpr):
     """Quantize the groups [first_group, first_group + GROUPS) of ``rows`` [BLOCK_R] (int64), loaded once as a
-    [BLOCK_R, GROUPS, GROUP] tile -> int32 [BLOCK_R]: 1 where a row has a non-finite group among them."""
+    [BLOCK_R, GROUPS, GROUP] tile -> int32 [BLOCK_R]: 1 where a row has a non-finite group among them. DIV_FREE:
+    the codes by ``numerics._codes``' division-free step (the same codes)."""
     groups = first_group + tl.arange(0, GROUPS)
     cols = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
     mask = (rows[:, None, None] < R) & (cols < K)  # ragged last group and ragged last row tile
@@ -45,7 +47,7 @@ def _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, first_group, R, K, NB, str
     amax = _abs_max(x, 2)  # [BLOCK_R, GROUPS]
     nonfinite = amax == float("inf")
     scale = _block_scale(amax, nonfinite, POW2)
-    codes = _scaled_codes(x, scale[:, :, None], nonfinite[:, :, None])
+    codes = _codes(x, scale[:, :, None], _reciprocal(scale)[:, :, None], nonfinite[:, :, None], DIV_FREE)
     _store_codes(q_ptr + rows[:, None, None] * K + cols, codes, mask, SOFT_FP8)
     s_mask = (rows[:, None] < R) & (groups[None, :] < NB)
     tl.store(s_ptr + rows[:, None] * stride_sr + groups[None, :] * stride_sg, scale, mask=s_mask)
@@ -76,6 +78,7 @@ def _quantize_1x128_kernel(
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
     MEMBERS: tl.constexpr = 1,  # COUNT: linears reading this x (calclip.fp8.shared_input); weight_bad: how many are bad
+    DIV_FREE: tl.constexpr = False,  # codes by numerics._codes' division-free step (an autotune choice; same codes)
 ):
     """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile;
     the grid covers rows (axis 0) and chunks of GROUPS groups (axis 1).
@@ -90,7 +93,7 @@ def _quantize_1x128_kernel(
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     first_group = tl.program_id(1) * GROUPS
     row_bad = _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, first_group, R, K, NB, stride_xr, stride_sr,
-                                     stride_sg, POW2, SOFT_FP8, GROUPS, GROUP)
+                                     stride_sg, POW2, SOFT_FP8, GROUPS, GROUP, DIV_FREE)
     if COUNT:
         bad_members = tl.load(weight_bad_ptr).to(tl.int32)  # one linear: its flag, 0 or 1
         n_bad = bad_members * tl.sum((rows < R).to(tl.int32), axis=0) * (first_group == 0).to(tl.int32)
@@ -111,6 +114,9 @@ _QUANT_1X128_CONFIGS = [
     triton.Config({"BLOCK_R": 16, "GROUPS": 8}, num_warps=8),
     triton.Config({"BLOCK_R": 4, "GROUPS": 8}, num_warps=4),
     triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
+    # the division-free codes (numerics._codes; the same codes) on the training tiles
+    triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": True}, num_warps=8),
+    triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": True}, num_warps=8),
 ]
 _quantize_1x128_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_CONFIGS, key=["K", "R_BUCKET"])
 # Counting launches: the same tiles, and the counter restored after each autotune timing run. Until 2026-12-02 they
@@ -125,6 +131,8 @@ _QUANT_1X128_COUNT_CONFIGS = [
     triton.Config({"BLOCK_R": 8, "GROUPS": 8}, num_warps=8),
     triton.Config({"BLOCK_R": 4, "GROUPS": 8}, num_warps=4),
     triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
+    triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": True}, num_warps=8),
+    triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": True}, num_warps=8),
 ]
 _quantize_1x128_counting_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_COUNT_CONFIGS, key=["K", "R_BUCKET"],
                                         restore_value=["count_ptr"])
@@ -240,6 +248,7 @@ def _quantize_128x1_kernel(
     M_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+    DIV_FREE: tl.constexpr = False,  # codes by numerics._codes' division-free step (an autotune choice; same codes)
 ):
     """One program: one group of GROUP rows x BLOCK_K columns; reduces over rows, stores codes transposed."""
     pid_m = tl.program_id(0)
@@ -251,7 +260,8 @@ def _quantize_128x1_kernel(
     amax = _abs_max(x, 0)  # [BLOCK_K]
     nonfinite = amax == float("inf")
     scale = _block_scale(amax, nonfinite, POW2)
-    codes = tl.where(rows[:, None] < M, _scaled_codes(x, scale[None, :], nonfinite[None, :]), 0.0)
+    codes = tl.where(rows[:, None] < M, _codes(x, scale[None, :], _reciprocal(scale)[None, :], nonfinite[None, :],
+                                               DIV_FREE), 0.0)
     _store_codes(q_ptr + cols[None, :] * M_CODES + rows[:, None], codes,
                  (rows[:, None] < M_CODES) & (cols[None, :] < K), SOFT_FP8)
     tl.store(s_ptr + pid_m * stride_sb + cols * stride_sk, scale, mask=cols < K)
@@ -264,6 +274,9 @@ _QUANT_128X1_CONFIGS = [
     triton.Config({"BLOCK_K": 64}, num_warps=4),
     triton.Config({"BLOCK_K": 128}, num_warps=8),
     triton.Config({"BLOCK_K": 128}, num_warps=16),
+    # the division-free codes (numerics._codes; the same codes)
+    triton.Config({"BLOCK_K": 64, "DIV_FREE": True}, num_warps=8),
+    triton.Config({"BLOCK_K": 128, "DIV_FREE": True}, num_warps=8),
 ]
 _quantize_128x1_tuned = _Tuned(_quantize_128x1_kernel, _QUANT_128X1_CONFIGS, key=["K", "M_BUCKET"])
 
