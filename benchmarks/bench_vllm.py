@@ -1585,7 +1585,8 @@ def print_rollout_profiles(runs: dict[str, list[dict]]) -> None:
         print(f"\n#### {arm}: top kernels of the profiled rollout (ms, launches)")
         _common.table(["kernel", "ms", "launches"], [[k[:90], fmt(ms, 2), str(n)] for k, ms, n in profile["top"]])
         if profile.get("idle_top"):
-            print(f"\n#### {arm}: where its GPU idled (gaps >= 20 us, charged to the code that launched the next kernel)")
+            print(f"\n#### {arm}: where its GPU idled (gaps >= 20 us, charged to the code that launched the next "
+                  "kernel)")
             _common.table(["launched from", "idle ms", "gaps"],
                           [[source[:100], fmt(ms, 1), str(n)] for source, ms, n in profile["idle_top"]])
 
