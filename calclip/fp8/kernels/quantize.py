@@ -14,6 +14,8 @@ tile of whole 128-element groups into registers, reduces it, and writes codes an
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -106,8 +108,22 @@ def _quantize_1x128_kernel(
         tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=n_bad > 0)
 
 
+# CALCLIP_DIV_FREE=1 makes the division-free twin of each training default the default (numerics._codes: the same
+# codes): the switch a benchmark A/B-tests it with while autotuning is off (read at import; part of the compile
+# caches' key). Unset or 0: the defaults divide, and only an autotuning GPU may pick a twin.
+DIV_FREE_DEFAULT = os.environ.get("CALCLIP_DIV_FREE", "0") == "1"
+
+
+def _default_first(configs: list[triton.Config], div_free_twin: triton.Config) -> list[triton.Config]:
+    """``configs`` (its default first), with ``div_free_twin`` moved to the front under CALCLIP_DIV_FREE=1."""
+    if not DIV_FREE_DEFAULT:
+        return configs
+    return [div_free_twin, *(c for c in configs if c is not div_free_twin)]
+
+
 _QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4}, num_warps=8)
-_QUANT_1X128_CONFIGS = [
+_QUANT_1X128_DIV_FREE = triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": True}, num_warps=8)
+_QUANT_1X128_CONFIGS = _default_first([
     _QUANT_1X128_DEFAULT,
     triton.Config({"BLOCK_R": 8, "GROUPS": 4}, num_warps=4),
     triton.Config({"BLOCK_R": 32, "GROUPS": 2}, num_warps=8),
@@ -115,25 +131,25 @@ _QUANT_1X128_CONFIGS = [
     triton.Config({"BLOCK_R": 4, "GROUPS": 8}, num_warps=4),
     triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
     # the division-free codes (numerics._codes; the same codes) on the training tiles
-    triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": True}, num_warps=8),
+    _QUANT_1X128_DIV_FREE,
     triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": True}, num_warps=8),
-]
+], _QUANT_1X128_DIV_FREE)
 _quantize_1x128_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_CONFIGS, key=["K", "R_BUCKET"])
 # Counting launches: the same tiles, and the counter restored after each autotune timing run. Until 2026-12-02 they
 # took whole rows per program (one pass up to K = 16384, chunked beyond); at the Qwen2.5-1.5B row's K = 8960 that
 # ran at a fraction of the plain launch's bandwidth (quant_in_situ.py; docs/benchmarks-log.md, fifteenth session).
 # Its table is the plain one less the two configs whose counting code spills registers on sm_90 (ptxas: 8 x 4 at 4
 # warps, 16 x 8 at 8 warps with power-of-two scales), replaced by 8 x 4 and 8 x 8 at 8 warps.
-_QUANT_1X128_COUNT_CONFIGS = [
+_QUANT_1X128_COUNT_CONFIGS = _default_first([
     _QUANT_1X128_DEFAULT,
     triton.Config({"BLOCK_R": 8, "GROUPS": 4}, num_warps=8),
     triton.Config({"BLOCK_R": 32, "GROUPS": 2}, num_warps=8),
     triton.Config({"BLOCK_R": 8, "GROUPS": 8}, num_warps=8),
     triton.Config({"BLOCK_R": 4, "GROUPS": 8}, num_warps=4),
     triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
-    triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": True}, num_warps=8),
+    _QUANT_1X128_DIV_FREE,
     triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": True}, num_warps=8),
-]
+], _QUANT_1X128_DIV_FREE)
 _quantize_1x128_counting_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_COUNT_CONFIGS, key=["K", "R_BUCKET"],
                                         restore_value=["count_ptr"])
 
@@ -268,16 +284,17 @@ def _quantize_128x1_kernel(
 
 
 _QUANT_128X1_DEFAULT = triton.Config({"BLOCK_K": 64}, num_warps=8)
-_QUANT_128X1_CONFIGS = [
+_QUANT_128X1_DIV_FREE = triton.Config({"BLOCK_K": 64, "DIV_FREE": True}, num_warps=8)
+_QUANT_128X1_CONFIGS = _default_first([
     _QUANT_128X1_DEFAULT,
     triton.Config({"BLOCK_K": 32}, num_warps=4),
     triton.Config({"BLOCK_K": 64}, num_warps=4),
     triton.Config({"BLOCK_K": 128}, num_warps=8),
     triton.Config({"BLOCK_K": 128}, num_warps=16),
     # the division-free codes (numerics._codes; the same codes)
-    triton.Config({"BLOCK_K": 64, "DIV_FREE": True}, num_warps=8),
+    _QUANT_128X1_DIV_FREE,
     triton.Config({"BLOCK_K": 128, "DIV_FREE": True}, num_warps=8),
-]
+], _QUANT_128X1_DIV_FREE)
 _quantize_128x1_tuned = _Tuned(_quantize_128x1_kernel, _QUANT_128X1_CONFIGS, key=["K", "M_BUCKET"])
 
 
