@@ -192,6 +192,19 @@ def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
+def deep_gemm_cache_files(env=os.environ) -> int | None:
+    """Files in DeepGEMM's JIT cache (``DG_JIT_CACHE_DIR``, as vLLM sets it: ``$VLLM_CACHE_ROOT/deep_gemm``,
+    ``~/.cache/vllm/deep_gemm`` by default), or None where it does not exist. calclip starts DeepGEMM engines with
+    ``VLLM_DEEP_GEMM_WARMUP=skip``, so a kernel compiles when a token count first needs it; the prefill's token count
+    changes with the prompts, so a timed rollout may compile one (the cache grows while it runs)."""
+    cache_root = env.get("VLLM_CACHE_ROOT") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"),
+                                                             "vllm")  # vllm.envs' rule
+    root = env.get("DG_JIT_CACHE_DIR") or os.path.join(os.path.expanduser(cache_root), "deep_gemm")
+    if not os.path.isdir(root):
+        return None
+    return sum(len(files) for _, _, files in os.walk(root))
+
+
 def cuda_sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -1204,7 +1217,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         vllm_async_scheduling=getattr(opts, "async_scheduling", None),
         vllm_max_cudagraph_capture_size=getattr(opts, "grpo_capture_size", None))
     timings = {"step_s": [], "generate_s": [], "sync_s": [], "gc_ms": [], "gc_collections": [], "rollout_cpu_s": [],
-               "load1": [], "steal": []}
+               "load1": [], "steal": [], "deep_gemm_new": []}
     gc_clock = GcClock()
 
     class StepClock(TrainerCallback):
@@ -1243,6 +1256,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
                 kind, contextlib.nullcontext)()
             cuda_sync()
             start, cpu_start, ticks = time.perf_counter(), time.process_time(), host_cpu_ticks()
+            jit_files = deep_gemm_cache_files() if _key == "generate_s" else None
             with profiler, (gc_clock if _key == "generate_s" else contextlib.nullcontext()):
                 out = _original(*a, **k)
                 cuda_sync()
@@ -1256,6 +1270,9 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
                 timings["rollout_cpu_s"].append(time.process_time() - cpu_start)
                 timings["load1"].append(os.getloadavg()[0])
                 timings["steal"].append(steal_share(ticks, host_cpu_ticks()))
+                # files DeepGEMM's JIT cache gained during the rollout: kernels compiled inside it (None: no cache)
+                after = deep_gemm_cache_files()
+                timings["deep_gemm_new"].append(None if after is None else after - (jit_files or 0))
             if kind is not None:
                 summarize = rollout_profile if kind == "rollout_profile" else host_profile
                 timings[kind] = summarize(profiler, timings[_key][-1], step=rollout - 1)
@@ -1371,6 +1388,10 @@ def worker_summary(run: dict, warmup: int) -> str:
     stolen = [v for v in run.get("steal", [])[warmup:] if v is not None]
     if stolen:
         text += f", CPU stolen by the hypervisor {100 * statistics.median(stolen):.1f}% (max {100 * max(stolen):.1f}%)"
+    compiled = [v for v in run.get("deep_gemm_new", [])[warmup:] if v is not None]
+    if any(compiled):
+        text += (f"; DeepGEMM's JIT cache grew by {sum(compiled)} file(s) during {sum(v > 0 for v in compiled)} of the "
+                 f"{len(compiled)} timed rollouts (kernels compiled inside them: their times include the compiles)")
     profile = run.get("rollout_profile")
     if profile:
         text += (f"; profiled rollout (step {profile['step'] + 1}): GPU kernels {fmt(profile['kernel_ms'], 1)} of "
@@ -1385,7 +1406,7 @@ def worker_summary(run: dict, warmup: int) -> str:
 
 # a grpo worker's lists with one entry per step (each step runs one rollout and one sync)
 PER_ROLLOUT_KEYS = ("step_s", "generate_s", "sync_s", "gc_ms", "gc_collections", "rollout_cpu_s", "load1",
-                    "steal")
+                    "steal", "deep_gemm_new")
 
 
 def without_profiled_step(run: dict) -> dict:

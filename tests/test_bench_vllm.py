@@ -207,6 +207,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         assert len(timings["rollout_cpu_s"]) == len(timings["load1"]) == len(timings["steal"]) == 2
         assert all(c > 0 for c in timings["rollout_cpu_s"]) and all(load >= 0 for load in timings["load1"])
         assert all(v is None or 0.0 <= v <= 1.0 for v in timings["steal"])
+        assert len(timings["deep_gemm_new"]) == 2  # DeepGEMM's cache growth per rollout (None: no cache here)
         if not arm.endswith("_gcon"):
             assert all(sum(counts) <= 1 for counts in timings["gc_collections"])
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
@@ -989,8 +990,27 @@ def test_grpo_worker_summary_gives_the_rollouts_cpu_share_and_the_host_load():
     assert "stolen" not in line  # no steal readings (an older worker file)
     run["steal"] = [0.5, 0.01, None, 0.05]  # the warm-up's 50% left out, a rollout without a reading skipped
     assert "CPU stolen by the hypervisor 3.0% (max 5.0%)" in bench_vllm.worker_summary(run, warmup=1)
-    del run["rollout_cpu_s"], run["load1"], run["steal"]
+    run["deep_gemm_new"] = [40, 0, 0, 0]  # compiles in the warm-up only: nothing to say
+    assert "DeepGEMM" not in bench_vllm.worker_summary(run, warmup=1)
+    run["deep_gemm_new"] = [40, 2, None, 3]
+    assert "DeepGEMM's JIT cache grew by 5 file(s) during 2 of the 2 timed rollouts" in \
+        bench_vllm.worker_summary(run, warmup=1)
+    del run["rollout_cpu_s"], run["load1"], run["steal"], run["deep_gemm_new"]
     assert "CPU time" not in bench_vllm.worker_summary(run, warmup=1)
+
+
+def test_deep_gemm_cache_files_counts_the_jit_cache_vllm_points_deep_gemm_at(tmp_path):
+    """DG_JIT_CACHE_DIR where set; else $VLLM_CACHE_ROOT/deep_gemm, else $XDG_CACHE_HOME/vllm/deep_gemm (else
+    ~/.cache/vllm/deep_gemm: vllm.envs' rule); files in every subfolder; None without the folder."""
+    cache = tmp_path / "vllm" / "deep_gemm"
+    (cache / "kernel.a").mkdir(parents=True)
+    (cache / "kernel.a" / "kernel.cubin").write_text("x")
+    (cache / "kernel.a" / "kernel.cu").write_text("x")
+    (cache / "tmp.txt").write_text("x")
+    assert bench_vllm.deep_gemm_cache_files({"DG_JIT_CACHE_DIR": str(cache)}) == 3
+    assert bench_vllm.deep_gemm_cache_files({"VLLM_CACHE_ROOT": str(tmp_path / "vllm")}) == 3
+    assert bench_vllm.deep_gemm_cache_files({"XDG_CACHE_HOME": str(tmp_path)}) == 3
+    assert bench_vllm.deep_gemm_cache_files({"DG_JIT_CACHE_DIR": str(tmp_path / "none")}) is None
 
 
 def test_host_cpu_ticks_reads_the_steal_column_and_the_share_between_two_readings(tmp_path):
