@@ -185,3 +185,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def printed_under_env(variable: str, values, code: str) -> dict:
+    """What ``python -c code`` prints in a fresh interpreter with ``variable`` set to each of ``values`` (None: unset),
+    by value: for switches calclip reads at import (CALCLIP_ONE_BUFFER, CALCLIP_DIV_FREE)."""
+    import subprocess
+
+    seen = {}
+    for value in values:
+        env = {k: v for k, v in os.environ.items() if k != variable}
+        if value is not None:
+            env[variable] = value
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        seen[value] = done.stdout.strip()
+    return seen

@@ -362,17 +362,8 @@ def test_a_tensor_both_quantizers_read_is_one_buffer_where_they_are_triton_kerne
 def test_one_buffer_is_switched_off_by_its_environment_variable():
     """CALCLIP_ONE_BUFFER=0 (read at import, part of the compile caches' key): no device pins the quantizers'
     input; unset or 1: CUDA does."""
-    import os
-    import subprocess
-    import sys
+    from tests.fixtures import printed_under_env
 
-    probe = "import calclip.fp8.tracing as t; print(t.TRITON_KERNEL_DEVICES)"
-    seen = {}
-    for value in ("0", "1", None):
-        env = {k: v for k, v in os.environ.items() if k != "CALCLIP_ONE_BUFFER"}
-        if value is not None:
-            env["CALCLIP_ONE_BUFFER"] = value
-        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        seen[value] = done.stdout.strip()
+    seen = printed_under_env("CALCLIP_ONE_BUFFER", ("0", "1", None),
+                             "import calclip.fp8.tracing as t; print(t.TRITON_KERNEL_DEVICES)")
     assert seen == {"0": "()", "1": "('cuda',)", None: "('cuda',)"}

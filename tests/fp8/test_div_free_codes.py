@@ -111,21 +111,14 @@ def test_every_table_has_division_free_twins_and_keeps_exact_division_as_its_def
 def test_the_environment_switch_makes_the_division_free_twins_the_defaults():
     """CALCLIP_DIV_FREE=1 (read at import, part of the compile caches' key): each training default's twin leads its
     table, the counting table's default still the plain one's; unset or 0: the dividing defaults lead."""
-    import subprocess
+    from tests.fixtures import printed_under_env
 
     probe = ("from calclip.fp8.kernels import quantize as q; "
              "print(q._QUANT_1X128_CONFIGS[0].kwargs.get('DIV_FREE', False), "
              "q._QUANT_128X1_CONFIGS[0].kwargs.get('DIV_FREE', False), "
              "q._quantize_1x128_counting_tuned.default is q._quantize_1x128_tuned.default, "
              "len(q._QUANT_1X128_CONFIGS), len(q._QUANT_128X1_CONFIGS))")
-    seen = {}
-    for value in ("1", "0", None):
-        env = {k: v for k, v in os.environ.items() if k != "CALCLIP_DIV_FREE"}
-        if value is not None:
-            env["CALCLIP_DIV_FREE"] = value
-        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        seen[value] = done.stdout.strip()
+    seen = printed_under_env("CALCLIP_DIV_FREE", ("1", "0", None), probe)
     sizes = f"{len(quantize._QUANT_1X128_CONFIGS)} {len(quantize._QUANT_128X1_CONFIGS)}"
     assert seen == {"1": f"True True True {sizes}", "0": f"False False True {sizes}", None: f"False False True {sizes}"}
     from calclip.fp8.compile_cache import DISPATCH_ENV
