@@ -127,7 +127,8 @@ def test_the_environment_switch_makes_the_division_free_twins_the_defaults():
 
 
 @pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("data", ["midpoints", "special", "bf16"])
+@pytest.mark.parametrize("data", ["midpoints", pytest.param("special", marks=pytest.mark.slow),
+                                  pytest.param("bf16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name,config", DIV_FREE, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in c.kwargs.items())}"
                                                        f"-w{c.num_warps}" for n, c in DIV_FREE])
 def test_division_free_codes_equal_the_reference(name, config, data, pow2, exact_fma, monkeypatch):
