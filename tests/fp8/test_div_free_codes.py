@@ -132,6 +132,9 @@ def test_the_environment_switch_makes_the_division_free_twins_the_defaults():
 @pytest.mark.parametrize("name,config", DIV_FREE, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in c.kwargs.items())}"
                                                        f"-w{c.num_warps}" for n, c in DIV_FREE])
 def test_division_free_codes_equal_the_reference(name, config, data, pow2, exact_fma, monkeypatch):
+    from calclip.fp8.kernels import launch
+
+    monkeypatch.setattr(launch, "_AUTOTUNE", False)  # on a GPU too: launch this config, not the autotuner's choice
     for tuned in TUNED[name]:
         monkeypatch.setattr(tuned, "_default_launch", (config.kwargs, config.all_kwargs()))
     x = {"midpoints": lambda: _blocks_on_midpoints(256, seed=int(pow2)), "special": lambda: _special(256),
