@@ -587,7 +587,8 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 
     def compile_ptx(fn, types, constexprs, config):
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items() if t != "i32"}
-        constexprs = {**constexprs, **config.kwargs}
+        defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}  # e.g. DIV_FREE
+        constexprs = {**defaults, **constexprs, **config.kwargs}
         signature = {**types, **{n: "constexpr" for n in constexprs}}
         signature = {n: signature[n] for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
