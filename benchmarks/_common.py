@@ -213,20 +213,13 @@ def gpu_idle(events, min_gap_us: float = 20.0) -> dict:
     idle time between the first and the last. Each gap of at least ``min_gap_us`` is charged to the host code that
     launched the event after it (the launch call with the same correlation id, its enclosing ops by
     ``_launch_source``): the GPU was idle because that launch came late. Returns {"span_us", "busy_us", "idle_us",
-    "gaps": {source: [us, count]} for the gaps >= min_gap_us, "waits": {WAIT_CALLS name: [cpu us, calls]}}."""
+    "gaps": {source: [us, count]} for the gaps >= min_gap_us}. (The host calls that wait, ``WAIT_CALLS``, are
+    ``host_times``'.)"""
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     device = sorted((e for e in events if e.device_type == cuda), key=lambda e: e.time_range.start)
-    launches, waits = {}, {}
-    for event in events:
-        if event.device_type != cpu:
-            continue
-        if event.name in WAIT_CALLS:
-            entry = waits.setdefault(event.name, [0.0, 0])
-            entry[0] += event.time_range.end - event.time_range.start
-            entry[1] += 1
-        if event.name.startswith("cu"):  # a runtime / driver call: the launch of the device event with its id
-            launches[event.id] = event
-    out = {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": {}, "waits": waits}
+    # a runtime / driver call: the launch of the device event with its id
+    launches = {e.id: e for e in events if e.device_type == cpu and e.name.startswith("cu")}
+    out = {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": {}}
     if not device:
         return out
     end = device[0].time_range.end

@@ -1255,8 +1255,9 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
             profiler = {"rollout_profile": kernel_profiler, "host_profile": cProfile.Profile}.get(
                 kind, contextlib.nullcontext)()
             cuda_sync()
-            start, cpu_start, ticks = time.perf_counter(), time.process_time(), host_cpu_ticks()
-            jit_files = deep_gemm_cache_files() if _key == "generate_s" else None
+            # the probes' own readings (a file, a walk of DeepGEMM's cache) before the clocks start
+            ticks, jit_files = host_cpu_ticks(), deep_gemm_cache_files() if _key == "generate_s" else None
+            start, cpu_start = time.perf_counter(), time.process_time()
             with profiler, (gc_clock if _key == "generate_s" else contextlib.nullcontext()):
                 out = _original(*a, **k)
                 cuda_sync()
@@ -1327,15 +1328,14 @@ def rollout_profile(prof, wall_s: float, *, step: int) -> dict:
     times = _common.kernel_times(prof)
     split = decode_split(times, 1)  # the whole rollout as one "step"
     kernel_ms, wall_ms = split.pop("total"), wall_s * 1e3
-    events = prof.events()
-    idle = _common.gpu_idle(events)
-    names = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    idle = _common.gpu_idle(prof.events())
+    calls = _common.host_times(prof, ("cudaGraphLaunch", *_common.LAUNCH_CALLS))
     return {"step": step, "wall_ms": wall_ms, "kernel_ms": kernel_ms, "busy_share": kernel_ms / wall_ms,
             "launches": sum(n for _, n in times.values()), "split_ms": split, "top": top_kernels(times, 12),
             # the host side: CUDA-graph replays against kernels launched one by one (outside any graph), and where
             # the GPU idled, charged to the host code that launched the kernel after each gap
-            "graph_launches": names.count("cudaGraphLaunch"),
-            "launch_calls": sum(names.count(call) for call in _common.LAUNCH_CALLS),
+            "graph_launches": calls["cudaGraphLaunch"][1],
+            "launch_calls": sum(calls[call][1] for call in _common.LAUNCH_CALLS),
             "idle_ms": idle["idle_us"] / 1e3,
             "idle_top": [(source, us / 1e3, n) for source, (us, n) in
                          sorted(idle["gaps"].items(), key=lambda kv: -kv[1][0])[:8]]}

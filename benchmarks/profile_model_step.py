@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ (bench_s
 import torch  # noqa: E402
 
 import _common  # noqa: E402,F401  (puts the repository root on sys.path)
-from _common import LAUNCH_CALLS, gpu_idle, host_times, kernel_category, kernel_times, table  # noqa: E402
+from _common import LAUNCH_CALLS, WAIT_CALLS, gpu_idle, host_times, kernel_category, kernel_times, table  # noqa: E402
 
 # (category, pattern on the kernel name), first match wins. cuBLAS' FP8 kernels carry "qq" in their nvjet names
 # (docs/benchmarks-log.md's profiles: nvjet_sm90_qqtst_... for FP8, nvjet_sm90_tst_... for BF16).
@@ -82,8 +82,8 @@ def refresh_range():
 
 def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str, tuple[float, int]], dict, dict]:
     """(wall ms per step, kernel times, host times, GPU idle) of ``steps`` calls of ``step`` under torch.profiler;
-    host times: the CUDA launch calls and calclip's weight refresh before a compiled call (``host_times``); GPU idle:
-    where the GPU waited for the host (``gpu_idle``)."""
+    host times: the CUDA launch calls, calclip's weight refresh before a compiled call and the calls that wait for the
+    GPU (``host_times``); GPU idle: where the GPU waited for the host (``gpu_idle``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -95,7 +95,8 @@ def profile_arm(step, steps: int, device: torch.device) -> tuple[float, dict[str
             step()
         sync()
         wall = (time.perf_counter() - t0) / steps * 1e3
-    return wall, kernel_times(prof), host_times(prof, (*LAUNCH_CALLS, REFRESH_RANGE)), gpu_idle(prof.events())
+    host = host_times(prof, (*LAUNCH_CALLS, REFRESH_RANGE, *WAIT_CALLS))
+    return wall, kernel_times(prof), host, gpu_idle(prof.events())
 
 
 def host_rows(results: dict[str, tuple], steps: int) -> list[list[str]]:
@@ -116,10 +117,10 @@ def idle_rows(results: dict[str, tuple], steps: int) -> list[list[str]]:
     """Per arm, per step: GPU idle ms between its first and last kernel (and in gaps >= 20 us), and the host calls
     that wait for the GPU (``WAIT_CALLS``: syncs, copies, the allocator) as calls and CPU ms."""
     rows = []
-    for name, (*_, idle) in results.items():
+    for name, (_, _, host, idle) in results.items():
         big = sum(us for us, _ in idle["gaps"].values())
-        waits = ", ".join(f"{call} {n / steps:.0f} ({us / steps / 1e3:.2f})"
-                          for call, (us, n) in sorted(idle["waits"].items(), key=lambda kv: -kv[1][0])) or "none"
+        waits = sorted(((call, host[call]) for call in WAIT_CALLS if host[call][1]), key=lambda kv: -kv[1][0])
+        waits = ", ".join(f"{call} {n / steps:.0f} ({us / steps / 1e3:.2f})" for call, (us, n) in waits) or "none"
         rows.append([name, f"{idle['idle_us'] / steps / 1e3:.2f}", f"{big / steps / 1e3:.2f}", waits])
     return rows
 

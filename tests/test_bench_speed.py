@@ -327,15 +327,16 @@ def test_profile_probe_sorts_kernels_into_categories():
 def test_gpu_idle_charges_each_gap_to_the_code_that_launched_the_kernel_after_it():
     """Kernels at [0, 10], [10, 30], [80, 100], [115, 120] and [300, 310] us: idle 50 + 15 + 180 = 245 us of a 310 us
     span; the 50 us gap charged to the optimizer's launch, the 180 us gap to a compiled graph's, the 15 us gap (under
-    the threshold) counted in the idle time only; a sync counted as a call that waits."""
+    the threshold) counted in the idle time only; a sync counted (by host_times) as a call that waits."""
     from types import SimpleNamespace as NS
 
-    from _common import gpu_idle
+    from _common import WAIT_CALLS, gpu_idle, host_times
 
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
     def op(name, parent=None, start=0.0, end=1.0, id=0):
-        return NS(name=name, cpu_parent=parent, device_type=cpu, time_range=NS(start=start, end=end), id=id)
+        return NS(name=name, cpu_parent=parent, device_type=cpu, time_range=NS(start=start, end=end), id=id,
+                  cpu_time_total=end - start)
 
     graph = op("Torch-Compiled Region: 0/1")
     call = op("## Call CompiledFxGraph fabc ##", graph)
@@ -346,11 +347,13 @@ def test_gpu_idle_charges_each_gap_to_the_code_that_launched_the_kernel_after_it
     kernels = [NS(name=f"k{i}", device_type=cuda, id=i, time_range=NS(start=a, end=b))
                for i, (a, b) in enumerate([(0, 10), (10, 30), (80, 100), (115, 120), (300, 310)], start=1)]
     sync = op("cudaStreamSynchronize", start=5.0, end=305.0)
-    idle = gpu_idle([*kernels, *launches, sync, graph, call, adam], min_gap_us=20.0)
+    events = [*kernels, *launches, sync, graph, call, adam]
+    idle = gpu_idle(events, min_gap_us=20.0)
     assert idle["span_us"] == 310 and idle["busy_us"] == 65 and idle["idle_us"] == 245
     assert idle["gaps"] == {"Optimizer.step#AdamW.step": [50, 1],
                             "Torch-Compiled Region: 0/1 > ## Call CompiledFxGraph fabc ##": [180, 1]}
-    assert idle["waits"] == {"cudaStreamSynchronize": [300.0, 1]}
+    waits = host_times(NS(events=lambda: events), WAIT_CALLS)
+    assert {name: entry for name, entry in waits.items() if entry[1]} == {"cudaStreamSynchronize": (300.0, 1)}
     assert gpu_idle([sync])["idle_us"] == 0.0  # no device events (a CPU run): nothing idles
 
 

@@ -884,7 +884,7 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
 
     def event(name, device, start, end, id, parent=None):
         return types.SimpleNamespace(name=name, device_type=device, time_range=types.SimpleNamespace(start=start,
-                                     end=end), id=id, cpu_parent=parent)
+                                     end=end), id=id, cpu_parent=parent, cpu_time_total=end - start)
 
     sampler = event("aten::argmax", cpu, 0, 1, 0)
     events = [event("cudaGraphLaunch", cpu, 0, 1, 1), event("cudaGraphLaunch", cpu, 1, 2, 2),
