@@ -33,8 +33,8 @@ from calclip.fp8 import reference as ref  # noqa: E402
 from calclip.fp8.config import FP8_DTYPE, FP8_E4M3_MAX  # noqa: E402
 from calclip.fp8.kernels import quantize  # noqa: E402
 
-TUNED = {"quantize_1x128": [quantize._quantize_1x128_tuned], "quantize_1x128 counting":
-         [quantize._quantize_1x128_counting_tuned], "quantize_128x1": [quantize._quantize_128x1_tuned]}
+TUNED = {"quantize_1x128": quantize._quantize_1x128_tuned, "quantize_1x128 counting":
+         quantize._quantize_1x128_counting_tuned, "quantize_128x1": quantize._quantize_128x1_tuned}
 TABLES = {"quantize_1x128": quantize._QUANT_1X128_CONFIGS,
           "quantize_1x128 counting": quantize._QUANT_1X128_COUNT_CONFIGS,
           "quantize_128x1": quantize._QUANT_128X1_CONFIGS}
@@ -135,8 +135,7 @@ def test_division_free_codes_equal_the_reference(name, config, data, pow2, exact
     from calclip.fp8.kernels import launch
 
     monkeypatch.setattr(launch, "_AUTOTUNE", False)  # on a GPU too: launch this config, not the autotuner's choice
-    for tuned in TUNED[name]:
-        monkeypatch.setattr(tuned, "_default_launch", (config.kwargs, config.all_kwargs()))
+    monkeypatch.setattr(TUNED[name], "_default_launch", (config.kwargs, config.all_kwargs()))
     x = {"midpoints": lambda: _blocks_on_midpoints(256, seed=int(pow2)), "special": lambda: _special(256),
          "bf16": lambda: (torch.randn(256, 512) * 3).to(torch.bfloat16)}[data]()
     if name == "quantize_128x1":
