@@ -10,7 +10,10 @@ GPU's cast, so interpreter results stand for GPU results.
     python -m pytest -q tests/fp8/test_triton.py                         # CUDA
 """
 
+import importlib
+import inspect
 import os
+import pkgutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -25,7 +28,8 @@ DEVICE = "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
 
 
 
-NO_DEVICE_TESTS = {"test_kernels_compile_for_sm90_without_a_gpu", "test_autotune_timings_persist_unless_turned_off"}
+NO_DEVICE_TESTS = {"test_kernels_compile_for_sm90_without_a_gpu", "test_autotune_timings_persist_unless_turned_off",
+                   "test_no_kernel_parameter_has_a_default", "test_every_config_of_a_launcher_names_the_same_meta_parameters"}
 
 
 @pytest.fixture(autouse=True)
@@ -377,7 +381,7 @@ def test_software_e4m3_encoder_equals_hardware_cast():
     quantize._quantize_1x128_kernel[(x.shape[0] // 16, 2)](
         x, q_sw.view(torch.uint8), s_sw, x.shape[0], k, k // BLOCK, x.stride(0), s_sw.stride(0), 1, 0,
         s_sw, s_sw,  # count_ptr, weight_bad_ptr: unused with COUNT=False
-        POW2=False, SOFT_FP8=True, COUNT=False, BLOCK_R=16, GROUPS=4, GROUP=BLOCK)
+        POW2=False, SOFT_FP8=True, COUNT=False, BLOCK_R=16, GROUPS=4, GROUP=BLOCK, MEMBERS=1, DIV_FREE=False)
     assert _scales_equal(s_sw, s_hw)
     assert _codes_equal(q_sw, q_hw) == 0
 
@@ -576,6 +580,36 @@ def test_autotune_timings_persist_unless_turned_off(monkeypatch):
     assert seen == [True, False]
 
 
+def _kernel_modules():
+    return [importlib.import_module(f"calclip.fp8.kernels.{m.name}") for m in pkgutil.iter_modules(tk.__path__)]
+
+
+def test_no_kernel_parameter_has_a_default():
+    """A kernel parameter with a default breaks the GPU paths the interpreter does not take: Inductor launches a user
+    kernel inside a compiled graph with exactly the arguments the launch and the config name, and the fast launch
+    binds the constexprs by name from the same two. On an H100 (2026-12-06) the defaulted DIV_FREE failed every
+    compiled FP8 layer (Inductor: ``launcher() missing 1 required positional argument``) and every eager launch
+    with autotuning off (KeyError 'DIV_FREE'), while the CPU tests passed."""
+    kernels = {f"{m.__name__}.{n}": k for m in _kernel_modules() for n, k in vars(m).items()
+               if isinstance(k, triton.runtime.jit.KernelInterface)}  # the interpreter's too
+    assert "calclip.fp8.kernels.quantize._quantize_128x1_kernel" in kernels
+    defaulted = {name: [p.name for p in inspect.signature(k.fn).parameters.values() if p.default is not p.empty]
+                 for name, k in kernels.items()}
+    assert {name: ps for name, ps in defaulted.items() if ps} == {}
+
+
+def test_every_config_of_a_launcher_names_the_same_meta_parameters():
+    """Each autotune table's configs set the same meta-parameters (a twin that adds one, such as DIV_FREE, has its
+    siblings name it too): whichever config the autotuner, the default or torch.compile's trace picks, the kernel gets
+    every constexpr it declares."""
+    tables = {f"{m.__name__}.{n}": t for m in _kernel_modules() for n, t in vars(m).items()
+              if isinstance(t, launch._Tuned)}
+    assert "calclip.fp8.kernels.quantize._quantize_128x1_tuned" in tables
+    for name, tuned in tables.items():
+        assert len({frozenset(c.kwargs) for c in tuned.autotuner.configs}) == 1, name
+        assert tuned.traced.configs[0].kwargs == tuned.default.kwargs, name
+
+
 @pytest.mark.skipif(INTERPRET, reason="the interpreter does not compile")
 def test_kernels_compile_for_sm90_without_a_gpu():
     """Compile every kernel to sm_90 cubin (triton ships ptxas): catches Triton-only errors (e.g. non-constexpr
@@ -587,8 +621,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 
     def compile_ptx(fn, types, constexprs, config):
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items() if t != "i32"}
-        defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}  # e.g. DIV_FREE
-        constexprs = {**defaults, **constexprs, **config.kwargs}
+        constexprs = {**constexprs, **config.kwargs}
         signature = {**types, **{n: "constexpr" for n in constexprs}}
         signature = {n: signature[n] for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)

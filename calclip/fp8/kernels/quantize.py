@@ -79,8 +79,8 @@ def _quantize_1x128_kernel(
     count_ptr, weight_bad_ptr,  # COUNT only: int64 [] counter += bad rows; bool [] "the weight has a NaN block"
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-    MEMBERS: tl.constexpr = 1,  # COUNT: linears reading this x (calclip.fp8.shared_input); weight_bad: how many are bad
-    DIV_FREE: tl.constexpr = False,  # codes by numerics._codes' division-free step (an autotune choice; same codes)
+    MEMBERS: tl.constexpr,  # COUNT: linears reading this x (calclip.fp8.shared_input); weight_bad: how many are bad
+    DIV_FREE: tl.constexpr,  # codes by numerics._codes' division-free step (every config names it; same codes)
 ):
     """One program: BLOCK_R rows x GROUPS groups of GROUP elements, loaded once as a [BLOCK_R, GROUPS, GROUP] tile;
     the grid covers rows (axis 0) and chunks of GROUPS groups (axis 1).
@@ -121,15 +121,15 @@ def _default_first(configs: list[triton.Config], div_free_twin: triton.Config) -
     return [div_free_twin, *(c for c in configs if c is not div_free_twin)]
 
 
-_QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4}, num_warps=8)
+_QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": False}, num_warps=8)
 _QUANT_1X128_DIV_FREE = triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": True}, num_warps=8)
 _QUANT_1X128_CONFIGS = _default_first([
     _QUANT_1X128_DEFAULT,
-    triton.Config({"BLOCK_R": 8, "GROUPS": 4}, num_warps=4),
-    triton.Config({"BLOCK_R": 32, "GROUPS": 2}, num_warps=8),
-    triton.Config({"BLOCK_R": 16, "GROUPS": 8}, num_warps=8),
-    triton.Config({"BLOCK_R": 4, "GROUPS": 8}, num_warps=4),
-    triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
+    triton.Config({"BLOCK_R": 8, "GROUPS": 4, "DIV_FREE": False}, num_warps=4),
+    triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": False}, num_warps=8),
+    triton.Config({"BLOCK_R": 16, "GROUPS": 8, "DIV_FREE": False}, num_warps=8),
+    triton.Config({"BLOCK_R": 4, "GROUPS": 8, "DIV_FREE": False}, num_warps=4),
+    triton.Config({"BLOCK_R": 1, "GROUPS": 8, "DIV_FREE": False}, num_warps=4),  # decode: a handful of rows
     # the division-free codes (numerics._codes; the same codes) on the training tiles
     _QUANT_1X128_DIV_FREE,
     triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": True}, num_warps=8),
@@ -142,11 +142,11 @@ _quantize_1x128_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_CONFIGS, key
 # warps, 16 x 8 at 8 warps with power-of-two scales), replaced by 8 x 4 and 8 x 8 at 8 warps.
 _QUANT_1X128_COUNT_CONFIGS = _default_first([
     _QUANT_1X128_DEFAULT,
-    triton.Config({"BLOCK_R": 8, "GROUPS": 4}, num_warps=8),
-    triton.Config({"BLOCK_R": 32, "GROUPS": 2}, num_warps=8),
-    triton.Config({"BLOCK_R": 8, "GROUPS": 8}, num_warps=8),
-    triton.Config({"BLOCK_R": 4, "GROUPS": 8}, num_warps=4),
-    triton.Config({"BLOCK_R": 1, "GROUPS": 8}, num_warps=4),  # decode: a handful of rows
+    triton.Config({"BLOCK_R": 8, "GROUPS": 4, "DIV_FREE": False}, num_warps=8),
+    triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": False}, num_warps=8),
+    triton.Config({"BLOCK_R": 8, "GROUPS": 8, "DIV_FREE": False}, num_warps=8),
+    triton.Config({"BLOCK_R": 4, "GROUPS": 8, "DIV_FREE": False}, num_warps=4),
+    triton.Config({"BLOCK_R": 1, "GROUPS": 8, "DIV_FREE": False}, num_warps=4),  # decode: a handful of rows
     _QUANT_1X128_DIV_FREE,
     triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": True}, num_warps=8),
 ], _QUANT_1X128_DIV_FREE)
@@ -264,7 +264,7 @@ def _quantize_128x1_kernel(
     M_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-    DIV_FREE: tl.constexpr = False,  # codes by numerics._codes' division-free step (an autotune choice; same codes)
+    DIV_FREE: tl.constexpr,  # codes by numerics._codes' division-free step (every config names it; same codes)
 ):
     """One program: one group of GROUP rows x BLOCK_K columns; reduces over rows, stores codes transposed."""
     pid_m = tl.program_id(0)
@@ -283,14 +283,14 @@ def _quantize_128x1_kernel(
     tl.store(s_ptr + pid_m * stride_sb + cols * stride_sk, scale, mask=cols < K)
 
 
-_QUANT_128X1_DEFAULT = triton.Config({"BLOCK_K": 64}, num_warps=8)
+_QUANT_128X1_DEFAULT = triton.Config({"BLOCK_K": 64, "DIV_FREE": False}, num_warps=8)
 _QUANT_128X1_DIV_FREE = triton.Config({"BLOCK_K": 64, "DIV_FREE": True}, num_warps=8)
 _QUANT_128X1_CONFIGS = _default_first([
     _QUANT_128X1_DEFAULT,
-    triton.Config({"BLOCK_K": 32}, num_warps=4),
-    triton.Config({"BLOCK_K": 64}, num_warps=4),
-    triton.Config({"BLOCK_K": 128}, num_warps=8),
-    triton.Config({"BLOCK_K": 128}, num_warps=16),
+    triton.Config({"BLOCK_K": 32, "DIV_FREE": False}, num_warps=4),
+    triton.Config({"BLOCK_K": 64, "DIV_FREE": False}, num_warps=4),
+    triton.Config({"BLOCK_K": 128, "DIV_FREE": False}, num_warps=8),
+    triton.Config({"BLOCK_K": 128, "DIV_FREE": False}, num_warps=16),
     # the division-free codes (numerics._codes; the same codes)
     _QUANT_128X1_DIV_FREE,
     triton.Config({"BLOCK_K": 128, "DIV_FREE": True}, num_warps=8),
