@@ -201,12 +201,13 @@ POW2S = (False, True)
 def _cases_quantize_1x128_kernel():
     for pow2 in POW2S:
         for x in X_DTYPES:
-            for config in quantize._QUANT_1X128_CONFIGS:
+            # (the division-free twins: what CALCLIP_DIV_FREE=1 launches)
+            for config in quantize._QUANT_1X128_CONFIGS + quantize._QUANT_1X128_DIV_FREE_TWINS:
                 yield f"plain {DTYPE_NAMES[x]} pow2={pow2}", config, _quantize_1x128(x, TRAIN, K_IN, pow2, False, 1)
             # counting launches (FP8BlockLinear's forward): one linear (bool flag) or a shared input's members
             # (calclip.fp8.shared_input: gate/up 2, q/k/v 3; an int32 number of bad weights)
             for members in (1, 2, 3):
-                for config in quantize._QUANT_1X128_COUNT_CONFIGS:
+                for config in quantize._QUANT_1X128_COUNT_CONFIGS + quantize._QUANT_1X128_DIV_FREE_TWINS:
                     yield (f"count members={members} {DTYPE_NAMES[x]} pow2={pow2}", config,
                            _quantize_1x128(x, TRAIN, K_IN, pow2, True, members))
     for rows in (1, 7, RAGGED):  # decode and ragged token totals
@@ -235,7 +236,8 @@ def _dtype_pow2_and_ragged_cases(configs, build):
 
 
 def _cases_quantize_128x1_kernel():
-    return _dtype_pow2_and_ragged_cases(quantize._QUANT_128X1_CONFIGS, _quantize_128x1)
+    return _dtype_pow2_and_ragged_cases(quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_DIV_FREE_TWINS,
+                                        _quantize_128x1)
 
 
 def _cases_quantize_1x128_and_128x1_kernel():

@@ -39,11 +39,13 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H100_MAX_SHARED_PER_BLOCK = 232448  # bytes: Hopper's opt-in maximum per block (module docstring)
 
 # Every config each kernel can be launched with: its autotune tables (the first entry is the default config the
-# interpreter, CALCLIP_TRITON_AUTOTUNE=0 and torch.compile without autotuning launch).
+# interpreter, CALCLIP_TRITON_AUTOTUNE=0 and torch.compile without autotuning launch), and the division-free twins
+# CALCLIP_DIV_FREE=1 puts in front.
 TABLES = {
-    "_quantize_1x128_kernel": quantize._QUANT_1X128_CONFIGS + quantize._QUANT_1X128_COUNT_CONFIGS,
+    "_quantize_1x128_kernel": quantize._QUANT_1X128_CONFIGS + quantize._QUANT_1X128_COUNT_CONFIGS
+    + quantize._QUANT_1X128_DIV_FREE_TWINS,
     "_zero_token_rows_kernel": quantize._ZERO_ROWS_CONFIGS,
-    "_quantize_128x1_kernel": quantize._QUANT_128X1_CONFIGS,
+    "_quantize_128x1_kernel": quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_DIV_FREE_TWINS,
     "_quantize_1x128_and_128x1_kernel": quantize._QUANT_DUAL_CONFIGS,
     "_quantize_128x128_kernel": quantize._QUANT_128X128_CONFIGS,
     "_requantize_128x128_kernel": quantize._QUANT_128X128_CONFIGS,

@@ -108,21 +108,24 @@ def _quantize_1x128_kernel(
         tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=n_bad > 0)
 
 
-# CALCLIP_DIV_FREE=1 makes the division-free twin of each training default the default (numerics._codes: the same
-# codes): the switch a benchmark A/B-tests it with while autotuning is off (read at import; part of the compile
-# caches' key). Unset or 0: the defaults divide, and only an autotuning GPU may pick a twin.
+# The division-free codes (numerics._codes: the same codes) are not in the autotune tables: on an H100 (2026-12-06,
+# bench_quant.py, autotune off) the twins of the training tiles ran the 1x128 kernel at 89% of a device copy against
+# 92-94% dividing, the 128x1 at 50-51% against 61-63%, and the 1.5B / 7B model steps no faster. CALCLIP_DIV_FREE=1
+# puts each training default's twin in front of its table (read at import; part of the compile caches' key): the
+# switch another GPU's A/B runs with.
 DIV_FREE_DEFAULT = os.environ.get("CALCLIP_DIV_FREE", "0") == "1"
 
 
 def _default_first(configs: list[triton.Config], div_free_twin: triton.Config) -> list[triton.Config]:
-    """``configs`` (its default first), with ``div_free_twin`` moved to the front under CALCLIP_DIV_FREE=1."""
-    if not DIV_FREE_DEFAULT:
-        return configs
-    return [div_free_twin, *(c for c in configs if c is not div_free_twin)]
+    """``configs`` (its default first), with ``div_free_twin`` in front under CALCLIP_DIV_FREE=1."""
+    return [div_free_twin, *configs] if DIV_FREE_DEFAULT else configs
 
 
 _QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": False}, num_warps=8)
 _QUANT_1X128_DIV_FREE = triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": True}, num_warps=8)
+# division-free twins of the 1x128 training tiles (off the tables; tests/fp8/test_div_free_codes.py pins their codes)
+_QUANT_1X128_DIV_FREE_TWINS = [_QUANT_1X128_DIV_FREE,
+                               triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": True}, num_warps=8)]
 _QUANT_1X128_CONFIGS = _default_first([
     _QUANT_1X128_DEFAULT,
     triton.Config({"BLOCK_R": 8, "GROUPS": 4, "DIV_FREE": False}, num_warps=4),
@@ -130,9 +133,6 @@ _QUANT_1X128_CONFIGS = _default_first([
     triton.Config({"BLOCK_R": 16, "GROUPS": 8, "DIV_FREE": False}, num_warps=8),
     triton.Config({"BLOCK_R": 4, "GROUPS": 8, "DIV_FREE": False}, num_warps=4),
     triton.Config({"BLOCK_R": 1, "GROUPS": 8, "DIV_FREE": False}, num_warps=4),  # decode: a handful of rows
-    # the division-free codes (numerics._codes; the same codes) on the training tiles
-    _QUANT_1X128_DIV_FREE,
-    triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": True}, num_warps=8),
 ], _QUANT_1X128_DIV_FREE)
 _quantize_1x128_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_CONFIGS, key=["K", "R_BUCKET"])
 # Counting launches: the same tiles, and the counter restored after each autotune timing run. Until 2026-12-02 they
@@ -147,8 +147,6 @@ _QUANT_1X128_COUNT_CONFIGS = _default_first([
     triton.Config({"BLOCK_R": 8, "GROUPS": 8, "DIV_FREE": False}, num_warps=8),
     triton.Config({"BLOCK_R": 4, "GROUPS": 8, "DIV_FREE": False}, num_warps=4),
     triton.Config({"BLOCK_R": 1, "GROUPS": 8, "DIV_FREE": False}, num_warps=4),  # decode: a handful of rows
-    _QUANT_1X128_DIV_FREE,
-    triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": True}, num_warps=8),
 ], _QUANT_1X128_DIV_FREE)
 _quantize_1x128_counting_tuned = _Tuned(_quantize_1x128_kernel, _QUANT_1X128_COUNT_CONFIGS, key=["K", "R_BUCKET"],
                                         restore_value=["count_ptr"])
@@ -285,15 +283,13 @@ def _quantize_128x1_kernel(
 
 _QUANT_128X1_DEFAULT = triton.Config({"BLOCK_K": 64, "DIV_FREE": False}, num_warps=8)
 _QUANT_128X1_DIV_FREE = triton.Config({"BLOCK_K": 64, "DIV_FREE": True}, num_warps=8)
+_QUANT_128X1_DIV_FREE_TWINS = [_QUANT_128X1_DIV_FREE, triton.Config({"BLOCK_K": 128, "DIV_FREE": True}, num_warps=8)]
 _QUANT_128X1_CONFIGS = _default_first([
     _QUANT_128X1_DEFAULT,
     triton.Config({"BLOCK_K": 32, "DIV_FREE": False}, num_warps=4),
     triton.Config({"BLOCK_K": 64, "DIV_FREE": False}, num_warps=4),
     triton.Config({"BLOCK_K": 128, "DIV_FREE": False}, num_warps=8),
     triton.Config({"BLOCK_K": 128, "DIV_FREE": False}, num_warps=16),
-    # the division-free codes (numerics._codes; the same codes)
-    _QUANT_128X1_DIV_FREE,
-    triton.Config({"BLOCK_K": 128, "DIV_FREE": True}, num_warps=8),
 ], _QUANT_128X1_DIV_FREE)
 _quantize_128x1_tuned = _Tuned(_quantize_128x1_kernel, _QUANT_128X1_CONFIGS, key=["K", "M_BUCKET"])
 
