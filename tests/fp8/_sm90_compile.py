@@ -57,6 +57,7 @@ PTX_PATTERNS = {
     "mma_sync": r"\bmma\.sync",  # the pre-Hopper MMA (an FP8 dot below BLOCK_M 64 upcasts to f16 on it)
     "atom": r"\batom\.global",  # the non-finite counters' atomic add
     "st_b8": r"\bst\.global(\.\w+)*\.b8\b",  # a one-byte global store: codes written unvectorized (an unaligned stride)
+    "st_shared_b8": r"\bst\.shared(\.\w+)*\.b8\b",  # a one-byte shared store: codes transposed a byte at a time
     "cvt_bf16": r"cvt\.rn\.bf16(x2)?\.f32",  # fp32 -> bf16, round to nearest even (one value or a pair)
     "cvt_f16": r"cvt\.rn\.f16(x2)?\.f32",  # fp32 -> fp16, round to nearest even
     # bf16 arithmetic: LLVM turns fptrunc(fmul(fpext a, fpext b)) of bf16 a, b into a bf16 multiply (the same bits:
@@ -123,7 +124,7 @@ def _quantize_dual(x, m, k, pow2):
     rows = _gemm_rows(m)
     args = (_t(x), _t(F8), _t(F32), _t(F8), _t(F32), m, k, wgrad_rows(m), k, 1, 1, rows, k, 1, rows, _bucket(k),
             _bucket(m))
-    return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK)
+    return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK, WORDS=wgrad_rows(m) % 4 == 0)
 
 
 def _quantize_128x128(w, n, k, pow2):

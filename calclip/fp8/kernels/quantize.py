@@ -26,7 +26,8 @@ from calclip.fp8.kernels.launch import (
     _as_float_input, _bucket, _ceil_div, _check_2d, _check_block, _check_device, _codes_out, _counter_operands,
     _Tuned,
 )
-from calclip.fp8.kernels.numerics import _abs_max, _block_scale, _codes, _reciprocal, _scaled_codes, _store_codes
+from calclip.fp8.kernels.numerics import (_abs_max, _block_scale, _code_words, _codes, _reciprocal, _scaled_codes,
+                                         _store_codes)
 from calclip.fp8.reference import check_out_rows, zero_group_scale
 
 
@@ -333,43 +334,52 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
 def _quantize_1x128_and_128x1_kernel(
     x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
     # x [M, K] any strides; q_row [M, K] contiguous, s_row [M, NBK] any strides;
-    # q_col^T [K, M_CODES] contiguous (M_CODES: M, or wgrad_rows(M) with zero codes past M),
-    # s_col [NBM, K] any strides
+    # q_col^T [K, M_CODES] contiguous (M_CODES: M, or wgrad_rows(M) with zero codes past M), through an int32 view
+    # [K, M_CODES / 4] when WORDS; s_col [NBM, K] any strides
     M, K, M_CODES, stride_xm, stride_xk, stride_srm, stride_srk, stride_scm, stride_sck,
     M_ROW,  # the 1x128 rows written, M <= M_ROW <= ceil(M / GROUP) * GROUP: those past M zero tokens
     K_BUCKET, M_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUP: tl.constexpr,
+    WORDS: tl.constexpr,  # M_CODES % 4 == 0: the transposed codes stored four rows to an int32 word
 ):
-    """One program: a [GROUP, GROUP] tile of x, loaded once. Its row amaxes are the scales of GROUP 1x128
-    groups, its column amaxes those of GROUP 128x1 groups; both code sets are written from the same registers."""
+    """One program: a [GROUP, GROUP] tile of x, loaded once as [GROUP / 4, 4, GROUP] (row 4i + j at [i, j]). Its row
+    amaxes are the scales of GROUP 1x128 groups, its column amaxes those of GROUP 128x1 groups; both code sets are
+    written from the same registers, the transposed one as words of four rows (numerics._code_words) when WORDS."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = (pid_m * GROUP + tl.arange(0, GROUP)).to(tl.int64)
+    words = pid_m * (GROUP // 4) + tl.arange(0, GROUP // 4).to(tl.int64)  # [GROUP / 4]: word rows of q_col^T
+    rows = words[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]  # [GROUP / 4, 4, 1]
     cols = (pid_k * GROUP + tl.arange(0, GROUP)).to(tl.int64)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)  # ragged edges: masked elements are 0, amax unchanged
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    cols3 = cols[None, None, :]
+    mask = (rows < M) & (cols3 < K)  # ragged edges: masked elements are 0, amax unchanged
+    x = tl.load(x_ptr + rows * stride_xm + cols3 * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
 
-    row_amax = _abs_max(x, 1)  # [GROUP]: one 1x128 group per row
+    row_amax = _abs_max(x, 2)  # [GROUP / 4, 4]: one 1x128 group per row
     row_nonfinite = row_amax == float("inf")
     row_scale = _block_scale(row_amax, row_nonfinite, POW2)
-    row_codes = _scaled_codes(x, row_scale[:, None], row_nonfinite[:, None])
-    _store_codes(q_row_ptr + rows[:, None] * K + cols[None, :], row_codes,
-                 (rows[:, None] < M_ROW) & (cols[None, :] < K), SOFT_FP8)
-    tl.store(s_row_ptr + rows * stride_srm + pid_k * stride_srk, row_scale, mask=rows < M_ROW)
+    row_codes = _scaled_codes(x, row_scale[:, :, None], row_nonfinite[:, :, None])
+    _store_codes(q_row_ptr + rows * K + cols3, row_codes, (rows < M_ROW) & (cols3 < K), SOFT_FP8)
+    row_ids = rows.reshape(GROUP // 4, 4)
+    tl.store(s_row_ptr + row_ids * stride_srm + pid_k * stride_srk, row_scale, mask=row_ids < M_ROW)
 
-    col_amax = _abs_max(x, 0)  # [GROUP]: one 128x1 group per column
+    col_amax = tl.max(_abs_max(x, 1), axis=0)  # [GROUP]: one 128x1 group per column
     col_nonfinite = col_amax == float("inf")
     col_scale = _block_scale(col_amax, col_nonfinite, POW2)
-    col_codes = tl.where(rows[:, None] < M, _scaled_codes(x, col_scale[None, :], col_nonfinite[None, :]), 0.0)
-    _store_codes(q_col_ptr + cols[None, :] * M_CODES + rows[:, None], col_codes,
-                 (rows[:, None] < M_CODES) & (cols[None, :] < K), SOFT_FP8)
+    col_codes = tl.where(rows < M, _scaled_codes(x, col_scale[None, None, :], col_nonfinite[None, None, :]), 0.0)
+    if WORDS:
+        q_words = q_col_ptr.to(tl.pointer_type(tl.int32))
+        tl.store(q_words + cols[None, :] * (M_CODES // 4) + words[:, None], _code_words(col_codes, SOFT_FP8),
+                 mask=(words[:, None] * 4 < M_CODES) & (cols[None, :] < K))
+    else:
+        _store_codes(q_col_ptr + cols3 * M_CODES + rows, col_codes, (rows < M_CODES) & (cols3 < K), SOFT_FP8)
     tl.store(s_col_ptr + pid_m * stride_scm + cols * stride_sck, col_scale, mask=cols < K)
 
 
 _QUANT_DUAL_DEFAULT = triton.Config({}, num_warps=8)
+# No 4-warp config: a 128 x 128 fp32 tile over 128 threads spills ~1 KB per thread (sm_90). At 8 warps the tile takes
+# 235 registers per thread: one program per SM.
 _QUANT_DUAL_CONFIGS = [
     _QUANT_DUAL_DEFAULT,
-    triton.Config({}, num_warps=4),
     triton.Config({}, num_warps=16),
 ]
 _quantize_dual_tuned = _Tuned(_quantize_1x128_and_128x1_kernel, _QUANT_DUAL_CONFIGS, key=["K_BUCKET", "M_BUCKET"])
@@ -404,7 +414,7 @@ def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = Fals
         lambda meta: (nbm, nbk), (_bucket(k), _bucket(m), x.dtype), soft_fp8,
         x, _codes_out(q_row, soft_fp8), s_row, _codes_out(q_col_t, soft_fp8), s_col, m, k, m_codes,
         x.stride(0), x.stride(1), s_row.stride(0), s_row.stride(1), s_col.stride(0), s_col.stride(1), m_row,
-        _bucket(k), _bucket(m), POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+        _bucket(k), _bucket(m), POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block, WORDS=m_codes % 4 == 0)
     return q_row, s_row, q_col_t.t(), s_col
 
 
