@@ -113,10 +113,11 @@ def _zero_token_rows(r, k, column_major):
     return (_t(F8), _t(F32), r, k, nb, *strides, 1e-12 / 448), dict(GROUP=BLOCK)
 
 
-def _quantize_128x1(x, m, k, pow2):
-    """quantize_128x1(x, gemm_layout=True): codes [k, wgrad_rows(m)], s row-major [ceil(m/128), k]."""
+def _quantize_128x1(x, m, k, pow2, rows=1):
+    """quantize_128x1(x, gemm_layout=True): codes [k, wgrad_rows(m)], s row-major [ceil(m/128), k]; ``rows=4``: as
+    under CALCLIP_128X1_ROWS4=1."""
     args = (_t(x), _t(F8), _t(F32), m, k, wgrad_rows(m), k, 1, k, 1, _bucket(m))
-    return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK)
+    return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK, ROWS=rows)
 
 
 def _quantize_dual(x, m, k, pow2):
@@ -124,7 +125,7 @@ def _quantize_dual(x, m, k, pow2):
     rows = _gemm_rows(m)
     args = (_t(x), _t(F8), _t(F32), _t(F8), _t(F32), m, k, wgrad_rows(m), k, 1, 1, rows, k, 1, rows, _bucket(k),
             _bucket(m))
-    return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK, WORDS=wgrad_rows(m) % 4 == 0)
+    return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK)
 
 
 def _quantize_128x128(w, n, k, pow2):
@@ -237,8 +238,11 @@ def _dtype_pow2_and_ragged_cases(configs, build):
 
 
 def _cases_quantize_128x1_kernel():
-    return _dtype_pow2_and_ragged_cases(quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_DIV_FREE_TWINS,
-                                        _quantize_128x1)
+    configs = quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_DIV_FREE_TWINS
+    yield from _dtype_pow2_and_ragged_cases(configs, _quantize_128x1)
+    for case, config, launch in _dtype_pow2_and_ragged_cases(  # CALCLIP_128X1_ROWS4=1
+            configs, lambda *shape: _quantize_128x1(*shape, rows=4)):
+        yield f"rows4 {case}", config, launch
 
 
 def _cases_quantize_1x128_and_128x1_kernel():

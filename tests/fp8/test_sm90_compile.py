@@ -69,6 +69,7 @@ FP8_GEMMS = {"_fp8_block_gemm_kernel", "_fp8_splitk_gemm_kernel", "_fp8_linear_f
 # starting to spill.
 _GEMM_128 = "BLOCK_M=128 BLOCK_N=128 GROUP_M=8"
 KNOWN_SPILLS = {
+    ("_quantize_1x128_and_128x1_kernel", "warps=16 stages=3"): 56,  # power-of-two scales at the 128-register cap
     ("_fp8_block_gemm_kernel", f"{_GEMM_128} warps=8 stages=4"): 8,
     ("_fp8_block_gemm_kernel", f"{_GEMM_128} warps=4 stages=4"): 828,
     ("_fp8_block_gemm_kernel", "BLOCK_M=128 BLOCK_N=256 GROUP_M=8 warps=8 stages=3"): 1048,
@@ -177,12 +178,15 @@ def test_quantizers_store_their_codes_vectorized(kernel):
 
 
 @pytest.mark.slow
-def test_the_fused_quantizer_transposes_its_codes_four_to_a_word():
-    """The fused 1x128 + 128x1 quantizer stores its transposed codes as int32 words of four rows
-    (numerics._code_words): the transpose through shared memory takes 32-bit stores, not one store per byte (the
-    128x1 kernel's byte path: 32 st.shared.b8 per thread at its default tile; the fused kernel's was 64)."""
+def test_four_rows_per_thread_transpose_the_codes_without_byte_stores_to_shared_memory():
+    """A tile held as [32, 4, columns] transposes its 128x1 codes through shared memory in 32-bit stores: the fused
+    1x128 + 128x1 quantizer always, the 128x1 one under CALCLIP_128X1_ROWS4=1. The [128, columns] form stores one
+    byte at a time (the 128x1 default: 32 st.shared.b8 per thread at its default tile; the fused kernel had 64)."""
     for r in _compiled("_quantize_1x128_and_128x1_kernel"):
         assert r["ptx"]["st_shared_b8"] == 0, (r["case"], r["config"], r["ptx"]["st_shared_b8"])
+    rows = _compiled("_quantize_128x1_kernel")
+    for r in rows:
+        assert (r["ptx"]["st_shared_b8"] == 0) == r["case"].startswith("rows4"), (r["case"], r["config"])
 
 
 @pytest.mark.slow

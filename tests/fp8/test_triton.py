@@ -106,12 +106,29 @@ def test_quantize_1x128_matches_reference(shape, dtype, pow2):
     _assert_matches_reference("quantize_1x128", _wide_range(shape, dtype, seed=sum(shape)), pow2)
 
 
+@pytest.mark.parametrize("rows4", [False, True], ids=["rows1", "rows4"])
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES_2D)
-def test_quantize_128x1_matches_reference(shape, dtype, pow2):
+def test_quantize_128x1_matches_reference(shape, dtype, pow2, rows4, monkeypatch):
+    """rows4: the [32, 4, BLOCK_K] tile of CALCLIP_128X1_ROWS4=1 (ragged 1, 130 and 300 rows included)."""
+    monkeypatch.setattr(quantize, "ROWS4_128X1", rows4)
     x = _wide_range(shape[::-1], dtype, seed=sum(shape)).t()  # wide range along dim 0, the grouped dim
     _assert_matches_reference("quantize_128x1", x.contiguous(), pow2)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_128x1_rows4_special_values_and_gemm_layout(pow2, monkeypatch):
+    """CALCLIP_128X1_ROWS4=1 on the special-value blocks (NaN, Inf, saturation, floored scales) and in the GEMM
+    layout FP8BlockLinear asks for (wgrad_rows(M) code rows, zero past M): the same bytes as the reference."""
+    monkeypatch.setattr(quantize, "ROWS4_128X1", True)
+    x = _special_values().to(DEVICE).t().contiguous()  # [384, 6]: blocks down the columns
+    _assert_matches_reference("quantize_128x1", x, pow2)
+    x = _wide_range((260, 301), torch.bfloat16, seed=3).t()  # 301 tokens -> 384 code rows
+    q, s = tk.quantize_128x1(x, pow2=pow2, gemm_layout=True)
+    q_ref, s_ref = ref.quantize_128x1(x.cpu(), pow2=pow2)
+    _assert_zero_padded(q, 301)
+    assert _scales_equal(s.cpu(), s_ref) and _codes_equal(q.cpu(), ref.pad_128x1_codes(q_ref)) == 0
 
 
 @pytest.mark.parametrize("pow2", [False, True])
@@ -658,7 +675,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
                 assert " 0 bytes spill stores" in info, (config, info)
     compile_ptx(quantize._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
                 "K": i32, "M_CODES": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
-                quant, quantize._QUANT_128X1_DEFAULT)
+                {**quant, "ROWS": 1}, quantize._QUANT_128X1_DEFAULT)
     dual_types = {n: i32 for n in quantize._quantize_1x128_and_128x1_kernel.arg_names[5:17]}
     ptx = compile_ptx(quantize._quantize_1x128_and_128x1_kernel, {"x_ptr": "*bf16", "q_row_ptr": "*fp8e4nv",
                       "s_row_ptr": "*fp32", "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", **dual_types},

@@ -134,20 +134,3 @@ def _e4m3fn_in_registers(codes, SOFT_FP8: tl.constexpr):
     return a
 
 
-
-@triton.jit
-def _bit_or(a, b):
-    return a | b
-
-
-@triton.jit
-def _code_words(codes, SOFT_FP8: tl.constexpr):
-    """fp32 codes [R4, 4, C] (row 4i + j at [i, j]) -> int32 [R4, C]: the e4m3fn bytes _store_codes would store, four
-    rows to a word, row 4i + j in bits 8j..8j + 7 (little endian: the word at byte 4i of a column holds its rows
-    4i..4i + 3). A transposed store of bytes goes through shared memory one byte per store on sm_90; of words, 4x
-    fewer and 32-bit wide."""
-    if SOFT_FP8:
-        b = _e4m3fn_bits(codes)
-    else:
-        b = codes.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
-    return tl.reduce(b << (tl.arange(0, 4) * 8)[None, :, None], 1, _bit_or)

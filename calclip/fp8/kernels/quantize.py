@@ -26,8 +26,7 @@ from calclip.fp8.kernels.launch import (
     _as_float_input, _bucket, _ceil_div, _check_2d, _check_block, _check_device, _codes_out, _counter_operands,
     _Tuned,
 )
-from calclip.fp8.kernels.numerics import (_abs_max, _block_scale, _code_words, _codes, _reciprocal, _scaled_codes,
-                                         _store_codes)
+from calclip.fp8.kernels.numerics import _abs_max, _block_scale, _codes, _reciprocal, _scaled_codes, _store_codes
 from calclip.fp8.reference import check_out_rows, zero_group_scale
 
 
@@ -115,6 +114,12 @@ def _quantize_1x128_kernel(
 # puts each training default's twin in front of its table (read at import; part of the compile caches' key): the
 # switch another GPU's A/B runs with.
 DIV_FREE_DEFAULT = os.environ.get("CALCLIP_DIV_FREE", "0") == "1"
+# CALCLIP_128X1_ROWS4=1: the 128x1 kernel holds its tile as [32, 4, BLOCK_K] instead of [128, 1, BLOCK_K], as the fused
+# 1x128 + 128x1 kernel does. On sm_90 the [128, BLOCK_K] form transposes its codes through shared memory one byte
+# per store (32 st.shared.b8 per thread at the default tile: bench_quant.py put this kernel at 61-63% of a device
+# copy on an H100, the 1x128 at 92-94%); with four consecutive rows in a thread none are left. Off until a GPU has
+# timed it (read at import; part of the compile caches' key).
+ROWS4_128X1 = os.environ.get("CALCLIP_128X1_ROWS4", "0") == "1"
 
 
 def _default_first(configs: list[triton.Config], div_free_twin: triton.Config) -> list[triton.Config]:
@@ -264,22 +269,24 @@ def _quantize_128x1_kernel(
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
     DIV_FREE: tl.constexpr,  # codes by numerics._codes' division-free step (every config names it; same codes)
+    ROWS: tl.constexpr,  # the tile's inner row count: 1, or 4 under CALCLIP_128X1_ROWS4=1 (see ROWS4_128X1)
 ):
-    """One program: one group of GROUP rows x BLOCK_K columns; reduces over rows, stores codes transposed."""
-    pid_m = tl.program_id(0)
-    rows = (pid_m * GROUP + tl.arange(0, GROUP)).to(tl.int64)
+    """One program: one group of GROUP rows x BLOCK_K columns, loaded as [GROUP / ROWS, ROWS, BLOCK_K] (row
+    ROWS * i + j at [i, j]); reduces over rows, stores codes transposed."""
+    rows = ((tl.program_id(0) * GROUP + tl.arange(0, GROUP // ROWS) * ROWS).to(tl.int64)[:, None, None]
+            + tl.arange(0, ROWS)[None, :, None])  # [GROUP / ROWS, ROWS, 1]
     cols = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)  # ragged last row group and column tile
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    cols3 = cols[None, None, :]
+    mask = (rows < M) & (cols3 < K)  # ragged last row group and column tile
+    x = tl.load(x_ptr + rows * stride_xm + cols3 * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    amax = _abs_max(x, 0)  # [BLOCK_K]
+    amax = tl.max(_abs_max(x, 1), axis=0)  # [BLOCK_K]
     nonfinite = amax == float("inf")
     scale = _block_scale(amax, nonfinite, POW2)
-    codes = tl.where(rows[:, None] < M, _codes(x, scale[None, :], _reciprocal(scale)[None, :], nonfinite[None, :],
-                                               DIV_FREE), 0.0)
-    _store_codes(q_ptr + cols[None, :] * M_CODES + rows[:, None], codes,
-                 (rows[:, None] < M_CODES) & (cols[None, :] < K), SOFT_FP8)
-    tl.store(s_ptr + pid_m * stride_sb + cols * stride_sk, scale, mask=cols < K)
+    codes = tl.where(rows < M, _codes(x, scale[None, None, :], _reciprocal(scale)[None, None, :],
+                                      nonfinite[None, None, :], DIV_FREE), 0.0)
+    _store_codes(q_ptr + cols3 * M_CODES + rows, codes, (rows < M_CODES) & (cols3 < K), SOFT_FP8)
+    tl.store(s_ptr + tl.program_id(0) * stride_sb + cols * stride_sk, scale, mask=cols < K)
 
 
 _QUANT_128X1_DEFAULT = triton.Config({"BLOCK_K": 64, "DIV_FREE": False}, num_warps=8)
@@ -321,7 +328,7 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
         lambda meta: (nb, _ceil_div(k, meta["BLOCK_K"])), (k, _bucket(m), x.dtype), soft_fp8,
         x, _codes_out(q_t, soft_fp8), s, m, k, m_codes, x.stride(0), x.stride(1), s.stride(0), s.stride(1),
         _bucket(m),
-        POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
+        POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block, ROWS=4 if ROWS4_128X1 else 1)
     return q_t.t(), s
 
 
@@ -334,20 +341,20 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
 def _quantize_1x128_and_128x1_kernel(
     x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
     # x [M, K] any strides; q_row [M, K] contiguous, s_row [M, NBK] any strides;
-    # q_col^T [K, M_CODES] contiguous (M_CODES: M, or wgrad_rows(M) with zero codes past M), through an int32 view
-    # [K, M_CODES / 4] when WORDS; s_col [NBM, K] any strides
+    # q_col^T [K, M_CODES] contiguous (M_CODES: M, or wgrad_rows(M) with zero codes past M),
+    # s_col [NBM, K] any strides
     M, K, M_CODES, stride_xm, stride_xk, stride_srm, stride_srk, stride_scm, stride_sck,
     M_ROW,  # the 1x128 rows written, M <= M_ROW <= ceil(M / GROUP) * GROUP: those past M zero tokens
     K_BUCKET, M_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUP: tl.constexpr,
-    WORDS: tl.constexpr,  # M_CODES % 4 == 0: the transposed codes stored four rows to an int32 word
 ):
-    """One program: a [GROUP, GROUP] tile of x, loaded once as [GROUP / 4, 4, GROUP] (row 4i + j at [i, j]). Its row
-    amaxes are the scales of GROUP 1x128 groups, its column amaxes those of GROUP 128x1 groups; both code sets are
-    written from the same registers, the transposed one as words of four rows (numerics._code_words) when WORDS."""
+    """One program: a [GROUP, GROUP] tile of x, loaded once as [GROUP / 4, 4, GROUP] (row 4i + j at [i, j]: four
+    consecutive rows per thread, so the transposed codes leave without byte-wide shared-memory stores on sm_90). Its
+    row amaxes are the scales of GROUP 1x128 groups, its column amaxes those of GROUP 128x1 groups; both code sets are
+    written from the same registers."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    words = pid_m * (GROUP // 4) + tl.arange(0, GROUP // 4).to(tl.int64)  # [GROUP / 4]: word rows of q_col^T
-    rows = words[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]  # [GROUP / 4, 4, 1]
+    rows = ((pid_m * GROUP + tl.arange(0, GROUP // 4) * 4).to(tl.int64)[:, None, None]
+            + tl.arange(0, 4)[None, :, None])  # [GROUP / 4, 4, 1]
     cols = (pid_k * GROUP + tl.arange(0, GROUP)).to(tl.int64)
     cols3 = cols[None, None, :]
     mask = (rows < M) & (cols3 < K)  # ragged edges: masked elements are 0, amax unchanged
@@ -366,12 +373,7 @@ def _quantize_1x128_and_128x1_kernel(
     col_nonfinite = col_amax == float("inf")
     col_scale = _block_scale(col_amax, col_nonfinite, POW2)
     col_codes = tl.where(rows < M, _scaled_codes(x, col_scale[None, None, :], col_nonfinite[None, None, :]), 0.0)
-    if WORDS:
-        q_words = q_col_ptr.to(tl.pointer_type(tl.int32))
-        tl.store(q_words + cols[None, :] * (M_CODES // 4) + words[:, None], _code_words(col_codes, SOFT_FP8),
-                 mask=(words[:, None] * 4 < M_CODES) & (cols[None, :] < K))
-    else:
-        _store_codes(q_col_ptr + cols3 * M_CODES + rows, col_codes, (rows < M_CODES) & (cols3 < K), SOFT_FP8)
+    _store_codes(q_col_ptr + cols3 * M_CODES + rows, col_codes, (rows < M_CODES) & (cols3 < K), SOFT_FP8)
     tl.store(s_col_ptr + pid_m * stride_scm + cols * stride_sck, col_scale, mask=cols < K)
 
 
@@ -414,7 +416,7 @@ def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = Fals
         lambda meta: (nbm, nbk), (_bucket(k), _bucket(m), x.dtype), soft_fp8,
         x, _codes_out(q_row, soft_fp8), s_row, _codes_out(q_col_t, soft_fp8), s_col, m, k, m_codes,
         x.stride(0), x.stride(1), s_row.stride(0), s_row.stride(1), s_col.stride(0), s_col.stride(1), m_row,
-        _bucket(k), _bucket(m), POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block, WORDS=m_codes % 4 == 0)
+        _bucket(k), _bucket(m), POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     return q_row, s_row, q_col_t.t(), s_col
 
 
