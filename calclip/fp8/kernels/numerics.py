@@ -132,5 +132,3 @@ def _e4m3fn_in_registers(codes, SOFT_FP8: tl.constexpr):
     else:
         a = codes.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return a
-
-

@@ -379,7 +379,7 @@ def _quantize_1x128_and_128x1_kernel(
 
 _QUANT_DUAL_DEFAULT = triton.Config({}, num_warps=8)
 # No 4-warp config: a 128 x 128 fp32 tile over 128 threads spills ~1 KB per thread (sm_90). At 8 warps the tile takes
-# 235 registers per thread: one program per SM.
+# 247 registers per thread: one program per SM.
 _QUANT_DUAL_CONFIGS = [
     _QUANT_DUAL_DEFAULT,
     triton.Config({}, num_warps=16),
