@@ -29,7 +29,8 @@ DEVICE = "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
 
 
 NO_DEVICE_TESTS = {"test_kernels_compile_for_sm90_without_a_gpu", "test_autotune_timings_persist_unless_turned_off",
-                   "test_no_kernel_parameter_has_a_default", "test_every_config_of_a_launcher_names_the_same_meta_parameters"}
+                   "test_no_kernel_parameter_has_a_default", "test_every_config_of_a_launcher_names_the_same_meta_parameters",
+                   "test_the_rows4_switch_is_read_at_import_and_keys_the_compile_caches"}
 
 
 @pytest.fixture(autouse=True)
@@ -115,6 +116,18 @@ def test_quantize_128x1_matches_reference(shape, dtype, pow2, rows4, monkeypatch
     monkeypatch.setattr(quantize, "ROWS4_128X1", rows4)
     x = _wide_range(shape[::-1], dtype, seed=sum(shape)).t()  # wide range along dim 0, the grouped dim
     _assert_matches_reference("quantize_128x1", x.contiguous(), pow2)
+
+
+def test_the_rows4_switch_is_read_at_import_and_keys_the_compile_caches():
+    """CALCLIP_128X1_ROWS4=1 selects the [32, 4, columns] tile (unset: the [128, columns] one); a compiled graph
+    depends on it, so it is part of the compile caches' key."""
+    from calclip.fp8.compile_cache import DISPATCH_ENV
+    from tests.fixtures import printed_under_env
+
+    seen = printed_under_env("CALCLIP_128X1_ROWS4", ("1", None),
+                             "from calclip.fp8.kernels import quantize as q; print(q.ROWS4_128X1)")
+    assert seen == {"1": "True", None: "False"}
+    assert "CALCLIP_128X1_ROWS4" in DISPATCH_ENV
 
 
 @pytest.mark.parametrize("pow2", [False, True])
