@@ -69,7 +69,6 @@ FP8_GEMMS = {"_fp8_block_gemm_kernel", "_fp8_splitk_gemm_kernel", "_fp8_linear_f
 # starting to spill.
 _GEMM_128 = "BLOCK_M=128 BLOCK_N=128 GROUP_M=8"
 KNOWN_SPILLS = {
-    ("_quantize_1x128_and_128x1_kernel", "warps=16 stages=3"): 56,  # power-of-two scales at the 128-register cap
     ("_fp8_block_gemm_kernel", f"{_GEMM_128} warps=8 stages=4"): 8,
     ("_fp8_block_gemm_kernel", f"{_GEMM_128} warps=4 stages=4"): 828,
     ("_fp8_block_gemm_kernel", "BLOCK_M=128 BLOCK_N=256 GROUP_M=8 warps=8 stages=3"): 1048,

@@ -347,42 +347,53 @@ def _quantize_1x128_and_128x1_kernel(
     M_ROW,  # the 1x128 rows written, M <= M_ROW <= ceil(M / GROUP) * GROUP: those past M zero tokens
     K_BUCKET, M_BUCKET,  # autotune key only
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,  # columns held at a time: GROUP / CHUNK passes over the tile, twice
 ):
-    """One program: a [GROUP, GROUP] tile of x, loaded once as [GROUP / 4, 4, GROUP] (row 4i + j at [i, j]: four
-    consecutive rows per thread, so the transposed codes leave without byte-wide shared-memory stores on sm_90). Its
-    row amaxes are the scales of GROUP 1x128 groups, its column amaxes those of GROUP 128x1 groups; both code sets are
-    written from the same registers."""
+    """One program: a [GROUP, GROUP] tile of x (GROUP 1x128 groups along its rows, GROUP 128x1 groups down its
+    columns), in column chunks of [GROUP / 4, 4, CHUNK] (row 4i + j at [i, j]: four consecutive rows per thread, so
+    the transposed codes leave without byte-wide shared-memory stores on sm_90). The first pass completes each
+    chunk's 128x1 groups (all GROUP rows are in it) and stores their codes, while it gathers the row amaxes; the second
+    reads the chunks again (from L2: the program read them just before) and stores the 1x128 codes. A chunk holds
+    GROUP * CHUNK values in registers instead of the whole tile (at CHUNK = GROUP, 8 warps: 247 registers per thread,
+    one program per SM on sm_90); x's bytes leave DRAM once."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = ((pid_m * GROUP + tl.arange(0, GROUP // 4) * 4).to(tl.int64)[:, None, None]
             + tl.arange(0, 4)[None, :, None])  # [GROUP / 4, 4, 1]
-    cols = (pid_k * GROUP + tl.arange(0, GROUP)).to(tl.int64)
-    cols3 = cols[None, None, :]
-    mask = (rows < M) & (cols3 < K)  # ragged edges: masked elements are 0, amax unchanged
-    x = tl.load(x_ptr + rows * stride_xm + cols3 * stride_xk, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    row_amax = tl.zeros([GROUP // 4, 4], dtype=tl.float32)
+    for c in range(0, GROUP, CHUNK):  # loops, not unrolled: one chunk live at a time
+        cols = (pid_k * GROUP + c + tl.arange(0, CHUNK)).to(tl.int64)
+        cols3 = cols[None, None, :]
+        x = tl.load(x_ptr + rows * stride_xm + cols3 * stride_xk, mask=(rows < M) & (cols3 < K), other=0.0)
+        x = x.to(tl.float32)  # ragged edges: masked elements are 0, amaxes unchanged
+        row_amax = tl.maximum(row_amax, _abs_max(x, 2))  # +Inf, once there, stays (non-finite rows)
+        col_amax = tl.max(_abs_max(x, 1), axis=0)  # [CHUNK]: its 128x1 groups, whole
+        col_nonfinite = col_amax == float("inf")
+        col_scale = _block_scale(col_amax, col_nonfinite, POW2)
+        col_codes = tl.where(rows < M, _scaled_codes(x, col_scale[None, None, :], col_nonfinite[None, None, :]), 0.0)
+        _store_codes(q_col_ptr + cols3 * M_CODES + rows, col_codes, (rows < M_CODES) & (cols3 < K), SOFT_FP8)
+        tl.store(s_col_ptr + pid_m * stride_scm + cols * stride_sck, col_scale, mask=cols < K)
 
-    row_amax = _abs_max(x, 2)  # [GROUP / 4, 4]: one 1x128 group per row
-    row_nonfinite = row_amax == float("inf")
+    row_nonfinite = row_amax == float("inf")  # [GROUP / 4, 4]: one 1x128 group per row
     row_scale = _block_scale(row_amax, row_nonfinite, POW2)
-    row_codes = _scaled_codes(x, row_scale[:, :, None], row_nonfinite[:, :, None])
-    _store_codes(q_row_ptr + rows * K + cols3, row_codes, (rows < M_ROW) & (cols3 < K), SOFT_FP8)
     row_ids = rows.reshape(GROUP // 4, 4)
     tl.store(s_row_ptr + row_ids * stride_srm + pid_k * stride_srk, row_scale, mask=row_ids < M_ROW)
-
-    col_amax = tl.max(_abs_max(x, 1), axis=0)  # [GROUP]: one 128x1 group per column
-    col_nonfinite = col_amax == float("inf")
-    col_scale = _block_scale(col_amax, col_nonfinite, POW2)
-    col_codes = tl.where(rows < M, _scaled_codes(x, col_scale[None, None, :], col_nonfinite[None, None, :]), 0.0)
-    _store_codes(q_col_ptr + cols3 * M_CODES + rows, col_codes, (rows < M_CODES) & (cols3 < K), SOFT_FP8)
-    tl.store(s_col_ptr + pid_m * stride_scm + cols * stride_sck, col_scale, mask=cols < K)
+    for c in range(0, GROUP, CHUNK):  # loops, not unrolled: one chunk live at a time
+        cols3 = (pid_k * GROUP + c + tl.arange(0, CHUNK)).to(tl.int64)[None, None, :]
+        x = tl.load(x_ptr + rows * stride_xm + cols3 * stride_xk, mask=(rows < M) & (cols3 < K), other=0.0)
+        row_codes = _scaled_codes(x.to(tl.float32), row_scale[:, :, None], row_nonfinite[:, :, None])
+        _store_codes(q_row_ptr + rows * K + cols3, row_codes, (rows < M_ROW) & (cols3 < K), SOFT_FP8)
 
 
-_QUANT_DUAL_DEFAULT = triton.Config({}, num_warps=8)
-# No 4-warp config: a 128 x 128 fp32 tile over 128 threads spills ~1 KB per thread (sm_90). At 8 warps the tile takes
-# 247 registers per thread: one program per SM.
+# sm_90 registers per thread (ptxas, compiled on CPU): CHUNK 32 / 8 warps 116-128, 64 / 4 warps 167-168, 64 / 8 warps
+# 118-128, 128 / 8 warps 189-196; the one-pass tile before 2026-12-06 took 247 at 8 warps (one program per SM) and
+# spilled ~1 KB at 4. (CHUNK 32 / 4 warps spilled at a ragged token count.) None of these has been timed on a GPU yet
+# (Fp8Config.fused_quantizer is off by default).
+_QUANT_DUAL_DEFAULT = triton.Config({"CHUNK": 32}, num_warps=8)
 _QUANT_DUAL_CONFIGS = [
     _QUANT_DUAL_DEFAULT,
-    triton.Config({}, num_warps=16),
+    triton.Config({"CHUNK": 64}, num_warps=4),
+    triton.Config({"CHUNK": 64}, num_warps=8),
+    triton.Config({"CHUNK": 128}, num_warps=8),
 ]
 _quantize_dual_tuned = _Tuned(_quantize_1x128_and_128x1_kernel, _QUANT_DUAL_CONFIGS, key=["K_BUCKET", "M_BUCKET"])
 
