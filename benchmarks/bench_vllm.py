@@ -1709,7 +1709,11 @@ def parse_args(argv=None):
     parser.add_argument("--grpo-capture-size", type=int, default=None,
                         help="grpo: the engines' vllm_max_cudagraph_capture_size (default: the trainer's, the rollout "
                              "batch; vLLM's own default is twice that, at most 512)")
-    parser.add_argument("--grpo-timeout", type=int, default=280)
+    parser.add_argument("--grpo-timeout", type=int, default=600,
+                        help="grpo: seconds each arm's worker may run (default 600). A cold FP8 worker on a fresh "
+                             "machine compiles calclip's kernels, vLLM's graphs and DeepGEMM's GEMMs: on an H100 at "
+                             "16 layers (2026-12-06) its engine loaded weights 217 s in, and the former default of "
+                             "280 s ran out before its first step; a BF16 worker started in ~80 s")
     parser.add_argument("--grpo-arms", default="fp8,bf16",
                         help=f"grpo: arms, comma-separated, of {GRPO_ARMS} (fp8_reload: FP8 with vllm_fp8_direct_sync "
                              "off, every sync through vLLM's layerwise reload; *_gcon: vllm_pause_gc off, the "
