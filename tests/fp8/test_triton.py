@@ -335,16 +335,17 @@ def test_fused_special_values_strides_and_gemm_layout(pow2):
     _assert_dual_matches_reference(x[3:200:2, 5:290].double())  # sliced, odd strides, fp64 -> fp32
 
 
+@pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("config", quantize._QUANT_DUAL_CONFIGS, ids=lambda c: f"chunk{c.kwargs['CHUNK']}-w{c.num_warps}")
-def test_every_fused_chunking_matches_the_reference(config, monkeypatch):
-    """Each config of the fused quantizer's table (column chunks of 32, 64 or 128: one, two or four passes per tile,
+def test_every_fused_chunking_matches_the_reference(config, pow2, monkeypatch):
+    """Each config of the fused quantizer's table (column chunks of 32, 64 or 128: four, two or one pass per tile,
     each twice) gives the reference's codes and scales, on special values, a ragged tile and the GEMM layout."""
     monkeypatch.setattr(launch, "_AUTOTUNE", False)  # on a GPU too: this config, not the autotuner's choice
     monkeypatch.setattr(quantize._quantize_dual_tuned, "_default_launch", (config.kwargs, config.all_kwargs()))
     x = torch.cat([_special_values(), torch.randn(190, 384) * torch.logspace(-6, 3, 384)]).to(DEVICE)  # 196 rows
     x[150, 7] = NAN
-    _assert_dual_matches_reference(x, pow2=config.num_warps == 8)
-    _assert_dual_matches_reference(x[:, :300], gemm_layout=True)
+    _assert_dual_matches_reference(x, pow2)
+    _assert_dual_matches_reference(x[:, :300], pow2, gemm_layout=True)
 
 
 @pytest.mark.parametrize("name", ["quantize_1x128", "quantize_128x1"])
