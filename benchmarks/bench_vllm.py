@@ -205,6 +205,30 @@ def deep_gemm_cache_files(env=os.environ) -> int | None:
     return sum(len(files) for _, _, files in os.walk(root))
 
 
+# PyTorch's CUDA caching allocator: cudaMalloc and cudaFree calls, allocations retried after it freed its cache, and
+# its device-wide synchronizations (torch.cuda.memory_stats' counters). vLLM's sampler and input buffers allocate
+# from it in the trainer's process; a trainer that leaves little free memory beside the engine makes those go to the
+# driver, and each cudaFree or retry synchronizes the device, stalling a host-bound decode.
+ALLOCATOR_EVENTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_events(stats: dict | None = None) -> dict[str, int] | None:
+    """The caching allocator's ``ALLOCATOR_EVENTS`` so far (from ``stats``, else this process's device), or None
+    without CUDA."""
+    if stats is None:
+        if not torch.cuda.is_available():
+            return None
+        stats = torch.cuda.memory_stats()
+    return {key: int(stats.get(key, 0)) for key in ALLOCATOR_EVENTS}
+
+
+def allocator_delta(before: dict | None, after: dict | None) -> dict[str, int] | None:
+    """Each counter's growth between two ``allocator_events`` readings (None without both)."""
+    if before is None or after is None:
+        return None
+    return {key: after[key] - before[key] for key in ALLOCATOR_EVENTS}
+
+
 def cuda_sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -1217,7 +1241,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         vllm_async_scheduling=getattr(opts, "async_scheduling", None),
         vllm_max_cudagraph_capture_size=getattr(opts, "grpo_capture_size", None))
     timings = {"step_s": [], "generate_s": [], "sync_s": [], "gc_ms": [], "gc_collections": [], "rollout_cpu_s": [],
-               "load1": [], "steal": [], "deep_gemm_new": []}
+               "load1": [], "steal": [], "deep_gemm_new": [], "allocator": []}
     gc_clock = GcClock()
 
     class StepClock(TrainerCallback):
@@ -1257,6 +1281,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
             cuda_sync()
             # the probes' own readings (a file, a walk of DeepGEMM's cache) before the clocks start
             ticks, jit_files = host_cpu_ticks(), deep_gemm_cache_files() if _key == "generate_s" else None
+            allocated = allocator_events()
             start, cpu_start = time.perf_counter(), time.process_time()
             with profiler, (gc_clock if _key == "generate_s" else contextlib.nullcontext()):
                 out = _original(*a, **k)
@@ -1274,6 +1299,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
                 # files DeepGEMM's JIT cache gained during the rollout: kernels compiled inside it (None: no cache)
                 after = deep_gemm_cache_files()
                 timings["deep_gemm_new"].append(None if after is None else after - (jit_files or 0))
+                timings["allocator"].append(allocator_delta(allocated, allocator_events()))
             if kind is not None:
                 summarize = rollout_profile if kind == "rollout_profile" else host_profile
                 timings[kind] = summarize(profiler, timings[_key][-1], step=rollout - 1)
@@ -1392,6 +1418,12 @@ def worker_summary(run: dict, warmup: int) -> str:
     if any(compiled):
         text += (f"; DeepGEMM's JIT cache grew by {sum(compiled)} file(s) during {sum(v > 0 for v in compiled)} of the "
                  f"{len(compiled)} timed rollouts (kernels compiled inside them: their times include the compiles)")
+    allocated = [v for v in run.get("allocator", [])[warmup:] if v is not None]
+    if allocated:  # medians per timed rollout; all zero when the engine's allocations stayed in PyTorch's cache
+        events = {key: statistics.median(v[key] for v in allocated) for key in ALLOCATOR_EVENTS}
+        text += (f"; CUDA allocator per rollout {events['num_device_alloc']:g} cudaMalloc / "
+                 f"{events['num_device_free']:g} cudaFree, {events['num_alloc_retries']:g} retries, "
+                 f"{events['num_sync_all_streams']:g} device syncs (medians)")
     profile = run.get("rollout_profile")
     if profile:
         text += (f"; profiled rollout (step {profile['step'] + 1}): GPU kernels {fmt(profile['kernel_ms'], 1)} of "
@@ -1406,7 +1438,7 @@ def worker_summary(run: dict, warmup: int) -> str:
 
 # a grpo worker's lists with one entry per step (each step runs one rollout and one sync)
 PER_ROLLOUT_KEYS = ("step_s", "generate_s", "sync_s", "gc_ms", "gc_collections", "rollout_cpu_s", "load1",
-                    "steal", "deep_gemm_new")
+                    "steal", "deep_gemm_new", "allocator")
 
 
 def without_profiled_step(run: dict) -> dict:

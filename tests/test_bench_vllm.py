@@ -995,8 +995,28 @@ def test_grpo_worker_summary_gives_the_rollouts_cpu_share_and_the_host_load():
     run["deep_gemm_new"] = [40, 2, None, 3]
     assert "DeepGEMM's JIT cache grew by 5 file(s) during 2 of the 2 timed rollouts" in \
         bench_vllm.worker_summary(run, warmup=1)
+    assert "allocator" not in bench_vllm.worker_summary(run, warmup=1)  # an older worker file
+    quiet = dict.fromkeys(bench_vllm.ALLOCATOR_EVENTS, 0)
+    run["allocator"] = [{**quiet, "num_device_alloc": 90}, quiet, None, {**quiet, "num_device_alloc": 4,
+                        "num_device_free": 2, "num_alloc_retries": 1, "num_sync_all_streams": 3}]
+    assert ("CUDA allocator per rollout 2 cudaMalloc / 1 cudaFree, 0.5 retries, 1.5 device syncs (medians)"
+            in bench_vllm.worker_summary(run, warmup=1))  # the warm-up's 90 left out, a rollout without CUDA skipped
     del run["rollout_cpu_s"], run["load1"], run["steal"], run["deep_gemm_new"]
     assert "CPU time" not in bench_vllm.worker_summary(run, warmup=1)
+
+
+def test_allocator_events_read_the_caching_allocators_counters_and_their_growth():
+    """The four counters from torch.cuda.memory_stats (0 where a torch build lacks one), their growth between two
+    readings, and None without CUDA or without both readings."""
+    stats = {"num_device_alloc": 7, "num_device_free": 3, "num_alloc_retries": 1, "allocated_bytes.all.current": 9}
+    before = bench_vllm.allocator_events(stats)
+    assert before == {"num_device_alloc": 7, "num_device_free": 3, "num_alloc_retries": 1, "num_sync_all_streams": 0}
+    after = bench_vllm.allocator_events({**stats, "num_device_alloc": 10, "num_sync_all_streams": 2})
+    assert bench_vllm.allocator_delta(before, after) == {"num_device_alloc": 3, "num_device_free": 0,
+                                                         "num_alloc_retries": 0, "num_sync_all_streams": 2}
+    assert bench_vllm.allocator_delta(None, after) is None and bench_vllm.allocator_delta(before, None) is None
+    if not torch.cuda.is_available():
+        assert bench_vllm.allocator_events() is None
 
 
 def test_deep_gemm_cache_files_counts_the_jit_cache_vllm_points_deep_gemm_at(tmp_path):
