@@ -10,8 +10,9 @@ inputs rotating over sets > L2; ``triton.testing.do_bench`` median. Rows (varian
   copy            ``dst.copy_(src)`` of uint8 buffers moving the same bytes as the job (the bandwidth ceiling)
   (a) prod        ``calclip.fp8.quant.quantize_1x128_and_128x1(x, gemm_layout=True)``, as FP8BlockLinear calls it
                   on CUDA (its _Tuned autotunes on the first call; the config it chose is printed)
-  (b) w{W}s{S}    the production @triton.jit kernel launched directly with num_warps W, num_stages S (its tile
-                  is fixed at GROUP x GROUP = 128x128 by the signature: GROUP is also the block size)
+  (b) C{C} w{W}s{S}  the production kernel through its own launcher (the arguments FP8BlockLinear passes, whatever
+                  the kernel's signature) with autotuning off and one config: column chunks of C, num_warps W,
+                  num_stages S
   (x) ctrl        this script's copy of the production kernel (exact div_rn); must time like (a)/(b)
   (c) recip       codes = x * (1/s) (1/s with div_rn once per block) instead of div_rn(x, s) per element
   (c) approx      codes = x / s with Triton's default (approximate, div.full.f32) division
@@ -43,6 +44,7 @@ scale bits vs the torch reference on a ragged check tensor with NaN/Inf blocks (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -183,11 +185,46 @@ def _args(o: dict) -> list:
             s_row.stride(0), s_row.stride(1), s_col.stride(0), s_col.stride(1)]
 
 
-def launch_prod(o: dict, warps: int, stages: int, pow2: bool = False):
-    m, k = o["x"].shape
-    return quantize._quantize_1x128_and_128x1_kernel[o["grid"]](
-        *_args(o), launch._bucket(k), launch._bucket(m), POW2=pow2, SOFT_FP8=o["soft"], GROUP=BLOCK,
-        num_warps=warps, num_stages=stages)
+def prod_configs(chunks, warps, stages) -> list:
+    """The (b) sweep's launch configs of the production kernel."""
+    return [triton.Config({"CHUNK": c}, num_warps=w, num_stages=s) for c in chunks for w in warps for s in stages]
+
+
+def config_label(config) -> str:
+    return f"C{config.kwargs['CHUNK']} w{config.num_warps}s{config.num_stages}"
+
+
+@contextlib.contextmanager
+def forced_prod_config(config):
+    """quantize_1x128_and_128x1's launcher with autotuning off and ``config`` as its launch, as
+    tests/fp8/test_triton.py pins one config."""
+    tuned = quantize._quantize_dual_tuned
+    saved = launch._AUTOTUNE, tuned._default_launch
+    launch._AUTOTUNE, tuned._default_launch = False, (config.kwargs, config.all_kwargs())
+    try:
+        yield
+    finally:
+        launch._AUTOTUNE, tuned._default_launch = saved
+
+
+_PROD_KERNELS: dict[str, object] = {}  # config label -> the compiled kernel its first launch made (for regs / smem)
+
+
+def _compiled_prod_kernels() -> list:
+    caches = getattr(quantize._quantize_1x128_and_128x1_kernel, "device_caches", {})  # none under the interpreter
+    return [kernel for cache in caches.values() for kernel in cache[0].values()]
+
+
+def launch_prod(x: torch.Tensor, config, pow2: bool = False) -> tuple:
+    """The production fused quantizer on x with ``config`` (gemm_layout=True, as FP8BlockLinear calls it on CUDA)
+    -> (q_row, s_row, q_col, s_col)."""
+    before = {id(k) for k in _compiled_prod_kernels()}
+    with forced_prod_config(config):
+        out = tk.quantize_1x128_and_128x1(x, pow2=pow2, gemm_layout=True)
+    new = [k for k in _compiled_prod_kernels() if id(k) not in before]
+    if new:
+        _PROD_KERNELS.setdefault(config_label(config), new[-1])
+    return out
 
 
 def launch_exp(o: dict, name: str, warps: int, stages: int = 1, pow2: bool = False):
@@ -345,13 +382,11 @@ class Checker:
     def __init__(self, xc: torch.Tensor, cpu_ref: tuple) -> None:
         self.xc, self.cpu_ref, self.cache = xc, cpu_ref, {}
 
-    def prod(self, w: int, s: int) -> str:
-        key = ("prod", w, s)
+    def prod(self, config) -> str:
+        key = ("prod", config_label(config))
         if key not in self.cache:
             try:
-                o = make_outputs(self.xc)
-                launch_prod(o, w, s)
-                self.cache[key] = verdict(*compare(self.cpu_ref, o, True, True), "exact")
+                self.cache[key] = gemm_layout_verdict(self.cpu_ref, *launch_prod(self.xc, config))
             except Exception as err:  # noqa: BLE001
                 self.cache[key] = f"ERROR {type(err).__name__}"
         return self.cache[key]
@@ -421,17 +456,14 @@ class Shape:
         t = self.bench(lambda: launch_exp(src(), name, w))
         self.add(f"{name}@{w}", label, t, check, info, name)
 
-    def prod_point(self, w: int, s: int, checker: "Checker") -> None:
-        label = f"(b) prod kernel w{w}s{s}"
+    def prod_point(self, config, checker: "Checker") -> None:
+        label = f"(b) prod kernel {config_label(config)}"
         if self.skip(label):
             return
-        check = checker.prod(w, s)
-        try:
-            info = kernel_info(launch_prod(self.nxt_x(), w, s))
-        except Exception:  # noqa: BLE001
-            info = ("-", "-", "-")
-        t = self.bench(lambda: launch_prod(self.nxt_x(), w, s))
-        self.add(f"b:w{w}s{s}", label, t, check, info, "b")
+        check = checker.prod(config)
+        t = self.bench(lambda: launch_prod(self.nxt_x()["x"], config))
+        self.add(f"b:{config_label(config)}", label, t, check, kernel_info(_PROD_KERNELS.get(config_label(config))),
+                 "b")
 
 
 def main() -> None:
@@ -447,11 +479,11 @@ def main() -> None:
     if SMOKE:
         print("== sweep_quant --smoke: TRITON_INTERPRET=1 on CPU; times are meaningless ==")
         device, shapes = "cpu", [(256, 384), (200, 328)]
-        prod_cfgs, exp_warps = [(8, 1), (4, 2)], [8, 4]
+        prod_cfgs, exp_warps = prod_configs((32,), (8,), (1,)) + prod_configs((128,), (8,), (2,)), [8, 4]
     else:
         header("sweep_quant: why the fused 1x128+128x1 quantizer runs below copy bandwidth")
         device, shapes = "cuda", [(8192, 14336), (8192, 4096)]
-        prod_cfgs = [(w, s) for w in (4, 8, 16) for s in (1, 2, 3)]
+        prod_cfgs = prod_configs((32, 64, 128), (4, 8, 16), (1, 3))
         exp_warps = [8, 4, 16]  # first one for every variant, the others while the budget lasts
 
     # ---- correctness first, on one ragged check tensor (CPU reference) --------------------------------
@@ -487,7 +519,8 @@ def main() -> None:
         chosen = [cfg for key, cfg in quantize._quantize_dual_tuned.chosen.items()
                   if key[:2] == (launch._bucket(c.k), launch._bucket(c.m))]
         # _Tuned.chosen values are (config.kwargs, all launch kwargs): warps and stages are in the second dict
-        chosen_s = ", ".join(f"w{kw.get('num_warps')}s{kw.get('num_stages')}" for _, kw in chosen) or "default"
+        chosen_s = ", ".join(f"C{kw.get('CHUNK')} w{kw.get('num_warps')}s{kw.get('num_stages')}"
+                             for _, kw in chosen) or "default"
         c.add("a", f"(a) prod via calclip [{chosen_s}]", t_a, checks["prod"])
         two = lambda: (lambda x: (tk.quantize_1x128(x, gemm_layout=True),  # noqa: E731
                                   tk.quantize_128x1(x, gemm_layout=True)))(c.nxt_x()["x"])
@@ -495,9 +528,9 @@ def main() -> None:
         for name in EXPERIMENTS:  # every variant at the production default warps
             c.exp_point(name, exp_warps[0], checker, optional=False)
     print(f"-- (b) config sweep (t={time.perf_counter() - T0:.0f}s)", flush=True)
-    for w, s in prod_cfgs:
+    for config in prod_cfgs:
         for c in ctxs:
-            c.prod_point(w, s, checker)
+            c.prod_point(config, checker)
     print(f"-- experimental variants at other warps (t={time.perf_counter() - T0:.0f}s)", flush=True)
     for w in exp_warps[1:]:
         for name in EXPERIMENTS:

@@ -28,3 +28,8 @@ def test_smoke_checks_the_variants_against_the_reference():
     assert "recip with pow2=True scales: exact" in run.stdout  # 1/s is exact for power-of-two scales
     # one timing table per smoke shape, each with the production row
     assert run.stdout.count("| (a) prod via calclip [default]") == 2
+    # the (b) sweep launches the production kernel through its launcher, one config at a time: two configs per
+    # shape, each exact (until 2026-12-06 it launched the kernel by an old signature and swallowed the TypeError)
+    swept = re.findall(r"^\| \(b\) prod kernel (C\d+ w\d+s\d+) .*\| (\S[^|]*?) *\|$", run.stdout, re.M)
+    assert sorted(label for label, _ in swept) == ["C128 w8s2"] * 2 + ["C32 w8s1"] * 2, swept
+    assert all(check == "exact" for _, check in swept), swept
