@@ -1,6 +1,6 @@
 """Why is the fused 1x128+128x1 quantizer slow? Sweep its configs and time experimental variants of it.
 
-    python benchmarks/sweep_quant.py                 # H200, < 90 s; prints one table per shape + a conclusion
+    python benchmarks/sweep_quant.py [--budget 75]   # GPU; optional points stop after --budget s; tables + a conclusion
     python benchmarks/sweep_quant.py --smoke         # CPU, TRITON_INTERPRET=1, tiny shapes: checks the script runs
     python benchmarks/sweep_quant.py --compile-sm90  # CPU, no GPU: compiles every variant to sm_90 PTX/cubin
 
@@ -68,7 +68,7 @@ from calclip.fp8 import kernels as tk  # noqa: E402
 from calclip.fp8.kernels import launch, numerics, quantize  # noqa: E402
 
 BLOCK = 128
-BUDGET_S = 75.0  # stop adding optional sweep points after this (one device call's window is ~2 min)
+BUDGET_S = 75.0  # default --budget: optional sweep points stop after this many seconds
 T0 = time.perf_counter()
 
 # ----------------------------------------------------------------------------------------------------------
@@ -467,12 +467,16 @@ class Shape:
 
 
 def main() -> None:
+    global BUDGET_S
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes (script check only)")
     parser.add_argument("--compile-sm90", action="store_true", help="compile the variants for sm_90 and exit")
     parser.add_argument("--warmup", type=int, default=5, help="do_bench warmup (ms)")
     parser.add_argument("--rep", type=int, default=30, help="do_bench rep (ms)")
+    parser.add_argument("--budget", type=float, default=BUDGET_S,
+                        help="seconds after which the optional sweep points are skipped (the essentials always run)")
     args = parser.parse_args()
+    BUDGET_S = args.budget
     if args.compile_sm90:
         compile_sm90()
         return
