@@ -89,3 +89,27 @@ def test_fresh_install_times_the_readme_set_up_commands():
     steps = [line.split(None, 2)[2].strip() for line in script.splitlines() if line.strip().startswith("step ")]
     parts = [part.strip() for line in lines[:2] for part in line.split("&&") if "pytest" not in part]
     assert parts and all(part in steps for part in parts), (parts, steps)
+
+
+LATEST_CELL_MAX = 1_000  # characters; the longest cell was 933 when the rule came in (2026-12-06)
+
+
+def test_benchmarks_page_keeps_the_latest_figure_per_target():
+    """docs/benchmarks.md is the latest row per target (docs/DESIGN.md's layout): a "latest" cell holds the status,
+    the newest figure per device and what would close the gap. Earlier sessions' figures go to docs/benchmarks-log.md;
+    cells that had grown to 2,400 characters of session history were cut back on 2026-12-06."""
+    long_cells = []
+    columns = None
+    for number, line in enumerate((ROOT / "docs" / "benchmarks.md").read_text().splitlines(), 1):
+        cells = re.split(r"(?<!\\)\|", line)
+        if not line.startswith("|"):
+            columns = None
+        elif "latest" in [c.strip() for c in cells]:
+            columns = [c.strip() for c in cells]
+        elif columns and not set(line) <= set("|-: "):
+            assert len(cells) == len(columns), f"docs/benchmarks.md:{number}: {len(cells) - 2} cells, header has " \
+                                               f"{len(columns) - 2}"
+            latest = cells[columns.index("latest")]
+            if len(latest) > LATEST_CELL_MAX:
+                long_cells.append(f"docs/benchmarks.md:{number} ({cells[1].strip()[:60]}): {len(latest)}")
+    assert not long_cells, f"'latest' cells over {LATEST_CELL_MAX} characters (history goes to the log): {long_cells}"
