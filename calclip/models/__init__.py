@@ -91,6 +91,26 @@ def load_default_model(*, dtype=None):
 EMBEDDED_MODEL_NAMES = (DEFAULT_MODEL_NAME, TINY_MODEL_NAME)  # the names calclip resolves itself
 
 
+# How a value of model_name_or_path says it is a folder on this machine: no hub id starts like this (the hub's ids
+# start with a letter or digit), so these never reach the hub.
+_PATH_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")
+
+
+def local_model_path(name_or_path: str) -> str:
+    """``name_or_path`` with a leading ``~`` expanded, as a shell would; a value that can only be a local path (absolute,
+    ``./``, ``../``, ``~``) and names no folder raises FileNotFoundError naming model_name_or_path (transformers would
+    take it for a hub id and answer "Repo id must use alphanumeric chars"). Hub ids and other names pass unchanged:
+    transformers decides."""
+    if not name_or_path.startswith(_PATH_PREFIXES) and name_or_path not in (".", ".."):
+        return name_or_path
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"model_name_or_path {name_or_path!r} {what}: a local model is a folder written by "
+                                f"save_pretrained (config.json, weights, tokenizer); a hub id has the form 'org/name'")
+    return str(path)
+
+
 def load_model(name_or_path: str, *, dtype=None, revision: str | None = None, trust_remote_code: bool = False,
                **model_init_kwargs):
     """``"default"``: the embedded SmolLM2; ``"tiny"``: calclip.models.tiny's random tiny model with its local
@@ -111,6 +131,7 @@ def load_model(name_or_path: str, *, dtype=None, revision: str | None = None, tr
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    name_or_path = local_model_path(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         name_or_path, revision=revision, trust_remote_code=trust_remote_code, dtype=dtype, **model_init_kwargs

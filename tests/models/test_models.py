@@ -85,6 +85,40 @@ def test_hub_id_offline_fails_with_transformers_own_error(monkeypatch):
     assert "calclip" not in str(error.value).replace("calclip-tests/no-such-model-anywhere", "")
 
 
+@pytest.mark.parametrize("name", ["/no/such/model", "./no-such-model", "../no-such-model", "~/no-such-model"])
+def test_a_missing_local_folder_is_named_not_taken_for_a_hub_id(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"model_name_or_path .* does not exist: a local model is a folder"):
+        models.load_model(name)
+
+
+def test_a_file_given_as_the_model_folder_is_named(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
+        models.load_model(str(weights))
+
+
+def test_a_saved_folder_loads_by_absolute_relative_and_home_paths(tmp_path, monkeypatch):
+    from calclip.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    saved = tmp_path / "home" / "tiny-policy"
+    build_tiny_model(tokenizer).save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for name in (str(saved), "./home/tiny-policy", "~/tiny-policy"):
+        model, loaded = models.load_model(name)
+        assert model.config.vocab_size == len(tokenizer) and loaded.pad_token is not None, name
+
+
+def test_names_that_are_not_paths_reach_transformers_unchanged():
+    for name in ("Qwen/Qwen2.5-1.5B-Instruct", "gpt2", "models/my-model", ".hidden-but-not-a-path"):
+        assert models.local_model_path(name) == name
+
+
 @pytest.mark.slow
 def test_a_gguf_model_loads_untagged_and_saves_as_a_plain_float_model(tmp_path):
     # transformers alone leaves a de-quantized GGUF model tagged as GGUF-quantized, and save_pretrained refuses it
