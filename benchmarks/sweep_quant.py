@@ -194,13 +194,18 @@ def config_label(config) -> str:
     return f"C{config.kwargs['CHUNK']} w{config.num_warps}s{config.num_stages}"
 
 
+_FORCED_LAUNCHES: dict[str, tuple] = {}  # config label -> its launch, made once: the direct launch keys its dict's id
+
+
 @contextlib.contextmanager
 def forced_prod_config(config):
     """quantize_1x128_and_128x1's launcher with autotuning off and ``config`` as its launch, as
-    tests/fp8/test_triton.py pins one config."""
+    tests/fp8/test_triton.py pins one config. One launch dict per config for the whole run, so every timed call after
+    the first takes the direct launch path, as the product's launches do."""
     tuned = quantize._quantize_dual_tuned
     saved = launch._AUTOTUNE, tuned._default_launch
-    launch._AUTOTUNE, tuned._default_launch = False, (config.kwargs, config.all_kwargs())
+    forced = _FORCED_LAUNCHES.setdefault(config_label(config), (config.kwargs, config.all_kwargs()))
+    launch._AUTOTUNE, tuned._default_launch = False, forced
     try:
         yield
     finally:

@@ -777,6 +777,40 @@ def test_launch_key_keys_scalars_by_type_and_value_and_refuses_other_arguments_b
         key("1.0")
 
 
+def test_fast_launch_runs_each_config_its_own_kernel_when_config_dicts_come_and_go(monkeypatch):
+    """A config pinned per call (sweep_quant's forced configs, tests that monkeypatch _Tuned._default_launch) hands
+    the direct launch a new kwargs dict each time; CPython reuses a freed dict's address at once, and the cache key
+    holds the dict's id. Until 2026-12-06 the cache did not keep the dict alive, so the second config found the
+    first config's compiled kernel under its own key and launched it: on a GPU every config after the first of such
+    a sweep or test ran the first one's kernel. Here a fake kernel records which CHUNK each launch ran with."""
+    ran = []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *launch_args):  # (grid x3, stream, function, metadata x2, hooks x2, *args, *constexprs)
+            ran.append(launch_args[-1])
+
+    class Kernel:
+        __name__ = "fake_kernel"
+        arg_names = ["x_ptr", "N", "CHUNK"]  # the arguments, then the constexprs, as in calclip's kernels
+
+        def run(self, *args, grid, warmup, **kwargs):  # Triton's JITFunction.run: compiles, then launches
+            ran.append(kwargs["CHUNK"])
+            return Compiled()
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    monkeypatch.setattr(launch, "_compiled_launches", {})
+    kernel, x = Kernel(), torch.zeros(4)
+    configs = [triton.Config({"CHUNK": chunk}, num_warps=8) for chunk in (32, 64)]
+    for _ in range(5):
+        for config in configs:
+            launch._fast_launch(kernel, (1,), (x, 4), {}, config.all_kwargs())  # a new dict per launch, then dropped
+    assert ran == [32, 64] * 5
+    assert len(launch._compiled_launches) == 10  # a dict per launch: a miss each time, never another's kernel
+
+
 def _garbage_buffers(n, k, transposed):
     """Code/scale/flag buffers holding stale values (a previous weight's), on the test device."""
     nbn, nbk = -(-n // BLOCK), -(-k // BLOCK)

@@ -178,7 +178,7 @@ def _launch_key(kernel, device: int, args: tuple, kwargs: dict, config_kwargs: d
                         and not isinstance(a, torch.Tensor))
         raise TypeError(f"{getattr(kernel, '__name__', kernel)}: argument {index} ({kernel.arg_names[index]}) is a "
                         f"{type(a).__name__}; the fast launch keys ints, floats and tensors only") from None
-    return (kernel, device, id(config_kwargs), *kwargs.values(), *parts)
+    return (kernel, device, id(config_kwargs), *kwargs.values(), *parts)  # id: _fast_launch keeps the dict alive
 
 
 def _fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict, config_kwargs: dict) -> None:
@@ -191,9 +191,12 @@ def _fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict, config_kwargs: 
         compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs, **config_kwargs)  # compiles and launches
         names = kernel.arg_names[len(args):]  # constexpr parameters come last in every kernel of this module
         merged = {**kwargs, **config_kwargs}
-        _compiled_launches[key] = (compiled, tuple(merged[n] for n in names))
+        # The entry holds config_kwargs: the key has its id, and CPython gives a freed dict's address to the next
+        # dict at once, so a config dict made per launch and dropped (a test or sweep pinning one config after
+        # another) would otherwise find the previous config's kernel under its own key and run that instead.
+        _compiled_launches[key] = (compiled, tuple(merged[n] for n in names), config_kwargs)
         return
-    compiled, constexprs = entry
+    compiled, constexprs, _ = entry
     enter, leave = _launch_hook(knobs.runtime.launch_enter_hook), _launch_hook(knobs.runtime.launch_exit_hook)
     stream = torch._C._cuda_getCurrentRawStream(device)
     hooked = enter is not None or leave is not None
