@@ -97,10 +97,10 @@ _PATH_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")
 
 
 def local_model_path(name_or_path: str) -> str:
-    """``name_or_path`` with a leading ``~`` expanded, as a shell would; a value that can only be a local path (absolute,
-    ``./``, ``../``, ``~``) and names no folder raises FileNotFoundError naming model_name_or_path (transformers would
-    take it for a hub id and answer "Repo id must use alphanumeric chars"). Hub ids and other names pass unchanged:
-    transformers decides."""
+    """``name_or_path`` with a leading ``~`` expanded, as a shell would; a value that can only be a local path
+    (absolute, ``./``, ``../``, ``~``) and names no folder raises FileNotFoundError naming model_name_or_path
+    (transformers would take it for a hub id and answer "Repo id must use alphanumeric chars"). Hub ids and other
+    names pass unchanged: transformers decides."""
     if not name_or_path.startswith(_PATH_PREFIXES) and name_or_path not in (".", ".."):
         return name_or_path
     path = Path(name_or_path).expanduser()

@@ -181,6 +181,15 @@ def _launch_key(kernel, device: int, args: tuple, kwargs: dict, config_kwargs: d
     return (kernel, device, id(config_kwargs), *kwargs.values(), *parts)  # id: _fast_launch keeps the dict alive
 
 
+def _constexpr_values(kernel, n_args: int, kwargs: dict, config_kwargs: dict) -> tuple:
+    """The values the compiled kernel's C launcher takes after the arguments: every parameter past the first
+    ``n_args`` (calclip's kernels declare their constexprs last), by name from the launch's and the config's
+    keywords. A constexpr neither names raises KeyError: Triton's own launch would have used its default, which the
+    direct path cannot see (tests/fp8/conftest.py binds every CPU launch this way, for every config of its table)."""
+    merged = {**kwargs, **config_kwargs}
+    return tuple(merged[n] for n in kernel.arg_names[n_args:])
+
+
 def _fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict, config_kwargs: dict) -> None:
     device = torch.cuda.current_device()  # Triton launches on the current device too
     key = _launch_key(kernel, device, args, kwargs, config_kwargs)
@@ -189,12 +198,10 @@ def _fast_launch(kernel, grid: tuple, args: tuple, kwargs: dict, config_kwargs: 
         if len(_compiled_launches) >= _MAX_LAUNCH_ENTRIES:
             _compiled_launches.clear()
         compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs, **config_kwargs)  # compiles and launches
-        names = kernel.arg_names[len(args):]  # constexpr parameters come last in every kernel of this module
-        merged = {**kwargs, **config_kwargs}
         # The entry holds config_kwargs: the key has its id, and CPython gives a freed dict's address to the next
         # dict at once, so a config dict made per launch and dropped (a test or sweep pinning one config after
         # another) would otherwise find the previous config's kernel under its own key and run that instead.
-        _compiled_launches[key] = (compiled, tuple(merged[n] for n in names), config_kwargs)
+        _compiled_launches[key] = (compiled, _constexpr_values(kernel, len(args), kwargs, config_kwargs), config_kwargs)
         return
     compiled, constexprs, _ = entry
     enter, leave = _launch_hook(knobs.runtime.launch_enter_hook), _launch_hook(knobs.runtime.launch_exit_hook)
