@@ -782,21 +782,21 @@ def test_fast_launch_runs_each_config_its_own_kernel_when_config_dicts_come_and_
     the direct launch a new kwargs dict each time; CPython reuses a freed dict's address at once, and the cache key
     holds the dict's id. Until 2026-12-06 the cache did not keep the dict alive, so the second config found the
     first config's compiled kernel under its own key and launched it: on a GPU every config after the first of such
-    a sweep or test ran the first one's kernel. Here a fake kernel records which CHUNK each launch ran with."""
+    a sweep or test ran the first one's kernel. Here a fake kernel records how each launch ran and with which CHUNK."""
     ran = []
 
     class Compiled:
         function = packed_metadata = None
 
         def run(self, *launch_args):  # (grid x3, stream, function, metadata x2, hooks x2, *args, *constexprs)
-            ran.append(launch_args[-1])
+            ran.append(("direct", launch_args[-1]))
 
     class Kernel:
         __name__ = "fake_kernel"
         arg_names = ["x_ptr", "N", "CHUNK"]  # the arguments, then the constexprs, as in calclip's kernels
 
         def run(self, *args, grid, warmup, **kwargs):  # Triton's JITFunction.run: compiles, then launches
-            ran.append(kwargs["CHUNK"])
+            ran.append(("compiled", kwargs["CHUNK"]))
             return Compiled()
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -807,8 +807,12 @@ def test_fast_launch_runs_each_config_its_own_kernel_when_config_dicts_come_and_
     for _ in range(5):
         for config in configs:
             launch._fast_launch(kernel, (1,), (x, 4), {}, config.all_kwargs())  # a new dict per launch, then dropped
-    assert ran == [32, 64] * 5
-    assert len(launch._compiled_launches) == 10  # a dict per launch: a miss each time, never another's kernel
+    assert [chunk for _, chunk in ran] == [32, 64] * 5  # before the fix: [32, 32, 32, ...]
+    kept = configs[1].all_kwargs()  # a dict that lives, as _Tuned's do: compiled once, then the direct path
+    ran.clear()
+    for _ in range(3):
+        launch._fast_launch(kernel, (1,), (x, 4), {}, kept)
+    assert ran == [("compiled", 64), ("direct", 64), ("direct", 64)]
 
 
 def _garbage_buffers(n, k, transposed):
