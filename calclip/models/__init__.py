@@ -91,9 +91,14 @@ def load_default_model(*, dtype=None):
 EMBEDDED_MODEL_NAMES = (DEFAULT_MODEL_NAME, TINY_MODEL_NAME)  # the names calclip resolves itself
 
 
-# How a value of model_name_or_path says it is a folder on this machine: no hub id starts like this (the hub's ids
-# start with a letter or digit), so these never reach the hub.
+# How a value of model_name_or_path (or dataset_name) says it is a path on this machine: no hub id starts like this
+# (the hub's ids start with a letter or digit), so these never reach the hub.
 _PATH_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")
+
+
+def is_local_path(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` can only be a path on this machine (absolute, ``./``, ``../``, ``~``), never a hub id."""
+    return name_or_path.startswith(_PATH_PREFIXES) or name_or_path in (".", "..")
 
 
 def local_model_path(name_or_path: str) -> str:
@@ -101,7 +106,7 @@ def local_model_path(name_or_path: str) -> str:
     (absolute, ``./``, ``../``, ``~``) and names no folder raises FileNotFoundError naming model_name_or_path
     (transformers would take it for a hub id and answer "Repo id must use alphanumeric chars"). Hub ids and other
     names pass unchanged: transformers decides."""
-    if not name_or_path.startswith(_PATH_PREFIXES) and name_or_path not in (".", ".."):
+    if not is_local_path(name_or_path):
         return name_or_path
     path = Path(name_or_path).expanduser()
     if not path.is_dir():

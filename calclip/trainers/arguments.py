@@ -101,8 +101,27 @@ class ScriptArguments:
             raise ValueError(
                 f"set dataset_name ({self.dataset_name!r}) or dataset_path ({self.dataset_path!r}), not both"
             )
+        self._check_local_paths()
         if self.num_train_examples < 1:
             raise ValueError(f"num_train_examples must be >= 1, got {self.num_train_examples}")
+
+
+    def _check_local_paths(self) -> None:
+        """model_name_or_path and dataset_name that can only be paths on this machine (absolute, ./, ../, ~) must exist
+        (``~`` is expanded): checked here, before a model loads, because transformers and datasets take a missing one
+        for a hub id ("Repo id must use alphanumeric chars", "Couldn't reach './data' on the Hub"). Hub ids and other
+        names pass unchanged."""
+        from pathlib import Path
+
+        from calclip.models import is_local_path, local_model_path
+
+        self.model_name_or_path = local_model_path(self.model_name_or_path)
+        if self.dataset_name and is_local_path(self.dataset_name):
+            path = Path(self.dataset_name).expanduser()
+            if not path.exists():
+                raise FileNotFoundError(f"dataset_name {self.dataset_name!r} does not exist: a local dataset is a "
+                                        f"folder or data file datasets reads; a hub id has the form 'org/name'")
+            self.dataset_name = str(path)
 
 
 def config_class(trainer: str):

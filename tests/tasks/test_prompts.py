@@ -65,6 +65,28 @@ def test_hub_dataset_offline_fails_in_datasets_not_calclip():
     assert "/datasets/" in raised_in or "/huggingface_hub/" in raised_in, raised_in
 
 
+@pytest.mark.parametrize("field,value", [("dataset_name", "./no-such-data"), ("dataset_name", "~/no-such-data"),
+                                         ("model_name_or_path", "../no-such-model")])
+def test_a_missing_local_path_is_refused_by_name_before_anything_loads(field, value, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"{field} '{value}' does not exist"):
+        ScriptArguments(**{field: value})
+
+
+def test_a_home_relative_dataset_folder_is_expanded_for_datasets(local_dataset, monkeypatch):
+    monkeypatch.setenv("HOME", str(local_dataset.parent))
+    args = ScriptArguments(dataset_name="~/arith")
+    assert args.dataset_name == str(local_dataset)
+    train, _ = prompts.load_hub_dataset(args.dataset_name)
+    assert len(train) == 8
+
+
+def test_hub_ids_and_plain_names_are_left_to_datasets_and_transformers():
+    args = ScriptArguments(dataset_name="openai/gsm8k", model_name_or_path="Qwen/Qwen2.5-1.5B-Instruct")
+    assert (args.dataset_name, args.model_name_or_path) == ("openai/gsm8k", "Qwen/Qwen2.5-1.5B-Instruct")
+
+
 def test_dataset_name_and_dataset_path_together_are_refused():
     with pytest.raises(ValueError, match="dataset_name .* or dataset_path .*not both"):
         ScriptArguments(dataset_name="a/b", dataset_path="data.jsonl")
