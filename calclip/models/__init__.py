@@ -97,7 +97,8 @@ _PATH_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")
 
 
 def is_local_path(name_or_path: str) -> bool:
-    """Whether ``name_or_path`` can only be a path on this machine (absolute, ``./``, ``../``, ``~``), never a hub id."""
+    """Whether ``name_or_path`` can only be a path on this machine (absolute, ``./``, ``../``, ``~``), never a hub
+    id."""
     return name_or_path.startswith(_PATH_PREFIXES) or name_or_path in (".", "..")
 
 
