@@ -45,8 +45,8 @@ def _resolved_backends(gemm, tk, m, k, n, backend="auto"):
 
 def _kernels_only_step(tk, gemm_fn):
     """The FP8 layer's work without the module: quantize x and dy (1x128 + 128x1 each), three GEMMs; dgrad
-    reads W^T codes made contiguous once, as the module's weight cache does. Quantization as the module does it
-    by default (Fp8Config.fused_quantizer=False): the two kernels, scales in scaled_mm's strides."""
+    reads W^T codes made contiguous once, as the module's weight cache does. Quantization as the module does it:
+    the two kernels, scales in scaled_mm's strides."""
     def both(t):
         return (*tk.quantize_1x128(t, gemm_layout=True), *tk.quantize_128x1(t, gemm_layout=True))
 

@@ -5,9 +5,6 @@
 A quantizer reads its input (BF16, 2 bytes/element) and writes FP8 codes (1 byte/element) plus FP32 scales.
 The baseline is ``dst.copy_(src)`` on uint8 buffers sized so that copy's traffic (read + write) equals the
 quantizer's. GB/s counts read + write bytes. Target (docs/benchmarks.md, Kernels): each kernel >= 90% of copy bandwidth.
-"1x128+128x1" is the fused kernel FP8BlockLinear uses for x and dy: one read of the input, both code sets
-and scale sets written; its copy moves the same bytes (2 + 1 + 1 bytes/element + scales). Its "vs 2 calls"
-column is the time of the two separate kernels over the fused one.
 The torch reference quantizer is timed at one shape to show what the kernels replace.
 """
 
@@ -17,7 +14,7 @@ import argparse
 
 import torch
 
-from _common import fmt_ms, header, ratio, rotating, safe_bench, table, try_import
+from _common import fmt_ms, header, rotating, safe_bench, table, try_import
 
 TARGET = 0.90
 BLOCK = 128
@@ -30,8 +27,6 @@ def traffic_bytes(kind: str, shape: tuple[int, ...], in_bytes: int) -> int:
     rows, cols = (numel // shape[-1], shape[-1])
     n_scales = {"1x128": rows * -(-cols // BLOCK), "128x1": -(-rows // BLOCK) * cols,
                 "128x128": -(-rows // BLOCK) * -(-cols // BLOCK)}
-    if kind == "1x128+128x1":  # one read, two code sets
-        return numel * in_bytes + 2 * numel + 4 * (n_scales["1x128"] + n_scales["128x1"])
     return numel * in_bytes + numel + 4 * n_scales[kind]
 
 
@@ -41,11 +36,9 @@ CASES = [
     ("128x1", (8192, 4096)), ("128x1", (16384, 4096)), ("128x1", (8192, 14336)), ("128x1", (8192, 576)),
     ("128x1", (8192, 1536)),
     ("128x128", (4096, 4096)), ("128x128", (14336, 4096)), ("128x128", (4096, 14336)), ("128x128", (1536, 576)),
-    ("1x128+128x1", (8192, 4096)), ("1x128+128x1", (8192, 14336)), ("1x128+128x1", (16384, 4096)),
-    ("1x128+128x1", (8192, 576)), ("1x128+128x1", (8192, 1536)),
 ]
 QUICK = {("1x128", (8192, 4096)), ("1x128", (8192, 14336)), ("128x1", (8192, 4096)), ("128x1", (8192, 14336)),
-         ("128x128", (14336, 4096)), ("1x128+128x1", (8192, 4096)), ("1x128+128x1", (8192, 14336))}
+         ("128x128", (14336, 4096))}
 
 
 def main() -> None:
@@ -57,8 +50,7 @@ def main() -> None:
     reference = try_import("calclip.fp8.reference")
     if tk is None:
         return
-    fns = {"1x128": tk.quantize_1x128, "128x1": tk.quantize_128x1, "128x128": tk.quantize_128x128,
-           "1x128+128x1": getattr(tk, "quantize_1x128_and_128x1", None)}
+    fns = {"1x128": tk.quantize_1x128, "128x1": tk.quantize_128x1, "128x128": tk.quantize_128x128}
     rows, worst = [], None
     for kind, shape in CASES:
         if args.quick and (kind, shape) not in QUICK:
@@ -71,14 +63,7 @@ def main() -> None:
                                        torch.empty(half, device="cuda", dtype=torch.uint8)), traffic)
         t_copy = safe_bench(lambda: (lambda p: p[1].copy_(p[0]))(nxt_copy()))
         fn = fns[kind]
-        if fn is None:
-            print("   !! not in this checkout")
-            continue
         t_q = safe_bench(lambda: fn(nxt_x()))
-        vs_two = "-"
-        if kind == "1x128+128x1":
-            t_two = safe_bench(lambda: (lambda x: (tk.quantize_1x128(x), tk.quantize_128x1(x)))(nxt_x()))
-            vs_two = ratio(t_two, t_q)
         t_q_pow2 = safe_bench(lambda: fn(nxt_x(), pow2=True))
         frac = None if t_copy is None or t_q is None else t_copy / t_q
         if frac is not None:
@@ -86,9 +71,9 @@ def main() -> None:
         gbs = (lambda t: "-" if t is None else f"{traffic / t / 1e6:.0f}")
         rows.append([kind, "x".join(map(str, shape)), f"{traffic / 1e6:.0f}", fmt_ms(t_copy), gbs(t_copy),
                      fmt_ms(t_q), gbs(t_q), "-" if frac is None else f"{100 * frac:.0f}%",
-                     "-" if t_q_pow2 is None or t_copy is None else f"{100 * t_copy / t_q_pow2:.0f}%", vs_two])
+                     "-" if t_q_pow2 is None or t_copy is None else f"{100 * t_copy / t_q_pow2:.0f}%"])
     table(["kind", "shape", "MB moved", "copy ms", "copy GB/s", "kernel ms", "kernel GB/s", "of copy",
-           "of copy (pow2)", "vs 2 calls"], rows)
+           "of copy (pow2)"], rows)
     if worst is not None:
         print(f"worst kernel/copy bandwidth: {100 * worst:.0f}%, target >= {100 * TARGET:.0f}% -> "
               f"{'MET' if worst >= TARGET else 'MISSED'}")

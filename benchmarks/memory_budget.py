@@ -38,7 +38,7 @@ On a GPU, ``--device cuda --mode layers --compile-backend inductor`` counts the 
 
 Transients (not counted, estimated): beside the bf16 dy, the backward of an FP8 linear holds dy's 1x128 codes during
 the dgrad GEMM (with ``resident_dgrad_codes=False`` also the contiguous W^T copy) and its 128x1 codes during the wgrad
-GEMM, one layout at a time (both at once with ``fused_quantizer``); BF16's backward holds neither
+GEMM, one layout at a time; BF16's backward holds neither
 (``transient_estimates`` works them out per linear shape).
 """
 
@@ -76,10 +76,6 @@ ARMS: dict[str, dict | None] = {
     "fp8-ondemand": {"resident_dgrad_codes": False},
     "fp8-fused": {"fuse_producers": True, "resident_dgrad_codes": True},
     "fp8-lean": {"resident_dgrad_codes": False, "fuse_producers": True},
-    # x and dy quantized in both layouts by one kernel: in a compiled layer the 128x1 codes then come out of the node the
-    # forward needs, so the partitioner cannot move them into the backward (docs/benchmarks.md, "Where the memory
-    # goes (counted)")
-    "fp8-fusedq": {"fused_quantizer": True, "resident_dgrad_codes": True},
     # no W codes kept between calls either: each forward and each backward quantizes W (Fp8Config.resident_weight_codes)
     "fp8-transient": {"resident_dgrad_codes": False, "resident_weight_codes": False},
 }
@@ -288,16 +284,6 @@ def _opaque_ops() -> dict[str, object]:
 
     q_128x1.register_fake(q_128x1_fake)
 
-    @torch.library.custom_op("calclip_membudget::quantize_1x128_and_128x1", mutates_args=())
-    def q_both(x: Tensor, block: int, pow2: bool, gemm_layout: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return tuple(t.clone() for t in q_both_fake(x, block, pow2, gemm_layout))
-
-    def q_both_fake(x, block, pow2, gemm_layout):
-        q, s = reference.quantize_1x128(x, block=block, pow2=pow2)
-        return (q, s, *q_128x1_fake(x, block, pow2, gemm_layout))
-
-    q_both.register_fake(q_both_fake)
-
     def producer_op(name: str, twin):
         def run(*args, members, need_t, pow2):
             return tuple(twin(*args, members=members, need_t=need_t, pow2=pow2))
@@ -326,7 +312,6 @@ def _opaque_ops() -> dict[str, object]:
 
     _OPAQUE["quantize_1x128"] = q_1x128
     _OPAQUE["quantize_128x1"] = q_128x1
-    _OPAQUE["quantize_1x128_and_128x1"] = q_both
     _OPAQUE["rms_norm_quantize"] = producer_op("rms_norm_quantize", producers.rms_norm_quantize_reference)
     _OPAQUE["mul_quantize"] = producer_op("mul_quantize", producers.mul_quantize_reference)
     return _OPAQUE
@@ -340,7 +325,7 @@ def opaque_quantizers():
     from calclip.fp8 import producers, quant
 
     ops = _opaque_ops()
-    saved = quant.quantize_1x128, quant.quantize_128x1, quant.quantize_1x128_and_128x1, dict(producers._REFERENCES)
+    saved = quant.quantize_1x128, quant.quantize_128x1, dict(producers._REFERENCES)
 
     def unpadded(out_rows, name):
         # linear_math passes out_rows (gemm.operand_rows) to every 1x128 call; it pads CUDA operands only, so on
@@ -361,20 +346,14 @@ def opaque_quantizers():
     def quantize_128x1(x, *, block=128, pow2=False, gemm_layout=False):
         return ops["quantize_128x1"](x, block, pow2, gemm_layout)
 
-    def quantize_1x128_and_128x1(x, *, block=128, pow2=False, gemm_layout=False, out_rows=None):  # fused_quantizer
-        unpadded(out_rows, "quantize_1x128_and_128x1")
-        q, s, qt, st = ops["quantize_1x128_and_128x1"](x, block, pow2, gemm_layout)
-        return q, (s.t().contiguous().t() if gemm_layout else s), qt, st
-
     quant.quantize_1x128, quant.quantize_128x1 = quantize_1x128, quantize_128x1
-    quant.quantize_1x128_and_128x1 = quantize_1x128_and_128x1
     producers._REFERENCES.update(rms_norm_quantize=ops["rms_norm_quantize"], mul_quantize=ops["mul_quantize"])
     try:
         yield
     finally:
-        quant.quantize_1x128, quant.quantize_128x1, quant.quantize_1x128_and_128x1 = saved[:3]
+        quant.quantize_1x128, quant.quantize_128x1 = saved[:2]
         producers._REFERENCES.clear()
-        producers._REFERENCES.update(saved[3])
+        producers._REFERENCES.update(saved[2])
 
 
 def build_arm(base: nn.Module, arm: str, mode: str, backend: str = "partitioner") -> nn.Module:
@@ -471,8 +450,8 @@ def gib(x: float) -> str:
 
 def transient_estimates(row, tokens: int) -> list[list[str]]:
     """Per linear shape of ``row``: the most bytes an FP8 linear's backward holds beside BF16's (dy's codes and scales;
-    the W^T copy of ``resident_dgrad_codes=False``): both layouts of dy's codes at once (``fused_quantizer``, and
-    every backward before linear_math._backward released the 1x128 codes after the dgrad GEMM), or one at a time
+    the W^T copy of ``resident_dgrad_codes=False``): both layouts of dy's codes at once (every backward before
+    linear_math._backward released the 1x128 codes after the dgrad GEMM), or one at a time
     (the dgrad's 1x128 codes and W^T, then the wgrad's 128x1 codes); and the forward's transient 1x128 codes of x."""
     h, i = row.hidden, row.intermediate
     head_dim = row.head_dim or h // row.heads

@@ -233,8 +233,8 @@ def test_seq_len_option_sets_the_model_rows_tokens_per_sequence(capsys):
 
 
 def test_parse_fp8_options_types():
-    assert bench_speed.parse_fp8_options("decode_fused_max_m=0, fused_quantizer=True,decode_fused_max_m=none") == {
-        "decode_fused_max_m": None, "fused_quantizer": True}
+    assert bench_speed.parse_fp8_options("decode_fused_max_m=0, fuse_producers=True,decode_fused_max_m=none") == {
+        "decode_fused_max_m": None, "fuse_producers": True}
     assert bench_speed.parse_fp8_options("gemm=scaled_mm") == {"gemm": "scaled_mm"}
     assert bench_speed.parse_fp8_options(None) == {}
 

@@ -25,8 +25,7 @@ import torch
 
 # Environment switches calclip.fp8 reads once at import and that change what a compiled graph runs.
 DISPATCH_ENV = ("CALCLIP_SCALED_MM_PAD_ROWS", "CALCLIP_SPLITK_MAX_M", "CALCLIP_TRITON_AUTOTUNE",
-                "CALCLIP_TRITON_FAST_LAUNCH", "CALCLIP_REFRESH_GRAPH", "CALCLIP_ONE_BUFFER", "CALCLIP_DIV_FREE",
-                "CALCLIP_128X1_ROWS4")
+                "CALCLIP_TRITON_FAST_LAUNCH", "CALCLIP_REFRESH_GRAPH", "CALCLIP_ONE_BUFFER", "CALCLIP_DIV_FREE")
 TAG_PREFIX = "calclip-fp8-"
 _ROOT = Path(__file__).resolve().parent
 

@@ -72,27 +72,27 @@ def require_recipe_available(recipe: str | Fp8Recipe, *, field: str = "Fp8Config
 
 
 def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", gemm: str = "auto",
-                           block_size: int = BLOCK, fused_quantizer: bool = False,
-                           decode_fused_max_m: int | None = None, decode_group_siblings: bool = False,
+                           block_size: int = BLOCK, decode_fused_max_m: int | None = None,
+                           decode_group_siblings: bool = False,
                            scaled_mm_row_scales: bool | None = None, resident_weight_codes: bool = True) -> list[str]:
     """``Fp8Config`` option names set to a value that only the blockwise recipe honours, for ``recipe``.
 
     torchao's rowwise/tensorwise recipes always quantize the backward in FP8, have no block size, no fused
-    quantizer, no fused decode kernel and no Triton GEMM backend of calclip's; silently ignoring such a setting
+    decode kernel and no Triton GEMM backend of calclip's; silently ignoring such a setting
     would measure something else than asked. (power_of_two_scales is honoured by every recipe.)
     """
     if not get_fp8_recipe(recipe).uses_torchao:
         return []
     conflicts = {"backward": backward != "fp8", "gemm": gemm == "triton", "block_size": block_size != BLOCK,
-                 "fused_quantizer": fused_quantizer, "decode_fused_max_m": decode_fused_max_m not in (None, 0),
+                 "decode_fused_max_m": decode_fused_max_m not in (None, 0),
                  "decode_group_siblings": decode_group_siblings, "scaled_mm_row_scales": scaled_mm_row_scales,
                  "resident_weight_codes": not resident_weight_codes}
     return [name for name, conflict in conflicts.items() if conflict]
 
 
 def check_fp8_combination(*, recipe: str | Fp8Recipe, backward: str = "fp8", gemm: str = "auto",
-                          block_size: int = BLOCK, fused_quantizer: bool = False,
-                          decode_fused_max_m: int | None = None, decode_group_siblings: bool = False,
+                          block_size: int = BLOCK, decode_fused_max_m: int | None = None,
+                          decode_group_siblings: bool = False,
                           scaled_mm_row_scales: bool | None = None, resident_weight_codes: bool = True,
                           cache_weights: bool = True, subject=lambda name: f"Fp8Config.{name}",
                           mention=lambda name: name) -> Fp8Recipe:
@@ -130,8 +130,8 @@ def check_fp8_combination(*, recipe: str | Fp8Recipe, backward: str = "fp8", gem
         recipe = get_fp8_recipe(recipe)
     except ValueError:
         raise ValueError(f"{subject('recipe')} must be one of {fp8_recipe_names()}, got {recipe!r}") from None
-    values = {"backward": backward, "gemm": gemm, "block_size": block_size, "fused_quantizer": fused_quantizer,
-              "decode_fused_max_m": decode_fused_max_m, "decode_group_siblings": decode_group_siblings,
+    values = {"backward": backward, "gemm": gemm, "block_size": block_size, "decode_fused_max_m": decode_fused_max_m,
+              "decode_group_siblings": decode_group_siblings,
               "scaled_mm_row_scales": scaled_mm_row_scales, "resident_weight_codes": resident_weight_codes}
     conflicts = blockwise_only_options(recipe, **values)
     if conflicts:
@@ -148,14 +148,14 @@ DECODE_FUSED_AUTO_MAX_M = 256
 
 # Fp8Config options that are off by default because no measurement has shown them to pay: kept so that a GPU run can
 # measure them against the default, not recommended for training (docs/usage.md, Experimental FP8 options).
-EXPERIMENTAL_OPTIONS: tuple[str, ...] = ("fused_quantizer", "decode_group_siblings")
+EXPERIMENTAL_OPTIONS: tuple[str, ...] = ("decode_group_siblings",)
 
 
 @dataclass(frozen=True)
 class Fp8Config:
     """How linear layers are quantized and which ones stay in BF16.
 
-    Experimental options (``EXPERIMENTAL_OPTIONS``): fused_quantizer, decode_group_siblings.
+    Experimental options (``EXPERIMENTAL_OPTIONS``): decode_group_siblings.
     Each is off by default, changes no codes or scales, and exists to be measured against the default on a GPU.
 
     block_size: quantization block edge (1 x block_size groups, block_size x block_size weight blocks).
@@ -176,16 +176,12 @@ class Fp8Config:
     keep_patterns: regexes (``re.search`` on the fully qualified module name) of layers kept in BF16.
     recipe: "blockwise" (default) | "rowwise" | "tensorwise" (``Fp8Recipe``). rowwise and tensorwise run torchao's
         float8 training (the ``[torchao]`` extra); with them backward must be "fp8", gemm "auto" | "scaled_mm" |
-        "emulated", and block_size, fused_quantizer, decode_fused_max_m stay at their defaults
+        "emulated", and block_size, decode_fused_max_m stay at their defaults
         (``blockwise_only_options``).
     cache_weights: keep the quantized weight between calls until the weight changes (blockwise; torchao's
         recipes re-quantize the weight on every call). Turn it off when the parameters are sharded (FSDP,
         ZeRO-3): the forward's weight is a fresh all-gather whose buffer key does not follow the shards (the
         trainer does this itself; docs/usage.md, Multi-GPU).
-    fused_quantizer (experimental): quantize x (forward) and dy (backward) 1x128 and 128x1 in one fused kernel
-        that reads the tensor once. Off by default and slower: on an H100 (2026-12-06) the fused kernel ran at
-        0.23-0.25x of the two separate kernels and the model steps at 0.70-0.82x of the default's (docs/usage.md,
-        Experimental FP8 options). Same codes either way.
     decode_fused_max_m: None (default: automatic), 0 (off) or the largest number of rows (tokens) a forward with
         grad disabled may have to run as ONE launch that quantizes x in the GEMM's prologue
         (``fp8_linear_fused_quant_gemm``) instead of a quantizer launch and a GEMM launch: meant for rollout decode
@@ -256,7 +252,6 @@ class Fp8Config:
     keep_last_fraction: float = 0.0
     keep_patterns: tuple[str, ...] = ("lm_head",)
     cache_weights: bool = True
-    fused_quantizer: bool = False
     recipe: str = Fp8Recipe.BLOCKWISE.value
     decode_fused_max_m: int | None = None
     decode_group_siblings: bool = False
@@ -294,7 +289,7 @@ class Fp8Config:
             except (re.error, TypeError) as err:
                 raise ValueError(f"Fp8Config.keep_patterns: invalid regex {pattern!r}: {err}") from None
         object.__setattr__(self, "keep_patterns", patterns)  # lists from YAML become a hashable tuple
-        for name in ("cache_weights", "fused_quantizer", "decode_group_siblings", "scaled_mm_row_scales",
+        for name in ("cache_weights", "decode_group_siblings", "scaled_mm_row_scales",
                      "refresh_graph", "share_sibling_inputs", "fuse_producers",
                      "resident_dgrad_codes", "resident_weight_codes"):
             value = getattr(self, name)
@@ -307,7 +302,7 @@ class Fp8Config:
                              f"got {max_m!r}")
         recipe = check_fp8_combination(
             recipe=self.recipe, backward=self.backward, gemm=self.gemm, block_size=self.block_size,
-            fused_quantizer=self.fused_quantizer, decode_fused_max_m=max_m,
+            decode_fused_max_m=max_m,
             decode_group_siblings=self.decode_group_siblings, scaled_mm_row_scales=self.scaled_mm_row_scales,
             resident_weight_codes=self.resident_weight_codes, cache_weights=self.cache_weights)
         object.__setattr__(self, "recipe", recipe)  # the Enum member (a str: compares equal to its name)

@@ -185,14 +185,14 @@ class FP8BlockLinear(nn.Linear, Fp8WeightCodes):
         if share is not None and x is not None:
             qx, sx, qxt, sxt = share.codes(self, x, x2, compiled=True)
             return torch.ops.calclip.fp8_linear_forward_codes(
-                x2, self.weight, qx, sx, qxt, sxt, qw, sw, qwt, swt, cfg.power_of_two_scales, cfg.fused_quantizer,
-                cfg.gemm, x2.dtype, cfg.row_scales, from_weight, cfg.block_size)
+                x2, self.weight, qx, sx, qxt, sxt, qw, sw, qwt, swt, cfg.power_of_two_scales, cfg.gemm, x2.dtype,
+                cfg.row_scales, from_weight, cfg.block_size)
         if not grad:
             return torch.ops.calclip.fp8_linear_infer(x2, qw, sw, self._fp8_bad, self.nonfinite_count,
                                                       cfg.power_of_two_scales, cfg.gemm, x2.dtype, cfg.row_scales)
         y, _, _, bad_rows = torch.ops.calclip.fp8_linear_forward(
             x2, self.weight, qw, sw, qwt, swt, self._fp8_bad, self.weight.requires_grad, cfg.power_of_two_scales,
-            cfg.fused_quantizer, cfg.gemm, x2.dtype, cfg.row_scales, from_weight, cfg.block_size)
+            cfg.gemm, x2.dtype, cfg.row_scales, from_weight, cfg.block_size)
         self.nonfinite_count.add_(bad_rows)
         return y
 

@@ -37,7 +37,7 @@ class _FP8BlockLinearFn(torch.autograd.Function):
         fp8_backward = cfg.backward == "fp8"
         if codes is None:  # (given only with backward="fp8"; 128x1 codes whenever any sibling's weight needs a grad)
             codes = _quantize_input(x2, weight_bad, counter, need_dw and fp8_backward, cfg.power_of_two_scales,
-                                    cfg.fused_quantizer, gemm=cfg.gemm, row_scales=cfg.row_scales)
+                                    gemm=cfg.gemm, row_scales=cfg.row_scales)
         qx, sx, qxt, sxt = codes  # qx, sx: over gemm.operand_rows(M) rows, zero tokens past M
         y = _gemm(qx, sx, qw, sw, out_dtype, cfg.gemm, "1x128", "128x128", cfg.row_scales, m=x2.shape[0])
         ctx.cfg, ctx.need = cfg, (need_dx, need_dw)
@@ -62,8 +62,8 @@ class _FP8BlockLinearFn(torch.autograd.Function):
                 # W quantized as the forward did (contiguous reads), transposed by _backward's copy on CUDA
                 qw, sw = quant.quantize_128x128(qwt.detach(), block=cfg.block_size, pow2=cfg.power_of_two_scales)
                 qwt, swt = qw.t(), sw.t()
-            dx, dw = _backward(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, cfg.power_of_two_scales,
-                               cfg.fused_quantizer, cfg.gemm, ctx.x_dtype, ctx.w_dtype, cfg.row_scales)
+            dx, dw = _backward(dy2, qwt, swt, qxt, sxt, need_dx, need_dw, cfg.power_of_two_scales, cfg.gemm,
+                               ctx.x_dtype, ctx.w_dtype, cfg.row_scales)
         else:  # straight-through: plain matmuls in the input dtype
             qw, sw, x2 = ctx.saved_tensors
             dx = dw = None

@@ -10,8 +10,8 @@ A forward is one 1x128 quantizer launch (which also counts non-finite tokens), o
 gradient will be needed, and one GEMM; a backward is two quantizer launches and two GEMMs. The layer was host-bound
 (its Python outweighed small GEMMs on the H200, docs/benchmarks-log.md), so which GEMM backend serves a shape is
 decided once per (shape, dtype, device) and cached (``_gemm``). The two quantizations of x (and, in the backward, of
-dy) come from two kernels, or from one fused kernel that reads the tensor once with Fp8Config.fused_quantizer. All
-scales are emitted in the strides torch._scaled_mm reads, so no operand is re-laid out per call.
+dy) come from two kernels reading one stored tensor (``tracing.one_buffer``). All scales are emitted in the strides
+torch._scaled_mm reads, so no operand is re-laid out per call.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _out_rows(gemm: str, a: Tensor, out_dtype: torch.dtype, row_scales: bool):
     return None if same_size(rows, a.shape[0]) else rows
 
 
-def _quantize_input(x2: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool, pow2: bool, fused: bool,
+def _quantize_input(x2: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool, pow2: bool,
                     members: int = 1, *, gemm: str,
                     row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """x2 [M, K] -> its 1x128 codes/scales (the forward GEMM's operand; over ``gemm.operand_rows`` rows for the
@@ -82,12 +82,8 @@ def _quantize_input(x2: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wg
     wgrad GEMM), else None; counter (int64 []) += the non-finite rows of ``members`` linears reading x2
     (``weight_bad``: the one linear's flag, or an int32 count of bad weights among members)."""
     rows = _out_rows(gemm, x2, x2.dtype, row_scales)
-    if save_for_wgrad and not fused:  # two kernels read x2: stored once by its producer (tracing.one_buffer)
+    if save_for_wgrad:  # two kernels read x2: stored once by its producer (tracing.one_buffer)
         x2 = one_buffer(x2)
-    if save_for_wgrad and fused:
-        qx, sx, qxt, sxt = quant.quantize_1x128_and_128x1(x2, pow2=pow2, gemm_layout=True, out_rows=rows)
-        quant.add_nonfinite_rows(counter, sx if rows is None else sx.narrow(0, 0, x2.shape[0]), weight_bad, members)
-        return qx, sx, qxt, sxt
     qx, sx = quant.quantize_1x128(x2, pow2=pow2, gemm_layout=True, nonfinite_count=counter, weight_bad=weight_bad,
                                   members=members, out_rows=rows)
     qxt, sxt = quant.quantize_128x1(x2, pow2=pow2, gemm_layout=True) if save_for_wgrad else (None, None)
@@ -95,33 +91,28 @@ def _quantize_input(x2: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wg
 
 
 def _forward(x2: Tensor, qw: Tensor, sw: Tensor, weight_bad: Tensor, counter: Tensor, save_for_wgrad: bool,
-             pow2: bool, fused: bool, gemm: str, out_dtype: torch.dtype,
+             pow2: bool, gemm: str, out_dtype: torch.dtype,
              row_scales: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """x2 [M, K]; qw [N, K] e4m3fn, sw [N/128, K/128]; counter int64 [] (+= non-finite rows)
     -> y [M, N] out_dtype, and x quantized 128x1 (qxt [wgrad_rows(M), K], sxt [M/128, K]) when save_for_wgrad,
     else None.
     row_scales: Fp8Config.scaled_mm_row_scales (gemm.resolve_backend)."""
-    qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, fused, gemm=gemm,
-                                       row_scales=row_scales)
+    qx, sx, qxt, sxt = _quantize_input(x2, weight_bad, counter, save_for_wgrad, pow2, gemm=gemm, row_scales=row_scales)
     y = _gemm(qx, sx, qw, sw, out_dtype, gemm, "1x128", "128x128", row_scales, m=x2.shape[0])
     return y, qxt, sxt
 
 
 def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, need_dx: bool, need_dw: bool,
-              pow2: bool, fused: bool, gemm: str, x_dtype: torch.dtype,
+              pow2: bool, gemm: str, x_dtype: torch.dtype,
               w_dtype: torch.dtype, row_scales: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """dy2 [M, N]; W^T codes qwt [K, N], swt [K/128, N/128]; saved x 128x1 -> (dx [M, K], dW [N, K])."""
     dx = dw = None
-    both_at_once = need_dx and need_dw and fused  # Fp8Config.fused_quantizer: one kernel writes both layouts
-    if need_dx and need_dw and not fused:  # two kernels read dy2: stored once by its producer (tracing.one_buffer)
+    if need_dx and need_dw:  # two kernels read dy2: stored once by its producer (tracing.one_buffer)
         dy2 = one_buffer(dy2)
     if need_dx:
         # dy's 1x128 codes over the rows the dgrad GEMM runs on (gemm.operand_rows: zero tokens past M, no copy)
         rows = _out_rows(gemm, dy2, x_dtype, row_scales)
-        if both_at_once:
-            qdy, sdy, qdyt, sdyt = quant.quantize_1x128_and_128x1(dy2, pow2=pow2, gemm_layout=True, out_rows=rows)
-        else:
-            qdy, sdy = quant.quantize_1x128(dy2, pow2=pow2, gemm_layout=True, out_rows=rows)  # [M, N], [M, N/128]
+        qdy, sdy = quant.quantize_1x128(dy2, pow2=pow2, gemm_layout=True, out_rows=rows)  # [M, N], [M, N/128]
         if qwt.is_cuda and not qwt.is_contiguous():
             # Fp8Config.resident_dgrad_codes=False: W^T made here from the W codes (exact); torch._scaled_mm reads
             # its second operand K-major
@@ -132,8 +123,7 @@ def _backward(dy2: Tensor, qwt: Tensor, swt: Tensor, qxt: Tensor, sxt: Tensor, n
         # peak of each linear's backward, and N x K more with resident_dgrad_codes=False)
         del qdy, sdy, qwt, swt
     if need_dw:
-        if not both_at_once:
-            qdyt, sdyt = quant.quantize_128x1(dy2, pow2=pow2, gemm_layout=True)  # [wgrad_rows(M), N], [M/128, N]
+        qdyt, sdyt = quant.quantize_128x1(dy2, pow2=pow2, gemm_layout=True)  # [wgrad_rows(M), N], [M/128, N]
         # contracts over wgrad_rows(M) tokens: x's and dy's 128x1 codes both carry zero codes past M
         dw = _gemm(qdyt.t(), sdyt.t(), qxt.t(), sxt.t(), w_dtype, gemm, "1x128", "1x128")
     return dx, dw

@@ -38,8 +38,7 @@ def triton_kernels() -> ModuleType | None:
     return _triton_module  # type: ignore[return-value]
 
 
-QUANTIZER_NAMES = ("quantize_1x128", "quantize_128x1", "quantize_1x128_and_128x1", "quantize_128x128",
-                   "requantize_128x128_")
+QUANTIZER_NAMES = ("quantize_1x128", "quantize_128x1", "quantize_128x128", "requantize_128x128_")
 # (device type, block) -> {quantizer name: its Triton kernel, or None where the torch reference serves it}
 _kernel_tables: dict[tuple[str, int], dict[str, object]] = {}
 
@@ -132,24 +131,6 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
     ``gemm_layout``: s row-major, so the wgrad GEMM's s.t() is the column-major scale it reads, and q padded with
     zero codes to [reference.wgrad_rows(M), K] (the GEMM contracts over whole token groups); same values."""
     return _call(x, "quantize_128x1", block, pow2, gemm_layout)  # type: ignore[return-value]
-
-
-def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
-                             out_rows=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """[M, K] -> quantize_1x128(x) + quantize_128x1(x), one read of x on CUDA (the fused kernel):
-    (q_row [M, K], s_row [M, ceil(K/block)], q_col [M, K], s_col [ceil(M/block), K]); ``gemm_layout``: as
-    quantize_1x128's and quantize_128x1's (q_col [reference.wgrad_rows(M), K]); ``out_rows``: q_row and s_row over
-    that many rows, as quantize_1x128's, at most ceil(M/block) * block (the rows the fused kernel's tiles cover)."""
-    if out_rows is None:
-        return _call(x, "quantize_1x128_and_128x1", block, pow2, gemm_layout)  # type: ignore[return-value]
-    fn = _triton_impl(x, "quantize_1x128_and_128x1", block)
-    if fn is not None:
-        return fn(x, block=block, pow2=pow2, gemm_layout=gemm_layout, out_rows=out_rows)
-    if x.dim() != 2:
-        raise ValueError(f"quantize_1x128_and_128x1 needs a 2-D tensor, got shape {tuple(x.shape)}")
-    reference.check_out_rows("quantize_1x128_and_128x1", x, out_rows, most=reference.wgrad_rows(x.shape[0], block))
-    return (*quantize_1x128(x, block=block, pow2=pow2, gemm_layout=gemm_layout, out_rows=out_rows),
-            *quantize_128x1(x, block=block, pow2=pow2, gemm_layout=gemm_layout))
 
 
 def quantize_128x128(w: Tensor, *, block: int = BLOCK, pow2: bool = False) -> tuple[Tensor, Tensor]:

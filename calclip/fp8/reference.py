@@ -170,18 +170,6 @@ def dequantize_128x128(q: Tensor, s: Tensor, *, block: int = BLOCK) -> Tensor:
     return q.float() * _expand(_expand(s.float(), 0, n, block), 1, k, block)
 
 
-def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False
-                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Both quantizations of a 2-D tensor that FP8BlockLinear needs from one input (x in the forward, dy in
-    the backward): ``quantize_1x128(x) + quantize_128x1(x)``, values and layouts exactly theirs.
-
-    x: [M, K] -> (q_row [M, K], s_row [M, ceil(K/block)], q_col [M, K] column-major, s_col [ceil(M/block), K])
-    """
-    if x.dim() != 2:
-        raise ValueError(f"quantize_1x128_and_128x1 needs a 2-D tensor, got shape {tuple(x.shape)}")
-    return (*quantize_1x128(x, block=block, pow2=pow2), *quantize_128x1(x, block=block, pow2=pow2))
-
-
 def check_out_rows(name: str, x: Tensor, out_rows, most=None):
     """The rows a 1x128 quantization of x is written over: x's rows, or ``out_rows`` for a 2-D x [M, K] (M <= out_rows
     <= ``most``), the rows past M those of zero tokens: zero codes and an all-zero group's scale (module docstring,

@@ -58,13 +58,12 @@ class SharedInput:
             bad = bad_weight_count(self.members)
             # detached: the codes carry no gradient (each member's fp8_linear_forward_codes routes x2's)
             *codes, count = torch.ops.calclip.fp8_quantize_input(x2.detach(), bad, len(self.members), need_t,
-                                                                 cfg.power_of_two_scales, cfg.fused_quantizer,
-                                                                 cfg.gemm, cfg.row_scales)
+                                                                 cfg.power_of_two_scales, cfg.gemm, cfg.row_scales)
             member.nonfinite_count.add_(count)
         else:
             with torch.no_grad():
                 codes = _quantize_input(x2, self._bad_weights(), member.nonfinite_count, need_t,
-                                        cfg.power_of_two_scales, cfg.fused_quantizer, len(self.members),
+                                        cfg.power_of_two_scales, len(self.members),
                                         gemm=cfg.gemm, row_scales=cfg.row_scales)
         codes = tuple(codes)
         others = {i for i in range(len(self.members)) if i != index}

@@ -66,7 +66,6 @@ FP8_OPTIONS_WITHOUT_FIELD: dict[str, str] = {
     "cache_weights": "set by the trainer: off when accelerate shards the parameters (FSDP, ZeRO-3)",
     "block_size": "128: the only block the GPU kernels and vLLM's block-FP8 layers take",
     "keep_last_fraction": "fp8_keep_last_n_layers says it in layers",
-    "fused_quantizer": "experimental, slower where measured (docs/usage.md, Experimental FP8 options)",
     "scaled_mm_row_scales": "automatic: on wherever it applies",
     "refresh_graph": "on; CALCLIP_REFRESH_GRAPH=0 switches it off for the process",
 }

@@ -113,18 +113,9 @@ def _zero_token_rows(r, k, column_major):
     return (_t(F8), _t(F32), r, k, nb, *strides, 1e-12 / 448), dict(GROUP=BLOCK)
 
 
-def _quantize_128x1(x, m, k, pow2, rows=1):
-    """quantize_128x1(x, gemm_layout=True): codes [k, wgrad_rows(m)], s row-major [ceil(m/128), k]; ``rows=4``: as
-    under CALCLIP_128X1_ROWS4=1."""
+def _quantize_128x1(x, m, k, pow2):
+    """quantize_128x1(x, gemm_layout=True): codes [k, wgrad_rows(m)], s row-major [ceil(m/128), k]."""
     args = (_t(x), _t(F8), _t(F32), m, k, wgrad_rows(m), k, 1, k, 1, _bucket(m))
-    return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK, ROWS=rows)
-
-
-def _quantize_dual(x, m, k, pow2):
-    """quantize_1x128_and_128x1(x, gemm_layout=True, out_rows=_gemm_rows(m)): s_row column-major, s_col row-major."""
-    rows = _gemm_rows(m)
-    args = (_t(x), _t(F8), _t(F32), _t(F8), _t(F32), m, k, wgrad_rows(m), k, 1, 1, rows, k, 1, rows, _bucket(k),
-            _bucket(m))
     return args, dict(POW2=pow2, SOFT_FP8=False, GROUP=BLOCK)
 
 
@@ -240,13 +231,6 @@ def _dtype_pow2_and_ragged_cases(configs, build):
 def _cases_quantize_128x1_kernel():
     configs = quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_DIV_FREE_TWINS
     yield from _dtype_pow2_and_ragged_cases(configs, _quantize_128x1)
-    for case, config, launch in _dtype_pow2_and_ragged_cases(  # CALCLIP_128X1_ROWS4=1
-            configs, lambda *shape: _quantize_128x1(*shape, rows=4)):
-        yield f"rows4 {case}", config, launch
-
-
-def _cases_quantize_1x128_and_128x1_kernel():
-    return _dtype_pow2_and_ragged_cases(quantize._QUANT_DUAL_CONFIGS, _quantize_dual)
 
 
 def _cases_quantize_128x128_kernel():
@@ -340,8 +324,6 @@ KERNELS = {
     "_quantize_1x128_kernel": (quantize._quantize_1x128_kernel, _cases_quantize_1x128_kernel),
     "_zero_token_rows_kernel": (quantize._zero_token_rows_kernel, _cases_zero_token_rows_kernel),
     "_quantize_128x1_kernel": (quantize._quantize_128x1_kernel, _cases_quantize_128x1_kernel),
-    "_quantize_1x128_and_128x1_kernel": (quantize._quantize_1x128_and_128x1_kernel,
-                                         _cases_quantize_1x128_and_128x1_kernel),
     "_quantize_128x128_kernel": (quantize._quantize_128x128_kernel, _cases_quantize_128x128_kernel),
     "_requantize_128x128_kernel": (quantize._requantize_128x128_kernel, _cases_requantize_128x128_kernel),
     "_fp8_block_gemm_kernel": (block_gemm._fp8_block_gemm_kernel, _cases_fp8_block_gemm_kernel),

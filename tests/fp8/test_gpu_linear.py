@@ -84,29 +84,6 @@ def test_triton_quantizers_bit_exact_at_llm_shapes(name, shape, pow2):
     assert _codes_differ(q, q_ref) == 0
 
 
-DUAL_SHAPES = [(8192, 4096), (8192, 14336), (3000, 576), (1000, 1536), (4096, 1000)]
-
-
-@pytest.mark.parametrize("gemm_layout", [False, True])
-@pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("shape", DUAL_SHAPES)
-def test_fused_quantizer_bit_exact_at_llm_shapes(shape, pow2, gemm_layout):
-    x = _llm_like(shape, seed=sum(shape))
-    x[:200] *= 1e-4  # tiny token groups (subnormal codes in both layouts)
-    x[77, 3] = float("nan")
-    got = tk.quantize_1x128_and_128x1(x, pow2=pow2, gemm_layout=gemm_layout)
-    want = list(ref.quantize_1x128_and_128x1(x, pow2=pow2))
-    if gemm_layout:  # the 128x1 codes span reference.wgrad_rows(M) token rows, zero codes past M
-        assert not got[2][shape[0]:].view(torch.uint8).any()
-        want[2] = ref.pad_128x1_codes(want[2])
-    for (q, s), (q_ref, s_ref) in ((got[:2], want[:2]), (got[2:], want[2:])):
-        assert q.shape == q_ref.shape and s.shape == s_ref.shape and q.stride() == q_ref.stride()
-        assert _scales_equal(s, s_ref)
-        assert _codes_differ(q, q_ref) == 0
-    if gemm_layout:  # what gemm.scaled_mm_block_gemm would otherwise copy into
-        assert got[1].stride() == (1, shape[0]) and got[3].is_contiguous()
-
-
 def test_triton_quantizers_fp32_input_and_nonfinite_at_scale():
     x = torch.randn(4096, 1536, device="cuda") * 100
     x[17, 1000] = float("nan")
@@ -197,16 +174,15 @@ def test_scaled_mm_runs_a_row_count_not_a_multiple_of_16_on_padded_rows(m):
 
 
 @pytest.mark.skipif(not IS_SM90, reason="torch._scaled_mm blockwise scaling is sm_90 only")
-@pytest.mark.parametrize("fused", [False, True])
-def test_layer_at_a_ragged_token_count_quantizes_over_the_gemms_rows_without_a_copy(monkeypatch, fused):
+def test_layer_at_a_ragged_token_count_quantizes_over_the_gemms_rows_without_a_copy(monkeypatch):
     """gemm.operand_rows on the H200: at 4093 tokens the forward and dgrad 1x128 operands are written over 4096 rows
-    by their quantizers (the zero-token kernel, or the fused kernel's own tiles), so gemm.pad_1x128_rows never runs;
+    by their quantizer (its zero-token kernel), so gemm.pad_1x128_rows never runs;
     output and gradients equal the old copy path's bit for bit (the same codes and GEMM, only who writes the rows)."""
     from calclip.fp8 import Fp8Config, FP8BlockLinear, gemm, linear_math
 
     torch.manual_seed(0)
     layer = FP8BlockLinear(3584, 2048, bias=True, device="cuda", dtype=torch.bfloat16,
-                           config=Fp8Config(fused_quantizer=fused))
+                           config=Fp8Config())
     x = _llm_like((1, 4093, 3584), seed=1)
     dy = (torch.randn(1, 4093, 2048, device="cuda") * 1e-2).to(torch.bfloat16)
     copies = []

@@ -191,44 +191,34 @@ def test_emulated_gemm_dequantizes_each_weight_version_once(monkeypatch):
             opt.zero_grad()
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_no_grad_forward_saves_nothing(monkeypatch, fused):
-    counters = {name: _Counter(monkeypatch, name)
-                for name in ("quantize_1x128", "quantize_128x1", "quantize_1x128_and_128x1")}
-    _, fp8 = _pair(torch.float32, k=256, n=128, cfg=Fp8Config(fused_quantizer=fused))
+def test_no_grad_forward_saves_nothing(monkeypatch):
+    counters = {name: _Counter(monkeypatch, name) for name in ("quantize_1x128", "quantize_128x1")}
+    _, fp8 = _pair(torch.float32, k=256, n=128, cfg=Fp8Config())
     x = torch.randn(4, 256, requires_grad=True)
     with torch.no_grad():
         y = fp8(x)
     assert not y.requires_grad
-    assert counters["quantize_128x1"].calls == counters["quantize_1x128_and_128x1"].calls == 0  # nothing saved
+    assert counters["quantize_128x1"].calls == 0  # nothing saved
     fp8(x).sum().backward()
     calls = {name: c.calls for name, c in counters.items()}
-    # x in the forward, dy in the backward: each quantized both ways, in one fused call or two plain ones
-    assert calls == ({"quantize_1x128": 1, "quantize_128x1": 0, "quantize_1x128_and_128x1": 2} if fused else
-                     {"quantize_1x128": 3, "quantize_128x1": 2, "quantize_1x128_and_128x1": 0}), calls
+    # x in the forward, dy in the backward: each quantized both ways
+    assert calls == {"quantize_1x128": 3, "quantize_128x1": 2}, calls
 
 
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
-def test_backward_quantizes_dy_once_per_needed_layout(monkeypatch, needs, fused):
+def test_backward_quantizes_dy_once_per_needed_layout(monkeypatch, needs):
     """Each tensor is quantized once per layout a GEMM needs: x 1x128 (forward) and 128x1 (if dW); dy 1x128
-    (if dx) and 128x1 (if dW); with fused_quantizer both layouts of one tensor come from one fused call."""
+    (if dx) and 128x1 (if dW)."""
     x_grad, w_grad = needs
-    counters = {name: _Counter(monkeypatch, name)
-                for name in ("quantize_1x128", "quantize_128x1", "quantize_1x128_and_128x1")}
-    _, fp8 = _pair(torch.float32, k=256, n=128, cfg=Fp8Config(fused_quantizer=fused))
+    counters = {name: _Counter(monkeypatch, name) for name in ("quantize_1x128", "quantize_128x1")}
+    _, fp8 = _pair(torch.float32, k=256, n=128, cfg=Fp8Config())
     fp8.weight.requires_grad_(w_grad)
     x = torch.randn(130, 256, requires_grad=x_grad)
     fp8(x).sum().backward()
     calls = {name: c.calls for name, c in counters.items()}
     rows = 1 + x_grad  # x always, dy if dx is needed
     cols = w_grad * 2  # x and dy if dW is needed
-    both = (1 if w_grad else 0) + (1 if w_grad and x_grad else 0)  # tensors needing both layouts
-    if fused:
-        assert calls == {"quantize_1x128": rows - both, "quantize_128x1": cols - both,
-                         "quantize_1x128_and_128x1": both}, calls
-    else:
-        assert calls == {"quantize_1x128": rows, "quantize_128x1": cols, "quantize_1x128_and_128x1": 0}, calls
+    assert calls == {"quantize_1x128": rows, "quantize_128x1": cols}, calls
     assert (x.grad is not None) == x_grad and (fp8.weight.grad is not None) == w_grad
 
 
@@ -291,8 +281,8 @@ def test_dispatch_gemm_layout_changes_strides_not_values():
     scales row-major — the strides torch._scaled_mm reads — and 128x1 codes padded with zero codes to whole token
     groups (300 -> 384 rows, column-major), with the reference's values."""
     x = torch.randn(300, 260, dtype=torch.bfloat16)
-    plain = quant.quantize_1x128_and_128x1(x)
-    gemm = quant.quantize_1x128_and_128x1(x, gemm_layout=True)
+    plain = (*quant.quantize_1x128(x), *quant.quantize_128x1(x))
+    gemm = (*quant.quantize_1x128(x, gemm_layout=True), *quant.quantize_128x1(x, gemm_layout=True))
     assert gemm[1].stride() == (1, 300) and gemm[3].stride() == (260, 1)
     assert gemm[2].shape == (384, 260) and gemm[2].stride() == (1, 384)
     assert not gemm[2][300:].view(torch.uint8).any()
@@ -443,7 +433,7 @@ def test_padded_128x1_codes_are_provably_16_aligned_under_dynamic_token_counts()
         return gm.forward
 
     torch._dynamo.reset()
-    fn = torch.compile(lambda x: quant.quantize_1x128_and_128x1(x, gemm_layout=True)[2], backend=backend,
+    fn = torch.compile(lambda x: quant.quantize_128x1(x, gemm_layout=True)[0], backend=backend,
                        dynamic=True)
     q = fn(torch.randn(4093, 256, dtype=torch.bfloat16))
     assert q.shape == (4096, 256) and q.stride() == (1, 4096)

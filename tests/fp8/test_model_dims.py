@@ -160,16 +160,16 @@ with FakeTensorMode(allow_non_fake_inputs=True):
         quant.requantize_128x128_(w, qw, sw, bad, transposed=(qwt, swt))  # the in-place refresh after a step
         counter = torch.zeros((), dtype=torch.int64, device="cuda")
         for m in spec["tokens"]:
-            # bf16 weights (the benchmarks' models), and fp32 master weights with the fused quantizer
-            for fused, w_dtype in ((False, bf16), (True, torch.float32)):
+            # bf16 weights (the benchmarks' models), and fp32 master weights
+            for w_dtype in (bf16, torch.float32):
                 for row_scales in (False, True):
-                    y, qxt, sxt = linear_math._forward(empty(m, k), qw, sw, bad, counter, True, False, fused, "auto", bf16,
-                                                  row_scales)
-                    dx, dw = linear_math._backward(empty(m, n), qwt, swt, qxt, sxt, True, True, False, fused, "auto",
+                    y, qxt, sxt = linear_math._forward(empty(m, k), qw, sw, bad, counter, True, False, "auto", bf16,
+                                                       row_scales)
+                    dx, dw = linear_math._backward(empty(m, n), qwt, swt, qxt, sxt, True, True, False, "auto",
                                                    bf16, w_dtype, row_scales)
                     assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (n, k), (m, n, k)
         for m in spec["rows"]:
-            linear_math._forward(empty(m, k), qw, sw, bad, counter, False, False, False, "auto", bf16)  # compiled no-grad
+            linear_math._forward(empty(m, k), qw, sw, bad, counter, False, False, "auto", bf16)  # compiled no-grad
             splits.append([m, n, k, tk.splitk_splits(m, n, k, tk.sm_count(torch.device("cuda")))])
             for dtype, round_to in ((bf16, None), (torch.float32, bf16)):  # eager fused decode, fp32 under autocast
                 tk.fp8_linear_decode_unchecked(empty(m, k, dtype=dtype), qw, sw, out_dtype=bf16,

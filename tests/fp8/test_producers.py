@@ -211,7 +211,7 @@ class _QuantizerCalls:
     def __init__(self, monkeypatch):
         self.calls = {}
         self.out_rows = set()  # the 1x128 rows asked of the quantizers and producers (gemm.operand_rows)
-        for module, names in ((quant, ("quantize_1x128", "quantize_128x1", "quantize_1x128_and_128x1")),
+        for module, names in ((quant, ("quantize_1x128", "quantize_128x1")),
                               (KP, ("rms_norm_quantize", "mul_quantize"))):
             for name in names:
                 monkeypatch.setattr(module, name, self._counted(name, getattr(module, name)))

@@ -303,34 +303,24 @@ def test_pad_1x128_rows_appends_zero_rows_in_scaled_mm_layout(m, k):
     assert torch.equal(sp2, sp) and sp2.t().is_contiguous()
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_torch_quantizers_write_zero_tokens_up_to_out_rows(fused):
+def test_torch_quantizers_write_zero_tokens_up_to_out_rows():
     """quant.quantize_1x128(out_rows=) on the torch path (CPU, the kernels' twin): the codes and scales of x with zero
     rows appended, in the GEMM's layout, the non-finite count of x's rows only (every row of x, not of out_rows, for a
-    bad weight); quantize_1x128_and_128x1 the same 1x128 rows and unchanged 128x1 codes."""
+    bad weight)."""
     m, k, rows = 277, 300, 288
     x = torch.randn(m, k) * torch.logspace(-3, 3, k)
     x[5, 7] = float("nan")
     want_q, want_s = quantize_1x128(torch.cat([x, torch.zeros(rows - m, k)]))
     for weight_bad, bad_rows in ((torch.tensor(False), 1), (torch.tensor(True), m)):
         counter = torch.zeros((), dtype=torch.int64)
-        if fused:
-            q, s, qt, st = quant.quantize_1x128_and_128x1(x, gemm_layout=True, out_rows=rows)
-            quant.add_nonfinite_rows(counter, s.narrow(0, 0, m), weight_bad)
-            qt0, st0 = quant.quantize_128x1(x, gemm_layout=True)
-            assert torch.equal(qt.view(torch.uint8), qt0.view(torch.uint8))
-            assert torch.equal(st.nan_to_num(), st0.nan_to_num())
-        else:
-            q, s = quant.quantize_1x128(x, gemm_layout=True, nonfinite_count=counter, weight_bad=weight_bad,
-                                        out_rows=rows)
+        q, s = quant.quantize_1x128(x, gemm_layout=True, nonfinite_count=counter, weight_bad=weight_bad,
+                                    out_rows=rows)
         assert q.shape == (rows, k) and s.shape == (rows, 3) and s.t().is_contiguous()
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(s.nan_to_num(-1.0), want_s.nan_to_num(-1.0))
         assert not q[m:].view(torch.uint8).any() and int(counter) == bad_rows
     with pytest.raises(ValueError, match="out_rows must satisfy 277 <= out_rows"):
         quant.quantize_1x128(x, out_rows=276)
-    with pytest.raises(ValueError, match="out_rows must satisfy 277 <= out_rows <= 384"):
-        quant.quantize_1x128_and_128x1(x, out_rows=385)
     with pytest.raises(ValueError, match="needs a 2-D tensor"):
         quant.quantize_1x128(x.view(1, m, k), out_rows=rows)
 

@@ -47,7 +47,7 @@ def test_groups_q_k_v_and_gate_up_by_default():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{}, {"fused_quantizer": True}, {"power_of_two_scales": True}])
+@pytest.mark.parametrize("options", [{}, {"power_of_two_scales": True}])
 def test_eager_training_equals_each_linear_alone(monkeypatch, options):
     """Outputs, input and weight gradients bit for bit over two AdamW steps; per forward 4 input quantizations per
     layer instead of 7 (1x128 launches, counted), and the same non-finite count in total."""
@@ -55,8 +55,6 @@ def test_eager_training_equals_each_linear_alone(monkeypatch, options):
     calls = []
     real = quant.quantize_1x128
     monkeypatch.setattr(quant, "quantize_1x128", lambda *a, **k: calls.append(1) or real(*a, **k))
-    real_both = quant.quantize_1x128_and_128x1
-    monkeypatch.setattr(quant, "quantize_1x128_and_128x1", lambda *a, **k: calls.append(1) or real_both(*a, **k))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (shared, alone)]
     for step in range(2):
         x = torch.randn(3, 40, 200)
@@ -268,19 +266,17 @@ def _pad_operand_rows_everywhere(monkeypatch):
     asked = []
     monkeypatch.setattr(linear_math, "operand_rows",
                         lambda backend, a, out_dtype, row_scales=False: gemm.scaled_mm_rows(a.shape[0]))
-    for name in ("quantize_1x128", "quantize_1x128_and_128x1"):
-        real = getattr(quant, name)
-        monkeypatch.setattr(quant, name, lambda *a, _real=real, **k: asked.append(k.get("out_rows")) or _real(*a, **k))
+    real = quant.quantize_1x128
+    monkeypatch.setattr(quant, "quantize_1x128", lambda *a, **k: asked.append(k.get("out_rows")) or real(*a, **k))
     return asked
 
 
-@pytest.mark.parametrize("options", [{}, {"fused_quantizer": True}])
-def test_operand_rows_written_by_the_quantizers_change_nothing(monkeypatch, options):
+def test_operand_rows_written_by_the_quantizers_change_nothing(monkeypatch):
     """gemm.operand_rows: at a token count torch._scaled_mm does not take (279 = 3 x 93, not a multiple of 16) every
     forward and dgrad 1x128 operand is quantized over 288 rows, zero tokens past 279, by the quantizer itself (no
     copy before the GEMM); each GEMM's first 279 rows are kept. Outputs, gradients and the non-finite count equal the
     unpadded run's bit for bit, shared inputs included (a group's padded codes serve every member)."""
-    shared, alone = _pair(**options)
+    shared, alone = _pair()
     x = torch.randn(3, 93, 200)
     x[1, 7, 3] = NAN
     results = []
@@ -291,9 +287,9 @@ def test_operand_rows_written_by_the_quantizers_change_nothing(monkeypatch, opti
             y = model(xi)
             y.nan_to_num().square().sum().backward()
         results.append((y, xi.grad, _grads(model), int(pop_nonfinite_count(model))))
-        if pad:  # forward: 4 input quantizations per layer; backward: 7 dy quantizations per layer (at least: the
-            # fused quantizer's torch twin calls quantize_1x128 itself), every one over 288 rows
-            assert len(asked) >= 2 * 4 + 2 * 7 and set(asked) == {288}, asked
+        if pad:  # forward: 4 input quantizations per layer; backward: 7 dy quantizations per layer, every one over
+            # 288 rows
+            assert len(asked) == 2 * 4 + 2 * 7 and set(asked) == {288}, asked
     (y_a, gx_a, gw_a, n_a), (y_p, gx_p, gw_p, n_p) = results
     assert torch.equal(y_p.nan_to_num(), y_a.nan_to_num()) and torch.equal(y_p.isnan(), y_a.isnan())
     assert torch.equal(gx_p.nan_to_num(), gx_a.nan_to_num())

@@ -46,7 +46,6 @@ TABLES = {
     + quantize._QUANT_1X128_DIV_FREE_TWINS,
     "_zero_token_rows_kernel": quantize._ZERO_ROWS_CONFIGS,
     "_quantize_128x1_kernel": quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_DIV_FREE_TWINS,
-    "_quantize_1x128_and_128x1_kernel": quantize._QUANT_DUAL_CONFIGS,
     "_quantize_128x128_kernel": quantize._QUANT_128X128_CONFIGS,
     "_requantize_128x128_kernel": quantize._QUANT_128X128_CONFIGS,
     "_fp8_block_gemm_kernel": block_gemm._GEMM_CONFIGS,
@@ -55,8 +54,7 @@ TABLES = {
     "_fp8_linear_fused_quant_kernel": fused_decode._FUSED_CONFIGS,
     "_producer_quantize_kernel": producers._PRODUCER_CONFIGS,
 }
-QUANTIZERS = {"_quantize_1x128_kernel", "_quantize_128x1_kernel", "_quantize_1x128_and_128x1_kernel",
-              "_quantize_128x128_kernel", "_requantize_128x128_kernel", "_fp8_linear_fused_quant_kernel",
+QUANTIZERS = {"_quantize_1x128_kernel", "_quantize_128x1_kernel", "_quantize_128x128_kernel", "_requantize_128x128_kernel", "_fp8_linear_fused_quant_kernel",
               "_producer_quantize_kernel"}
 FP8_GEMMS = {"_fp8_block_gemm_kernel", "_fp8_splitk_gemm_kernel", "_fp8_linear_fused_quant_kernel"}
 
@@ -169,23 +167,11 @@ def test_quantizers_use_the_hardware_e4m3_cast_and_ieee_division(kernel):
 def test_quantizers_store_their_codes_vectorized(kernel):
     """No one-byte global store but the requantizer's non-finite flag: every code store is vectorized, at the ragged
     token count too. The 128x1 codes' row stride is what decides it: with 4093 rows the 128x1 quantizer wrote its
-    codes with 32 one-byte stores per thread (the fused one 64) where 4096 rows take two 16-byte ones; since
+    codes with 32 one-byte stores per thread where 4096 rows take two 16-byte ones; since
     wgrad_rows the stride is a multiple of 128 at every token count."""
     allowed = 1 if kernel == "_requantize_128x128_kernel" else 0  # bad_ptr: one uint8 flag per weight
     for r in _compiled(kernel):
         assert r["ptx"]["st_b8"] <= allowed, (r["case"], r["config"], r["ptx"]["st_b8"])
-
-
-@pytest.mark.slow
-def test_four_rows_per_thread_transpose_the_codes_without_byte_stores_to_shared_memory():
-    """A tile held as [32, 4, columns] transposes its 128x1 codes through shared memory in 32-bit stores: the fused
-    1x128 + 128x1 quantizer always, the 128x1 one under CALCLIP_128X1_ROWS4=1. The [128, columns] form stores one
-    byte at a time (the 128x1 default: 32 st.shared.b8 per thread at its default tile; the fused kernel had 64)."""
-    for r in _compiled("_quantize_1x128_and_128x1_kernel"):
-        assert r["ptx"]["st_shared_b8"] == 0, (r["case"], r["config"], r["ptx"]["st_shared_b8"])
-    rows = _compiled("_quantize_128x1_kernel")
-    for r in rows:
-        assert (r["ptx"]["st_shared_b8"] == 0) == r["case"].startswith("rows4"), (r["case"], r["config"])
 
 
 @pytest.mark.slow

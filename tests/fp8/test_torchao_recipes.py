@@ -49,7 +49,7 @@ def test_recipe_registry_and_config_validation():
     assert Fp8Config(recipe="rowwise").recipe is Fp8Recipe.ROWWISE and Fp8Config(recipe="rowwise").recipe == "rowwise"
     with pytest.raises(ValueError, match=r"Fp8Config.recipe must be one of \('blockwise', 'rowwise', 'tensorwise'\)"):
         Fp8Config(recipe="row-wise")
-    for option in (dict(backward="bf16"), dict(gemm="triton"), dict(block_size=64), dict(fused_quantizer=True)):
+    for option in (dict(backward="bf16"), dict(gemm="triton"), dict(block_size=64), dict(decode_fused_max_m=8)):
         (name, value), = option.items()
         with pytest.raises(ValueError, match=rf"recipe='tensorwise' \(torchao\) cannot honour {name}={value!r}"):
             Fp8Config(recipe="tensorwise", **option)

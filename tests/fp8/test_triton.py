@@ -29,8 +29,7 @@ DEVICE = "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
 
 
 NO_DEVICE_TESTS = {"test_kernels_compile_for_sm90_without_a_gpu", "test_autotune_timings_persist_unless_turned_off",
-                   "test_no_kernel_parameter_has_a_default", "test_every_config_of_a_launcher_names_the_same_meta_parameters",
-                   "test_the_rows4_switch_is_read_at_import_and_keys_the_compile_caches"}
+                   "test_no_kernel_parameter_has_a_default", "test_every_config_of_a_launcher_names_the_same_meta_parameters"}
 
 
 @pytest.fixture(autouse=True)
@@ -107,34 +106,18 @@ def test_quantize_1x128_matches_reference(shape, dtype, pow2):
     _assert_matches_reference("quantize_1x128", _wide_range(shape, dtype, seed=sum(shape)), pow2)
 
 
-@pytest.mark.parametrize("rows4", [False, True], ids=["rows1", "rows4"])
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES_2D)
-def test_quantize_128x1_matches_reference(shape, dtype, pow2, rows4, monkeypatch):
-    """rows4: the [32, 4, BLOCK_K] tile of CALCLIP_128X1_ROWS4=1 (ragged 1, 130 and 300 rows included)."""
-    monkeypatch.setattr(quantize, "ROWS4_128X1", rows4)
+def test_quantize_128x1_matches_reference(shape, dtype, pow2):
     x = _wide_range(shape[::-1], dtype, seed=sum(shape)).t()  # wide range along dim 0, the grouped dim
     _assert_matches_reference("quantize_128x1", x.contiguous(), pow2)
 
 
-def test_the_rows4_switch_is_read_at_import_and_keys_the_compile_caches():
-    """CALCLIP_128X1_ROWS4=1 selects the [32, 4, columns] tile (unset: the [128, columns] one); a compiled graph
-    depends on it, so it is part of the compile caches' key."""
-    from calclip.fp8.compile_cache import DISPATCH_ENV
-    from tests.fixtures import printed_under_env
-
-    seen = printed_under_env("CALCLIP_128X1_ROWS4", ("1", None),
-                             "from calclip.fp8.kernels import quantize as q; print(q.ROWS4_128X1)")
-    assert seen == {"1": "True", None: "False"}
-    assert "CALCLIP_128X1_ROWS4" in DISPATCH_ENV
-
-
 @pytest.mark.parametrize("pow2", [False, True])
-def test_quantize_128x1_rows4_special_values_and_gemm_layout(pow2, monkeypatch):
-    """CALCLIP_128X1_ROWS4=1 on the special-value blocks (NaN, Inf, saturation, floored scales) and in the GEMM
-    layout FP8BlockLinear asks for (wgrad_rows(M) code rows, zero past M): the same bytes as the reference."""
-    monkeypatch.setattr(quantize, "ROWS4_128X1", True)
+def test_quantize_128x1_special_values_and_gemm_layout(pow2):
+    """The 128x1 kernel on the special-value blocks (NaN, Inf, saturation, floored scales) and in the GEMM layout
+    FP8BlockLinear asks for (wgrad_rows(M) code rows, zero past M): the same bytes as the reference."""
     x = _special_values().to(DEVICE).t().contiguous()  # [384, 6]: blocks down the columns
     _assert_matches_reference("quantize_128x1", x, pow2)
     x = _wide_range((260, 301), torch.bfloat16, seed=3).t()  # 301 tokens -> 384 code rows
@@ -248,8 +231,7 @@ def test_counting_needs_a_proper_counter():
 def test_quantize_1x128_writes_zero_tokens_up_to_out_rows(m, k, out_rows):
     """gemm.operand_rows: the 1x128 operand of a ragged token count over the rows torch._scaled_mm takes is written by
     the quantizer itself (no copy before the GEMM): bit for bit the codes and scales of x with zero rows appended
-    (zero codes, an all-zero group's scale), scales column-major over out_rows; the count covers x's rows only. The
-    fused 1x128 + 128x1 kernel writes the same 1x128 rows and its 128x1 codes are unchanged."""
+    (zero codes, an all-zero group's scale), scales column-major over out_rows; the count covers x's rows only."""
     x = _wide_range((m, k), torch.bfloat16, seed=m + k)
     x[m // 2, 3] = NAN
     padded = torch.cat([x.cpu(), torch.zeros(out_rows - m, k, dtype=x.dtype)])
@@ -269,16 +251,8 @@ def test_quantize_1x128_writes_zero_tokens_up_to_out_rows(m, k, out_rows):
     q, s = tk.quantize_1x128(x, pow2=True, out_rows=out_rows)  # the zero tokens' scale rounded as a zero group's
     q2_ref, s2_ref = ref.quantize_1x128(padded, pow2=True)
     assert _scales_equal(s.cpu(), s2_ref) and _codes_equal(q.cpu(), q2_ref) == 0
-    q, s = tk.quantize_1x128_and_128x1(x, pow2=True, gemm_layout=True, out_rows=out_rows)[:2]
-    assert _scales_equal(s.cpu(), s2_ref) and _codes_equal(q.cpu(), q2_ref) == 0
-    q_row, s_row, q_col, s_col = tk.quantize_1x128_and_128x1(x, gemm_layout=True, out_rows=out_rows)
-    q_col0, s_col0 = tk.quantize_128x1(x, gemm_layout=True)
-    assert q_row.shape == (out_rows, k) and _scales_equal(s_row.cpu(), s_ref) and _codes_equal(q_row.cpu(), q_ref) == 0
-    assert _scales_equal(s_col.cpu(), s_col0.cpu()) and _codes_equal(q_col.cpu(), q_col0.cpu()) == 0
     with pytest.raises(ValueError, match="out_rows must satisfy"):
         tk.quantize_1x128(x, out_rows=m - 1)
-    with pytest.raises(ValueError, match=rf"out_rows must satisfy {m} <= out_rows <= {-(-m // BLOCK) * BLOCK}"):
-        tk.quantize_1x128_and_128x1(x, out_rows=-(-m // BLOCK) * BLOCK + 1)
     with pytest.raises(ValueError, match="needs a 2-D tensor"):
         tk.quantize_1x128(x.view(1, m, k), out_rows=out_rows)
 
@@ -288,64 +262,6 @@ def _assert_zero_padded(q, m):
     even in a column whose last group is non-finite)."""
     assert q.shape[0] == -(-m // BLOCK) * BLOCK and q.stride() == (1, q.shape[0]), (tuple(q.shape), q.stride())
     assert not q[m:].cpu().view(torch.uint8).any(), "padding rows hold non-zero codes"
-
-
-def _assert_dual_matches_reference(x, pow2=False, gemm_layout=False):
-    """The fused quantizer == reference 1x128 + 128x1: codes and scales bit for bit; layouts the reference's,
-    or with gemm_layout the scaled_mm ones (1x128 scales column-major, 128x1 scales row-major)."""
-    got = tk.quantize_1x128_and_128x1(x, pow2=pow2, gemm_layout=gemm_layout)
-    want = list(ref.quantize_1x128_and_128x1(x.cpu(), pow2=pow2))
-    if gemm_layout:  # the 128x1 codes padded with zero codes to whole token groups (reference.wgrad_rows)
-        _assert_zero_padded(got[2], x.shape[0])
-        want[2] = ref.pad_128x1_codes(want[2])
-    for (q, s), (q_ref, s_ref), name in zip((got[:2], got[2:]), (want[:2], want[2:]), ("1x128", "128x1")):
-        assert q.dtype == FP8_DTYPE and s.dtype == torch.float32 and q.shape == q_ref.shape, name
-        assert s.shape == s_ref.shape and _same_layout(q, q_ref), name
-        if gemm_layout:
-            assert _same_layout(s, s_ref.t().contiguous().t() if name == "1x128" else s_ref.contiguous()), name
-        else:
-            assert _same_layout(s, s_ref), name
-        assert _scales_equal(s.cpu(), s_ref), f"fused {name}: scales differ"
-        assert _codes_equal(q.cpu(), q_ref) == 0, f"fused {name}: {_codes_equal(q.cpu(), q_ref)} codes differ"
-
-
-# Ragged M and K on both sides of a tile edge; 1 x 1 and a single ragged tile.
-SHAPES_DUAL = [(1, 1), (200, 70), (128, 128), (300, 130), (130, 576), (257, 384)]
-
-
-@pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES_DUAL)
-def test_fused_1x128_and_128x1_matches_reference(shape, dtype, pow2):
-    # wide range along K for the 1x128 groups, and a decade ramp along M for the 128x1 groups
-    x = _wide_range(shape, dtype, seed=sum(shape))
-    ramp = torch.logspace(-3, 2, shape[0], device=DEVICE)[:, None]
-    _assert_dual_matches_reference((x.float() * ramp).to(dtype), pow2)
-
-
-@pytest.mark.parametrize("pow2", [False, True])
-def test_fused_special_values_strides_and_gemm_layout(pow2):
-    x = torch.cat([_special_values(), _special_values().flip(1) * 1e-20], dim=0)  # [12, 384]
-    x = torch.cat([x, torch.randn(190, 384)]).to(DEVICE)  # 202 rows: a ragged second 128-row group
-    x[150, 7] = NAN  # 128x1 group (rows 128..201, column 7) only, and its 1x128 group
-    x[5, 300] = -INF
-    _assert_dual_matches_reference(x, pow2)
-    _assert_dual_matches_reference(x, pow2, gemm_layout=True)
-    _assert_dual_matches_reference(x.t().contiguous().t())  # column-major input
-    _assert_dual_matches_reference(x[3:200:2, 5:290].double())  # sliced, odd strides, fp64 -> fp32
-
-
-@pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("config", quantize._QUANT_DUAL_CONFIGS, ids=lambda c: f"chunk{c.kwargs['CHUNK']}-w{c.num_warps}")
-def test_every_fused_chunking_matches_the_reference(config, pow2, monkeypatch):
-    """Each config of the fused quantizer's table (column chunks of 32, 64 or 128: four, two or one pass per tile,
-    each twice) gives the reference's codes and scales, on special values, a ragged tile and the GEMM layout."""
-    monkeypatch.setattr(launch, "_AUTOTUNE", False)  # on a GPU too: this config, not the autotuner's choice
-    monkeypatch.setattr(quantize._quantize_dual_tuned, "_default_launch", (config.kwargs, config.all_kwargs()))
-    x = torch.cat([_special_values(), torch.randn(190, 384) * torch.logspace(-6, 3, 384)]).to(DEVICE)  # 196 rows
-    x[150, 7] = NAN
-    _assert_dual_matches_reference(x, pow2)
-    _assert_dual_matches_reference(x[:, :300], pow2, gemm_layout=True)
 
 
 @pytest.mark.parametrize("name", ["quantize_1x128", "quantize_128x1"])
@@ -365,13 +281,12 @@ def test_gemm_layout_changes_strides_only(name):
 def test_wgrad_over_padded_token_rows_equals_the_ragged_contraction(tokens):
     """dW = Q128x1(dy)^T Q128x1(x) from the gemm_layout codes (token rows padded with zero codes, so the GEMM's K is
     a multiple of 128) is the ragged contraction's result bit for bit: both dot products see the same values in every
-    K block (a masked load's 0 or a stored zero code). Both quantizers that make these codes (the 128x1 one and the
-    fused one) pad the same way, so x's and dy's operands always agree."""
+    K block (a masked load's 0 or a stored zero code)."""
     gen = torch.Generator().manual_seed(tokens)
     dy = (torch.randn(tokens, 192, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
     x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
     ragged = [tk.quantize_128x1(t) for t in (dy, x)]
-    padded = [tk.quantize_128x1(dy, gemm_layout=True), tk.quantize_1x128_and_128x1(x, gemm_layout=True)[2:]]
+    padded = [tk.quantize_128x1(t, gemm_layout=True) for t in (dy, x)]
     for q, _ in padded:
         _assert_zero_padded(q, tokens)
 
@@ -444,9 +359,9 @@ def test_empty_and_rejected_inputs():
     with pytest.raises(ValueError, match="2-D"):
         tk.quantize_128x128(torch.zeros(2, 3, 4, device=DEVICE))
     with pytest.raises(ValueError, match="2-D"):
-        tk.quantize_1x128_and_128x1(torch.zeros(2, 3, 4, device=DEVICE))
-    out = tk.quantize_1x128_and_128x1(torch.zeros(0, 300, device=DEVICE))
-    assert [tuple(t.shape) for t in out] == [(0, 300), (0, 3), (0, 300), (0, 300)]
+        tk.quantize_128x1(torch.zeros(2, 3, 4, device=DEVICE))
+    q, s = tk.quantize_128x1(torch.zeros(0, 300, device=DEVICE))
+    assert q.shape == (0, 300) and s.shape == (0, 300)
     with pytest.raises(TypeError):
         tk.quantize_1x128(torch.zeros(2, 8, dtype=torch.int32, device=DEVICE))
 
@@ -706,12 +621,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
                 assert " 0 bytes spill stores" in info, (config, info)
     compile_ptx(quantize._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
                 "K": i32, "M_CODES": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
-                {**quant, "ROWS": 1}, quantize._QUANT_128X1_DEFAULT)
-    dual_types = {n: i32 for n in quantize._quantize_1x128_and_128x1_kernel.arg_names[5:17]}
-    ptx = compile_ptx(quantize._quantize_1x128_and_128x1_kernel, {"x_ptr": "*bf16", "q_row_ptr": "*fp8e4nv",
-                      "s_row_ptr": "*fp32", "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", **dual_types},
-                      quant, quantize._QUANT_DUAL_DEFAULT)
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
+                quant, quantize._QUANT_128X1_DEFAULT)
     compile_ptx(quantize._quantize_128x128_kernel, {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "N": i32,
                 "K": i32, "NBK": i32, "stride_wn": i32, "stride_wk": i32}, quant, quantize._QUANT_128X128_DEFAULT)
     requant_types = {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bad_ptr": "*u8", "N": i32, "K": i32,
@@ -778,7 +688,7 @@ def test_launch_key_keys_scalars_by_type_and_value_and_refuses_other_arguments_b
 
 
 def test_fast_launch_runs_each_config_its_own_kernel_when_config_dicts_come_and_go(monkeypatch):
-    """A config pinned per call (sweep_quant's forced configs, tests that monkeypatch _Tuned._default_launch) hands
+    """A config pinned per call (tests that monkeypatch _Tuned._default_launch, a sweep forcing configs) hands
     the direct launch a new kwargs dict each time; CPython reuses a freed dict's address at once, and the cache key
     holds the dict's id. Until 2026-12-06 the cache did not keep the dict alive, so the second config found the
     first config's compiled kernel under its own key and launched it: on a GPU every config after the first of such

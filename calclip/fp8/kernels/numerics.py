@@ -79,8 +79,8 @@ def _codes(x, scale, recip, nonfinite, DIV_FREE: tl.constexpr):
     with x's sign put back (the FMAs give +0 for x = -0). Equal to RN(x / scale) for every normal x, and for
     subnormal x (the residual underflows) within an fp32 ulp of a quotient far below e4m3's smallest step, so the
     e4m3 codes are the same (benchmarks/check_markstein.py: 1.9e9 pairs, amax from AMAX_FLOOR to 1e38, e4m3
-    midpoints +-3 ulps, every code equal; benchmarks/sweep_quant.py: exact on the H200 in the fused quantizer).
-    The H200 sweep measured the per-element divisions as ~80% of its fused quantizer's gap to copy bandwidth, but in
+    midpoints +-3 ulps, every code equal; exact on the H200 in the fused 1x128 + 128x1 quantizer, since removed).
+    An H200 sweep measured the per-element divisions as ~80% of that fused quantizer's gap to copy bandwidth, but in
     the production 1x128 and 128x1 kernels on an H100 the step ran slower than the division (quantize.py), so their
     autotune tables keep dividing tiles only and ``CALCLIP_DIV_FREE=1`` puts DIV_FREE twins in front; unused,
     ``recip`` is dead code the compiler drops (sm_90: the dividing configs' div.rn count is one per code and scale)."""

@@ -14,7 +14,7 @@ HF's y bit for bit (a reduction order or an exp approximation of our own would n
 fp32 multiply rounded once to the output dtype, which is what torch's bf16 elementwise ops compute.
 
 One program: a [GROUP, GROUP] tile (128 rows x 128 columns): its row amaxes are GROUP 1x128 groups, its column amaxes
-one 128x1 group per column, as in ``quantize_1x128_and_128x1``. A row is counted by the program of its first column
+one 128x1 group per column. A row is counted by the program of its first column
 tile with a non-finite group (a program that finds such rows re-derives their earlier values: rare, never in a
 healthy run).
 """

@@ -3,7 +3,6 @@ fp32 scales bit for bit and the same e4m3fn codes; NaN blocks: NaN scale and NaN
 
     quantize_1x128             reference.quantize_1x128             (activations, output gradients)
     quantize_128x1             reference.quantize_128x1             (the token axis of the weight-gradient GEMM)
-    quantize_1x128_and_128x1   reference.quantize_1x128_and_128x1   (both, from one read)
     quantize_128x128           reference.quantize_128x128           (weights)
     requantize_128x128_        quant.requantize_128x128_'s torch path (weights, into existing buffers)
 
@@ -114,12 +113,6 @@ def _quantize_1x128_kernel(
 # puts each training default's twin in front of its table (read at import; part of the compile caches' key): the
 # switch another GPU's A/B runs with.
 DIV_FREE_DEFAULT = os.environ.get("CALCLIP_DIV_FREE", "0") == "1"
-# CALCLIP_128X1_ROWS4=1: the 128x1 kernel holds its tile as [32, 4, BLOCK_K] instead of [128, 1, BLOCK_K], as the fused
-# 1x128 + 128x1 kernel does. On sm_90 the [128, BLOCK_K] form transposes its codes through shared memory one byte
-# per store (32 st.shared.b8 per thread at the default tile: bench_quant.py put this kernel at 61-63% of a device
-# copy on an H100, the 1x128 at 92-94%); with four consecutive rows in a thread none are left. Off until a GPU has
-# timed it (read at import; part of the compile caches' key).
-ROWS4_128X1 = os.environ.get("CALCLIP_128X1_ROWS4", "0") == "1"
 
 
 def _default_first(configs: list[triton.Config], div_free_twin: triton.Config) -> list[triton.Config]:
@@ -269,24 +262,22 @@ def _quantize_128x1_kernel(
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
     DIV_FREE: tl.constexpr,  # codes by numerics._codes' division-free step (every config names it; same codes)
-    ROWS: tl.constexpr,  # the tile's inner row count: 1, or 4 under CALCLIP_128X1_ROWS4=1 (see ROWS4_128X1)
 ):
-    """One program: one group of GROUP rows x BLOCK_K columns, loaded as [GROUP / ROWS, ROWS, BLOCK_K] (row
-    ROWS * i + j at [i, j]); reduces over rows, stores codes transposed."""
-    rows = ((tl.program_id(0) * GROUP + tl.arange(0, GROUP // ROWS) * ROWS).to(tl.int64)[:, None, None]
-            + tl.arange(0, ROWS)[None, :, None])  # [GROUP / ROWS, ROWS, 1]
+    """One program: one group of GROUP rows x BLOCK_K columns; reduces over rows, stores codes transposed."""
+    pid_m = tl.program_id(0)
+    rows = (pid_m * GROUP + tl.arange(0, GROUP)).to(tl.int64)
     cols = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-    cols3 = cols[None, None, :]
-    mask = (rows < M) & (cols3 < K)  # ragged last row group and column tile
-    x = tl.load(x_ptr + rows * stride_xm + cols3 * stride_xk, mask=mask, other=0.0)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)  # ragged last row group and column tile
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    amax = tl.max(_abs_max(x, 1), axis=0)  # [BLOCK_K]
+    amax = _abs_max(x, 0)  # [BLOCK_K]
     nonfinite = amax == float("inf")
     scale = _block_scale(amax, nonfinite, POW2)
-    codes = tl.where(rows < M, _codes(x, scale[None, None, :], _reciprocal(scale)[None, None, :],
-                                      nonfinite[None, None, :], DIV_FREE), 0.0)
-    _store_codes(q_ptr + cols3 * M_CODES + rows, codes, (rows < M_CODES) & (cols3 < K), SOFT_FP8)
-    tl.store(s_ptr + tl.program_id(0) * stride_sb + cols * stride_sk, scale, mask=cols < K)
+    codes = tl.where(rows[:, None] < M, _codes(x, scale[None, :], _reciprocal(scale)[None, :], nonfinite[None, :],
+                                               DIV_FREE), 0.0)
+    _store_codes(q_ptr + cols[None, :] * M_CODES + rows[:, None], codes,
+                 (rows[:, None] < M_CODES) & (cols[None, :] < K), SOFT_FP8)
+    tl.store(s_ptr + pid_m * stride_sb + cols * stride_sk, scale, mask=cols < K)
 
 
 _QUANT_128X1_DEFAULT = triton.Config({"BLOCK_K": 64, "DIV_FREE": False}, num_warps=8)
@@ -328,107 +319,8 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
         lambda meta: (nb, _ceil_div(k, meta["BLOCK_K"])), (k, _bucket(m), x.dtype), soft_fp8,
         x, _codes_out(q_t, soft_fp8), s, m, k, m_codes, x.stride(0), x.stride(1), s.stride(0), s.stride(1),
         _bucket(m),
-        POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block, ROWS=4 if ROWS4_128X1 else 1)
+        POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
     return q_t.t(), s
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 1x128 and 128x1 from one read: the two quantizations FP8BlockLinear needs of x (forward) and dy (backward).
-# ----------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _quantize_1x128_and_128x1_kernel(
-    x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr,
-    # x [M, K] any strides; q_row [M, K] contiguous, s_row [M, NBK] any strides;
-    # q_col^T [K, M_CODES] contiguous (M_CODES: M, or wgrad_rows(M) with zero codes past M),
-    # s_col [NBM, K] any strides
-    M, K, M_CODES, stride_xm, stride_xk, stride_srm, stride_srk, stride_scm, stride_sck,
-    M_ROW,  # the 1x128 rows written, M <= M_ROW <= ceil(M / GROUP) * GROUP: those past M zero tokens
-    K_BUCKET, M_BUCKET,  # autotune key only
-    POW2: tl.constexpr, SOFT_FP8: tl.constexpr, GROUP: tl.constexpr,
-    CHUNK: tl.constexpr,  # columns held at a time: GROUP / CHUNK passes over the tile, twice
-):
-    """One program: a [GROUP, GROUP] tile of x (GROUP 1x128 groups along its rows, GROUP 128x1 groups down its
-    columns), in column chunks of [GROUP / 4, 4, CHUNK] (row 4i + j at [i, j]: four consecutive rows per thread, so
-    the transposed codes leave without byte-wide shared-memory stores on sm_90). The first pass completes each
-    chunk's 128x1 groups (all GROUP rows are in it) and stores their codes, while it gathers the row amaxes; the second
-    reads the chunks again (from L2: the program read them just before) and stores the 1x128 codes. A chunk holds
-    GROUP * CHUNK values in registers instead of the whole tile (at CHUNK = GROUP, 8 warps: 247 registers per thread,
-    one program per SM on sm_90); x's bytes leave DRAM once."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = ((pid_m * GROUP + tl.arange(0, GROUP // 4) * 4).to(tl.int64)[:, None, None]
-            + tl.arange(0, 4)[None, :, None])  # [GROUP / 4, 4, 1]
-    row_amax = tl.zeros([GROUP // 4, 4], dtype=tl.float32)
-    for c in range(0, GROUP, CHUNK):  # loops, not unrolled: one chunk live at a time
-        cols = (pid_k * GROUP + c + tl.arange(0, CHUNK)).to(tl.int64)
-        cols3 = cols[None, None, :]
-        x = tl.load(x_ptr + rows * stride_xm + cols3 * stride_xk, mask=(rows < M) & (cols3 < K), other=0.0)
-        x = x.to(tl.float32)  # ragged edges: masked elements are 0, amaxes unchanged
-        row_amax = tl.maximum(row_amax, _abs_max(x, 2))  # +Inf, once there, stays (non-finite rows)
-        col_amax = tl.max(_abs_max(x, 1), axis=0)  # [CHUNK]: its 128x1 groups, whole
-        col_nonfinite = col_amax == float("inf")
-        col_scale = _block_scale(col_amax, col_nonfinite, POW2)
-        col_codes = tl.where(rows < M, _scaled_codes(x, col_scale[None, None, :], col_nonfinite[None, None, :]), 0.0)
-        _store_codes(q_col_ptr + cols3 * M_CODES + rows, col_codes, (rows < M_CODES) & (cols3 < K), SOFT_FP8)
-        tl.store(s_col_ptr + pid_m * stride_scm + cols * stride_sck, col_scale, mask=cols < K)
-
-    row_nonfinite = row_amax == float("inf")  # [GROUP / 4, 4]: one 1x128 group per row
-    row_scale = _block_scale(row_amax, row_nonfinite, POW2)
-    row_ids = rows.reshape(GROUP // 4, 4)
-    tl.store(s_row_ptr + row_ids * stride_srm + pid_k * stride_srk, row_scale, mask=row_ids < M_ROW)
-    for c in range(0, GROUP, CHUNK):  # loops, not unrolled: one chunk live at a time
-        cols3 = (pid_k * GROUP + c + tl.arange(0, CHUNK)).to(tl.int64)[None, None, :]
-        x = tl.load(x_ptr + rows * stride_xm + cols3 * stride_xk, mask=(rows < M) & (cols3 < K), other=0.0)
-        row_codes = _scaled_codes(x.to(tl.float32), row_scale[:, :, None], row_nonfinite[:, :, None])
-        _store_codes(q_row_ptr + rows * K + cols3, row_codes, (rows < M_ROW) & (cols3 < K), SOFT_FP8)
-
-
-# sm_90 registers per thread (ptxas, compiled on CPU): CHUNK 32 / 8 warps 116-128, 64 / 4 warps 167-168, 64 / 8 warps
-# 118-128, 128 / 8 warps 189-196; the one-pass tile before 2026-12-06 took 247 at 8 warps (one program per SM) and
-# spilled ~1 KB at 4. (CHUNK 32 / 4 warps spilled at a ragged token count.) None of these has been timed on a GPU yet
-# (Fp8Config.fused_quantizer is off by default).
-_QUANT_DUAL_DEFAULT = triton.Config({"CHUNK": 32}, num_warps=8)
-_QUANT_DUAL_CONFIGS = [
-    _QUANT_DUAL_DEFAULT,
-    triton.Config({"CHUNK": 64}, num_warps=4),
-    triton.Config({"CHUNK": 64}, num_warps=8),
-    triton.Config({"CHUNK": 128}, num_warps=8),
-]
-_quantize_dual_tuned = _Tuned(_quantize_1x128_and_128x1_kernel, _QUANT_DUAL_CONFIGS, key=["K_BUCKET", "M_BUCKET"])
-
-
-def quantize_1x128_and_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False, gemm_layout: bool = False,
-                             out_rows=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``quantize_1x128(x) + quantize_128x1(x)`` from one read of x: the same codes and scales bit for bit.
-
-    x: [M, K] bf16/fp16/fp32, any strides, M and K ragged allowed
-    -> (q_row float8_e4m3fn [M, K] contiguous, s_row float32 [M, ceil(K / 128)],
-        q_col float8_e4m3fn [M, K] column-major, s_col float32 [ceil(M / 128), K])
-    Scale layouts are the reference's (s_row row-major, s_col column-major); ``gemm_layout=True`` flips both and
-    pads q_col's token rows (see quantize_1x128 / quantize_128x1), which is what FP8BlockLinear asks for.
-    out_rows: q_row and s_row over out_rows rows, M <= out_rows <= ceil(M / 128) * 128, as quantize_1x128's.
-    """
-    _check_block(block)
-    soft_fp8 = _check_device(x)
-    _check_2d("quantize_1x128_and_128x1", x)
-    x = _as_float_input(x)
-    m, k = x.shape
-    nbm, nbk = _ceil_div(m, block), _ceil_div(k, block)
-    m_codes = nbm * block if gemm_layout else m
-    m_row = check_out_rows("quantize_1x128_and_128x1", x, out_rows, most=nbm * block)
-    q_row = torch.empty(m_row, k, dtype=FP8_DTYPE, device=x.device)
-    q_col_t = torch.empty(k, m_codes, dtype=FP8_DTYPE, device=x.device)
-    s_row = _scales_out(m_row, nbk, gemm_layout, x.device)
-    s_col = _scales_out(nbm, k, not gemm_layout, x.device)
-    if x.numel() == 0:
-        return q_row, s_row, q_col_t.t(), s_col
-    _quantize_dual_tuned.launch(
-        lambda meta: (nbm, nbk), (_bucket(k), _bucket(m), x.dtype), soft_fp8,
-        x, _codes_out(q_row, soft_fp8), s_row, _codes_out(q_col_t, soft_fp8), s_col, m, k, m_codes,
-        x.stride(0), x.stride(1), s_row.stride(0), s_row.stride(1), s_col.stride(0), s_col.stride(1), m_row,
-        _bucket(k), _bucket(m), POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
-    return q_row, s_row, q_col_t.t(), s_col
 
 
 # ----------------------------------------------------------------------------------------------------------
