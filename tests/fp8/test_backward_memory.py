@@ -1,7 +1,7 @@
 """What an FP8 linear's backward holds at once: dy's 1x128 codes (the dgrad operand) are released before its 128x1
 codes (the wgrad operand) are made, so a backward never holds both layouts of dy's codes beside dy (M x N bytes
-less at the peak of each linear's backward; benchmarks/memory_budget.py). The fused quantizer, which writes both
-layouts in one kernel, is the exception. Gradients are unchanged by the order: the reference tests pin them."""
+less at the peak of each linear's backward; benchmarks/memory_budget.py). Gradients are unchanged by the order: the
+reference tests pin them."""
 
 import weakref
 
