@@ -1309,6 +1309,7 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
 
         setattr(generation, method, timed)
     trainer.train()
+    timings["async_scheduling"] = engine_async_scheduling(generation.llm)
     direct = getattr(generation, "_direct_sync", None)  # FP8: whether the syncs after the first were in place
     timings["direct_sync"] = None if direct is None else {"verified": direct.verified, "reason": direct.reason}
     if args.fp8:  # one more sync (the last step's update), then the engine against the reference quantizer
@@ -1317,6 +1318,14 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         type(generation).sync_weights(generation)  # not the timed wrapper: the steps' syncs are what was timed
         timings["engine_mismatches"] = engine_fp8_mismatches(vllm_engine_model(generation.llm)[0], trainer.model)
     return timings
+
+
+def engine_async_scheduling(llm) -> bool | None:
+    """Whether the engine resolved vLLM's async_scheduling on (the host schedules step N+1 while the GPU runs step
+    N): what the trainer's ``vllm_async_scheduling: null`` left to vLLM. None: an engine without that config."""
+    config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "scheduler_config", None)
+    value = getattr(config, "async_scheduling", None)
+    return None if value is None else bool(value)
 
 
 class GcClock:
@@ -1400,6 +1409,8 @@ def worker_summary(run: dict, warmup: int) -> str:
     text = (f"{len(steps)} step(s); after the first {warmup}: step {median('step_s')} s, rollout "
             f"{median('generate_s')} s, sync {median('sync_s')} s; first step "
             f"{fmt(steps[0]) if steps else '-'} s, start-up {fmt(run.get('startup_s'))} s")
+    if run.get("async_scheduling") is not None:
+        text += f"; engine async_scheduling {'on' if run['async_scheduling'] else 'off'}"
     if run.get("gc_ms"):  # GcClock: the collector's pauses inside each rollout
         last = run["gc_collections"][-1]
         text += (f"; GC pauses per rollout {median('gc_ms')} ms (the last rollout's collections of generations "

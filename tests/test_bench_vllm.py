@@ -156,8 +156,11 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
             engine_kwargs.append(kwargs)
             model = types.SimpleNamespace(load_weights=lambda weights: events.extend("load" for _ in weights),
                                           named_parameters=lambda: iter(()))  # direct sync: refused, reloads
+            # vLLM resolves async_scheduling None to on for an executor that supports it (TRL's external_launcher)
+            scheduler = types.SimpleNamespace(async_scheduling=kwargs.get("async_scheduling", True) is not False)
             self.llm_engine = types.SimpleNamespace(model_config="CFG", model_executor=types.SimpleNamespace(
-                driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))))
+                driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))),
+                vllm_config=types.SimpleNamespace(scheduler_config=scheduler))
 
         def reset_prefix_cache(self):
             events.append("reset")
@@ -195,6 +198,8 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         assert len(timings["step_s"]) == 2 and len(timings["generate_s"]) == 2 and len(timings["sync_s"]) == 2
         assert seen == [timings["step_s"][:1], timings["step_s"]]
         assert timings["startup_s"] > 0
+        assert timings["async_scheduling"] is True  # read from the engine's resolved config
+        assert "engine async_scheduling on" in bench_vllm.worker_summary(timings, 1)
         assert len(profiled) == 1  # two syncs and two rollouts: only rollout 2 under torch.profiler
         profile = timings["rollout_profile"]  # --grpo-profile-rollout 2: the second step's rollout, under the profiler
         assert profile["step"] == 1 and 0 < profile["wall_ms"] == pytest.approx(timings["generate_s"][1] * 1e3)
@@ -1049,3 +1054,14 @@ def test_host_cpu_ticks_reads_the_steal_column_and_the_share_between_two_reading
     if Path("/proc/stat").exists():  # this machine's own reading
         stolen, total = bench_vllm.host_cpu_ticks()
         assert 0 <= stolen <= total
+
+
+def test_engine_async_scheduling_reads_the_resolved_config_or_says_none():
+    def llm(value):
+        return types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(async_scheduling=value))))
+
+    assert bench_vllm.engine_async_scheduling(llm(True)) is True
+    assert bench_vllm.engine_async_scheduling(llm(False)) is False
+    assert bench_vllm.engine_async_scheduling(llm(None)) is None  # not resolved: say nothing rather than guess
+    assert bench_vllm.engine_async_scheduling(object()) is None  # an engine without a vllm_config
