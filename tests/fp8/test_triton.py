@@ -29,7 +29,8 @@ DEVICE = "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
 
 
 NO_DEVICE_TESTS = {"test_kernels_compile_for_sm90_without_a_gpu", "test_autotune_timings_persist_unless_turned_off",
-                   "test_no_kernel_parameter_has_a_default", "test_every_config_of_a_launcher_names_the_same_meta_parameters"}
+                   "test_no_kernel_parameter_has_a_default",
+                   "test_every_config_of_a_launcher_names_the_same_meta_parameters"}
 
 
 @pytest.fixture(autouse=True)
