@@ -279,7 +279,7 @@ class CalibratedGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "Compile the policy's decoder layers one by one (torch.compile per repeated block, "
                   "calclip.fp8.compile_repeated_blocks) for the training forwards and backwards; rollouts and BF16 "
-                  "shadow forwards run eager. null (default): on for a blockwise FP8 policy (fp8_backward 'fp8') "
+                  "shadow forwards run eager. null (default): on for an FP8 policy of any recipe (fp8_backward 'fp8') "
                   "and for a BF16 policy (fp8 false, the fair baseline) on CUDA, unless torch_compile, "
                   "compile_generation, gradient checkpointing or sharded parameters "
                   "(FSDP, ZeRO-3) are set. The first steps compile one layer (Inductor and Triton keep it on disk "

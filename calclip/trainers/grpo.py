@@ -490,7 +490,7 @@ class CalibratedGRPOTrainer(GRPOTrainer):
             torch_compile=args.torch_compile, compile_generation=args.compile_generation,
             # transformers 5.2x renamed it activation_checkpointing (and keeps both names in step)
             gradient_checkpointing=bool(getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing),
-            sharded=self._params_sharded(), fp8_recipe=args.fp8_recipe, fp8_backward=args.fp8_backward)
+            sharded=self._params_sharded(), fp8_backward=args.fp8_backward)
         policy = self.accelerator.unwrap_model(self.model)
         if on and args.compile_layers is None and not repeated_blocks(policy):
             on, why = False, f"compile_layers auto: off, {type(policy).__name__} has no decoder layer list"

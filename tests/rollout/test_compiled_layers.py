@@ -30,7 +30,7 @@ def test_auto_is_on_for_fp8_and_bf16_policies_on_cuda_only():
     # BF16 gets the same compilation (a fair baseline); the FP8-only options do not apply to it
     bf16 = {**AUTO, "fp8": False}
     assert resolve_compile_layers(None, **bf16) == (True, "compile_layers auto: on (BF16 policy on CUDA)")
-    assert resolve_compile_layers(None, **bf16, fp8_recipe="rowwise", fp8_backward="bf16")[0]
+    assert resolve_compile_layers(None, **bf16, fp8_backward="bf16")[0]
     ruled_out = [({"device_type": "cpu"}, "cpu"), ({"torch_compile": True}, "torch_compile"),
                  ({"compile_generation": True}, "decode step"), ({"gradient_checkpointing": True}, "checkpointing"),
                  ({"sharded": True}, "sharded")]
@@ -40,7 +40,7 @@ def test_auto_is_on_for_fp8_and_bf16_policies_on_cuda_only():
     for change, reason in [({"device_type": "cpu"}, "cpu"),
                            ({"torch_compile": True}, "torch_compile"), ({"compile_generation": True}, "decode step"),
                            ({"gradient_checkpointing": True}, "checkpointing"), ({"sharded": True}, "sharded"),
-                           ({"fp8_recipe": "rowwise"}, "rowwise"), ({"fp8_backward": "bf16"}, "fp8_backward")]:
+                           ({"fp8_backward": "bf16"}, "fp8_backward")]:
         on, why = resolve_compile_layers(None, **{**AUTO, **change})
         assert not on and reason in why, (change, why)
     assert resolve_compile_layers(True, **{**AUTO, "device_type": "cpu", "fp8": False})[0]  # the user's choice
@@ -104,16 +104,21 @@ def tokenizer():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
-def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_path, fp8):
-    """Two optimizer steps of an FP8 policy, and of a BF16 one (the baseline gets the same compilation), with
-    compile_layers (aot_eager): both layers run compiled, the parameters move, the metrics stay finite, and Dynamo
-    traced the layer's forward once per grad mode (the training forward and the no-grad old log-probs), never
-    generate's one-token decode calls."""
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "tensorwise", None],
+                         ids=["fp8", "fp8-rowwise", "fp8-tensorwise", "bf16"])
+def test_short_run_trains_compiled_layers_with_eager_rollouts(tokenizer, tmp_path, recipe):
+    """Two optimizer steps of an FP8 policy of each recipe (torchao's rowwise / tensorwise too: compile_layers' auto
+    turns them on), and of a BF16 one (the baseline gets the same compilation), with compile_layers (aot_eager):
+    both layers run compiled, the parameters move, the metrics stay finite, and Dynamo traced the layer's forward
+    once per grad mode (the training forward and the no-grad old log-probs), never generate's one-token decode
+    calls."""
+    if recipe in ("rowwise", "tensorwise"):
+        pytest.importorskip("torchao.float8")
+    fp8 = {"fp8": recipe is not None, **({"fp8_recipe": recipe} if recipe else {})}
     model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, fp8=fp8, compile_layers=True,
+        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, **fp8, compile_layers=True,
                                compile_layers_backend="aot_eager")
         assert trainer._layers_compiled
         layers = trainer.model.model.layers
