@@ -33,9 +33,12 @@ def start_engine(model_dir, policy, attention_backend):
     the quantization method the engine was given."""
     import vllm
 
+    from calclip.fp8.export import fp8_weight_specs, shared_recipe
     from calclip.rollout.vllm_sync import fp8_engine_kwargs, fp8_engine_numerics_kwargs, sync_fp8_weights
 
-    numerics = fp8_engine_numerics_kwargs()
+    # the policy's recipe picks the linear backend, as the trainer's engine does: "fastest" is DeepGEMM for blockwise
+    # where it runs, which has no per-channel kernel (a rowwise / tensorwise engine then fails in vLLM's model init)
+    numerics = fp8_engine_numerics_kwargs(recipe=shared_recipe(fp8_weight_specs(policy)))
     compilation = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16], **numerics.pop("compilation_config")}
     kwargs = fp8_engine_kwargs(policy)
     llm = vllm.LLM(model=model_dir, dtype="bfloat16", gpu_memory_utilization=0.15, max_model_len=128,
