@@ -307,11 +307,11 @@ def reload_weights_layerwise(model: nn.Module, model_config, named_tensors: Iter
     engine's CUDA graphs read. Returns the number of tensors loaded."""
     reload = __import__(_RELOAD_MODULE, fromlist=["initialize_layerwise_reload"])
     count = 0
-    stream = layerwise_reload_stream(
-        named_tensors,
-        begin=lambda: reload.initialize_layerwise_reload(model),
-        end=lambda: reload.finalize_layerwise_reload(model, model_config),
-    )
+    def end() -> None:
+        reload.finalize_layerwise_reload(model, model_config)
+        unit_kv_cache_scales_(model)
+
+    stream = layerwise_reload_stream(named_tensors, begin=lambda: reload.initialize_layerwise_reload(model), end=end)
     logger, notice = logging.getLogger(_RELOAD_LOGGER), _RotaryReloadNotice()
     logger.addFilter(notice)
     try:
@@ -321,6 +321,48 @@ def reload_weights_layerwise(model: nn.Module, model_config, named_tensors: Iter
     finally:
         logger.removeFilter(notice)
     return count
+
+
+# The attention layer's scales that vLLM 0.24 reads for a quantized KV cache: tensors (what the FlashAttention and
+# Triton backends' kernels and CUDA graphs read) and their host copies (FlashInfer's).
+_KV_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+
+
+def unit_kv_cache_scales_(model: nn.Module) -> list[str]:
+    """Set every FP8 KV-cache attention layer's k/v/q/prob scales to 1.0 in place, the unit scales calclip's
+    engines are documented to run (their checkpoints and sync streams carry no KV-cache scale); return the names of
+    the layers that held other values.
+
+    Why: the colocated FP8 engine starts from dummy weights (``fp8_engine_kwargs``), and vLLM 0.24's dummy loader
+    fills every floating parameter, the attention's k_scale / v_scale / q_scale placeholders included, with uniform
+    values in (-1e-3, 1e-3). The block-FP8 engine's KV method reads two negative placeholders as "none loaded" (1.0);
+    the compressed-tensors one (rowwise / tensorwise engines) takes them as the scales, so the KV cache was written
+    and read at a scale of about -0.001: on the H100 (2026-12-07) such an engine's samples got a mean log-prob of
+    -18.8 under the trainer against -4.9 under the engine, greedy agreement 0 (run with vLLM 0.24's own classes on
+    CPU: the placeholder -0.00094 became the scale). Tensors are filled in place, so captured CUDA graphs read 1.0;
+    a layer without a quantized KV cache is left alone."""
+    fixed = []
+    for name, module in model.named_modules():
+        dtype = getattr(module, "kv_cache_dtype", None)
+        if not isinstance(dtype, str) or not dtype.startswith("fp8"):
+            continue
+        changed = False
+        for attr in _KV_SCALES:
+            scale = getattr(module, attr, None)
+            if isinstance(scale, torch.Tensor) and not bool((scale == 1.0).all()):
+                with torch.no_grad():
+                    scale.fill_(1.0)
+                changed = True
+            host = attr + "_float"
+            if isinstance(getattr(module, host, None), float) and getattr(module, host) != 1.0:
+                setattr(module, host, 1.0)
+                changed = True
+        if changed:
+            fixed.append(name)
+    if fixed:
+        _logger.info("vLLM FP8 KV cache: %d attention layer(s) held KV-cache scales other than 1.0 (dummy-weight "
+                     "placeholders, e.g. %s); set to 1.0", len(fixed), fixed[0])
+    return fixed
 
 
 def sync_fp8_weights(llm, policy: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> int:
@@ -905,6 +947,7 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
 
         def end() -> None:
             reload.finalize_layerwise_reload(model, model_config)
+            unit_kv_cache_scales_(model)
             if direct is not None and not direct.checked:
                 self._check_direct_sync(direct, model)
 

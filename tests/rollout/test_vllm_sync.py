@@ -43,6 +43,7 @@ from calclip.rollout.vllm_sync import (  # noqa: E402
     fp8_engine_numerics_kwargs,
     nvcc_found,
     resolve_linear_backend,
+    unit_kv_cache_scales_,
     ENGINE_MODEL_DIRNAME,
     linear_backend_problem,
     check_vllm_compatible,
@@ -1000,3 +1001,29 @@ def test_fp8_export_dir_is_the_engine_model_even_for_a_pathless_policy(monkeypat
     (kw,) = calls
     assert kw["model"] == str(tmp_path / "export") and "load_format" not in kw  # the checkpoint's own weights
     assert not (tmp_path / "engine").exists()
+
+
+def test_unit_kv_cache_scales_fills_fp8_layers_in_place_and_leaves_others():
+    """unit_kv_cache_scales_: every attention layer with an FP8 KV cache gets 1.0 in its scale tensors (in place:
+    the storage CUDA graphs read) and their host copies; layers without one, and layers already at 1.0, are left
+    alone and not reported."""
+    def attention(kv_cache_dtype, value):
+        layer = torch.nn.Module()
+        layer.kv_cache_dtype = kv_cache_dtype
+        layer._k_scale = torch.nn.Parameter(torch.tensor(value), requires_grad=False)  # compressed-tensors rebinds it
+        for name in ("_v_scale", "_q_scale", "_prob_scale"):
+            layer.register_buffer(name, torch.tensor(value))
+        for name in ("_k_scale_float", "_v_scale_float", "_q_scale_float", "_prob_scale_float"):
+            setattr(layer, name, value)
+        return layer
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([attention("fp8", -0.00094), attention("fp8_e5m2", 1.0), attention("auto", 0.5)])
+    storage = model.layers[0]._k_scale.data_ptr()
+    assert unit_kv_cache_scales_(model) == ["layers.0"]
+    fixed = model.layers[0]
+    assert fixed._k_scale.data_ptr() == storage
+    assert all(float(getattr(fixed, name)) == 1.0 for name in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"))
+    assert fixed._k_scale_float == fixed._v_scale_float == fixed._q_scale_float == fixed._prob_scale_float == 1.0
+    assert float(model.layers[2]._k_scale) == 0.5 and model.layers[2]._k_scale_float == 0.5  # no FP8 KV cache
+    assert unit_kv_cache_scales_(model) == []  # idempotent: nothing left to fix
