@@ -107,6 +107,7 @@ SHAPES = {  # hidden, intermediate, heads, kv heads (head_dim 64)
 # The attention layer's FP8 KV-cache / query scales, registered by both quantization configs' KV-cache methods; no
 # checkpoint of calclip carries them (no FP8 KV cache unless asked: vllm_kv_cache_dtype), so they stay at 1.0.
 KV_SCALES = ("_q_scale", "_k_scale", "_v_scale", "_prob_scale")
+KV_PLACEHOLDERS = ("q_scale", "k_scale", "v_scale", "prob_scale")  # BaseKVCacheMethod's checkpoint slots
 RECIPES = {"block": "blockwise", "rowwise": "rowwise", "tensorwise": "tensorwise"}  # --recipe -> Fp8Config.recipe
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -245,9 +246,12 @@ def mismatches(cfg, model, policy, recipe: str = "block") -> list[str]:
     for name, p in params.items():
         if name in checked:
             continue
-        if name.rpartition(".")[2] in KV_SCALES and name not in sent:  # no FP8 KV cache: must stay 1.0
+        leaf = name.rpartition(".")[2]
+        if leaf in KV_SCALES and name not in sent:  # nothing sends KV-cache scales: must be 1.0
             if not bool((p.data == 1.0).all()):
                 bad.append(f"{name}: {p.data.tolist()} where 1.0 (nothing sent) was expected")
+            continue
+        if leaf in KV_PLACEHOLDERS and name not in sent:  # the loader's slots; the layer reads the _-scales above
             continue
         if name not in sent:
             bad.append(f"{name}: engine parameter that nothing was sent for ({p.dtype} {tuple(p.shape)})")
@@ -263,15 +267,39 @@ def engine_bits(model) -> dict[str, torch.Tensor]:
 
 
 def reload(model, vllm_config, policy) -> None:
-    """One sync through vLLM's layerwise reload, tensor by tensor, as FP8VLLMGenerationMixin does in colocate."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
+    """One sync through vLLM's layerwise reload, tensor by tensor, as FP8VLLMGenerationMixin does in colocate
+    (calclip's ``reload_weights_layerwise``: vLLM's initialize / load_weights / finalize, then an FP8 KV cache's
+    scales set to 1.0)."""
     from calclip.fp8.export import fp8_weight_sync_tensors
+    from calclip.rollout.vllm_sync import reload_weights_layerwise
 
-    initialize_layerwise_reload(model)
-    for name, tensor in fp8_weight_sync_tensors(policy):
-        model.load_weights([(name, tensor)])
-    finalize_layerwise_reload(model, vllm_config.model_config)
+    reload_weights_layerwise(model, vllm_config.model_config, fp8_weight_sync_tensors(policy))
+
+
+def kv_scale_problems(model) -> list[str]:
+    """Every attention layer with a quantized KV cache whose scales (the tensors its kernels read, and their host
+    copies) are not 1.0: calclip's engines carry no KV-cache scale, so 1.0 is what they must run."""
+    bad = []
+    for name, module in model.named_modules():
+        if not str(getattr(module, "kv_cache_dtype", "auto")).startswith("fp8"):
+            continue
+        for attr in KV_SCALES:
+            value = getattr(module, attr, None)
+            if isinstance(value, torch.Tensor) and not bool((value == 1.0).all()):
+                bad.append(f"{name}.{attr}: {value.detach().flatten()[:2].tolist()} where 1.0 was expected")
+            host = getattr(module, attr + "_float", None)
+            if isinstance(host, float) and host != 1.0:
+                bad.append(f"{name}.{attr}_float: {host} where 1.0 was expected")
+    return bad
+
+
+def kv_scales(model) -> str:
+    """The first attention layer's KV-cache scales (tensor, host copy), for the log."""
+    for name, module in model.named_modules():
+        if hasattr(module, "kv_cache_dtype") and hasattr(module, "_k_scale"):
+            return (f"{name} kv_cache_dtype {module.kv_cache_dtype}: _k_scale {float(module._k_scale.detach()):.6g} "
+                    f"(host {getattr(module, '_k_scale_float', None)}), _v_scale {float(module._v_scale.detach()):.6g}")
+    return "no attention layer with KV-cache scales"
 
 
 def perturb(policy) -> None:
@@ -359,6 +387,13 @@ def main(argv=None) -> int:
                         help="start the engine from calclip's exported checkpoint (export_fp8_checkpoint, "
                              "fp8_engine_kwargs(export_dir=...)) read by vLLM's own safetensors loader, instead of "
                              "dummy weights and a first sync")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the engine's KV cache (the trainer's vllm_kv_cache_dtype), e.g. fp8: every attention "
+                             "layer's KV-cache scales are then checked to be 1.0 after each load")
+    parser.add_argument("--dummy-start", action="store_true",
+                        help="start the engine as the trainer's does: vLLM's dummy loader fills every weight (the "
+                             "attention's KV-cache scale placeholders included) and post-processes them, then the "
+                             "first sync is a layerwise reload")
     parser.add_argument("--reloads", type=int, default=3)
     parser.add_argument("--direct", type=int, default=0, metavar="STEPS",
                         help="then check calclip's direct sync (DirectSync) on this model for STEPS steps")
@@ -384,6 +419,11 @@ def main(argv=None) -> int:
             parser.error("--engine-weights is for the rowwise / tensorwise recipes")
         kwargs["hf_overrides"]["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = \
             opts.engine_weights
+    if opts.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = opts.kv_cache_dtype
+        label += f"/kv {opts.kv_cache_dtype}"
+    if opts.dummy_start and opts.from_export:
+        parser.error("--dummy-start and --from-export are two ways to start the engine: give one")
     print(f"{label} engine kwargs: {kwargs}")
     vllm_config, model = build_vllm_model(model_dir, kwargs)
     print(describe_layers(model, opts.recipe))
@@ -393,13 +433,23 @@ def main(argv=None) -> int:
 
         with set_current_vllm_config(vllm_config):
             get_model_loader(vllm_config.load_config).load_weights(model, vllm_config.model_config)
+    elif opts.dummy_start:  # vLLM's DummyModelLoader, as the trainer's engine (load_format "dummy") starts
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+        with set_current_vllm_config(vllm_config):
+            DummyModelLoader(vllm_config.load_config).load_weights(model, vllm_config.model_config)
     else:
         model.load_weights(fp8_weight_sync_tensors(policy))  # the first load: a checkpoint load
     process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
     print(describe_layers(model, opts.recipe) + " (after loading)")
+    print(f"{label} KV-cache scales after the engine's load: {kv_scales(model)}")
+    if opts.dummy_start:  # the trainer's first sync
+        reload(model, vllm_config, policy)
+        print(f"{label} KV-cache scales after the first sync: {kv_scales(model)}")
     before = layer_tensors(model)
     print(shard_scales(policy, opts.recipe))
-    wrong = mismatches(cfg, model, policy, opts.recipe)
+    wrong = mismatches(cfg, model, policy, opts.recipe) + kv_scale_problems(model)
     print(f"{label} initial load: mismatching {wrong}")
     failed = bool(wrong)
     for step in range(opts.reloads):
@@ -407,7 +457,7 @@ def main(argv=None) -> int:
         reload(model, vllm_config, policy)
         after = layer_tensors(model)
         moved = [k for k in before if before[k] != after.get(k)]
-        wrong = mismatches(cfg, model, policy, opts.recipe)
+        wrong = mismatches(cfg, model, policy, opts.recipe) + kv_scale_problems(model)
         print(f"{label} reload {step}: mismatching {wrong}; moved/changed {moved}")
         failed = failed or bool(wrong or moved)
     if opts.direct:

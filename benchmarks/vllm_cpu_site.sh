@@ -27,4 +27,7 @@ fi
   uvloop==0.23.0 yarl==1.25.1
 [ -d "$dir/deps/xgrammar" ] || python -m pip install -q --no-deps --target "$dir/deps" \
   llguidance==1.7.6 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+# vLLM's attention package imports einops (vit_attn_wrappers); CI's environment has it through DeepSpeed, a bare one
+# does not.
+[ -d "$dir/deps/einops" ] || python -m pip install -q --no-deps --target "$dir/deps" einops==0.8.2
 echo "$dir/site:$dir/deps"

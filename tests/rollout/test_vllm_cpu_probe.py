@@ -71,3 +71,23 @@ def test_a_per_tensor_engine_rejects_the_per_channel_stream():
     result = probe("--recipe", "tensorwise", "--engine-weights", "tensor", "--reloads", "0")
     assert result.returncode != 0
     assert "_load_into_shard_id" in result.stderr and "AssertionError" in result.stderr
+
+
+@pytest.mark.parametrize("recipe", ["block", "rowwise"])
+def test_an_fp8_kv_cache_runs_unit_scales_after_the_dummy_start(recipe):
+    """The trainer's engine starts from vLLM's dummy weights, which fill the attention's KV-cache scale
+    placeholders too; compressed-tensors' KV method (rowwise / tensorwise engines) takes them as the scales. After
+    calclip's first sync every FP8 KV-cache scale is 1.0 (tensor and host copy), in the same storage, and stays so
+    through reloads and in-place syncs."""
+    result = probe("--recipe", recipe, "--kv-cache-dtype", "fp8", "--dummy-start", "--reloads", "1", "--direct", "1")
+    label = f"{recipe}/llama/kv fp8"
+    out = lines(result, label)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert out[-1] == f"{label}: all held"
+    loaded = next(line for line in out if "KV-cache scales after the engine's load" in line)
+    synced = next(line for line in out if "KV-cache scales after the first sync" in line)
+    if recipe == "rowwise":  # the dummy placeholder became the scale: what the sync has to undo
+        assert "_k_scale 1 (host 1.0)" not in loaded, loaded
+    assert "kv_cache_dtype fp8: _k_scale 1 (host 1.0), _v_scale 1" in synced, synced
+    assert sum("mismatching []" in line for line in out) == 1 + 1
+    assert any(" direct step 0: " in line and "moved/changed []" in line for line in out)
