@@ -77,6 +77,20 @@ def test_parse_args_rejects_unknown_sections_and_zero_counts(capsys):
     assert bench_speed.parse_args([]).compile_backend == "inductor"
 
 
+def test_by_layer_arms_compile_dynamic_unless_static_is_asked(monkeypatch):
+    """The 'r' arms compile each layer as the trainer does (dynamic=True, its Inductor options); --by-layer-static
+    gives Dynamo's default (None), as the whole-model arms get."""
+    import calclip.fp8
+
+    calls = []
+    monkeypatch.setattr(calclip.fp8, "compile_repeated_blocks", lambda module, **kw: calls.append(kw))
+    model = torch.nn.Linear(2, 2)
+    for argv, dynamic in ([], True), (["--by-layer-static"], None):
+        assert bench_speed.compile_by_layer(model, bench_speed.parse_args(argv)) is model
+        assert calls[-1]["dynamic"] is dynamic and calls[-1]["backend"] == "inductor"
+        assert calls[-1]["options"] == {"emulate_precision_casts": True}
+
+
 def _cells(table_row: str) -> list[str]:
     return [c.strip() for c in table_row.strip().strip("|").split("|")]
 
