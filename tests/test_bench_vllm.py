@@ -720,9 +720,9 @@ def test_engine_weight_mismatches_reads_a_padded_vocab_table_on_its_first_rows_a
 def test_mismatch_runs_one_child_per_model_and_engine_and_the_control_difference_is_filled_after_merging():
     opts = bench_vllm.parse_args(["--parts", "ops,mismatch,decode", "--models", "llama3_8b,issue_probe",
                                   "--mismatch-arms", "calclip,bf16"])
-    assert bench_vllm.child_runs(opts) == [("ops", None, None), ("mismatch", "llama3_8b", "calclip"),
-                                           ("mismatch", "llama3_8b", "bf16"), ("mismatch", "issue_probe", "calclip"),
-                                           ("mismatch", "issue_probe", "bf16"), ("decode", None, None)]
+    assert bench_vllm.child_runs(opts) == [("ops", None, None), ("mismatch", "llama3_8b", "bf16"),  # control first
+                                           ("mismatch", "llama3_8b", "calclip"), ("mismatch", "issue_probe", "bf16"),
+                                           ("mismatch", "issue_probe", "calclip"), ("decode", None, None)]
     results = {"mismatch": [{"model": "a", "stage": "initial", "arm": "FP8 calclip", "tmpe": 1.45},
                             {"model": "a", "stage": "initial", "arm": "BF16", "tmpe": 1.08},
                             {"model": "a", "stage": "after", "arm": "FP8 calclip", "tmpe": 1.2},

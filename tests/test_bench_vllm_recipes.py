@@ -59,8 +59,8 @@ def test_mismatch_children_run_one_recipe_each_and_blockwise_keeps_its_arguments
     opts = bench_vllm.parse_args(["--parts", "mismatch", "--models", "issue_probe", "--recipes", "blockwise,rowwise",
                                   "--mismatch-arms", "calclip,bf16"])
     runs = bench_vllm.child_runs(opts)
-    assert runs == [("mismatch", "issue_probe", "calclip"), ("mismatch", "issue_probe", "calclip@rowwise"),
-                    ("mismatch", "issue_probe", "bf16")]
+    assert runs == [("mismatch", "issue_probe", "bf16"), ("mismatch", "issue_probe", "calclip"),
+                    ("mismatch", "issue_probe", "calclip@rowwise")]
     argv = ["--parts", "mismatch", "--recipes", "blockwise,rowwise", "--steps", "2"]
     assert bench_vllm.child_argv(argv, "mismatch", "m", "/r.json", "calclip@rowwise") == [
         "--steps", "2", "--parts", "mismatch", "--child-json", "/r.json", "--models", "m", "--mismatch-arms",
