@@ -324,7 +324,7 @@ def reload_weights_layerwise(model: nn.Module, model_config, named_tensors: Iter
 
 
 # The attention layer's scales that vLLM 0.24 reads for a quantized KV cache: tensors (what the FlashAttention and
-# Triton backends' kernels and CUDA graphs read) and their host copies (FlashInfer's).
+# Triton backends' kernels read) and, as ``<name>_float``, their host copies (FlashInfer's).
 _KV_SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 
 
@@ -335,12 +335,14 @@ def unit_kv_cache_scales_(model: nn.Module) -> list[str]:
 
     Why: the colocated FP8 engine starts from dummy weights (``fp8_engine_kwargs``), and vLLM 0.24's dummy loader
     fills every floating parameter, the attention's k_scale / v_scale / q_scale placeholders included, with uniform
-    values in (-1e-3, 1e-3). The block-FP8 engine's KV method reads two negative placeholders as "none loaded" (1.0);
-    the compressed-tensors one (rowwise / tensorwise engines) takes them as the scales, so the KV cache was written
-    and read at a scale of about -0.001: on the H100 (2026-12-07) such an engine's samples got a mean log-prob of
-    -18.8 under the trainer against -4.9 under the engine, greedy agreement 0 (run with vLLM 0.24's own classes on
-    CPU: the placeholder -0.00094 became the scale). Tensors are filled in place, so captured CUDA graphs read 1.0;
-    a layer without a quantized KV cache is left alone."""
+    values in (-1e-3, 1e-3) from a fixed seed. The block-FP8 engine's KV method reads two negative placeholders as
+    "none loaded" (1.0; a positive draw would be taken as the scale); the compressed-tensors one (rowwise / tensorwise
+    engines) takes them as the scales whatever their sign, so the KV cache was written and read at a scale of about
+    -0.001: on the H100 (2026-12-07) such an engine's samples got a mean log-prob of -18.8 under the trainer against
+    -4.9 under the engine, greedy agreement 0 (run with vLLM 0.24's own classes on CPU: the placeholder -0.00094
+    became the scale). Tensors are filled in place, so the FlashAttention and Triton backends' captured CUDA graphs
+    read 1.0; the host copies are set too, but a backend that baked them into a graph at capture (FlashInfer, not in
+    the GPU bundle) is not covered. A layer without a quantized KV cache is left alone."""
     fixed = []
     for name, module in model.named_modules():
         dtype = getattr(module, "kv_cache_dtype", None)
