@@ -344,7 +344,8 @@ def unit_kv_cache_scales_(model: nn.Module) -> list[str]:
     read 1.0; the host copies are set too, but a backend that baked them into a graph at capture (FlashInfer, not in
     the GPU bundle) is not covered. A layer without a quantized KV cache is left alone."""
     fixed = []
-    for name, module in model.named_modules():
+    named_modules = getattr(model, "named_modules", None)  # an engine stand-in without modules has no attention
+    for name, module in named_modules() if named_modules is not None else ():
         dtype = getattr(module, "kv_cache_dtype", None)
         if not isinstance(dtype, str) or not dtype.startswith("fp8"):
             continue
