@@ -1027,3 +1027,19 @@ def test_unit_kv_cache_scales_fills_fp8_layers_in_place_and_leaves_others():
     assert fixed._k_scale_float == fixed._v_scale_float == fixed._q_scale_float == fixed._prob_scale_float == 1.0
     assert float(model.layers[2]._k_scale) == 0.5 and model.layers[2]._k_scale_float == 0.5  # no FP8 KV cache
     assert unit_kv_cache_scales_(model) == []  # idempotent: nothing left to fix
+
+
+def test_colocate_reload_sync_leaves_an_fp8_kv_cache_at_unit_scales(fake_reload):
+    """The trainer's reload sync (TRL's sync_weights through the mixin) ends with the engine's FP8 KV-cache scales at
+    1.0, whatever the dummy start left there."""
+    gen = make_generation(tiny_fp8_llama(), "colocate", fake_reload)
+    attention = torch.nn.Module()
+    attention.kv_cache_dtype = "fp8"
+    attention.register_buffer("_k_scale", torch.tensor(-0.00094))
+    attention.register_buffer("_v_scale", torch.tensor(-0.00094))
+    attention._k_scale_float = attention._v_scale_float = -0.00094
+    gen._fake_vllm_model.named_modules = lambda: iter([("model.layers.0.self_attn.attn", attention)])
+    gen.sync_weights()
+    assert float(attention._k_scale) == float(attention._v_scale) == 1.0
+    assert attention._k_scale_float == attention._v_scale_float == 1.0
+    assert fake_reload.events[-2][0] == "finalize" and fake_reload.events[-1] == ("reset",)  # one whole reload
