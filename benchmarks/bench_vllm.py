@@ -1310,6 +1310,8 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         setattr(generation, method, timed)
     trainer.train()
     timings["async_scheduling"] = engine_async_scheduling(generation.llm)
+    # the training part's compilation (compile_layers; its auto rule left torchao's recipes eager until f95dd4b)
+    timings["layers_compiled"] = getattr(trainer, "_layers_compiled", None)
     direct = getattr(generation, "_direct_sync", None)  # FP8: whether the syncs after the first were in place
     timings["direct_sync"] = None if direct is None else {"verified": direct.verified, "reason": direct.reason}
     if args.fp8:  # one more sync (the last step's update), then the engine against the reference quantizer
@@ -1409,6 +1411,8 @@ def worker_summary(run: dict, warmup: int) -> str:
     text = (f"{len(steps)} step(s); after the first {warmup}: step {median('step_s')} s, rollout "
             f"{median('generate_s')} s, sync {median('sync_s')} s; first step "
             f"{fmt(steps[0]) if steps else '-'} s, start-up {fmt(run.get('startup_s'))} s")
+    if run.get("layers_compiled") is not None:
+        text += f"; trainer layers {'compiled' if run['layers_compiled'] else 'eager'}"
     if run.get("async_scheduling") is not None:
         text += f"; engine async_scheduling {'on' if run['async_scheduling'] else 'off'}"
     if run.get("gc_ms"):  # GcClock: the collector's pauses inside each rollout

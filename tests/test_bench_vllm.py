@@ -200,6 +200,8 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         assert timings["startup_s"] > 0
         assert timings["async_scheduling"] is True  # read from the engine's resolved config
         assert "engine async_scheduling on" in bench_vllm.worker_summary(timings, 1)
+        assert timings["layers_compiled"] is False  # compile_layers' auto rule: eager on a CPU
+        assert "; trainer layers eager;" in bench_vllm.worker_summary(timings, 1)
         assert len(profiled) == 1  # two syncs and two rollouts: only rollout 2 under torch.profiler
         profile = timings["rollout_profile"]  # --grpo-profile-rollout 2: the second step's rollout, under the profiler
         assert profile["step"] == 1 and 0 < profile["wall_ms"] == pytest.approx(timings["generate_s"][1] * 1e3)
