@@ -155,7 +155,8 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         def __init__(self, **kwargs):
             engine_kwargs.append(kwargs)
             model = types.SimpleNamespace(load_weights=lambda weights: events.extend("load" for _ in weights),
-                                          named_parameters=lambda: iter(()))  # direct sync: refused, reloads
+                                          named_parameters=lambda: iter(()),  # direct sync: refused, reloads
+                                          named_modules=lambda: iter(()))
             # vLLM resolves async_scheduling None to on for an executor that supports it (TRL's external_launcher)
             scheduler = types.SimpleNamespace(async_scheduling=kwargs.get("async_scheduling", True) is not False)
             self.llm_engine = types.SimpleNamespace(model_config="CFG", model_executor=types.SimpleNamespace(

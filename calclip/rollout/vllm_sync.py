@@ -307,11 +307,8 @@ def reload_weights_layerwise(model: nn.Module, model_config, named_tensors: Iter
     engine's CUDA graphs read. Returns the number of tensors loaded."""
     reload = __import__(_RELOAD_MODULE, fromlist=["initialize_layerwise_reload"])
     count = 0
-    def end() -> None:
-        reload.finalize_layerwise_reload(model, model_config)
-        unit_kv_cache_scales_(model)
-
-    stream = layerwise_reload_stream(named_tensors, begin=lambda: reload.initialize_layerwise_reload(model), end=end)
+    stream = layerwise_reload_stream(named_tensors, begin=lambda: reload.initialize_layerwise_reload(model),
+                                     end=lambda: finish_layerwise_reload(model, model_config))
     logger, notice = logging.getLogger(_RELOAD_LOGGER), _RotaryReloadNotice()
     logger.addFilter(notice)
     try:
@@ -344,8 +341,7 @@ def unit_kv_cache_scales_(model: nn.Module) -> list[str]:
     read 1.0; the host copies are set too, but a backend that baked them into a graph at capture (FlashInfer, not in
     the GPU bundle) is not covered. A layer without a quantized KV cache is left alone."""
     fixed = []
-    named_modules = getattr(model, "named_modules", None)  # an engine stand-in without modules has no attention
-    for name, module in named_modules() if named_modules is not None else ():
+    for name, module in model.named_modules():
         dtype = getattr(module, "kv_cache_dtype", None)
         if not isinstance(dtype, str) or not dtype.startswith("fp8"):
             continue
@@ -366,6 +362,15 @@ def unit_kv_cache_scales_(model: nn.Module) -> list[str]:
         _logger.info("vLLM FP8 KV cache: %d attention layer(s) held KV-cache scales other than 1.0 (dummy-weight "
                      "placeholders, e.g. %s); set to 1.0", len(fixed), fixed[0])
     return fixed
+
+
+def finish_layerwise_reload(model: nn.Module, model_config) -> None:
+    """End of every layerwise reload calclip runs: vLLM's ``finalize_layerwise_reload`` (the layers post-processed
+    and copied into the storage the CUDA graphs read), then an FP8 KV cache's scales back to 1.0
+    (``unit_kv_cache_scales_``), whatever the engine's start or the reload left there."""
+    reload = __import__(_RELOAD_MODULE, fromlist=["finalize_layerwise_reload"])
+    reload.finalize_layerwise_reload(model, model_config)
+    unit_kv_cache_scales_(model)
 
 
 def sync_fp8_weights(llm, policy: nn.Module, fp8_modules: Mapping[str, Fp8WeightSpec] | None = None) -> int:
@@ -949,8 +954,7 @@ class FP8VLLMGenerationMixin(ColocateEngineMixin):
         reload = __import__(_RELOAD_MODULE, fromlist=["initialize_layerwise_reload"])
 
         def end() -> None:
-            reload.finalize_layerwise_reload(model, model_config)
-            unit_kv_cache_scales_(model)
+            finish_layerwise_reload(model, model_config)
             if direct is not None and not direct.checked:
                 self._check_direct_sync(direct, model)
 

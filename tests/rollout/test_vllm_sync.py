@@ -100,7 +100,7 @@ def make_generation(model, mode, recorder, cls=None):
 
     vllm_model = types.SimpleNamespace(  # no parameters: the direct-sync check after the first reload refuses
         load_weights=lambda weights: recorder.events.extend(("load", n, t) for n, t in weights),
-        named_parameters=lambda: iter(()))
+        named_parameters=lambda: iter(()), named_modules=lambda: iter(()))
     engine = types.SimpleNamespace(
         model_executor=types.SimpleNamespace(
             driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=vllm_model))),
@@ -373,7 +373,8 @@ class FakeVLLM:
                 fake.fp8_modules_at_engine_start = sorted(
                     n for n, m in model_of().named_modules() if isinstance(m, FP8BlockLinear))
                 vllm_model = types.SimpleNamespace(load_weights=lambda weights: fake.recorder.events.extend(
-                    ("load", n, t) for n, t in weights), named_parameters=lambda: iter(()))
+                    ("load", n, t) for n, t in weights), named_parameters=lambda: iter(()),
+                    named_modules=lambda: iter(()))
                 self.vllm_model = vllm_model
                 self.llm_engine = types.SimpleNamespace(
                     model_executor=types.SimpleNamespace(
@@ -725,7 +726,7 @@ def test_sync_fp8_weights_reloads_layerwise_and_resets_the_prefix_cache(fake_rel
     model = tiny_fp8_llama()
     loads = []
     vllm_model = types.SimpleNamespace(load_weights=lambda weights: loads.extend(weights) or
-                                       fake_reload.events.append(("load",)))
+                                       fake_reload.events.append(("load",)), named_modules=lambda: iter(()))
     llm = types.SimpleNamespace(
         llm_engine=types.SimpleNamespace(model_config="MODEL_CONFIG", model_executor=types.SimpleNamespace(
             driver_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(model=vllm_model)))),
@@ -754,7 +755,7 @@ def test_reload_drops_only_the_rotary_fallback_warning(fake_reload, caplog):
         layerwise.warning("%s: Failed to load weights", "QKVParallelLinear")
 
     reload.finalize_layerwise_reload = finalize
-    model = types.SimpleNamespace(load_weights=lambda weights: None)
+    model = types.SimpleNamespace(load_weights=lambda weights: None, named_modules=lambda: iter(()))
     filters = list(layerwise.filters)
     with caplog.at_level(logging.WARNING, logger=layerwise.name):
         assert reload_weights_layerwise(model, "CFG", [("a.weight", torch.zeros(1))]) == 1
