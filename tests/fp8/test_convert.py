@@ -145,6 +145,15 @@ def test_generate_quantizes_each_weight_once(monkeypatch):
     assert counts == {"w": len(model._calclip_fp8_modules), "t": 0}
 
 
+# The DDP worker's model and wrapper, never freed: the worker process ends with os._exit (tests.fixtures'
+# _dumping_worker), so nothing needs them released, and releasing them is where a clean-clone CI run hung once
+# (2026-12-07, `4f7586b`): the stacks dumped at 110 s showed the worker's caller on the line that calls it and no
+# frame of the worker itself. CPython 3.11 unlinks a returning frame before it frees its locals (gh-99729), so the
+# worker had returned and its locals (the DDP reducer, its gloo group already destroyed) were being freed. Not
+# reproduced in 40 runs here; kept alive, their destructors cannot run.
+_KEEP_ALIVE: list = []
+
+
 def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
     from datetime import timedelta
 
@@ -156,6 +165,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
     try:
         model = quantize_model(_tiny("llama", 192, 320).float().train())
         ddp = nn.parallel.DistributedDataParallel(model)
+        _KEEP_ALIVE.append((model, ddp))
         ddp(IDS, labels=IDS).loss.backward()
         grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all())
                        for p in model.parameters() if p.requires_grad)
