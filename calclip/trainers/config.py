@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -672,6 +673,11 @@ class CalibratedGRPOConfig(GRPOConfig):
         if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):
             raise ValueError(f"fp8_keep_patterns must be a list of regex strings, got "
                              f"{bounded_repr(self.fp8_keep_patterns)}")
+        for pattern in self.fp8_keep_patterns:  # at config time, naming the field, not when the trainer converts
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"fp8_keep_patterns: invalid regex {pattern!r}: {err}") from None
         _int_at_least("entropy_spike_window", self.entropy_spike_window, 2, SPIKE_WINDOW_MAX)
         _int_at_least("entropy_spike_warmup", self.entropy_spike_warmup, 2)
         if self.entropy_spike_warmup > self.entropy_spike_window:

@@ -76,6 +76,7 @@ BAD = [
     (dict(fp8_decode_fused_max_m=8.0), "fp8_decode_fused_max_m"),
     (dict(fp8_decode_fused_max_m=8, fp8_gemm="emulated"), "fp8_decode_fused_max_m"),
     (dict(fp8_keep_patterns="lm_head"), "fp8_keep_patterns"),
+    (dict(fp8_keep_patterns=["lm_head", "layers.(0"]), "fp8_keep_patterns: invalid regex"),
     (dict(entropy_spike_window=1), "entropy_spike_window"),
     (dict(entropy_spike_z=0.0), "entropy_spike_z"),
     (dict(repeat_ngram_size=0), "repeat_ngram_size"),
