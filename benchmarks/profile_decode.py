@@ -45,10 +45,10 @@ def _kernel_times(prof) -> tuple[dict[str, float], int, dict[str, float]]:
     host: dict[str, float] = collections.defaultdict(float)
     count = 0
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if _common.is_device_work(event):
             times[event.name] += event.device_time
             count += 1
-        else:
+        elif event.device_type != torch.autograd.DeviceType.CUDA:
             host[event.name] += event.self_cpu_time_total
             host["calls\0" + event.name] += 1
     return times, count, host

@@ -31,14 +31,16 @@ import torch  # noqa: E402
 import _common  # noqa: E402,F401  (puts the repository root on sys.path)
 from _common import LAUNCH_CALLS, WAIT_CALLS, gpu_idle, host_times, kernel_category, kernel_times, table  # noqa: E402
 
-# (category, pattern on the kernel name), first match wins. cuBLAS' FP8 kernels carry "qq" in their nvjet names
-# (docs/benchmarks-log.md's profiles: nvjet_sm90_qqtst_... for FP8, nvjet_sm90_tst_... for BF16).
+# (category, pattern on the kernel name), first match wins. cuBLAS' FP8 kernels carry a "q" after the SM in their
+# nvjet names (nvjet_sm90_qqtst_... for e4m3 x e4m3, nvjet_sm90_qrtst_... with an e5m2 operand as torchao's
+# tensorwise backward has; nvjet_sm90_tst_... for BF16). Attention comes before the BF16 GEMMs: cuDNN's SDPA kernels
+# (cudnn_generated_fort_native_sdpa_sm90_...) carry "sm90_" as the GEMMs do.
 CATEGORIES = (
-    ("GEMM FP8", r"qqtst|_fp8_block_gemm|_fp8_splitk|_splitk_reduce|fp8_linear_fused_quant|blockwise_fp8_gemm|"
+    ("GEMM FP8", r"nvjet_sm\d+_q|_fp8_block_gemm|_fp8_splitk|_splitk_reduce|fp8_linear_fused_quant|blockwise_fp8_gemm|"
                  r"fp8.*gemm|gemm.*fp8|e4m3"),
     ("FP8 quantize", r"quantiz|_requantize|act_quant|weight_quant|to_fp8|amax"),
-    ("GEMM BF16", r"nvjet|gemm|cutlass|xmma|cublas|sm90_|ampere_|splitKreduce"),
     ("attention", r"flash|fmha|attention|attn|sdpa"),
+    ("GEMM BF16", r"nvjet|gemm|cutlass|xmma|cublas|sm90_|ampere_|splitKreduce"),
     ("optimizer", r"multi_tensor|adam|foreach"),
     ("fused elementwise (Inductor)", r"^triton_"),
     ("copy / fill", r"memcpy|memset|copy|fill|cat_|CatArray"),

@@ -324,6 +324,9 @@ def test_profile_probe_sorts_kernels_into_categories():
 
     assert probe.category("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN") == "GEMM FP8"
     assert probe.category("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT") == "GEMM BF16"
+    assert probe.category("nvjet_sm90_qrtst_128x128_128x6_1x2_h_bz_coopA_algo2_TNT") == "GEMM FP8"  # e5m2 operand
+    assert probe.category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128") == \
+        "attention"
     assert probe.category("_fp8_block_gemm_kernel") == "GEMM FP8"
     assert probe.category("_quantize_1x128_kernel") == "FP8 quantize"
     assert probe.category("_requantize_128x128_kernel") == "FP8 quantize"
@@ -344,7 +347,7 @@ def test_gpu_idle_charges_each_gap_to_the_code_that_launched_the_kernel_after_it
     the threshold) counted in the idle time only; a sync counted (by host_times) as a call that waits."""
     from types import SimpleNamespace as NS
 
-    from _common import WAIT_CALLS, gpu_idle, host_times
+    from _common import WAIT_CALLS, gpu_idle, host_times, kernel_times
 
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -361,9 +364,15 @@ def test_gpu_idle_charges_each_gap_to_the_code_that_launched_the_kernel_after_it
     kernels = [NS(name=f"k{i}", device_type=cuda, id=i, time_range=NS(start=a, end=b))
                for i, (a, b) in enumerate([(0, 10), (10, 30), (80, 100), (115, 120), (300, 310)], start=1)]
     sync = op("cudaStreamSynchronize", start=5.0, end=305.0)
-    events = [*kernels, *launches, sync, graph, call, adam]
+    # the optimizer's record_function range comes back as a CUDA event too, spanning the gaps: not GPU work
+    annotation = NS(name="Optimizer.step#AdamW.step", device_type=cuda, id=9, time_range=NS(start=30, end=310),
+                    is_user_annotation=True, device_time=280.0)
+    events = [*kernels, *launches, sync, graph, call, adam, annotation]
     idle = gpu_idle(events, min_gap_us=20.0)
     assert idle["span_us"] == 310 and idle["busy_us"] == 65 and idle["idle_us"] == 245
+    for kernel in kernels:
+        kernel.device_time = kernel.time_range.end - kernel.time_range.start
+    assert kernel_times(NS(events=lambda: events)) == {k.name: (k.device_time, 1) for k in kernels}
     assert idle["gaps"] == {"Optimizer.step#AdamW.step": [50, 1],
                             "Torch-Compiled Region: 0/1 > ## Call CompiledFxGraph fabc ##": [180, 1]}
     waits = host_times(NS(events=lambda: events), WAIT_CALLS)
