@@ -327,16 +327,28 @@ def compile_module(module: nn.Module, opts) -> nn.Module:
     return torch.compile(module, backend=opts.compile_backend, mode=opts.compile_mode)
 
 
+# --by-layer-auto-dynamic: the by-layer arms' first step runs this many tokens per sequence fewer, so the main length
+# recompiles them with Dynamo's automatic dynamic shapes (only the dims that changed symbolic), as a trainer's second
+# rollout length does; the timed steps run that graph, never a static one of the main length.
+AUTO_DYNAMIC_SHORTER = 64
+
+
+def by_layer_default_shapes(opts) -> bool:
+    """Whether the by-layer arms compile with Dynamo's default shapes instead of the trainer's dynamic=True."""
+    return bool(getattr(opts, "by_layer_static", False) or getattr(opts, "by_layer_auto_dynamic", False))
+
+
 def compile_by_layer(module: nn.Module, opts) -> nn.Module:
     """Each decoder layer compiled in place as the trainer's compile_layers does (calclip.fp8.compile_repeated_blocks,
     dynamic shapes, its Inductor options), with the run's --compile-backend and --compile-mode; --by-layer-static
-    compiles them with Dynamo's default instead (static first), the whole-model arms' setting."""
+    and --by-layer-auto-dynamic compile them with Dynamo's default instead (static first), the whole-model arms'
+    setting (the latter then recompiles them at a second length: model_section's warm-up)."""
     from calclip.fp8 import compile_repeated_blocks
     from calclip.rollout.compiled_layers import inductor_options
 
     backend = opts.compile_backend or "inductor"
     compile_repeated_blocks(module, backend=backend, mode=opts.compile_mode, options=inductor_options(backend),
-                            dynamic=None if getattr(opts, "by_layer_static", False) else True)
+                            dynamic=None if by_layer_default_shapes(opts) else True)
     return module
 
 
@@ -671,15 +683,16 @@ def model_section(opts, sizes: Sizes) -> None:
         shared = {"bytes": 0}
         info: dict[str, dict] = {}
 
-        def arm_of(name: str, forward: Callable, compiled: bool, first: bool = False):
+        def arm_of(name: str, forward: Callable, compiled: bool, first: bool = False, shorter_first: bool = False):
             def build():
                 counter = {"i": 0}
                 tally = info.setdefault(name, {})
 
-                def step():
+                def step(shorter: int = 0):
                     ids = batches[counter["i"] % len(batches)]
                     counter["i"] += 1
-                    training_loss(forward, ids).backward()
+                    cut = min(shorter, ids.shape[1] // 2)  # --tiny's 32 tokens: 16
+                    training_loss(forward, ids[:, :ids.shape[1] - cut] if cut else ids).backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
 
@@ -687,7 +700,9 @@ def model_section(opts, sizes: Sizes) -> None:
                 before = torch.cuda.memory_allocated() if cuda else 0
                 graphs, breaks = graphs_compiled(), graph_break_counts()
                 t0 = time.perf_counter()
-                step()  # the first step: compile (compiled arms), Triton autotuning and JIT, allocation
+                # the first step: compile (compiled arms), Triton autotuning and JIT, allocation; shorter_first: at
+                # a shorter length, so the next step recompiles with automatic dynamic shapes
+                step(AUTO_DYNAMIC_SHORTER if shorter_first else 0)
                 sync(device)
                 tally["first_s"] = time.perf_counter() - t0
                 for _ in range((max(opts.warmup, COMPILED_WARMUP) if compiled else opts.warmup) - 1):
@@ -735,7 +750,8 @@ def model_section(opts, sizes: Sizes) -> None:
                 continue
             make = makers[key]
             arms[name] = setup_arm(name, lambda make=make, name=name, key=key: arm_of(
-                name, make(), compiled=key.endswith(("c", "r")))())
+                name, make(), compiled=key.endswith(("c", "r")),
+                shorter_first=key.endswith("r") and opts.by_layer_auto_dynamic)())
         interleave(list(arms.values()), opts.repeats)
         print_model_row(row, batch, sizes, arms, info, names)
         results.append((row, arms, info))
@@ -806,8 +822,9 @@ def print_solo_peaks(row: ModelRow, batch: int, keys: list[str], opts) -> None:
                         ("--compile-mode", opts.compile_mode), ("--seq-len", opts.seq_len and str(opts.seq_len))):
         if value:
             passed += [flag, value]
-    if opts.by_layer_static:
-        passed.append("--by-layer-static")
+    for flag in ("by_layer_static", "by_layer_auto_dynamic"):
+        if getattr(opts, flag):
+            passed.append("--" + flag.replace("_", "-"))
     peaks: dict[str, float] = {}
     for key in keys:
         done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--only", "model", "--solo-peak", key,
@@ -1239,7 +1256,12 @@ def parse_args(argv=None):
     parser.add_argument("--by-layer-static", action="store_true",
                         help="the by-layer ('r') arms compile each layer with Dynamo's default shapes (static first, "
                              "as the whole-model arms) instead of the trainer's dynamic=True: what the symbolic token "
-                             "count costs (torchao's tensorwise ran 1.02-1.04x BF16 by layer, 1.15-1.22x whole)")
+                             "count costs (torchao's tensorwise: 1.21x BF16 by layer static, 1.00x dynamic, H100)")
+    parser.add_argument("--by-layer-auto-dynamic", action="store_true",
+                        help="the by-layer arms compile with Dynamo's default shapes and take their first step "
+                             f"{AUTO_DYNAMIC_SHORTER} tokens per sequence shorter, so the main length recompiles "
+                             "them with automatic dynamic shapes (the sequence symbolic, batch and hidden static), as "
+                             "a trainer's varying lengths would: whether that graph keeps the static speed")
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode of the compiled arms, e.g. reduce-overhead (CUDA graphs)")
     parser.add_argument("--no-torchao", action="store_true",
@@ -1270,6 +1292,8 @@ def parse_args(argv=None):
     parser.add_argument("--smollm-args", default="", help="more `calclip train` flags for both smollm runs, e.g. "
                         "'--torch_compile true'")
     opts = parser.parse_args(argv)
+    if opts.by_layer_static and opts.by_layer_auto_dynamic:
+        parser.error("--by-layer-static and --by-layer-auto-dynamic: choose one")
     opts.sections = [s.strip() for s in opts.only.split(",") if s.strip()]
     bad = [s for s in opts.sections if s not in SECTIONS]
     if bad or not opts.sections:

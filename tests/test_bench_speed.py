@@ -85,10 +85,29 @@ def test_by_layer_arms_compile_dynamic_unless_static_is_asked(monkeypatch):
     calls = []
     monkeypatch.setattr(calclip.fp8, "compile_repeated_blocks", lambda module, **kw: calls.append(kw))
     model = torch.nn.Linear(2, 2)
-    for argv, dynamic in ([], True), (["--by-layer-static"], None):
+    for argv, dynamic in ([], True), (["--by-layer-static"], None), (["--by-layer-auto-dynamic"], None):
         assert bench_speed.compile_by_layer(model, bench_speed.parse_args(argv)) is model
         assert calls[-1]["dynamic"] is dynamic and calls[-1]["backend"] == "inductor"
         assert calls[-1]["options"] == {"emulate_precision_casts": True}
+
+
+@pytest.mark.slow
+def test_by_layer_auto_dynamic_recompiles_the_layers_once_at_the_main_length(capsys):
+    """--by-layer-auto-dynamic on CPU (--tiny): the by-layer arm's first step runs a shorter length, so the main length
+    compiles a second graph (automatic dynamic shapes) during the warm-up, and none during the timed rounds; with the
+    trainer's dynamic=True one graph serves both. Both flags together are refused."""
+    def graphs_of(argv):
+        assert bench_speed.main(["--tiny", "--only", "model", "--model-arms", "bf16,bf16r", "--repeats", "1",
+                                 "--no-torchao", *argv]) == 0
+        out = capsys.readouterr().out
+        line = next(line for line in out.splitlines() if "BF16 by layer: first step" in line)
+        row = next(_cells(r) for r in out.splitlines() if r.startswith("| BF16 by layer "))
+        return line.split(" graph(s)")[0].rsplit(", ", 1)[1], row[-1]
+
+    assert graphs_of([]) == ("1", "1 / 0 / 0")
+    assert graphs_of(["--by-layer-auto-dynamic"]) == ("2", "2 / 0 / 0")
+    with pytest.raises(SystemExit):
+        bench_speed.parse_args(["--by-layer-static", "--by-layer-auto-dynamic"])
 
 
 def _cells(table_row: str) -> list[str]:
