@@ -90,6 +90,22 @@ def blockwise_only_options(recipe: str | Fp8Recipe, *, backward: str = "fp8", ge
     return [name for name, conflict in conflicts.items() if conflict]
 
 
+def check_keep_patterns(patterns, subject=lambda name: f"Fp8Config.{name}") -> tuple[str, ...]:
+    """``keep_patterns`` as a tuple, each entry a regex that compiles; raises ValueError naming the option as
+    ``subject`` spells it (``Fp8Config.keep_patterns`` here, ``fp8_keep_patterns`` in the trainer config, which
+    checks its field at config time with this)."""
+    if isinstance(patterns, str):
+        # A bare string would be iterated character by character: almost surely a mistake.
+        raise ValueError(f"{subject('keep_patterns')} must be a sequence of regexes, not a str: {patterns!r}")
+    patterns = tuple(patterns)
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as err:
+            raise ValueError(f"{subject('keep_patterns')}: invalid regex {pattern!r}: {err}") from None
+    return patterns
+
+
 def check_fp8_combination(*, recipe: str | Fp8Recipe, backward: str = "fp8", gemm: str = "auto",
                           block_size: int = BLOCK, decode_fused_max_m: int | None = None,
                           decode_group_siblings: bool = False,
@@ -278,17 +294,8 @@ class Fp8Config:
         frac = self.keep_last_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not (0.0 <= frac < 1.0) or math.isnan(frac):
             raise ValueError(f"Fp8Config.keep_last_fraction must be a float in [0, 1), got {frac!r}")
-        patterns = self.keep_patterns
-        if isinstance(patterns, str):
-            # A bare string would be iterated character by character: almost surely a mistake.
-            raise ValueError(f"Fp8Config.keep_patterns must be a sequence of regexes, not a str: {patterns!r}")
-        patterns = tuple(patterns)
-        for pattern in patterns:
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as err:
-                raise ValueError(f"Fp8Config.keep_patterns: invalid regex {pattern!r}: {err}") from None
-        object.__setattr__(self, "keep_patterns", patterns)  # lists from YAML become a hashable tuple
+        # lists from YAML become a hashable tuple
+        object.__setattr__(self, "keep_patterns", check_keep_patterns(self.keep_patterns))
         for name in ("cache_weights", "decode_group_siblings", "scaled_mm_row_scales",
                      "refresh_graph", "share_sibling_inputs", "fuse_producers",
                      "resident_dgrad_codes", "resident_weight_codes"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -22,7 +21,7 @@ from calclip.calibration import UPPER_MODES as CALIBRATION_UPPER_MODES
 from calclip.clipping import ClipFields, clip_mode_class, registered_clip_modes
 from calclip.fp8.config import BACKWARD_MODES as FP8_BACKWARD_MODES
 from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
-from calclip.fp8.config import Fp8Config, check_fp8_combination, fp8_recipe_names
+from calclip.fp8.config import Fp8Config, check_fp8_combination, check_keep_patterns, fp8_recipe_names
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
 from calclip.rollout.vllm_sync import colocate_sampling_defaults, linear_backend_problem
@@ -673,11 +672,7 @@ class CalibratedGRPOConfig(GRPOConfig):
         if isinstance(self.fp8_keep_patterns, str) or not all(isinstance(p, str) for p in self.fp8_keep_patterns):
             raise ValueError(f"fp8_keep_patterns must be a list of regex strings, got "
                              f"{bounded_repr(self.fp8_keep_patterns)}")
-        for pattern in self.fp8_keep_patterns:  # at config time, naming the field, not when the trainer converts
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise ValueError(f"fp8_keep_patterns: invalid regex {pattern!r}: {err}") from None
+        check_keep_patterns(self.fp8_keep_patterns, subject=_fp8_field)  # Fp8Config's check, at config time
         _int_at_least("entropy_spike_window", self.entropy_spike_window, 2, SPIKE_WINDOW_MAX)
         _int_at_least("entropy_spike_warmup", self.entropy_spike_warmup, 2)
         if self.entropy_spike_warmup > self.entropy_spike_window:
