@@ -24,6 +24,7 @@ from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
 from calclip.fp8.config import Fp8Config, check_fp8_combination, check_keep_patterns, fp8_recipe_names
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
+from calclip.rollout.compiled_layers import LAYER_SHAPES
 from calclip.rollout.vllm_sync import colocate_sampling_defaults, linear_backend_problem
 from calclip.run.config_file import bounded_repr
 from calclip.monitoring.callbacks import SPIKE_WINDOW_MAX
@@ -284,6 +285,14 @@ class CalibratedGRPOConfig(GRPOConfig):
                   "compile_generation, gradient checkpointing or sharded parameters "
                   "(FSDP, ZeRO-3) are set. The first steps compile one layer (Inductor and Triton keep it on disk "
                   "for the next run; docs/usage.md, Compiled layers)."},
+    )
+    compile_layers_shapes: str | None = field(
+        default=None,
+        metadata={"help": "How compile_layers meets each step's new sequence length: 'dynamic' (symbolic sizes, one "
+                  "graph) or 'bucketed' (each log-prob forward padded on the right to one of 16 lengths per doubling, "
+                  "at most 1/16 more tokens, one static graph per length; the real tokens' results unchanged). null "
+                  "(default): 'bucketed' for torchao's recipes (fp8_recipe tensorwise / rowwise, whose fused scaling "
+                  "is slower on symbolic sizes), 'dynamic' otherwise (calclip.rollout.compiled_layers)."},
     )
     compile_layers_backend: str = field(
         default="inductor",
@@ -584,6 +593,9 @@ class CalibratedGRPOConfig(GRPOConfig):
                      "vllm_fp8_direct_sync"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.compile_layers_shapes is not None and self.compile_layers_shapes not in LAYER_SHAPES:
+            raise ValueError(f"compile_layers_shapes must be one of {LAYER_SHAPES} or null (the recipe's choice), got "
+                             f"{self.compile_layers_shapes!r}")
         if not isinstance(self.compile_layers_backend, str) or not self.compile_layers_backend.strip():
             raise ValueError("compile_layers_backend must be a torch.compile backend name (e.g. 'inductor'), got "
                              f"{self.compile_layers_backend!r}")

@@ -129,7 +129,8 @@ from calclip.run.checkpoint import (
     load_calclip_state,
     save_calclip_state,
 )
-from calclip.rollout.compiled_layers import inductor_options, resolve_compile_layers
+from calclip.rollout.compiled_layers import (BUCKETED_RECOMPILE_LIMIT, inductor_options, pad_to_bucket,
+                                             raise_recompile_limit, resolve_compile_layers, resolve_layer_shapes)
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.run.data_checks import (
     PROMPT_COLUMN,
@@ -163,6 +164,8 @@ _FORWARD_KEYS = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )  # fmt: skip
+# _get_per_token_logps_and_entropies' own options (every other argument is a model input)
+_LOGPS_OPTIONS = ("batch_size", "compute_entropy", "compute_aux_loss")
 # Logged on every mini-batch; the calibrator's copies of them are not logged a second time.
 _PER_STEP_STATS = ("calib/low", "calib/high", "clip/neg_low_frac_fp8", "clip/pos_high_frac")
 # Stats summed over ranks (counts); every other stat is averaged over ranks.
@@ -494,12 +497,38 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         policy = self.accelerator.unwrap_model(self.model)
         if on and args.compile_layers is None and not repeated_blocks(policy):
             on, why = False, f"compile_layers auto: off, {type(policy).__name__} has no decoder layer list"
+        self._layer_buckets = False
         if on:  # an explicit true on a model without layers raises here, naming the model's class
+            shapes, shapes_why = resolve_layer_shapes(args.compile_layers_shapes, fp8=args.fp8,
+                                                      recipe=args.fp8_recipe)
+            self._layer_buckets = shapes == "bucketed"
+            if self._layer_buckets:
+                raise_recompile_limit(BUCKETED_RECOMPILE_LIMIT)
             count = compile_repeated_blocks(policy, backend=args.compile_layers_backend,
+                                            dynamic=not self._layer_buckets,
                                             options=inductor_options(args.compile_layers_backend))
-            why += f": {count} layers, backend {args.compile_layers_backend}"
+            why += f": {count} layers, backend {args.compile_layers_backend}; {shapes_why}"
         logger.info(why)
         return on
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """TRL's log-prob forward; with ``compile_layers_shapes`` bucketed, on the policy, its sequence padded on the
+        right to a bucket length (calclip.rollout.compiled_layers.pad_to_bucket) and the pads' columns cut off the
+        log-probs and entropies. Multimodal inputs (their own token-aligned tensors) are passed through unpadded."""
+        extras = [*args[3:], *(v for k, v in kwargs.items() if k not in _LOGPS_OPTIONS)]  # args: the options first
+        if (not getattr(self, "_layer_buckets", False) or any(v is not None for v in extras)
+                or self.accelerator.unwrap_model(model) is not self.accelerator.unwrap_model(self.model)):
+            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                              *args, **kwargs)
+        pad_id = getattr(self._tokenizer, "pad_token_id", None)  # masked out; any id in the vocabulary serves
+        pad_id = pad_id if pad_id is not None else 0
+        input_ids, attention_mask, pad = pad_to_bucket(input_ids, attention_mask, pad_id)
+        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep + pad, *args, **kwargs)
+        if pad:
+            logps = logps[:, :logits_to_keep]
+            entropies = None if entropies is None else entropies[:, :logits_to_keep]
+        return logps, entropies, aux_loss
 
     def _start_fp8_vllm(self) -> None:
         """Refuse FP8 layers vLLM's block-FP8 linear cannot serve, then start the deferred colocated engine.

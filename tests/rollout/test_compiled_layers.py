@@ -14,7 +14,8 @@ from torch import nn
 
 from calclip.fp8 import compile_repeated_blocks
 from calclip.fp8.regional_compile import compiled_block_count, eager_blocks, repeated_blocks
-from calclip.rollout.compiled_layers import resolve_compile_layers
+from calclip.rollout.compiled_layers import (BUCKETED_RECOMPILE_LIMIT, bucket_length, pad_to_bucket,
+                                             resolve_compile_layers, resolve_layer_shapes)
 from calclip.trainers.config import CalibratedGRPOConfig
 from tests.fixtures import build_tiny_model, build_tiny_tokenizer, tiny_trainer, tiny_training_args, train_and_check
 
@@ -59,6 +60,52 @@ def test_config_rejects_a_non_bool_compile_layers(tmp_path, value):
         tiny_training_args(CalibratedGRPOConfig, tmp_path, compile_layers=value)
     with pytest.raises(ValueError, match="compile_layers_backend"):
         tiny_training_args(CalibratedGRPOConfig, tmp_path, compile_layers_backend=" ")
+
+
+def test_bucket_lengths_cover_every_length_with_little_padding_and_few_graphs():
+    lengths = [bucket_length(n) for n in range(1, 9000)]
+    for n, padded in enumerate(lengths, start=1):
+        assert padded >= n and padded % 16 == 0, (n, padded)
+        assert padded - n < max(16, n / 16 + 1e-9), (n, padded)  # < 16 tokens, or at most 1/16 more past 256
+        assert bucket_length(padded) == padded  # a bucket length is its own bucket
+    assert lengths == sorted(lengths)  # a longer sequence never gets a shorter bucket
+    for low in (256, 1024, 4096):  # 16 lengths from one power of two to the next (a static graph each)
+        assert len({bucket_length(n) for n in range(low + 1, 2 * low + 1)}) == 16
+    assert [bucket_length(n) for n in (1, 17, 276, 1300, 2048, 2049)] == [16, 32, 288, 1344, 2048, 2176]
+    for bad in (0, -3, 2.0, True, None):
+        with pytest.raises(ValueError, match="tokens must be an integer >= 1"):
+            bucket_length(bad)
+
+
+def test_pad_to_bucket_pads_ids_and_mask_on_the_right():
+    ids = torch.arange(1, 41).reshape(2, 20)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # a left-padded prompt keeps its mask
+    padded_ids, padded_mask, pad = pad_to_bucket(ids, mask, pad_token_id=7)
+    assert pad == 12 and padded_ids.shape == padded_mask.shape == (2, 32)
+    assert torch.equal(padded_ids[:, :20], ids) and (padded_ids[:, 20:] == 7).all()
+    assert torch.equal(padded_mask[:, :20], mask) and (padded_mask[:, 20:] == 0).all()
+    same = pad_to_bucket(ids[:, :16], mask[:, :16], pad_token_id=7)  # already a bucket length: untouched
+    assert same[0] is not None and same[2] == 0 and same[0].shape == (2, 16)
+    with pytest.raises(ValueError, match="input_ids and attention_mask"):
+        pad_to_bucket(ids, mask[:, :10], pad_token_id=0)
+
+
+def test_layer_shapes_auto_buckets_torchao_recipes_only():
+    assert resolve_layer_shapes(None, fp8=True, recipe="tensorwise")[0] == "bucketed"
+    assert resolve_layer_shapes(None, fp8=True, recipe="rowwise")[0] == "bucketed"
+    assert resolve_layer_shapes(None, fp8=True, recipe="blockwise")[0] == "dynamic"
+    assert resolve_layer_shapes(None, fp8=False, recipe="tensorwise")[0] == "dynamic"  # a BF16 policy
+    assert resolve_layer_shapes("bucketed", fp8=False, recipe=None) == ("bucketed", "compile_layers_shapes: bucketed")
+    assert resolve_layer_shapes("dynamic", fp8=True, recipe="tensorwise")[0] == "dynamic"
+    with pytest.raises(ValueError, match="compile_layers_shapes must be one of"):
+        resolve_layer_shapes("static", fp8=True, recipe="blockwise")
+
+
+@pytest.mark.parametrize("value", ["static", 1, True])
+def test_config_rejects_an_unknown_compile_layers_shapes(tmp_path, value):
+    with pytest.raises(ValueError, match="compile_layers_shapes must be (one of|a string)"):
+        tiny_training_args(CalibratedGRPOConfig, tmp_path, compile_layers_shapes=value)
 
 
 def test_repeated_blocks_are_the_outermost_lists_of_one_class():
@@ -145,3 +192,44 @@ def test_auto_leaves_a_cpu_policy_eager(tokenizer, tmp_path, fp8):
         trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, fp8=fp8)
     assert trainer.args.compile_layers is None and not trainer._layers_compiled
     assert compiled_block_count(trainer.model) == 0
+
+
+def test_bucketed_layers_give_the_unpadded_log_probs_from_one_static_graph_per_bucket(tokenizer, tmp_path,
+                                                                                      monkeypatch):
+    """compile_layers_shapes bucketed (aot_eager, BF16 policy): the log-prob forward pads each sequence on the right
+    to its bucket length, yet returns the log-probs and entropies of the unpadded forward, shaped as TRL expects;
+    the layers compile static (Dynamo's recompile limit raised for the buckets), and every length of one bucket
+    reuses that bucket's graph, where static shapes without the padding would compile one graph per length."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after the test
+    model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = tiny_trainer(tmp_path, tokenizer=tokenizer, model=model, fp8=False, compile_layers=True,
+                               compile_layers_backend="aot_eager", compile_layers_shapes="bucketed")
+    assert trainer._layers_compiled and trainer._layer_buckets
+    assert torch._dynamo.config.recompile_limit == BUCKETED_RECOMPILE_LIMIT
+    generator = torch.Generator().manual_seed(0)
+    frames = torch._dynamo.utils.counters["frames"]
+    with torch.no_grad():
+        for tokens in (20, 23, 29):  # one bucket: 32
+            ids = torch.randint(5, 40, (4, tokens), generator=generator)
+            mask = torch.ones_like(ids)
+            mask[0, :3] = 0  # a left-padded prompt
+            mask[1, -2:] = 0  # a completion that ended early
+            logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 8,
+                                                                             compute_entropy=True)
+            assert logps.shape == entropies.shape == (4, 8)
+            if tokens == 20:
+                graphs = frames["ok"]
+                assert graphs >= 1
+            trainer._layer_buckets = False  # the same forward, unpadded (eager: no graph for these lengths)
+            with eager_blocks(trainer.model):
+                plain, plain_entropies, _ = trainer._get_per_token_logps_and_entropies(
+                    trainer.model, ids, mask, 8, compute_entropy=True)
+            trainer._layer_buckets = True
+            # fp32 on CPU: SDPA over more (masked) keys may change the last bits of a sum (~3e-7 here); a wrong slice
+            # or a pad seen by a real token is off by whole nats. (An FP8 policy turns such a last bit into another
+            # activation code now and then: ~1e-3, as any change of batch composition does.)
+            torch.testing.assert_close(logps, plain, rtol=0, atol=1e-5)
+            torch.testing.assert_close(entropies, plain_entropies, rtol=0, atol=1e-5)
+    assert frames["ok"] == graphs  # 23 and 29 tokens ran 20's graph (bucket 32); no recompile
