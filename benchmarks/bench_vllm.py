@@ -1241,17 +1241,26 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         vllm_async_scheduling=getattr(opts, "async_scheduling", None),
         vllm_max_cudagraph_capture_size=getattr(opts, "grpo_capture_size", None))
     timings = {"step_s": [], "generate_s": [], "sync_s": [], "gc_ms": [], "gc_collections": [], "rollout_cpu_s": [],
-               "load1": [], "steal": [], "deep_gemm_new": [], "allocator": []}
-    gc_clock = GcClock()
+               "load1": [], "steal": [], "deep_gemm_new": [], "allocator": [], "step_graphs": [], "step_gc_ms": []}
+    gc_clock, step_gc = GcClock(), GcClock()
 
     class StepClock(TrainerCallback):
+        """Each optimizer step's wall time, and what may make one step slower than its neighbours: the graphs Dynamo
+        compiled in it (a new sequence length under bucketed layers, a guard that failed) and the collector's pauses
+        in it (every generation; the rollout's own are ``gc_ms``)."""
+
         def on_step_begin(self, *a, **k):
             cuda_sync()
+            self.graphs = dynamo_graphs()
+            step_gc.__enter__()
             self.start = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             cuda_sync()
             timings["step_s"].append(time.perf_counter() - self.start)
+            step_gc.__exit__(None, None, None)
+            timings["step_graphs"].append(dynamo_graphs() - self.graphs)
+            timings["step_gc_ms"].append(step_gc.pause_ms)
             if progress is not None:
                 progress(timings)
 
@@ -1320,6 +1329,13 @@ def grpo_worker(arm: str, opts, *, device: str = "cuda", dims: tuple[int, int, i
         type(generation).sync_weights(generation)  # not the timed wrapper: the steps' syncs are what was timed
         timings["engine_mismatches"] = engine_fp8_mismatches(vllm_engine_model(generation.llm)[0], trainer.model)
     return timings
+
+
+def dynamo_graphs() -> int:
+    """Frames Dynamo has compiled in this process so far (its ``frames.ok`` counter)."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["frames"]["ok"])
 
 
 def engine_async_scheduling(llm) -> bool | None:
@@ -1429,6 +1445,9 @@ def worker_summary(run: dict, warmup: int) -> str:
     stolen = [v for v in run.get("steal", [])[warmup:] if v is not None]
     if stolen:
         text += f", CPU stolen by the hypervisor {100 * statistics.median(stolen):.1f}% (max {100 * max(stolen):.1f}%)"
+    if run.get("step_graphs"):  # every step, the first ones included: where the compiles went
+        text += (f"; Dynamo graphs compiled per step {run['step_graphs']}, GC pauses per step (rollout included) "
+                 f"{[round(v) for v in run['step_gc_ms']]} ms")
     compiled = [v for v in run.get("deep_gemm_new", [])[warmup:] if v is not None]
     if any(compiled):
         text += (f"; DeepGEMM's JIT cache grew by {sum(compiled)} file(s) during {sum(v > 0 for v in compiled)} of the "
@@ -1453,7 +1472,7 @@ def worker_summary(run: dict, warmup: int) -> str:
 
 # a grpo worker's lists with one entry per step (each step runs one rollout and one sync)
 PER_ROLLOUT_KEYS = ("step_s", "generate_s", "sync_s", "gc_ms", "gc_collections", "rollout_cpu_s", "load1",
-                    "steal", "deep_gemm_new", "allocator")
+                    "steal", "deep_gemm_new", "allocator", "step_graphs", "step_gc_ms")
 
 
 def without_profiled_step(run: dict) -> dict:
@@ -1466,7 +1485,7 @@ def without_profiled_step(run: dict) -> dict:
                       for key in PER_ROLLOUT_KEYS if key in run}}
 
 
-GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "bf16_eager", "fp8_gcon", "bf16_gcon")
+GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "bf16_eager", "fp8_gcon", "bf16_gcon", "fp8_dynamic")
 # the BF16 configurations an FP8 arm's ratio is taken against (the fastest of those measured in the run): BF16 compiled
 # by layer (the trainer's compile_layers default, "bf16") and eager ("bf16_eager"), both with the collector paused
 # Within one arm every timed step's rollout is the same work (same prompts, lengths forced by min_tokens): a spread
@@ -1491,11 +1510,14 @@ def round_ratios(base_runs: list[dict], arm_runs: list[dict], warmup: int) -> li
 def grpo_arm_settings(arm: str) -> dict:
     """The CalibratedGRPOConfig fields that make ``arm`` what its name says: FP8 or BF16, the FP8 sync in place or
     through vLLM's reload (``fp8_reload``), the collector paused during rollouts or on (``*_gcon``), the policy's
-    layers compiled (the default: compile_layers auto, on for BF16 and FP8 on CUDA) or eager (``bf16_eager``)."""
+    layers compiled (the default: compile_layers auto, on for BF16 and FP8 on CUDA) or eager (``bf16_eager``), their
+    shapes the recipe's choice (compile_layers_shapes auto: bucketed for torchao's recipes) or symbolic
+    (``fp8_dynamic``: what a torchao recipe's bucketed layers bought)."""
     if arm not in GRPO_ARMS:
         raise ValueError(f"grpo arm {arm!r}: choose from {GRPO_ARMS}")
     return {"fp8": arm.startswith("fp8"), "vllm_fp8_direct_sync": arm != "fp8_reload",
-            "vllm_pause_gc": not arm.endswith("_gcon"), "compile_layers": False if arm == "bf16_eager" else None}
+            "vllm_pause_gc": not arm.endswith("_gcon"), "compile_layers": False if arm == "bf16_eager" else None,
+            "compile_layers_shapes": "dynamic" if arm == "fp8_dynamic" else None}
 
 
 def part_grpo(opts) -> None:

@@ -216,6 +216,10 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         assert all(c > 0 for c in timings["rollout_cpu_s"]) and all(load >= 0 for load in timings["load1"])
         assert all(v is None or 0.0 <= v <= 1.0 for v in timings["steal"])
         assert len(timings["deep_gemm_new"]) == 2  # DeepGEMM's cache growth per rollout (None: no cache here)
+        # per step: Dynamo's graphs compiled in it (layers eager on a CPU: none) and the collector's pauses in it
+        assert timings["step_graphs"] == [0, 0] and len(timings["step_gc_ms"]) == 2
+        assert all(ms >= 0 for ms in timings["step_gc_ms"])
+        assert "Dynamo graphs compiled per step [0, 0]" in bench_vllm.worker_summary(timings, 1)
         if not arm.endswith("_gcon"):
             assert all(sum(counts) <= 1 for counts in timings["gc_collections"])
         assert engine_kwargs[-1]["attention_backend"] == "TRITON_ATTN"  # added to TRL's own arguments
@@ -363,7 +367,10 @@ def test_grpo_fp8_row_names_an_engine_tensor_that_differs_in_any_round(monkeypat
 
 def test_grpo_arm_settings_say_what_each_arm_changes():
     assert bench_vllm.grpo_arm_settings("bf16") == {"fp8": False, "vllm_fp8_direct_sync": True, "vllm_pause_gc": True,
-                                                    "compile_layers": None}
+                                                    "compile_layers": None, "compile_layers_shapes": None}
+    # the recipe's own layer shapes (bucketed for torchao's), against symbolic ones: what the buckets bought
+    assert bench_vllm.grpo_arm_settings("fp8_dynamic") == {**bench_vllm.grpo_arm_settings("fp8"),
+                                                           "compile_layers_shapes": "dynamic"}
     assert bench_vllm.grpo_arm_settings("bf16_eager")["compile_layers"] is False
     assert bench_vllm.grpo_arm_settings("fp8")["fp8"] and bench_vllm.grpo_arm_settings("fp8")["compile_layers"] is None
     assert bench_vllm.grpo_arm_settings("fp8_reload")["vllm_fp8_direct_sync"] is False
