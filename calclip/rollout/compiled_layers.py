@@ -51,8 +51,10 @@ import torch.nn.functional as F
 
 LAYER_SHAPES = ("dynamic", "bucketed")
 BUCKETED_RECIPES = ("tensorwise", "rowwise")  # torchao's: their scaling is Inductor's, fused per graph
-# Static graphs per bucket length and grad mode; Dynamo's default limit (8) would leave a long run eager.
-BUCKETED_RECOMPILE_LIMIT = 64
+# Static graphs of the layers' one function: up to three per bucket length (with grad, an input without grad, no grad),
+# 64 lengths (four doublings, e.g. 256 to 4096 tokens); Dynamo's default limit (8) would leave a long run eager.
+BUCKET_GRAPHS_PER_LENGTH = 3
+BUCKETED_RECOMPILE_LIMIT = 64 * BUCKET_GRAPHS_PER_LENGTH
 
 
 def resolve_compile_layers(setting: bool | None, *, device_type: str, fp8: bool, torch_compile: bool,
@@ -132,8 +134,21 @@ def pad_to_bucket(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def raise_recompile_limit(limit: int) -> None:
-    """Dynamo's per-function limit of compiled graphs raised to ``limit`` (never lowered): bucketed layers compile
-    one static graph per bucket length and grad mode, and past the limit Dynamo runs the function eager."""
+    """Dynamo's per-function limit of compiled graphs raised to ``limit``, and its process-wide one to twice that
+    (never lowered): bucketed layers compile one static graph per bucket length and grad mode, and past the limit
+    Dynamo runs the function eager."""
     import torch._dynamo
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, limit)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * limit)
+
+
+def bucket_overflow(shapes_seen: int) -> str | None:
+    """A warning once the bucketed layers have met more (batch, length) shapes than their recompile limit has graphs
+    for (``BUCKET_GRAPHS_PER_LENGTH`` each): further new shapes run eager, far slower for torchao's recipes."""
+    if shapes_seen * BUCKET_GRAPHS_PER_LENGTH <= BUCKETED_RECOMPILE_LIMIT:
+        return None
+    return (f"compile_layers_shapes bucketed: the policy's layers have met {shapes_seen} (batch, length) shapes, more "
+            f"than Dynamo's recompile limit ({BUCKETED_RECOMPILE_LIMIT} graphs) holds; new ones now run eager. Set "
+            "compile_layers_shapes: dynamic for runs whose lengths spread this wide")

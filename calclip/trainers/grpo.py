@@ -129,8 +129,9 @@ from calclip.run.checkpoint import (
     load_calclip_state,
     save_calclip_state,
 )
-from calclip.rollout.compiled_layers import (BUCKETED_RECOMPILE_LIMIT, inductor_options, pad_to_bucket,
-                                             raise_recompile_limit, resolve_compile_layers, resolve_layer_shapes)
+from calclip.rollout.compiled_layers import (BUCKETED_RECOMPILE_LIMIT, bucket_overflow, inductor_options,
+                                             pad_to_bucket, raise_recompile_limit, resolve_compile_layers,
+                                             resolve_layer_shapes)
 from calclip.trainers.config import CalibratedGRPOConfig
 from calclip.run.data_checks import (
     PROMPT_COLUMN,
@@ -498,6 +499,8 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         if on and args.compile_layers is None and not repeated_blocks(policy):
             on, why = False, f"compile_layers auto: off, {type(policy).__name__} has no decoder layer list"
         self._layer_buckets = False
+        self._bucket_shapes: set[tuple[int, int]] = set()  # (batch, padded length) the bucketed layers have met
+        self._bucket_overflow_warned = False
         if on:  # an explicit true on a model without layers raises here, naming the model's class
             shapes, shapes_why = resolve_layer_shapes(args.compile_layers_shapes, fp8=args.fp8,
                                                       recipe=args.fp8_recipe)
@@ -523,6 +526,13 @@ class CalibratedGRPOTrainer(GRPOTrainer):
         pad_id = getattr(self._tokenizer, "pad_token_id", None)  # masked out; any id in the vocabulary serves
         pad_id = pad_id if pad_id is not None else 0
         input_ids, attention_mask, pad = pad_to_bucket(input_ids, attention_mask, pad_id)
+        shape = tuple(input_ids.shape)
+        if shape not in self._bucket_shapes:  # a new static graph per grad mode
+            self._bucket_shapes.add(shape)
+            overflow = bucket_overflow(len(self._bucket_shapes))
+            if overflow and not self._bucket_overflow_warned:
+                self._bucket_overflow_warned = True
+                warnings.warn(overflow, RuntimeWarning, stacklevel=2)
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep + pad, *args, **kwargs)
         if pad:

@@ -14,8 +14,9 @@ from torch import nn
 
 from calclip.fp8 import compile_repeated_blocks
 from calclip.fp8.regional_compile import compiled_block_count, eager_blocks, repeated_blocks
-from calclip.rollout.compiled_layers import (BUCKETED_RECOMPILE_LIMIT, bucket_length, pad_to_bucket,
-                                             resolve_compile_layers, resolve_layer_shapes)
+from calclip.rollout.compiled_layers import (BUCKET_GRAPHS_PER_LENGTH, BUCKETED_RECOMPILE_LIMIT, bucket_length,
+                                             bucket_overflow, pad_to_bucket, resolve_compile_layers,
+                                             resolve_layer_shapes)
 from calclip.trainers.config import CalibratedGRPOConfig
 from tests.fixtures import build_tiny_model, build_tiny_tokenizer, tiny_trainer, tiny_training_args, train_and_check
 
@@ -200,7 +201,8 @@ def test_bucketed_layers_give_the_unpadded_log_probs_from_one_static_graph_per_b
     to its bucket length, yet returns the log-probs and entropies of the unpadded forward, shaped as TRL expects;
     the layers compile static (Dynamo's recompile limit raised for the buckets), and every length of one bucket
     reuses that bucket's graph, where static shapes without the padding would compile one graph per length."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after the test
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # both restored after the test
+    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 256)
     model = build_tiny_model(tokenizer, hidden_size=128, intermediate_size=256)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -233,3 +235,19 @@ def test_bucketed_layers_give_the_unpadded_log_probs_from_one_static_graph_per_b
             torch.testing.assert_close(logps, plain, rtol=0, atol=1e-5)
             torch.testing.assert_close(entropies, plain_entropies, rtol=0, atol=1e-5)
     assert frames["ok"] == graphs  # 23 and 29 tokens ran 20's graph (bucket 32); no recompile
+    assert trainer._bucket_shapes == {(4, 32)} and not trainer._bucket_overflow_warned
+    assert torch._dynamo.config.accumulated_recompile_limit == 2 * BUCKETED_RECOMPILE_LIMIT
+    # past the shapes the limit holds graphs for, one warning naming the way out
+    trainer._bucket_shapes |= {(1, 16 * n) for n in range(1, BUCKETED_RECOMPILE_LIMIT // BUCKET_GRAPHS_PER_LENGTH)}
+    ids = torch.randint(5, 40, (4, 40), generator=generator)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="compile_layers_shapes: dynamic"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 8)
+    assert trainer._bucket_overflow_warned
+
+
+def test_bucket_overflow_warns_past_the_graphs_the_recompile_limit_holds():
+    fits = BUCKETED_RECOMPILE_LIMIT // BUCKET_GRAPHS_PER_LENGTH
+    assert fits >= 64  # four doublings of lengths (16 buckets each)
+    assert bucket_overflow(1) is None and bucket_overflow(fits) is None
+    message = bucket_overflow(fits + 1)
+    assert f"{fits + 1} (batch, length) shapes" in message and "compile_layers_shapes: dynamic" in message
