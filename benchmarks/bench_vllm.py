@@ -1485,14 +1485,15 @@ def without_profiled_step(run: dict) -> dict:
                       for key in PER_ROLLOUT_KEYS if key in run}}
 
 
-GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "bf16_eager", "fp8_gcon", "bf16_gcon", "fp8_dynamic")
+GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "bf16_eager", "fp8_gcon", "bf16_gcon", "fp8_dynamic", "bf16_bucketed")
 # the BF16 configurations an FP8 arm's ratio is taken against (the fastest of those measured in the run): BF16 compiled
-# by layer (the trainer's compile_layers default, "bf16") and eager ("bf16_eager"), both with the collector paused
+# by layer (the trainer's compile_layers default, "bf16"), the same on bucketed static graphs ("bf16_bucketed", as
+# torchao's recipes are compiled) and eager ("bf16_eager"), all with the collector paused
 # Within one arm every timed step's rollout is the same work (same prompts, lengths forced by min_tokens): a spread
 # wider than this means the machine changed speed mid-run (seen on a shared H100: one BF16 arm's rollouts went from
 # 1.10 to 1.64-1.67 s), and the part prints a warning instead of letting the ratio pass for a measurement.
 ROLLOUT_DRIFT = 1.25
-GRPO_BF16_BASELINES = ("bf16", "bf16_eager")
+GRPO_BF16_BASELINES = ("bf16", "bf16_eager", "bf16_bucketed")
 
 
 def round_ratios(base_runs: list[dict], arm_runs: list[dict], warmup: int) -> list[float | None]:
@@ -1511,13 +1512,14 @@ def grpo_arm_settings(arm: str) -> dict:
     """The CalibratedGRPOConfig fields that make ``arm`` what its name says: FP8 or BF16, the FP8 sync in place or
     through vLLM's reload (``fp8_reload``), the collector paused during rollouts or on (``*_gcon``), the policy's
     layers compiled (the default: compile_layers auto, on for BF16 and FP8 on CUDA) or eager (``bf16_eager``), their
-    shapes the recipe's choice (compile_layers_shapes auto: bucketed for torchao's recipes) or symbolic
-    (``fp8_dynamic``: what a torchao recipe's bucketed layers bought)."""
+    shapes the recipe's choice (compile_layers_shapes auto: bucketed for torchao's recipes, dynamic for blockwise and
+    BF16), symbolic (``fp8_dynamic``: what a torchao recipe's bucketed layers bought) or bucketed for BF16 too
+    (``bf16_bucketed``: a baseline compiled as the torchao arm is; the fastest BF16 arm run is the ratio's base)."""
     if arm not in GRPO_ARMS:
         raise ValueError(f"grpo arm {arm!r}: choose from {GRPO_ARMS}")
     return {"fp8": arm.startswith("fp8"), "vllm_fp8_direct_sync": arm != "fp8_reload",
             "vllm_pause_gc": not arm.endswith("_gcon"), "compile_layers": False if arm == "bf16_eager" else None,
-            "compile_layers_shapes": "dynamic" if arm == "fp8_dynamic" else None}
+            "compile_layers_shapes": {"fp8_dynamic": "dynamic", "bf16_bucketed": "bucketed"}.get(arm)}
 
 
 def part_grpo(opts) -> None:
@@ -1787,7 +1789,9 @@ def parse_args(argv=None):
                         help=f"grpo: arms, comma-separated, of {GRPO_ARMS} (fp8_reload: FP8 with vllm_fp8_direct_sync "
                              "off, every sync through vLLM's layerwise reload; *_gcon: vllm_pause_gc off, the "
                              "garbage collector running during rollouts as before 2026-12-05; bf16_eager: BF16 with "
-                             "compile_layers off. FP8 arms' ratios are against the fastest of bf16 / bf16_eager run)")
+                             "compile_layers off; fp8_dynamic / bf16_bucketed: compile_layers_shapes dynamic / "
+                             "bucketed. FP8 arms' ratios are against the fastest of bf16 / bf16_eager / bf16_bucketed "
+                             "run)")
     parser.add_argument("--recipes", default="blockwise",
                         help="mismatch, grpo: FP8 recipes, comma-separated, of blockwise,rowwise,tensorwise "
                              "(rowwise / tensorwise: torchao's, served per channel by vLLM's compressed-tensors path)")

@@ -317,10 +317,11 @@ def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monke
 
 
 def test_grpo_ratios_are_against_the_fastest_bf16_configuration_measured(monkeypatch, tmp_path):
-    """With bf16 (compiled by layer) and bf16_eager both run, the FP8 arm's ratios are taken against whichever was
-    faster in this run, and the results name it; with only one BF16 arm run, against that one."""
+    """With bf16 (compiled by layer), bf16_eager and bf16_bucketed run, the FP8 arm's ratios are taken against whichever
+    was fastest in this run, and the results name it; with only one BF16 arm run, against that one."""
     monkeypatch.setenv("OUT", str(tmp_path))
-    step_times = {"fp8": [9.0, 1.0, 1.0], "bf16": [9.0, 1.6, 1.6], "bf16_eager": [9.0, 1.2, 1.2]}
+    step_times = {"fp8": [9.0, 1.0, 1.0], "bf16": [9.0, 1.6, 1.6], "bf16_eager": [9.0, 1.2, 1.2],
+                  "bf16_bucketed": [9.0, 1.1, 1.1]}
 
     def run(cmd, capture_output, text, timeout):
         arm = cmd[cmd.index("--grpo-worker") + 1]
@@ -330,7 +331,8 @@ def test_grpo_ratios_are_against_the_fastest_bf16_configuration_measured(monkeyp
         return types.SimpleNamespace(returncode=0, stdout="", stderr="")
 
     monkeypatch.setattr(bench_vllm.subprocess, "run", run)
-    for arms, baseline in (("fp8,bf16,bf16_eager", "bf16_eager"), ("fp8,bf16", "bf16")):
+    for arms, baseline in (("fp8,bf16,bf16_eager", "bf16_eager"), ("fp8,bf16", "bf16"),
+                           ("fp8,bf16,bf16_eager,bf16_bucketed", "bf16_bucketed")):
         monkeypatch.setattr(bench_vllm, "RESULTS", {})
         bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-arms", arms, "--grpo-warmup", "1"]))
         grpo = bench_vllm.RESULTS["grpo"]
@@ -371,6 +373,9 @@ def test_grpo_arm_settings_say_what_each_arm_changes():
     # the recipe's own layer shapes (bucketed for torchao's), against symbolic ones: what the buckets bought
     assert bench_vllm.grpo_arm_settings("fp8_dynamic") == {**bench_vllm.grpo_arm_settings("fp8"),
                                                            "compile_layers_shapes": "dynamic"}
+    assert bench_vllm.grpo_arm_settings("bf16_bucketed") == {**bench_vllm.grpo_arm_settings("bf16"),
+                                                             "compile_layers_shapes": "bucketed"}
+    assert "bf16_bucketed" in bench_vllm.GRPO_BF16_BASELINES  # a baseline: the fastest BF16 run is the base
     assert bench_vllm.grpo_arm_settings("bf16_eager")["compile_layers"] is False
     assert bench_vllm.grpo_arm_settings("fp8")["fp8"] and bench_vllm.grpo_arm_settings("fp8")["compile_layers"] is None
     assert bench_vllm.grpo_arm_settings("fp8_reload")["vllm_fp8_direct_sync"] is False
