@@ -41,9 +41,10 @@ def compile_repeated_blocks(model: nn.Module, *, backend: str = "inductor", dyna
     """Compile each repeated block of ``model`` in place (``nn.Module.compile``, with torch.compile's ``backend``,
     ``mode`` and ``options``); return how many. ``dynamic=True`` (default) compiles symbolic token counts from the
     first call, since RL batches change length every step; ``dynamic=False`` compiles one static graph per shape
-    (the trainer's bucketed layers, whose inputs are padded to a few lengths: calclip.rollout.compiled_layers). torch.compile takes a mode or options, not both; with
-    Inductor both are honoured: the mode's options (``torch._inductor.list_mode_options``) with ``options`` over
-    them. Raises, naming the model's class, when it has no repeated block."""
+    (the trainer's bucketed layers, whose inputs are padded to a few lengths: calclip.rollout.compiled_layers).
+    torch.compile takes a mode or options, not both; with Inductor both are honoured: the mode's options
+    (``torch._inductor.list_mode_options``) with ``options`` over them. Raises, naming the model's class, when it has
+    no repeated block."""
     blocks = repeated_blocks(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks (no nn.ModuleList of modules of one class) "

@@ -20,15 +20,17 @@ Every generation batch has its own sequence length, so the token count of the la
 step. ``compile_layers_shapes`` says how the compiled layers meet that: ``dynamic`` compiles symbolic batch and
 sequence sizes from the first call (one graph for every length); ``bucketed`` pads each log-prob forward's sequence on
 the right to the next of a few lengths (``bucket_length``: at most 1/16 more tokens) and compiles one static graph
-per length. Right padding leaves the real tokens' results as they were: causal attention never lets a token see a
-later one, the pads are masked out of the labels and their positions (calclip.rollout.positions) are 0, and the
-log-probs of the pads are cut off before TRL sees them. What a static graph buys depends on the recipe: on an H100
-(2026-12-07, Qwen2.5-7B dims, 3 layers, 4 x 2048 tokens, fwd + bwd + AdamW; docs/benchmarks.md) torchao's tensorwise
-by layer ran 63.6 ms static against 73.9 ms with ``dynamic=True`` and 74.7 ms under Dynamo's automatic dynamic shapes
-(sequence symbolic, batch static): Inductor's fused per-tensor scaling loses its speed on a symbolic token count, the
-whole-model compile's 1.2x over BF16 by layer comes back only with static shapes. calclip's blockwise (67.3 / 67.5 ms)
-and BF16 (74.5 / 75.2 ms) ran alike either way, so they stay dynamic, without the padding's extra tokens. null
-(default): ``bucketed`` for torchao's recipes (tensorwise, rowwise), ``dynamic`` otherwise.
+per length. Right padding leaves the real tokens' results as they were, up to the last bits of attention over more
+(masked) keys: causal attention never lets a token see a later one, the pads are masked out of the labels and their
+positions (calclip.rollout.positions) are 0, and the log-probs of the pads are cut off before TRL sees them.
+
+What a static graph buys depends on the recipe. On an H100 (2026-12-07, Qwen2.5-7B dims, 3 layers, 4 x 2048 tokens,
+fwd + bwd + AdamW; docs/benchmarks.md) torchao's tensorwise by layer ran 63.6 ms static against 73.9 ms with
+``dynamic=True`` and 74.7 ms under Dynamo's automatic dynamic shapes (sequence symbolic, batch static), rowwise 70.6
+against 88.2 ms: Inductor's fused scaling loses its speed on a symbolic token count, and the whole-model compile's
+1.2x over BF16 by layer comes back only with static shapes. calclip's blockwise (67.3 / 67.5 ms) and BF16 (74.5 /
+75.2 ms) ran alike either way, so they stay dynamic, without the padding's extra tokens. null (default): ``bucketed``
+for torchao's recipes (tensorwise, rowwise), ``dynamic`` otherwise.
 
 Inductor and Triton keep their compiled kernels and autotune results on disk (Inductor's FX graph and AOTAutograd
 caches, under ``TORCHINDUCTOR_CACHE_DIR``, by default /tmp/torchinductor_<user>; calclip's kernels' timings in
