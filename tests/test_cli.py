@@ -196,12 +196,16 @@ def test_examples_run_offline_on_the_tiny_model(script, tmp_path, capsys):
 
 
 def test_train_flags_toggle_compile_layers(tmp_path):
-    """compile_layers is a flag of `calclip train`: unset it is null (the trainer's auto rule), true/false force it."""
+    """compile_layers is a flag of `calclip train`: unset it is null (the trainer's auto rule), true/false force it;
+    compile_layers_shapes likewise."""
     base = ["--output_dir", str(tmp_path), "--report_to", "none"]
     assert parse_train_args(base)[1].compile_layers is None
     assert parse_train_args(base + ["--compile_layers", "false"])[1].compile_layers is False
     _, args = parse_train_args(base + ["--compile_layers", "true", "--compile_layers_backend", "aot_eager"])
     assert args.compile_layers is True and args.compile_layers_backend == "aot_eager"
+    # their shapes: null (the recipe's choice) unless given
+    assert parse_train_args(base)[1].compile_layers_shapes is None
+    assert parse_train_args(base + ["--compile_layers_shapes", "bucketed"])[1].compile_layers_shapes == "bucketed"
 
 
 def test_calclip_train_exits_2_naming_what_the_command_line_got_wrong(tmp_path, capsys):
