@@ -99,13 +99,20 @@ def inductor_options(backend: str) -> dict | None:
     return {"emulate_precision_casts": True} if backend == "inductor" else None
 
 
+def check_layer_shapes(setting) -> None:
+    """Raises, naming the field, unless ``setting`` is one of ``LAYER_SHAPES`` or None (the trainer config checks its
+    field with this at config time)."""
+    if setting is not None and setting not in LAYER_SHAPES:
+        raise ValueError(f"compile_layers_shapes must be one of {LAYER_SHAPES} or null (the recipe's choice), got "
+                         f"{setting!r}")
+
+
 def resolve_layer_shapes(setting: str | None, *, fp8: bool, recipe: str | None) -> tuple[str, str]:
     """(``dynamic`` or ``bucketed``, why): how the compiled layers meet a new sequence length. ``setting`` is the
     user's ``compile_layers_shapes``; None chooses ``bucketed`` for torchao's recipes (an FP8 policy of
     ``BUCKETED_RECIPES``), ``dynamic`` for calclip's blockwise and for BF16 (measured alike either way)."""
+    check_layer_shapes(setting)
     if setting is not None:
-        if setting not in LAYER_SHAPES:
-            raise ValueError(f"compile_layers_shapes must be one of {LAYER_SHAPES} or null, got {setting!r}")
         return setting, f"compile_layers_shapes: {setting}"
     if fp8 and recipe in BUCKETED_RECIPES:
         return "bucketed", f"compile_layers_shapes auto: bucketed (fp8_recipe {recipe}: static graphs pay)"

@@ -24,7 +24,7 @@ from calclip.fp8.config import GEMM_BACKENDS as FP8_GEMM_BACKENDS
 from calclip.fp8.config import Fp8Config, check_fp8_combination, check_keep_patterns, fp8_recipe_names
 from calclip.losses.aggregation import AGGREGATIONS
 from calclip.losses.importance import IS_MODES as TIS_MODES
-from calclip.rollout.compiled_layers import LAYER_SHAPES
+from calclip.rollout.compiled_layers import check_layer_shapes
 from calclip.rollout.vllm_sync import colocate_sampling_defaults, linear_backend_problem
 from calclip.run.config_file import bounded_repr
 from calclip.monitoring.callbacks import SPIKE_WINDOW_MAX
@@ -593,9 +593,7 @@ class CalibratedGRPOConfig(GRPOConfig):
                      "vllm_fp8_direct_sync"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.compile_layers_shapes is not None and self.compile_layers_shapes not in LAYER_SHAPES:
-            raise ValueError(f"compile_layers_shapes must be one of {LAYER_SHAPES} or null (the recipe's choice), got "
-                             f"{self.compile_layers_shapes!r}")
+        check_layer_shapes(self.compile_layers_shapes)
         if not isinstance(self.compile_layers_backend, str) or not self.compile_layers_backend.strip():
             raise ValueError("compile_layers_backend must be a torch.compile backend name (e.g. 'inductor'), got "
                              f"{self.compile_layers_backend!r}")
