@@ -42,7 +42,8 @@ grpo       one CalibratedGRPOTrainer step with vLLM colocate rollouts, ``fp8`` t
            rollout in: vLLM's scheduler, input preparation, sampler, output processing, TRL's; with $OUT set, the
            whole profile is saved as $OUT/host_<arm>.pstats). After its run an FP8 arm syncs once more and checks
            the engine against the reference quantizer's codes; an arm whose timed rollouts differ by more than
-           ``ROLLOUT_DRIFT`` (the machine changed speed mid-run) gets a warning under the table. With
+           ``ROLLOUT_DRIFT`` (the machine changed speed mid-run), or whose timed rollouts ran while the hypervisor
+           stole ``STEAL_WARN`` or more of the host's CPU time (a contended host), gets a warning under the table. With
            ``--grpo-rounds`` > 1 the step ratio is also printed round by round (each round's runs ran back to
            back), and each worker's line gives its rollouts' CPU share of their wall and the host's load average.
 
@@ -1493,6 +1494,11 @@ GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "bf16_eager", "fp8_gcon", "bf16_gcon",
 # wider than this means the machine changed speed mid-run (seen on a shared H100: one BF16 arm's rollouts went from
 # 1.10 to 1.64-1.67 s), and the part prints a warning instead of letting the ratio pass for a measurement.
 ROLLOUT_DRIFT = 1.25
+# The hypervisor's steal, as a share of every CPU's time, during an arm's timed rollouts (median over them): at or above
+# this the rollout, host-bound at 8 layers, ran on a contended host even when it ran steadily slow (no drift to see).
+# Seen on a shared H100 (2026-12-07): the same FP8 arm's rollouts took 2.05-2.22 s in two runs at 0.6-0.8% steal and
+# 1.09-1.19 s in two runs at 0.0%, minutes apart; BF16's between them, at 0.0-0.2%, kept their speed.
+STEAL_WARN = 0.003
 GRPO_BF16_BASELINES = ("bf16", "bf16_eager", "bf16_bucketed")
 
 
@@ -1593,6 +1599,12 @@ def part_grpo(opts) -> None:
             drifted[arm] = (f"   !! {arm}: its timed rollouts took {min(gen):.3f}-{max(gen):.3f} s "
                             f"(x{max(gen) / min(gen):.2f}): the machine's speed changed within the arm, so this run's "
                             f"ratios do not measure FP8; rerun before quoting them")
+        stolen = [v for r in ok for v in r.get("steal", [])[opts.grpo_warmup:] if v is not None]
+        if stolen and statistics.median(stolen) >= STEAL_WARN:  # steady contention: slow but not drifting
+            drifted.setdefault(arm, f"   !! {arm}: the hypervisor took {100 * statistics.median(stolen):.1f}% of the "
+                                    f"host's CPU time during its timed rollouts (median; warned from "
+                                    f"{100 * STEAL_WARN:.1f}%): it ran on a contended host, so this run's ratios do "
+                                    f"not measure FP8; rerun before quoting them")
         # the rest of each step: log-probs, loss, backward, optimizer (one rollout and one sync per step)
         train = [t - g - y for t, g, y in zip(step, gen, sync)] if len(step) == len(gen) == len(sync) else []
         train_median = statistics.median(train) if train else None

@@ -270,6 +270,31 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
         bench_vllm.grpo_worker("bf16", opts, device="cpu", dims=(128, 256, 4, 4))
 
 
+def test_grpo_part_warns_of_an_arm_whose_rollouts_ran_on_a_contended_host(monkeypatch, tmp_path, capsys):
+    """An arm whose timed rollouts ran steadily slow while the hypervisor stole CPU time shows no drift; the part still
+    warns of it when the median steal of its timed rollouts reaches STEAL_WARN (warm-up steps and missing readings
+    left out), and not of an arm below it."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    warn = bench_vllm.STEAL_WARN
+    # per arm: the steal readings of each step (the first two are the warm-up's)
+    steal = {"fp8": [0.5, 0.5, 2 * warn, None, 3 * warn, 2 * warn], "bf16": [0.5, 0.5, 0.0, warn, 0.0, 0.0]}
+
+    def run(cmd, capture_output, text, timeout):
+        arm = cmd[cmd.index("--grpo-worker") + 1]
+        Path(cmd[cmd.index("--grpo-json") + 1]).write_text(json.dumps({
+            "step_s": [9.0, 5.0, 2.0, 2.0, 2.1, 2.0], "generate_s": [1.0] * 6, "sync_s": [0.05] * 6,
+            "direct_sync": None, "steal": steal[arm]}))
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-warmup", "2"]))
+    out = capsys.readouterr().out
+    assert f"!! fp8: the hypervisor took {200 * warn:.1f}% of the host's CPU time" in out, out
+    assert "!! bf16" not in out and "timed rollouts took" not in out  # bf16's median 0.0; no drift in either
+    assert bench_vllm.RESULTS["grpo"]["rollout_drift"] == ["fp8"]
+
+
 def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monkeypatch, tmp_path, capsys):
     """--grpo-rounds 2 runs fp8, bf16, fp8, bf16 (each its own process), leaves each run's first --grpo-warmup steps
     out, and takes the medians over the pooled rest; a failed run is recorded and the others still count. The FP8
