@@ -51,7 +51,9 @@ def git_commit() -> str:
         return "?"
 
 
-def header(title: str) -> None:
+def header(title: str, needs_gpu: bool = True) -> None:
+    """The run's versions and device; without CUDA, exits unless the run ``needs_gpu`` not (a summary of saved
+    results)."""
     print(f"== {title} ==")
     print(f"date {time.strftime('%Y-%m-%d %H:%M:%S')}  python {platform.python_version()}  torch {torch.__version__}"
           f"  cuda {torch.version.cuda}", end="")
@@ -63,9 +65,11 @@ def header(title: str) -> None:
         print("  triton MISSING")
     if torch.cuda.is_available():
         print(f"device {torch.cuda.get_device_name()}  capability {torch.cuda.get_device_capability()}")
-    else:
+    elif needs_gpu:
         print("device: no CUDA — benchmarks need a GPU")
         sys.exit(0)
+    else:
+        print("device: no CUDA (summarizing saved results)")
 
 
 def try_import(module: str):

@@ -1496,8 +1496,8 @@ GRPO_ARMS = ("fp8", "fp8_reload", "bf16", "bf16_eager", "fp8_gcon", "bf16_gcon",
 ROLLOUT_DRIFT = 1.25
 # The hypervisor's steal, as a share of every CPU's time, during an arm's timed rollouts (median over them): at or above
 # this the rollout, host-bound at 8 layers, ran on a contended host even when it ran steadily slow (no drift to see).
-# Seen on a shared H100 (2026-12-07): the same FP8 arm's rollouts took 2.05-2.22 s in two runs at 0.6-0.8% steal and
-# 1.09-1.19 s in two runs at 0.0%, minutes apart; BF16's between them, at 0.0-0.2%, kept their speed.
+# Seen on a shared H100 (2026-12-07): an FP8 arm's rollouts ran steadily at 2.05 s (median; spread under
+# ROLLOUT_DRIFT, so no warning) at 0.8% steal, where two runs of the same arm took 1.09-1.19 s at 0.0% minutes later.
 STEAL_WARN = 0.003
 GRPO_BF16_BASELINES = ("bf16", "bf16_eager", "bf16_bucketed")
 
@@ -1512,6 +1512,44 @@ def round_ratios(base_runs: list[dict], arm_runs: list[dict], warmup: int) -> li
 
     pairs = [(median_step(b), median_step(a)) for b, a in zip(base_runs, arm_runs)]
     return [b / a if b and a else None for b, a in pairs]
+
+
+# The options that make two grpo calls' runs the same work (the steps and rounds may differ: each run's steps after
+# --grpo-warmup are pooled); --grpo-earlier refuses a file whose run differs in any of them.
+GRPO_WORKLOAD = ("grpo_layers", "grpo_completions", "grpo_tokens", "grpo_micro_batches", "grpo_warmup", "logit_std",
+                 "gpu_util", "attention_backend", "linear_backend", "kv_cache_dtype", "async_scheduling",
+                 "grpo_detokenize", "grpo_capture_size")
+
+
+def earlier_grpo_runs(opts, device: str | None) -> dict[str, list[dict]]:
+    """--grpo-earlier: per arm label, the runs of earlier calls (each file an earlier call's $OUT/bench_vllm.json), in
+    the files' order, to pool with this call's. A device call lasts at most 10 minutes, about one round of three arms
+    at 8 layers; calls that each run every arm once, in one order, pool into rounds that the round-by-round ratios
+    pair as one run would. Refused, naming the file and the option: a file without grpo runs, a file whose workload
+    (``GRPO_WORKLOAD``) differs from this call's, and files from another device than this call's (or, with
+    --grpo-rounds 0 and no GPU here, than the first file's): timings compare only on one kind of device."""
+    runs: dict[str, list[dict]] = {}
+    for path in opts.grpo_earlier:
+        saved = json.loads(Path(path).read_text())
+        grpo, argv = saved.get("grpo"), saved.get("argv")
+        if not isinstance(grpo, dict) or argv is None:
+            raise ValueError(f"--grpo-earlier {path}: no grpo runs with their command line (a parent's "
+                             f"bench_vllm.json from --parts grpo)")
+        then = parse_args(argv)
+        for name in GRPO_WORKLOAD:
+            if getattr(then, name) != getattr(opts, name):
+                raise ValueError(f"--grpo-earlier {path}: --{name.replace('_', '-')} was {getattr(then, name)!r}, "
+                                 f"this call's is {getattr(opts, name)!r}: not the same work")
+        ran_on = saved.get("env", {}).get("device")
+        if device is None:
+            device = ran_on
+        elif ran_on != device:
+            raise ValueError(f"--grpo-earlier {path}: ran on {ran_on!r}, not {device!r}: compare timings on one kind "
+                             f"of device")
+        for label, result in grpo.items():
+            if isinstance(result, dict) and isinstance(result.get("runs"), list):
+                runs.setdefault(label, []).extend(result["runs"])
+    return runs
 
 
 def grpo_arm_settings(arm: str) -> dict:
@@ -1587,6 +1625,14 @@ def part_grpo(opts) -> None:
             results.setdefault("workers", {})[label] = runs[label]  # kept if the whole call is cut short
             save_results(opts)
     results.pop("workers", None)
+    if opts.grpo_earlier:
+        device = torch.cuda.get_device_name() if opts.grpo_rounds and torch.cuda.is_available() else None
+        earlier = earlier_grpo_runs(opts, device)
+        for label in runs:
+            runs[label] = earlier.get(label, []) + runs[label]
+        results["earlier_calls"] = list(opts.grpo_earlier)
+        print(f"   pooled with {len(opts.grpo_earlier)} earlier call(s): "
+              + ", ".join(f"{label} {len(earlier.get(label, []))} run(s)" for label in runs), flush=True)
     rows, drifted = [], {}  # drifted: arm -> its warning
     for arm, arm_runs in runs.items():
         ok = [without_profiled_step(r) for r in arm_runs if "error" not in r]
@@ -1655,7 +1701,8 @@ def part_grpo(opts) -> None:
     print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
           f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step, trained in "
           f"{opts.grpo_micro_batches} micro-batch(es) (median [min-max] of the steps after "
-          f"the first {opts.grpo_warmup} of each run, {opts.grpo_rounds} round(s) of the arms in turn)")
+          f"the first {opts.grpo_warmup} of each run, {opts.grpo_rounds} round(s) of the arms in turn"
+          + (f", pooled with {len(opts.grpo_earlier)} earlier call(s)" if opts.grpo_earlier else "") + ")")
     _common.table(["arm", "step s", "rollout s", "training s", "weight sync ms", "sync share of step", "FP8 sync path",
                    "steps timed", "startup s"], rows)
     for line in [*per_round, *drifted.values()]:
@@ -1772,6 +1819,10 @@ def parse_args(argv=None):
     parser.add_argument("--grpo-warmup", type=int, default=2,
                         help="grpo: first steps of each run left out of the medians (FP8's second still autotunes)")
     parser.add_argument("--grpo-rounds", type=int, default=1, help="grpo: times the arm list runs, in turn (A B A B)")
+    parser.add_argument("--grpo-earlier", default="",
+                        help="grpo: earlier calls' $OUT/bench_vllm.json files, comma-separated, whose runs are pooled "
+                             "with this call's (same workload and device, checked): rounds over several device calls. "
+                             "With --grpo-rounds 0 nothing runs and the files alone are summarized (no GPU needed)")
     parser.add_argument("--grpo-tokens", type=int, default=128)
     parser.add_argument("--grpo-completions", type=int, default=64)
     parser.add_argument("--grpo-micro-batches", type=int, default=1,
@@ -1858,6 +1909,12 @@ def parse_args(argv=None):
     unknown = set(opts.recipes) - set(fp8_recipe_names())
     if unknown or not opts.recipes or len(set(opts.recipes)) != len(opts.recipes):
         parser.error(f"--recipes: unknown, repeated or none {sorted(unknown)}; choose from {list(fp8_recipe_names())}")
+    opts.grpo_earlier = [f for f in opts.grpo_earlier.split(",") if f]
+    missing = [f for f in opts.grpo_earlier if not Path(f).is_file()]
+    if missing:
+        parser.error(f"--grpo-earlier: no such file {missing}")
+    if opts.grpo_rounds < 0 or (opts.grpo_rounds == 0 and not opts.grpo_earlier):
+        parser.error(f"--grpo-rounds {opts.grpo_rounds}: at least 1, or 0 with --grpo-earlier (summarize its files)")
     opts.async_scheduling = {"vllm": None, "on": True, "off": False}[opts.async_scheduling]
     opts.dummy_bf16 = False
     opts.device = "cuda"  # tests/test_bench_vllm.py runs the mismatch part on CPU against a stand-in engine
@@ -1971,7 +2028,8 @@ def main(argv=None) -> int:
         run_in_process(opts)
         save_results(opts)
         return 0
-    _common.header("bench_vllm: vLLM rollouts on calclip's FP8 codes")
+    summary_only = opts.parts == ["grpo"] and opts.grpo_rounds == 0  # --grpo-earlier's files, nothing run
+    _common.header("bench_vllm: vLLM rollouts on calclip's FP8 codes", needs_gpu=not summary_only)
     print(f"vllm {_common.package_version('vllm')}  trl {_common.package_version('trl')}  transformers "
           f"{_common.package_version('transformers')}  calclip {_common.git_commit()}  calclip switches "
           f"{_common.dispatch_switches()}", flush=True)

@@ -7,6 +7,7 @@ serve, and the argument checks name what is wrong.
 
 import json
 import math
+import re
 import sys
 import types
 from pathlib import Path
@@ -1105,3 +1106,47 @@ def test_engine_async_scheduling_reads_the_resolved_config_or_says_none():
     assert bench_vllm.engine_async_scheduling(llm(False)) is False
     assert bench_vllm.engine_async_scheduling(llm(None)) is None  # not resolved: say nothing rather than guess
     assert bench_vllm.engine_async_scheduling(object()) is None  # an engine without a vllm_config
+
+
+def _earlier_call(path, steps: dict[str, list[float]], device="NVIDIA H100 80GB HBM3", layers="8"):
+    """A parent's bench_vllm.json as an earlier grpo call leaves it: its command line, device and one run per arm."""
+    grpo = {arm: {"runs": [{"step_s": s, "generate_s": [v / 2 for v in s], "sync_s": [0.01] * len(s),
+                            "direct_sync": None}]} for arm, s in steps.items()}
+    path.write_text(json.dumps({"argv": ["--parts", "grpo", "--grpo-arms", ",".join(steps), "--grpo-layers", layers],
+                                "env": {"device": device}, "grpo": {**grpo, "bf16_baseline": "bf16"}}))
+    return str(path)
+
+
+def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(monkeypatch, tmp_path, capsys):
+    """--grpo-earlier: the runs of earlier calls (each its parent's bench_vllm.json) pool with this call's per arm,
+    round by round in the files' order; --grpo-rounds 0 summarizes the files alone without running a worker. A file
+    of other work (an option of GRPO_WORKLOAD differs), of another device, or without grpo runs is refused by name."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(bench_vllm.subprocess, "run", lambda *a, **k: pytest.fail("--grpo-rounds 0 ran a worker"))
+    first = _earlier_call(tmp_path / "a.json", {"fp8": [9.0, 5.0, 1.0, 1.0], "bf16": [9.0, 5.0, 1.2, 1.2]})
+    second = _earlier_call(tmp_path / "b.json", {"fp8": [9.0, 5.0, 2.0, 2.0], "bf16": [9.0, 5.0, 2.0, 2.0]})
+    opts = bench_vllm.parse_args(["--parts", "grpo", "--grpo-rounds", "0", "--grpo-layers", "8",
+                                  "--grpo-earlier", f"{first},{second}"])
+    bench_vllm.part_grpo(opts)
+    out = capsys.readouterr().out
+    grpo = bench_vllm.RESULTS["grpo"]
+    assert "pooled with 2 earlier call(s): fp8 2 run(s), bf16 2 run(s)" in out
+    assert grpo["fp8"]["timed_steps"] == 4 and grpo["fp8"]["step_median_s"] == pytest.approx(1.5)
+    assert grpo["bf16_over_fp8_step_by_round"] == pytest.approx([1.2, 1.0])  # round i = file i
+    assert grpo["earlier_calls"] == [first, second]
+
+    other_work = _earlier_call(tmp_path / "c.json", {"fp8": [1.0] * 4, "bf16": [1.0] * 4}, layers="16")
+    other_device = _earlier_call(tmp_path / "d.json", {"fp8": [1.0] * 4, "bf16": [1.0] * 4}, device="NVIDIA H200")
+    no_runs = tmp_path / "e.json"
+    no_runs.write_text(json.dumps({"argv": ["--parts", "decode"], "decode": {}}))
+    for files, message in (([first, other_work], "--grpo-layers was 16, this call's is 8"),
+                           ([first, other_device], "ran on 'NVIDIA H200', not 'NVIDIA H100 80GB HBM3'"),
+                           ([str(no_runs)], "no grpo runs")):
+        opts.grpo_earlier = files
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bench_vllm.earlier_grpo_runs(opts, None)
+    with pytest.raises(SystemExit):  # nothing to run and nothing to summarize
+        bench_vllm.parse_args(["--parts", "grpo", "--grpo-rounds", "0"])
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(["--parts", "grpo", "--grpo-earlier", str(tmp_path / "missing.json")])
