@@ -46,6 +46,9 @@ grpo       one CalibratedGRPOTrainer step with vLLM colocate rollouts, ``fp8`` t
            stole ``STEAL_WARN`` or more of the host's CPU time (a contended host), gets a warning under the table. With
            ``--grpo-rounds`` > 1 the step ratio is also printed round by round (each round's runs ran back to
            back), and each worker's line gives its rollouts' CPU share of their wall and the host's load average.
+           ``--grpo-earlier a.json,b.json`` pools earlier calls' runs (their parents' bench_vllm.json) with this
+           call's, as rounds in the files' order: rounds beyond one 10-minute device call; ``--grpo-rounds 0``
+           summarizes the files alone, on any machine.
 
 Recipes (``--recipes``, comma-separated, default ``blockwise``): the FP8 recipes the mismatch and grpo parts run.
 blockwise is calclip's block-FP8 engine (``quantization="fp8"``, 128x128 weight blocks); rowwise and tensorwise are
