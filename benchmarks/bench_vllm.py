@@ -1524,6 +1524,19 @@ GRPO_WORKLOAD = ("grpo_layers", "grpo_completions", "grpo_tokens", "grpo_micro_b
                  "grpo_detokenize", "grpo_capture_size")
 
 
+def drop_options(argv: list[str], *options: str) -> list[str]:
+    """``argv`` without ``options`` and their values (``--opt value`` or ``--opt=value``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(f"{option}=" for option in options)):
+            out.append(arg)
+    return out
+
+
 def earlier_grpo_runs(opts, device: str | None) -> dict[str, list[dict]]:
     """--grpo-earlier: per arm label, the runs of earlier calls (each file an earlier call's $OUT/bench_vllm.json), in
     the files' order, to pool with this call's. A device call lasts at most 10 minutes, about one round of three arms
@@ -1538,7 +1551,8 @@ def earlier_grpo_runs(opts, device: str | None) -> dict[str, list[dict]]:
         if not isinstance(grpo, dict) or argv is None:
             raise ValueError(f"--grpo-earlier {path}: no grpo runs with their command line (a parent's "
                              f"bench_vllm.json from --parts grpo)")
-        then = parse_args(argv)
+        # its own --grpo-earlier files (pooled into its summary, not into its saved runs) need not exist here
+        then = parse_args(drop_options(argv, "--grpo-earlier"))
         for name in GRPO_WORKLOAD:
             if getattr(then, name) != getattr(opts, name):
                 raise ValueError(f"--grpo-earlier {path}: --{name.replace('_', '-')} was {getattr(then, name)!r}, "
@@ -1628,6 +1642,7 @@ def part_grpo(opts) -> None:
             results.setdefault("workers", {})[label] = runs[label]  # kept if the whole call is cut short
             save_results(opts)
     results.pop("workers", None)
+    own = {label: list(label_runs) for label, label_runs in runs.items()}  # saved as this call's runs
     if opts.grpo_earlier:
         device = torch.cuda.get_device_name() if opts.grpo_rounds and torch.cuda.is_available() else None
         earlier = earlier_grpo_runs(opts, device)
@@ -1677,6 +1692,9 @@ def part_grpo(opts) -> None:
                      ", ".join(sorted(paths))[:60],
                      str(len(step)), fmt(statistics.median(startup)) if startup else "-"])
         save_results(opts)
+    for label, label_runs in own.items():  # a later call's --grpo-earlier reads this call's runs only, once each
+        if isinstance(results.get(label), dict) and "runs" in results[label]:
+            results[label]["runs"] = label_runs
     # the baseline: the fastest BF16 configuration measured in this run (by step median), never a slower one
     measured = [b for b in GRPO_BF16_BASELINES if "step_median_s" in results.get(b, {})]
     baseline = min(measured, key=lambda b: results[b]["step_median_s"]) if measured else None
@@ -1929,18 +1947,7 @@ def child_argv(argv: list[str], part: str, model: str | None, result_json: str, 
     one mismatch arm) in a child. A mismatch arm ``<arm>@<recipe>`` (``child_runs``) runs that one recipe; a plain
     arm runs blockwise (FP8) or none (bf16), so --recipes is dropped for every mismatch arm."""
     drop = ("--parts", "--models", "--mismatch-arms") + (("--recipes",) if arm is not None else ())
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        if arg in drop:
-            skip = True
-            continue
-        if arg.startswith(tuple(f"{d}=" for d in drop)):
-            continue
-        out.append(arg)
-    out += ["--parts", part, "--child-json", result_json]
+    out = drop_options(argv, *drop) + ["--parts", part, "--child-json", result_json]
     if model is not None:
         out += ["--models", model]
     if arm is not None:

@@ -1135,8 +1135,15 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
     assert grpo["fp8"]["timed_steps"] == 4 and grpo["fp8"]["step_median_s"] == pytest.approx(1.5)
     assert grpo["bf16_over_fp8_step_by_round"] == pytest.approx([1.2, 1.0])  # round i = file i
     assert grpo["earlier_calls"] == [first, second]
+    # a call that pooled earlier ones saves only its own runs (none here), so a later call reads each run once
+    assert grpo["fp8"]["runs"] == [] and grpo["bf16"]["runs"] == []
+    third = tmp_path / "c_pooled.json"
+    third.write_text(json.dumps({"argv": ["--parts", "grpo", "--grpo-layers", "8", "--grpo-earlier", "gone.json"],
+                                 "env": {"device": "NVIDIA H100 80GB HBM3"}, "grpo": grpo}))
+    opts.grpo_earlier = [first, str(third)]  # its own --grpo-earlier file need not exist any more
+    assert [len(v) for v in bench_vllm.earlier_grpo_runs(opts, None).values()] == [1, 1]
 
-    other_work = _earlier_call(tmp_path / "c.json", {"fp8": [1.0] * 4, "bf16": [1.0] * 4}, layers="16")
+    other_work = _earlier_call(tmp_path / "w.json", {"fp8": [1.0] * 4, "bf16": [1.0] * 4}, layers="16")
     other_device = _earlier_call(tmp_path / "d.json", {"fp8": [1.0] * 4, "bf16": [1.0] * 4}, device="NVIDIA H200")
     no_runs = tmp_path / "e.json"
     no_runs.write_text(json.dumps({"argv": ["--parts", "decode"], "decode": {}}))
