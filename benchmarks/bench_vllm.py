@@ -1557,15 +1557,18 @@ def earlier_grpo_runs(opts, device: str | None) -> dict[str, list[dict]]:
             if getattr(then, name) != getattr(opts, name):
                 raise ValueError(f"--grpo-earlier {path}: --{name.replace('_', '-')} was {getattr(then, name)!r}, "
                                  f"this call's is {getattr(opts, name)!r}: not the same work")
+        found = {label: result["runs"] for label, result in grpo.items()
+                 if isinstance(result, dict) and isinstance(result.get("runs"), list) and result["runs"]}
+        if not found:
+            continue  # a summary of other files (--grpo-rounds 0) ran nothing of its own
         ran_on = saved.get("env", {}).get("device")
         if device is None:
             device = ran_on
         elif ran_on != device:
             raise ValueError(f"--grpo-earlier {path}: ran on {ran_on!r}, not {device!r}: compare timings on one kind "
                              f"of device")
-        for label, result in grpo.items():
-            if isinstance(result, dict) and isinstance(result.get("runs"), list):
-                runs.setdefault(label, []).extend(result["runs"])
+        for label, label_runs in found.items():
+            runs.setdefault(label, []).extend(label_runs)
     return runs
 
 
@@ -2034,7 +2037,8 @@ def main(argv=None) -> int:
         return 0
     if opts.child_json:  # one part (one model) in this process
         RESULTS["env"] = {"vllm": _common.package_version("vllm"), "torch": torch.__version__,
-                          "device": torch.cuda.get_device_name(), "commit": _common.git_commit()}
+                          "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                          "commit": _common.git_commit()}
         run_in_process(opts)
         save_results(opts)
         return 0

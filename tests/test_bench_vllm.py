@@ -1142,6 +1142,11 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
                                  "env": {"device": "NVIDIA H100 80GB HBM3"}, "grpo": grpo}))
     opts.grpo_earlier = [first, str(third)]  # its own --grpo-earlier file need not exist any more
     assert [len(v) for v in bench_vllm.earlier_grpo_runs(opts, None).values()] == [1, 1]
+    summary = json.loads((tmp_path / "bench_vllm.json").read_text())  # as this summary saved itself
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "argv": ["--parts", "grpo", "--grpo-layers", "8"],
+                                                       "env": {"device": None}}))
+    opts.grpo_earlier = [first, str(tmp_path / "summary.json")]  # ran nothing itself: adds nothing, refuses nothing
+    assert [len(v) for v in bench_vllm.earlier_grpo_runs(opts, None).values()] == [1, 1]
 
     other_work = _earlier_call(tmp_path / "w.json", {"fp8": [1.0] * 4, "bf16": [1.0] * 4}, layers="16")
     other_device = _earlier_call(tmp_path / "d.json", {"fp8": [1.0] * 4, "bf16": [1.0] * 4}, device="NVIDIA H200")
