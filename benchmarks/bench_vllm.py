@@ -1645,20 +1645,21 @@ def part_grpo(opts) -> None:
             results.setdefault("workers", {})[label] = runs[label]  # kept if the whole call is cut short
             save_results(opts)
     results.pop("workers", None)
-    own = {label: list(label_runs) for label, label_runs in runs.items()}  # saved as this call's runs
+    # the summary's runs: this call's, after those of --grpo-earlier's calls; results keep this call's own runs only,
+    # so that a later call's --grpo-earlier reads each run once
+    pooled = runs
     if opts.grpo_earlier:
         device = torch.cuda.get_device_name() if opts.grpo_rounds and torch.cuda.is_available() else None
         earlier = earlier_grpo_runs(opts, device)
-        for label in runs:
-            runs[label] = earlier.get(label, []) + runs[label]
+        pooled = {label: earlier.get(label, []) + label_runs for label, label_runs in runs.items()}
         results["earlier_calls"] = list(opts.grpo_earlier)
         print(f"   pooled with {len(opts.grpo_earlier)} earlier call(s): "
               + ", ".join(f"{label} {len(earlier.get(label, []))} run(s)" for label in runs), flush=True)
     rows, drifted = [], {}  # drifted: arm -> its warning
-    for arm, arm_runs in runs.items():
+    for arm, arm_runs in pooled.items():
         ok = [without_profiled_step(r) for r in arm_runs if "error" not in r]
         if not ok:
-            results[arm] = {"error": arm_runs[-1]["error"] if arm_runs else "not run", "runs": arm_runs}
+            results[arm] = {"error": arm_runs[-1]["error"] if arm_runs else "not run", "runs": runs[arm]}
             continue
         step, gen, sync = (pooled_after(ok, key, opts.grpo_warmup) for key in ("step_s", "generate_s", "sync_s"))
         step_median, gen_median, sync_median = (statistics.median(v) for v in (step, gen, sync))
@@ -1676,7 +1677,7 @@ def part_grpo(opts) -> None:
         train = [t - g - y for t, g, y in zip(step, gen, sync)] if len(step) == len(gen) == len(sync) else []
         train_median = statistics.median(train) if train else None
         startup = [r["startup_s"] for r in ok if "startup_s" in r]
-        results[arm] = {"runs": arm_runs, "timed_steps": len(step), "step_median_s": step_median,
+        results[arm] = {"runs": runs[arm], "timed_steps": len(step), "step_median_s": step_median,
                         "train_median_s": train_median,
                         "startup_median_s": statistics.median(startup) if startup else None,
                         "step_range_s": [min(step), max(step)], "generate_median_s": gen_median,
@@ -1695,9 +1696,6 @@ def part_grpo(opts) -> None:
                      ", ".join(sorted(paths))[:60],
                      str(len(step)), fmt(statistics.median(startup)) if startup else "-"])
         save_results(opts)
-    for label, label_runs in own.items():  # a later call's --grpo-earlier reads this call's runs only, once each
-        if isinstance(results.get(label), dict) and "runs" in results[label]:
-            results[label]["runs"] = label_runs
     # the baseline: the fastest BF16 configuration measured in this run (by step median), never a slower one
     measured = [b for b in GRPO_BF16_BASELINES if "step_median_s" in results.get(b, {})]
     baseline = min(measured, key=lambda b: results[b]["step_median_s"]) if measured else None
@@ -1714,7 +1712,7 @@ def part_grpo(opts) -> None:
             results[key + "_rollout"], results[key + "_train"] = ratios["generate"], ratios["train"]
             rows.append([recipe_label(f"{baseline} (fastest BF16) / FP8", recipe),
                          *(f"{r:.2f}x" if r else "-" for r in ratios.values()), "", "", "", "", ""])
-            by_round = round_ratios(runs[baseline], runs[label], opts.grpo_warmup)
+            by_round = round_ratios(pooled[baseline], pooled[label], opts.grpo_warmup)
             results[key + "_step_by_round"] = by_round
             if len(by_round) > 1:  # how far the rounds agree: the pooled median hides a round the host slowed
                 measured_rounds = [r for r in by_round if r is not None]
