@@ -608,8 +608,9 @@ def model_arm_keys(opts) -> list[str]:
 
 
 def parse_fp8_options(text: str | None, flag: str = "--fp8-options") -> dict:
-    """``--fp8-options KEY=VALUE,...`` -> Fp8Config keyword arguments (true/false, ints, None, else strings),
-    checked by building an Fp8Config."""
+    """``--fp8-options KEY=VALUE,...`` -> Fp8Config keyword arguments (true/false, ints, None, a tuple of strings
+    where the value holds ";" (``keep_patterns=lm_head;self_attn``), else strings), checked by building an
+    Fp8Config."""
     if not text:
         return {}
     from calclip.fp8 import Fp8Config
@@ -620,7 +621,9 @@ def parse_fp8_options(text: str | None, flag: str = "--fp8-options") -> dict:
         if not sep:
             raise ValueError(f"{flag}: expected KEY=VALUE, got {item!r}")
         lowered = value.strip().lower()
-        if lowered in ("true", "false"):
+        if ";" in value:
+            parsed = tuple(part.strip() for part in value.split(";") if part.strip())
+        elif lowered in ("true", "false"):
             parsed = lowered == "true"
         elif lowered == "none":
             parsed = None
@@ -1246,7 +1249,8 @@ def parse_args(argv=None):
                         "fp8c,torchao; + fp8x,fp8xc with --fp8-options; + torchaoc with --compile-peers)")
     parser.add_argument("--fp8-options", default=None, metavar="KEY=VALUE,...",
                         help="Fp8Config fields of the FP8+ arms (model section), e.g. scaled_mm_row_scales=false: the "
-                        "same model with a speed lever changed, beside the default FP8 arms")
+                        "same model with a speed lever changed, beside the default FP8 arms; a value with ';' is a "
+                        "tuple (keep_patterns=lm_head;self_attn keeps the attention projections in BF16)")
     parser.add_argument("--fp8-options-b", default=None, metavar="KEY=VALUE,...",
                         help="Fp8Config fields of the FP8B arms (fp8y, fp8yc, fp8yr): a second variant beside FP8+ in the "
                         "same interleaved run, e.g. resident_dgrad_codes=true")
