@@ -20,6 +20,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 transformers = pytest.importorskip("transformers")
 import bench_vllm  # noqa: E402
+# the modules bench_vllm.py's parts live in: a test replaces a name where the code under test looks it up
+import vllm_common  # noqa: E402
+import vllm_decode  # noqa: E402
+import vllm_grpo  # noqa: E402
 
 from calclip.fp8 import FP8BlockLinear  # noqa: E402
 
@@ -188,7 +192,7 @@ def test_grpo_worker_times_steps_rollouts_and_syncs_with_a_recorded_engine(monke
                               grpo_detokenize="on", grpo_capture_size=None)  # "on": as TRL alone
     profiled = []  # every torch.profiler the worker opens: the asked rollout's only, never a sync's
     kernel_profiler = bench_vllm.kernel_profiler
-    monkeypatch.setattr(bench_vllm, "kernel_profiler", lambda: profiled.append(1) or kernel_profiler())
+    monkeypatch.setattr(vllm_grpo, "kernel_profiler", lambda: profiled.append(1) or kernel_profiler())
     for arm in ("fp8", "fp8_reload", "bf16", "bf16_gcon"):  # (the bench runs each arm in its own process)
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the previous arm's _init_vllm set them
             monkeypatch.delenv(var, raising=False)
@@ -276,7 +280,7 @@ def test_grpo_part_warns_of_an_arm_whose_rollouts_ran_on_a_contended_host(monkey
     warns of it when the median steal of its timed rollouts reaches STEAL_WARN (warm-up steps and missing readings
     left out), and not of an arm below it."""
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     warn = bench_vllm.STEAL_WARN
     # per arm: the steal readings of each step (the first two are the warm-up's)
     steal = {"fp8": [0.5, 0.5, 2 * warn, None, 3 * warn, 2 * warn], "bf16": [0.5, 0.5, 0.0, warn, 0.0, 0.0]}
@@ -293,7 +297,7 @@ def test_grpo_part_warns_of_an_arm_whose_rollouts_ran_on_a_contended_host(monkey
     out = capsys.readouterr().out
     assert f"!! fp8: the hypervisor took {200 * warn:.1f}% of the host's CPU time" in out, out
     assert "!! bf16" not in out and "timed rollouts took" not in out  # bf16's median 0.0; no drift in either
-    assert bench_vllm.RESULTS["grpo"]["rollout_drift"] == ["fp8"]
+    assert vllm_common.RESULTS["grpo"]["rollout_drift"] == ["fp8"]
 
 
 def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monkeypatch, tmp_path, capsys):
@@ -301,7 +305,7 @@ def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monke
     out, and takes the medians over the pooled rest; a failed run is recorded and the others still count. The FP8
     row says whether the engine held the reference quantizer's codes after each run."""
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     order = []
     step_times = {"fp8": [[9.0, 5.0, 1.0, 1.2], [9.0, 5.0, 1.1, 0.9]], "bf16": [[2.0, 1.4, 1.3, 1.5], None]}
 
@@ -324,9 +328,9 @@ def test_grpo_part_runs_the_arms_in_turn_and_pools_the_steps_after_warm_up(monke
     # fp8's timed rollouts (step / 2 here) span 0.45-0.60 s, x1.33: flagged as a machine changing speed; bf16's
     # 0.65-0.75 s (x1.15) is not
     assert "!! fp8: its timed rollouts took 0.450-0.600 s (x1.33)" in out and "!! bf16" not in out
-    assert bench_vllm.RESULTS["grpo"]["rollout_drift"] == ["fp8"]
+    assert vllm_common.RESULTS["grpo"]["rollout_drift"] == ["fp8"]
     assert order == ["fp8", "bf16", "fp8", "bf16"]
-    grpo = bench_vllm.RESULTS["grpo"]
+    grpo = vllm_common.RESULTS["grpo"]
     assert grpo["fp8"]["timed_steps"] == 4 and grpo["fp8"]["step_median_s"] == pytest.approx(1.05)
     assert grpo["fp8"]["step_range_s"] == [0.9, 1.2]
     assert grpo["bf16"]["timed_steps"] == 2 and grpo["bf16"]["step_median_s"] == pytest.approx(1.4)
@@ -359,24 +363,24 @@ def test_grpo_ratios_are_against_the_fastest_bf16_configuration_measured(monkeyp
     monkeypatch.setattr(bench_vllm.subprocess, "run", run)
     for arms, baseline in (("fp8,bf16,bf16_eager", "bf16_eager"), ("fp8,bf16", "bf16"),
                            ("fp8,bf16,bf16_eager,bf16_bucketed", "bf16_bucketed")):
-        monkeypatch.setattr(bench_vllm, "RESULTS", {})
+        monkeypatch.setattr(vllm_common, "RESULTS", {})
         bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-arms", arms, "--grpo-warmup", "1"]))
-        grpo = bench_vllm.RESULTS["grpo"]
+        grpo = vllm_common.RESULTS["grpo"]
         assert grpo["bf16_baseline"] == baseline
         assert grpo["bf16_over_fp8_step"] == pytest.approx(step_times[baseline][1] / 1.0)
     step_times["bf16_eager"] = [9.0, 2.0, 2.0]  # eager slower: the compiled BF16 stays the baseline
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-arms", "fp8,bf16,bf16_eager",
                                                 "--grpo-warmup", "1"]))
-    assert bench_vllm.RESULTS["grpo"]["bf16_baseline"] == "bf16"
-    assert bench_vllm.RESULTS["grpo"]["bf16_over_fp8_step"] == pytest.approx(1.6)
+    assert vllm_common.RESULTS["grpo"]["bf16_baseline"] == "bf16"
+    assert vllm_common.RESULTS["grpo"]["bf16_over_fp8_step"] == pytest.approx(1.6)
 
 
 def test_grpo_fp8_row_names_an_engine_tensor_that_differs_in_any_round(monkeypatch, tmp_path, capsys):
     """Two FP8 rounds, the engine as the reference quantizer would have it after the first only: the row names the
     second round's differing tensor, not the first round's empty list."""
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     mismatches = iter([[], ["model.layers.0.mlp.down_proj.weight: engine ..."]])
 
     def run(cmd, capture_output, text, timeout):
@@ -526,7 +530,7 @@ def use_stand_in_vllm(monkeypatch, tmp_path) -> None:
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", reload)
     monkeypatch.setitem(bench_vllm.MODEL_SPECS, "tiny", (128, 256, 4, 4, 96, 1))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     monkeypatch.setenv("OUT", str(tmp_path))
     StandInEngine.instances.clear()
 
@@ -538,7 +542,7 @@ def test_mismatch_part_runs_both_stages_syncs_every_engine_and_reports_each_row(
                                   "--mismatch-tokens", "3", "--prompt-len", "4", "--steps", "2", "--lr", "1e-2"])
     opts.models, opts.device = ["tiny"], "cpu"
     bench_vllm.part_mismatch(opts)
-    rows = bench_vllm.RESULTS["mismatch"]
+    rows = vllm_common.RESULTS["mismatch"]
     assert [(r["stage"], r["arm"]) for r in rows] == [
         (stage, arm) for stage in ("initial", "after 2 steps + sync")
         for arm in ("FP8 calclip", "FP8 vLLM-default", "BF16")]
@@ -662,10 +666,10 @@ def test_decode_part_runs_one_engine_at_a_time_and_fills_every_cell(monkeypatch,
     vllm = types.ModuleType("vllm")
     vllm.SamplingParams = lambda **kw: kw
     monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setattr(bench_vllm, "make_llm", make_llm)
-    monkeypatch.setattr(bench_vllm, "shutdown", lambda llm: events.append(("shutdown", llm.name)))
-    monkeypatch.setattr(bench_vllm, "config_only_dir", lambda name, layers, d: d)
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_decode, "make_llm", make_llm)
+    monkeypatch.setattr(vllm_decode, "shutdown", lambda llm: events.append(("shutdown", llm.name)))
+    monkeypatch.setattr(vllm_decode, "config_only_dir", lambda name, layers, d: d)
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     monkeypatch.setenv("OUT", str(tmp_path))
     opts = bench_vllm.parse_args(["--parts", "decode", "--batches", "2,4", "--new-tokens", "3", "--repeats", "2",
                                   "--decode-vllm-default"])
@@ -675,7 +679,7 @@ def test_decode_part_runs_one_engine_at_a_time_and_fills_every_cell(monkeypatch,
                      ("shutdown", "FP8 vllm"), ("build", "BF16"), ("shutdown", "BF16")]
     # each engine generates only while it is the one alive: warm-up + 2 rounds per cell, 2 cells
     assert [e for e in events if e[0] == "generate"][:6] == [("generate", "FP8 calclip")] * 6
-    rows = bench_vllm.RESULTS["decode"]
+    rows = vllm_common.RESULTS["decode"]
     assert [(r["batch"], r["new_tokens"]) for r in rows] == [(2, 3), (4, 3)]
     for r in rows:
         assert all(len(r[name]) == 2 for name in ("vLLM FP8", "vLLM FP8 vLLM-default", "vLLM BF16")), r
@@ -852,16 +856,16 @@ def test_decode_profile_profiles_each_engine_alone_without_graphs(monkeypatch, c
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams = LLM, lambda **kw: kw
     monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setattr(bench_vllm, "shutdown", lambda llm: None)
-    monkeypatch.setattr(bench_vllm, "cuda_sync", lambda: None)
-    bench_vllm.RESULTS.clear()
+    monkeypatch.setattr(vllm_decode, "shutdown", lambda llm: None)
+    monkeypatch.setattr(vllm_decode, "cuda_sync", lambda: None)
+    vllm_common.RESULTS.clear()
     opts = bench_vllm.parse_args(["--parts", "decode_profile", "--decode-layers", "1", "--batches", "2"])
     bench_vllm.part_decode_profile(opts)
     assert len(built) == 2 and all(k["enforce_eager"] for k in built)
     assert built[0]["quantization"] == "fp8" and "quantization" not in built[1]
     out = capsys.readouterr().out
     assert "### decode_profile" in out and "FP8 activation quantizer" in out
-    assert set(bench_vllm.RESULTS["decode_profile"]) == {"vLLM FP8", "vLLM BF16"}
+    assert set(vllm_common.RESULTS["decode_profile"]) == {"vLLM FP8", "vLLM BF16"}
 
 
 def test_decode_arms_reach_the_engine_with_their_own_backend_and_format(monkeypatch):
@@ -900,7 +904,7 @@ def test_grpo_part_keeps_the_steps_a_timed_out_run_finished(monkeypatch, tmp_pat
     """A worker stopped by --grpo-timeout leaves the timings of the steps it finished (written after each step):
     those past --grpo-warmup count; one that finished no step past the warm-up is an error."""
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     left = {"fp8": [9.0, 1.1, 1.3], "bf16": [2.0]}
 
     def run(cmd, capture_output, text, timeout):
@@ -912,7 +916,7 @@ def test_grpo_part_keeps_the_steps_a_timed_out_run_finished(monkeypatch, tmp_pat
 
     monkeypatch.setattr(bench_vllm.subprocess, "run", run)
     bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-warmup", "1", "--grpo-timeout", "5"]))
-    grpo = bench_vllm.RESULTS["grpo"]
+    grpo = vllm_common.RESULTS["grpo"]
     assert grpo["fp8"]["timed_steps"] == 2 and grpo["fp8"]["step_median_s"] == pytest.approx(1.2)
     assert grpo["fp8"]["runs"][0]["timed_out_after_s"] == 5 and grpo["fp8"]["startup_median_s"] == 40.0
     assert "timed out after 5 s" in grpo["bf16"]["error"]
@@ -921,7 +925,7 @@ def test_grpo_part_keeps_the_steps_a_timed_out_run_finished(monkeypatch, tmp_pat
 
 def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_went(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     times = {"nvjet_sm90_tst_256x128": (3000.0, 64), "void deep_gemm::sm90_fp8_gemm_1d2d_impl<>": (1500.0, 64),
              "_per_token_group_quant_fp8": (500.0, 64), "kernel_unified_attention_2d": (800.0, 16)}
     # the host side: two graph replays and one eager launch on the CPU; the eager kernel ran 100 us after the
@@ -966,7 +970,7 @@ def test_grpo_part_leaves_the_profiled_step_out_and_prints_where_its_rollout_wen
     bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-warmup", "1",
                                                 "--grpo-profile-rollout", "3", "--grpo-detokenize", "off",
                                                 "--grpo-capture-size", "256"]))
-    grpo = bench_vllm.RESULTS["grpo"]
+    grpo = vllm_common.RESULTS["grpo"]
     assert grpo["fp8"]["timed_steps"] == 2 and grpo["fp8"]["step_median_s"] == pytest.approx(1.1)  # 5.0 left out
     assert grpo["bf16"]["timed_steps"] == 2 and grpo["bf16"]["step_median_s"] == pytest.approx(1.55)  # 1.4 out
     printed = capsys.readouterr().out
@@ -987,7 +991,7 @@ def test_grpo_part_prints_and_saves_each_worker_as_it_ends(monkeypatch, tmp_path
     """A device call cut short between workers (its time limit kills the parent) still has every finished worker:
     a line printed as each ends (steps, medians after the warm-up, first step, start-up) and $OUT's JSON."""
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
 
     class CallCut(BaseException):
         pass
@@ -1122,7 +1126,7 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
     round by round in the files' order; --grpo-rounds 0 summarizes the files alone without running a worker. A file
     of other work (an option of GRPO_WORKLOAD differs), of another device, or without grpo runs is refused by name."""
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     monkeypatch.setattr(bench_vllm.subprocess, "run", lambda *a, **k: pytest.fail("--grpo-rounds 0 ran a worker"))
     first = _earlier_call(tmp_path / "a.json", {"fp8": [9.0, 5.0, 1.0, 1.0], "bf16": [9.0, 5.0, 1.2, 1.2]})
     second = _earlier_call(tmp_path / "b.json", {"fp8": [9.0, 5.0, 2.0, 2.0], "bf16": [9.0, 5.0, 2.0, 2.0]})
@@ -1130,7 +1134,7 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
                                   "--grpo-earlier", f"{first},{second}"])
     bench_vllm.part_grpo(opts)
     out = capsys.readouterr().out
-    grpo = bench_vllm.RESULTS["grpo"]
+    grpo = vllm_common.RESULTS["grpo"]
     assert "pooled with 2 earlier call(s): fp8 2 run(s), bf16 2 run(s)" in out
     assert grpo["fp8"]["timed_steps"] == 4 and grpo["fp8"]["step_median_s"] == pytest.approx(1.5)
     assert grpo["bf16_over_fp8_step_by_round"] == pytest.approx([1.2, 1.0])  # round i = file i
@@ -1162,3 +1166,42 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
         bench_vllm.parse_args(["--parts", "grpo", "--grpo-rounds", "0"])
     with pytest.raises(SystemExit):
         bench_vllm.parse_args(["--parts", "grpo", "--grpo-earlier", str(tmp_path / "missing.json")])
+
+
+def test_the_entry_point_runs_the_parts_from_their_modules_and_workers_rerun_it(monkeypatch, tmp_path):
+    """bench_vllm.py keeps the command line and the child processes; each part lives in its own module (vllm_mismatch:
+    ops and mismatch, vllm_decode, vllm_grpo; vllm_common: what they share). A grpo worker and a part's child process
+    re-invoke bench_vllm.py itself, and the grpo part's --grpo-earlier reads the files with the entry point's parser
+    when bench_vllm.py runs as a script: a summary of two earlier calls, through a child process."""
+    import os
+    import subprocess
+
+    import vllm_mismatch
+
+    assert bench_vllm.part_ops is vllm_mismatch.part_ops and bench_vllm.part_mismatch is vllm_mismatch.part_mismatch
+    assert bench_vllm.part_decode is vllm_decode.part_decode and bench_vllm.part_grpo is vllm_grpo.part_grpo
+    commands = []
+
+    def run(cmd, capture_output, text, timeout):
+        commands.append(cmd)
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-arms", "bf16"]))
+    assert [cmd[1] for cmd in commands] == [str(ROOT / "benchmarks" / "bench_vllm.py")]
+    monkeypatch.undo()
+
+    first = _earlier_call(tmp_path / "a.json", {"fp8": [9.0, 5.0, 1.0, 1.0], "bf16": [9.0, 5.0, 1.2, 1.2]})
+    second = _earlier_call(tmp_path / "b.json", {"fp8": [9.0, 5.0, 2.0, 2.0], "bf16": [9.0, 5.0, 2.0, 2.0]})
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "--parts", "grpo",
+                           "--grpo-rounds", "0", "--grpo-layers", "8", "--grpo-earlier", f"{first},{second}"],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OUT": str(out)},
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pooled with 2 earlier call(s): fp8 2 run(s), bf16 2 run(s)" in proc.stdout, proc.stdout
+    assert "== grpo: " in proc.stdout  # the part ran in a child process, as every part does without --in-process
+    grpo = json.loads((out / "bench_vllm.json").read_text())["grpo"]
+    assert grpo["bf16_over_fp8_step_by_round"] == pytest.approx([1.2, 1.0])

@@ -18,6 +18,7 @@ from tests.test_bench_vllm import (  # noqa: E402  (puts benchmarks/ on the path
     bench_vllm,
     tiny_llama,
     use_stand_in_vllm,
+    vllm_common,
 )
 
 
@@ -30,7 +31,7 @@ def grpo_worker_commands(monkeypatch, tmp_path, argv: list[str]) -> list[list[st
         return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
 
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     monkeypatch.setattr(bench_vllm.subprocess, "run", run)
     bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", *argv]))
     return commands
@@ -88,7 +89,7 @@ def test_fp8_policy_of_a_torchao_recipe_shares_parameters_and_serves_per_channel
 
 def test_grpo_part_runs_every_fp8_arm_per_recipe(monkeypatch, tmp_path):
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(bench_vllm, "RESULTS", {})
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
     commands = []
     step = {"fp8": 1.0, "fp8_rowwise": 0.8, "bf16": 1.2}
 
@@ -105,7 +106,7 @@ def test_grpo_part_runs_every_fp8_arm_per_recipe(monkeypatch, tmp_path):
                                                 "--recipes", "blockwise,rowwise"]))
     assert [c[c.index("--grpo-worker") + 1] for c in commands] == ["fp8", "fp8", "bf16"]
     assert "--grpo-recipe" not in commands[0] and commands[1][commands[1].index("--grpo-recipe") + 1] == "rowwise"
-    grpo = bench_vllm.RESULTS["grpo"]
+    grpo = vllm_common.RESULTS["grpo"]
     assert grpo["fp8_rowwise"]["step_median_s"] == pytest.approx(0.8)
     assert grpo["bf16_over_fp8_step"] == pytest.approx(1.2) and grpo["bf16_over_fp8_rowwise_step"] == pytest.approx(1.5)
 
@@ -118,7 +119,7 @@ def test_mismatch_part_runs_a_torchao_recipe_engine_on_the_policys_own_codes(mon
                                   "--recipes", "rowwise", "--mismatch-arms", "calclip,bf16"])
     opts.models, opts.device = ["tiny"], "cpu"
     bench_vllm.part_mismatch(opts)
-    rows = bench_vllm.RESULTS["mismatch"]
+    rows = vllm_common.RESULTS["mismatch"]
     assert [(r["stage"], r["arm"]) for r in rows] == [
         (stage, arm) for stage in ("initial", "after 1 steps + sync") for arm in ("FP8 calclip rowwise", "BF16")]
     fp8, bf16 = StandInEngine.instances
@@ -204,7 +205,7 @@ def test_block_engines_switch_deep_gemm_ue8m0_as_the_trainer_does(monkeypatch):
     deep_gemm.is_deep_gemm_e8m0_used = is_deep_gemm_e8m0_used
     monkeypatch.setitem(sys.modules, "vllm.utils.deep_gemm", deep_gemm)
     monkeypatch.delenv(DEEP_GEMM_E8M0_ENV, raising=False)
-    monkeypatch.setattr(bench_vllm, "_E8M0_AT_START", None)
+    monkeypatch.setattr(vllm_common, "_E8M0_AT_START", None)
     opts = bench_vllm.parse_args(["--linear-backend", "cutlass"])
     for name in ("fp8_dg", "fp8_vdef", "fp8", "fp8_dg", "bf16"):
         is_deep_gemm_e8m0_used()  # the engine reads (and caches) the variable
