@@ -1168,6 +1168,21 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
         bench_vllm.parse_args(["--parts", "grpo", "--grpo-earlier", str(tmp_path / "missing.json")])
 
 
+def grpo_worker_commands(monkeypatch, tmp_path, argv: list[str]) -> list[list[str]]:
+    """The worker command lines ``--parts grpo`` + ``argv`` starts (each worker made to fail at once)."""
+    commands = []
+
+    def run(cmd, capture_output, text, timeout):
+        commands.append(cmd)
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
+    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", *argv]))
+    return commands
+
+
 def test_the_entry_point_runs_the_parts_from_their_modules_and_workers_rerun_it(monkeypatch, tmp_path):
     """bench_vllm.py keeps the command line and the child processes; each part lives in its own module (vllm_mismatch:
     ops and mismatch, vllm_decode, vllm_grpo; vllm_common: what they share). A grpo worker and a part's child process
@@ -1180,16 +1195,7 @@ def test_the_entry_point_runs_the_parts_from_their_modules_and_workers_rerun_it(
 
     assert bench_vllm.part_ops is vllm_mismatch.part_ops and bench_vllm.part_mismatch is vllm_mismatch.part_mismatch
     assert bench_vllm.part_decode is vllm_decode.part_decode and bench_vllm.part_grpo is vllm_grpo.part_grpo
-    commands = []
-
-    def run(cmd, capture_output, text, timeout):
-        commands.append(cmd)
-        return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(vllm_common, "RESULTS", {})
-    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
-    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-arms", "bf16"]))
+    commands = grpo_worker_commands(monkeypatch, tmp_path, ["--grpo-arms", "bf16"])
     assert [cmd[1] for cmd in commands] == [str(ROOT / "benchmarks" / "bench_vllm.py")]
     monkeypatch.undo()
 

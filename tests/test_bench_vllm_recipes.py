@@ -16,25 +16,11 @@ import torch
 from tests.test_bench_vllm import (  # noqa: E402  (puts benchmarks/ on the path)
     StandInEngine,
     bench_vllm,
+    grpo_worker_commands,
     tiny_llama,
     use_stand_in_vllm,
     vllm_common,
 )
-
-
-def grpo_worker_commands(monkeypatch, tmp_path, argv: list[str]) -> list[list[str]]:
-    """The worker command lines ``--parts grpo`` + ``argv`` starts (each worker made to fail at once)."""
-    commands = []
-
-    def run(cmd, capture_output, text, timeout):
-        commands.append(cmd)
-        return types.SimpleNamespace(returncode=1, stdout="", stderr="stop")
-
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(vllm_common, "RESULTS", {})
-    monkeypatch.setattr(bench_vllm.subprocess, "run", run)
-    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", *argv]))
-    return commands
 
 
 def record_engine_kwargs(monkeypatch) -> list[dict]:
