@@ -92,8 +92,6 @@ import tempfile
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # run as a script: a part module's ``import bench_vllm`` then finds this module, not a copy
-    sys.modules.setdefault("bench_vllm", sys.modules[__name__])
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: the part modules, _common, bench_speed
 import vllm_common  # noqa: E402, I001  (first: vLLM's environment defaults, set before torch is imported)
 import torch  # noqa: E402
@@ -113,8 +111,8 @@ from vllm_common import (ALLOCATOR_EVENTS, allocator_delta, allocator_events, ca
 from vllm_decode import (DECODE_CATEGORIES, _compressed_fp8, decode_engine_specs,  # noqa: E402, F401
                          decode_split, kernel_profiler, top_kernels)
 from vllm_grpo import (GRPO_BF16_BASELINES, GRPO_WORKLOAD, ROLLOUT_DRIFT, STEAL_WARN, GcClock,  # noqa: E402, F401
-                       earlier_grpo_runs, engine_async_scheduling, grpo_arm_settings, pooled_after, rollout_profile,
-                       round_ratios, without_profiled_step, worker_summary)
+                       earlier_grpo_runs, engine_async_scheduling, grpo_arm_settings, grpo_workload, pooled_after,
+                       rollout_profile, round_ratios, without_profiled_step, worker_summary)
 from vllm_mismatch import (DIAGNOSTIC_COLUMNS, attention, diagnostic_row, diagnostic_stats,  # noqa: E402, F401
                            engine_weight_mismatches, is_degenerate, mismatch_stats, prompt_logprobs_of, train_steps,
                            trainer_all_logprobs, trainer_logprobs)

@@ -25,7 +25,7 @@ import torch
 
 import _common
 from vllm_common import (ALLOCATOR_EVENTS, MODEL_SPECS, PROCESS_START, allocator_delta, allocator_events, cuda_sync,
-                         deep_gemm_cache_files, drop_options, engine_linear_backend, fmt, host_cpu_ticks,
+                         deep_gemm_cache_files, engine_linear_backend, fmt, host_cpu_ticks,
                          random_llama, recipe_label, save_for_vllm, save_results, steal_share)
 from vllm_decode import DECODE_CATEGORIES, decode_split, kernel_profiler, top_kernels
 
@@ -382,28 +382,32 @@ GRPO_WORKLOAD = ("grpo_layers", "grpo_completions", "grpo_tokens", "grpo_micro_b
                  "grpo_detokenize", "grpo_capture_size")
 
 
+def grpo_workload(opts) -> dict:
+    """The options that make two calls' grpo runs the same work (``GRPO_WORKLOAD``), as JSON saves them (a tuple reads
+    back as a list)."""
+    return json.loads(json.dumps({name: getattr(opts, name) for name in GRPO_WORKLOAD}))
+
+
 def earlier_grpo_runs(opts, device: str | None) -> dict[str, list[dict]]:
     """--grpo-earlier: per arm label, the runs of earlier calls (each file an earlier call's $OUT/bench_vllm.json), in
     the files' order, to pool with this call's. A device call lasts at most 10 minutes, about one round of three arms
     at 8 layers; calls that each run every arm once, in one order, pool into rounds that the round-by-round ratios
     pair as one run would. Refused, naming the file and the option: a file without grpo runs, a file whose workload
     (``GRPO_WORKLOAD``) differs from this call's, and files from another device than this call's (or, with
-    --grpo-rounds 0 and no GPU here, than the first file's): timings compare only on one kind of device."""
-    from bench_vllm import parse_args  # the entry point's parser (bench_vllm imports this module)
-
+    --grpo-rounds 0 and no GPU here, than the first file's): timings compare only on one kind of device. The
+    workload is the one each call saved (``grpo.workload``, its parsed options), so no command line is re-parsed."""
     runs: dict[str, list[dict]] = {}
     for path in opts.grpo_earlier:
         saved = json.loads(Path(path).read_text())
-        grpo, argv = saved.get("grpo"), saved.get("argv")
-        if not isinstance(grpo, dict) or argv is None:
-            raise ValueError(f"--grpo-earlier {path}: no grpo runs with their command line (a parent's "
-                             f"bench_vllm.json from --parts grpo)")
-        # its own --grpo-earlier files (pooled into its summary, not into its saved runs) need not exist here
-        then = parse_args(drop_options(argv, "--grpo-earlier"))
-        for name in GRPO_WORKLOAD:
-            if getattr(then, name) != getattr(opts, name):
-                raise ValueError(f"--grpo-earlier {path}: --{name.replace('_', '-')} was {getattr(then, name)!r}, "
-                                 f"this call's is {getattr(opts, name)!r}: not the same work")
+        grpo = saved.get("grpo")
+        then = grpo.get("workload") if isinstance(grpo, dict) else None
+        if not isinstance(then, dict):
+            raise ValueError(f"--grpo-earlier {path}: no grpo runs with their workload (a parent's bench_vllm.json "
+                             f"from --parts grpo)")
+        for name, now in grpo_workload(opts).items():
+            if name not in then or then[name] != now:
+                raise ValueError(f"--grpo-earlier {path}: --{name.replace('_', '-')} was {then.get(name, 'not saved')!r}"
+                                 f", this call's is {now!r}: not the same work")
         found = {label: result["runs"] for label, result in grpo.items()
                  if isinstance(result, dict) and isinstance(result.get("runs"), list) and result["runs"]}
         if not found:
@@ -438,6 +442,7 @@ def part_grpo(opts) -> None:
     ``--grpo-rounds`` times in turn (A B A B), every arm's steps after its ``--grpo-warmup`` first ones pooled over the
     rounds (FP8's second step still autotunes the backward's kernels)."""
     results = vllm_common.RESULTS.setdefault("grpo", {})
+    results["workload"] = grpo_workload(opts)  # what a later call's --grpo-earlier checks its own against
     # (label, arm, recipe): every FP8 arm once per --recipes entry, labelled fp8, fp8_rowwise, fp8_reload_tensorwise...
     labelled = [(recipe_label(arm, recipe, "_"), arm, recipe) for arm in opts.grpo_arms
                 for recipe in (opts.recipes if arm.startswith("fp8") else ["blockwise"])]

@@ -1113,11 +1113,14 @@ def test_engine_async_scheduling_reads_the_resolved_config_or_says_none():
 
 
 def _earlier_call(path, steps: dict[str, list[float]], device="NVIDIA H100 80GB HBM3", layers="8"):
-    """A parent's bench_vllm.json as an earlier grpo call leaves it: its command line, device and one run per arm."""
+    """A parent's bench_vllm.json as an earlier grpo call leaves it: its command line, workload, device and one run
+    per arm."""
     grpo = {arm: {"runs": [{"step_s": s, "generate_s": [v / 2 for v in s], "sync_s": [0.01] * len(s),
                             "direct_sync": None}]} for arm, s in steps.items()}
-    path.write_text(json.dumps({"argv": ["--parts", "grpo", "--grpo-arms", ",".join(steps), "--grpo-layers", layers],
-                                "env": {"device": device}, "grpo": {**grpo, "bf16_baseline": "bf16"}}))
+    argv = ["--parts", "grpo", "--grpo-arms", ",".join(steps), "--grpo-layers", layers]
+    workload = bench_vllm.grpo_workload(bench_vllm.parse_args(argv))
+    path.write_text(json.dumps({"argv": argv, "env": {"device": device},
+                                "grpo": {**grpo, "bf16_baseline": "bf16", "workload": workload}}))
     return str(path)
 
 
@@ -1156,9 +1159,14 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
     other_device = _earlier_call(tmp_path / "d.json", {"fp8": [1.0] * 4, "bf16": [1.0] * 4}, device="NVIDIA H200")
     no_runs = tmp_path / "e.json"
     no_runs.write_text(json.dumps({"argv": ["--parts", "decode"], "decode": {}}))
+    unsaved = tmp_path / "u.json"  # a workload saved without one of GRPO_WORKLOAD's options: not comparable
+    saved = json.loads(Path(first).read_text())
+    del saved["grpo"]["workload"]["grpo_capture_size"]
+    unsaved.write_text(json.dumps(saved))
     for files, message in (([first, other_work], "--grpo-layers was 16, this call's is 8"),
                            ([first, other_device], "ran on 'NVIDIA H200', not 'NVIDIA H100 80GB HBM3'"),
-                           ([str(no_runs)], "no grpo runs")):
+                           ([str(no_runs)], "no grpo runs"),
+                           ([str(unsaved)], "--grpo-capture-size was 'not saved', this call's is None")):
         opts.grpo_earlier = files
         with pytest.raises(ValueError, match=re.escape(message)):
             bench_vllm.earlier_grpo_runs(opts, None)
