@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import itertools
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -118,6 +120,28 @@ def tflops(flop: float, ms: float | None) -> str:
 
 def ratio(base_ms: float | None, ms: float | None) -> str:
     return "-" if base_ms is None or ms is None else f"{base_ms / ms:.2f}x"
+
+
+# Student's t, two-sided 95% (the 0.975 quantile), for 1 to 30 degrees of freedom; beyond, the normal's 1.96
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def paired_ratio_interval(ratios: list[float | None]) -> dict | None:
+    """Rounds of a paired comparison (each ratio baseline / arm, the two run back to back on the host as it was then):
+    the geometric mean of the ratios and its two-sided 95% interval, a t interval on their logarithms (rounds taken
+    as independent, log-ratios as roughly normal). Where the host changes speed between rounds, this pairs what the
+    pooled medians mix; its width says how many rounds a claimed ratio needs. None with fewer than two ratios.
+    Missing rounds (None) are left out; a ratio <= 0 is refused (a time cannot be zero or negative)."""
+    measured = [r for r in ratios if r is not None]
+    if any(not r > 0 for r in measured):
+        raise ValueError(f"paired_ratio_interval: ratios must be > 0, got {measured}")
+    if len(measured) < 2:
+        return None
+    logs = [math.log(r) for r in measured]
+    mean, n = statistics.fmean(logs), len(logs)
+    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * statistics.stdev(logs) / math.sqrt(n)
+    return {"geomean": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half), "rounds": n}
 
 
 def fmt_ms(ms: float | None) -> str:

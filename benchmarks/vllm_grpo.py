@@ -363,12 +363,20 @@ STEAL_WARN = 0.003
 GRPO_BF16_BASELINES = ("bf16", "bf16_eager", "bf16_bucketed")
 
 
-def round_ratios(base_runs: list[dict], arm_runs: list[dict], warmup: int) -> list[float | None]:
-    """Round by round (run i of each arm, run back to back), the baseline's step median over the arm's: the ratio
-    a round measured on the host as it was then, each run's steps taken as the pooled medians take them
-    (``pooled_after``). None where either run failed or has no step."""
+def round_ratios(base_runs: list[dict], arm_runs: list[dict], warmup: int, key: str = "step_s") -> list[float | None]:
+    """Round by round (run i of each arm, run back to back), the baseline's median ``key`` (step_s; generate_s: the
+    rollouts; train: each step less its rollout and sync) over the arm's: the ratio a round measured on the host as it
+    was then, each run's steps taken as the pooled medians take them (``pooled_after``). None where either run failed
+    or has no step."""
     def median_step(run):
-        steps = pooled_after([without_profiled_step(run)], "step_s", warmup) if "error" not in run else []
+        if "error" in run:
+            return None
+        run = without_profiled_step(run)
+        if key == "train":
+            parts = [pooled_after([run], k, warmup) for k in ("step_s", "generate_s", "sync_s")]
+            steps = [t - g - y for t, g, y in zip(*parts)] if len({len(v) for v in parts}) == 1 else []
+        else:
+            steps = pooled_after([run], key, warmup)
         return statistics.median(steps) if steps else None
 
     pairs = [(median_step(b), median_step(a)) for b, a in zip(base_runs, arm_runs)]
@@ -566,11 +574,23 @@ def part_grpo(opts) -> None:
                          *(f"{r:.2f}x" if r else "-" for r in ratios.values()), "", "", "", "", ""])
             by_round = round_ratios(pooled[baseline], pooled[label], opts.grpo_warmup)
             results[key + "_step_by_round"] = by_round
+            rollout_by_round = round_ratios(pooled[baseline], pooled[label], opts.grpo_warmup, "generate_s")
+            train_by_round = round_ratios(pooled[baseline], pooled[label], opts.grpo_warmup, "train")
+            results[key + "_rollout_by_round"], results[key + "_train_by_round"] = rollout_by_round, train_by_round
             if len(by_round) > 1:  # how far the rounds agree: the pooled median hides a round the host slowed
                 measured_rounds = [r for r in by_round if r is not None]
                 per_round.append(f"   step ratio {baseline} / {label} round by round: "
                                  + ", ".join(f"{r:.2f}x" if r else "-" for r in by_round)
                                  + (f" (median {statistics.median(measured_rounds):.2f}x)" if measured_rounds else ""))
+                # paired over the rounds: where the host's speed moved between rounds, the rounds' ratios, not the
+                # pooled medians, compare the arms; the interval says whether the rounds run can tell
+                for part, ratios in (("step", by_round), ("rollout", rollout_by_round), ("training", train_by_round)):
+                    paired = _common.paired_ratio_interval(ratios)
+                    results[f"{key}_{part}_paired"] = paired
+                    if paired is not None:
+                        per_round.append(f"   {part} ratio {baseline} / {label} paired over {paired['rounds']} rounds: "
+                                         f"geometric mean {paired['geomean']:.2f}x, 95% interval "
+                                         f"[{paired['low']:.2f}-{paired['high']:.2f}]x")
     save_results(opts)
     print(f"\n### grpo: CalibratedGRPOTrainer step, vLLM colocate rollouts, {opts.grpo_layers}L Llama-3-8B dims, "
           f"{opts.grpo_completions} completions x {opts.grpo_tokens} tokens per step, trained in "

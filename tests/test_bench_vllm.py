@@ -8,6 +8,7 @@ serve, and the argument checks name what is wrong.
 import json
 import math
 import re
+import statistics
 import sys
 import types
 from pathlib import Path
@@ -1141,6 +1142,17 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
     assert "pooled with 2 earlier call(s): fp8 2 run(s), bf16 2 run(s)" in out
     assert grpo["fp8"]["timed_steps"] == 4 and grpo["fp8"]["step_median_s"] == pytest.approx(1.5)
     assert grpo["bf16_over_fp8_step_by_round"] == pytest.approx([1.2, 1.0])  # round i = file i
+    # paired over the two rounds: geometric mean sqrt(1.2); t interval with 1 degree of freedom (12.706)
+    paired = grpo["bf16_over_fp8_step_paired"]
+    half = 12.706 * (math.log(1.2) / math.sqrt(2)) / math.sqrt(2)
+    assert paired["rounds"] == 2 and paired["geomean"] == pytest.approx(math.sqrt(1.2))
+    assert paired["low"] == pytest.approx(math.exp(math.log(1.2) / 2 - half))
+    assert paired["high"] == pytest.approx(math.exp(math.log(1.2) / 2 + half))
+    assert "step ratio bf16 / fp8 paired over 2 rounds: geometric mean 1.10x, 95% interval [0.34-3.49]x" in out
+    assert grpo["bf16_over_fp8_rollout_by_round"] == pytest.approx([1.2, 1.0])  # rollouts = steps / 2 here
+    # training part = step - rollout - sync = step / 2 - 0.01: round 1 (0.6 - 0.01) / (0.5 - 0.01)
+    assert grpo["bf16_over_fp8_train_by_round"] == pytest.approx([0.59 / 0.49, 1.0])
+    assert "training ratio bf16 / fp8 paired over 2 rounds" in out
     assert grpo["earlier_calls"] == [first, second]
     # a call that pooled earlier ones saves only its own runs (none here), so a later call reads each run once
     assert grpo["fp8"]["runs"] == [] and grpo["bf16"]["runs"] == []
@@ -1174,6 +1186,26 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
         bench_vllm.parse_args(["--parts", "grpo", "--grpo-rounds", "0"])
     with pytest.raises(SystemExit):
         bench_vllm.parse_args(["--parts", "grpo", "--grpo-earlier", str(tmp_path / "missing.json")])
+
+
+def test_paired_ratio_interval_is_a_t_interval_on_the_log_ratios():
+    """Three rounds whose log-ratios are 0.1, 0.2, 0.3 (mean 0.2, standard deviation 0.1): geometric mean e^0.2 and
+    e^(0.2 -+ 4.303 * 0.1 / sqrt(3)); a missing round is left out, one round gives no interval, a ratio <= 0 is refused,
+    and past 31 rounds the normal quantile is used."""
+    import _common
+
+    got = _common.paired_ratio_interval([math.exp(0.1), None, math.exp(0.2), math.exp(0.3)])
+    half = 4.303 * 0.1 / math.sqrt(3)
+    assert got["rounds"] == 3 and got["geomean"] == pytest.approx(math.exp(0.2))
+    assert (got["low"], got["high"]) == (pytest.approx(math.exp(0.2 - half)), pytest.approx(math.exp(0.2 + half)))
+    assert _common.paired_ratio_interval([1.3]) is None and _common.paired_ratio_interval([1.3, None]) is None
+    same = _common.paired_ratio_interval([1.25, 1.25])
+    assert same["low"] == pytest.approx(1.25) and same["high"] == pytest.approx(1.25)
+    many = _common.paired_ratio_interval([math.exp(0.1), math.exp(0.3)] * 20)  # 40 rounds: 39 degrees of freedom
+    sd = statistics.stdev([0.1, 0.3] * 20)
+    assert many["high"] == pytest.approx(math.exp(0.2 + 1.96 * sd / math.sqrt(40)))
+    with pytest.raises(ValueError, match="ratios must be > 0"):
+        _common.paired_ratio_interval([1.1, 0.0])
 
 
 def grpo_worker_commands(monkeypatch, tmp_path, argv: list[str]) -> list[list[str]]:
