@@ -584,11 +584,12 @@ def part_grpo(opts) -> None:
                                  + (f" (median {statistics.median(measured_rounds):.2f}x)" if measured_rounds else ""))
                 # paired over the rounds: where the host's speed moved between rounds, the rounds' ratios, not the
                 # pooled medians, compare the arms; the interval says whether the rounds run can tell
-                for part, ratios in (("step", by_round), ("rollout", rollout_by_round), ("training", train_by_round)):
+                for part, name, ratios in (("step", "step", by_round), ("rollout", "rollout", rollout_by_round),
+                                           ("train", "training", train_by_round)):
                     paired = _common.paired_ratio_interval(ratios)
                     results[f"{key}_{part}_paired"] = paired
                     if paired is not None:
-                        per_round.append(f"   {part} ratio {baseline} / {label} paired over {paired['rounds']} rounds: "
+                        per_round.append(f"   {name} ratio {baseline} / {label} paired over {paired['rounds']} rounds: "
                                          f"geometric mean {paired['geomean']:.2f}x, 95% interval "
                                          f"[{paired['low']:.2f}-{paired['high']:.2f}]x")
     save_results(opts)

@@ -1153,6 +1153,7 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
     # training part = step - rollout - sync = step / 2 - 0.01: round 1 (0.6 - 0.01) / (0.5 - 0.01)
     assert grpo["bf16_over_fp8_train_by_round"] == pytest.approx([0.59 / 0.49, 1.0])
     assert "training ratio bf16 / fp8 paired over 2 rounds" in out
+    assert grpo["bf16_over_fp8_train_paired"]["geomean"] == pytest.approx(math.sqrt(0.59 / 0.49))
     assert grpo["earlier_calls"] == [first, second]
     # a call that pooled earlier ones saves only its own runs (none here), so a later call reads each run once
     assert grpo["fp8"]["runs"] == [] and grpo["bf16"]["runs"] == []
