@@ -515,7 +515,7 @@ def part_grpo(opts) -> None:
         results["earlier_calls"] = list(opts.grpo_earlier)
         print(f"   pooled with {len(opts.grpo_earlier)} earlier call(s): "
               + ", ".join(f"{label} {len(earlier.get(label, []))} run(s)" for label in runs), flush=True)
-    rows, drifted = [], {}  # drifted: arm -> its warning
+    rows, drifted, between = [], {}, {}  # drifted: arm -> its warning; between: arm -> the rounds' spread
     for arm, arm_runs in pooled.items():
         ok = [without_profiled_step(r) for r in arm_runs if "error" not in r]
         if not ok:
@@ -523,10 +523,29 @@ def part_grpo(opts) -> None:
             continue
         step, gen, sync = (pooled_after(ok, key, opts.grpo_warmup) for key in ("step_s", "generate_s", "sync_s"))
         step_median, gen_median, sync_median = (statistics.median(v) for v in (step, gen, sync))
-        if max(gen) > ROLLOUT_DRIFT * min(gen):  # the same rollout, timed again: the host changed speed
-            drifted[arm] = (f"   !! {arm}: its timed rollouts took {min(gen):.3f}-{max(gen):.3f} s "
-                            f"(x{max(gen) / min(gen):.2f}): the machine's speed changed within the arm, so this run's "
-                            f"ratios do not measure FP8; rerun before quoting them")
+        # within each run (one worker on the host as it was then) the same rollout, timed again: a spread past
+        # ROLLOUT_DRIFT means the machine changed speed mid-run, and that round's ratio does not measure FP8
+        spreads = {}  # round (1-based, earlier calls' runs first) -> (fastest, slowest) timed rollout
+        for index, run in enumerate(arm_runs, 1):
+            own = pooled_after([without_profiled_step(run)], "generate_s", opts.grpo_warmup) if "error" not in run \
+                else []
+            if own and max(own) > ROLLOUT_DRIFT * min(own):
+                spreads[index] = (min(own), max(own))
+        if spreads:
+            lo, hi = min(v[0] for v in spreads.values()), max(v[1] for v in spreads.values())
+            where, whose = (("this run", "its ratios do") if len(arm_runs) == 1 else
+                            (f"round {next(iter(spreads))}", "that round's ratios do") if len(spreads) == 1 else
+                            ("rounds " + ", ".join(map(str, spreads)), "those rounds' ratios do"))
+            drifted[arm] = (f"   !! {arm}: its timed rollouts took {lo:.3f}-{hi:.3f} s within {where} "
+                            f"(x{max(h / f for f, h in spreads.values()):.2f}): the machine's speed changed "
+                            f"mid-run, so {whose} not measure FP8; rerun before quoting them")
+        medians = [statistics.median(v) for v in
+                   (pooled_after([without_profiled_step(r)], "generate_s", opts.grpo_warmup) for r in ok) if v]
+        if len(medians) > 1 and max(medians) > ROLLOUT_DRIFT * min(medians):  # steady runs on a host that moved
+            between[arm] = (f"   ~ {arm}: its runs' median rollouts went from {min(medians):.3f} to "
+                            f"{max(medians):.3f} s from round to round (x{max(medians) / min(medians):.2f}): the "
+                            f"host's speed moved between rounds, which the pooled medians mix; quote the ratios "
+                            f"paired over the rounds")
         stolen = [v for r in ok for v in r.get("steal", [])[opts.grpo_warmup:] if v is not None]
         if stolen and statistics.median(stolen) >= STEAL_WARN:  # steady contention: slow but not drifting
             drifted.setdefault(arm, f"   !! {arm}: the hypervisor took {100 * statistics.median(stolen):.1f}% of the "
@@ -561,6 +580,7 @@ def part_grpo(opts) -> None:
     baseline = min(measured, key=lambda b: results[b]["step_median_s"]) if measured else None
     results["bf16_baseline"] = baseline
     results["rollout_drift"] = list(drifted)
+    results["rollout_between_rounds"] = list(between)
     per_round = []
     for recipe in opts.recipes:
         label = recipe_label("fp8", recipe, "_")
@@ -600,7 +620,7 @@ def part_grpo(opts) -> None:
           + (f", pooled with {len(opts.grpo_earlier)} earlier call(s)" if opts.grpo_earlier else "") + ")")
     _common.table(["arm", "step s", "rollout s", "training s", "weight sync ms", "sync share of step", "FP8 sync path",
                    "steps timed", "startup s"], rows)
-    for line in [*per_round, *drifted.values()]:
+    for line in [*per_round, *drifted.values(), *between.values()]:
         print(line)
     print_rollout_profiles(runs)
     print_host_profiles(runs)
