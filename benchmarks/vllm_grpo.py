@@ -364,10 +364,11 @@ GRPO_BF16_BASELINES = ("bf16", "bf16_eager", "bf16_bucketed")
 
 
 def round_ratios(base_runs: list[dict], arm_runs: list[dict], warmup: int, key: str = "step_s") -> list[float | None]:
-    """Round by round (run i of each arm, run back to back), the baseline's median ``key`` (step_s; generate_s: the
+    """Round by round (the runs of one round, run back to back), the baseline's median ``key`` (step_s; generate_s: the
     rollouts; train: each step less its rollout and sync) over the arm's: the ratio a round measured on the host as it
-    was then, each run's steps taken as the pooled medians take them (``pooled_after``). None where either run failed
-    or has no step."""
+    was then, each run's steps taken as the pooled medians take them (``pooled_after``). Runs tagged with their round
+    (``"round"``, as part_grpo tags pooled runs: call and round within it) pair by tag, one ratio per baseline round;
+    untagged runs pair by position. None where either run failed, has no step, or the arm did not run that round."""
     def median_step(run):
         if "error" in run:
             return None
@@ -379,8 +380,18 @@ def round_ratios(base_runs: list[dict], arm_runs: list[dict], warmup: int, key: 
             steps = pooled_after([run], key, warmup)
         return statistics.median(steps) if steps else None
 
-    pairs = [(median_step(b), median_step(a)) for b, a in zip(base_runs, arm_runs)]
+    if all("round" in r for r in [*base_runs, *arm_runs]):
+        arm_by_round = {r["round"]: r for r in arm_runs}
+        pairs = [(median_step(b), median_step(arm_by_round[b["round"]]) if b["round"] in arm_by_round else None)
+                 for b in base_runs]
+    else:
+        pairs = [(median_step(b), median_step(a)) for b, a in zip(base_runs, arm_runs)]
     return [b / a if b and a else None for b, a in pairs]
+
+
+def tag_rounds(runs: list[dict], call: int) -> list[dict]:
+    """Copies of one call's runs of an arm, each tagged with its round: "<call>.<round within the call>" (1-based)."""
+    return [{**run, "round": f"{call}.{index}"} for index, run in enumerate(runs, 1)]
 
 
 # The options that make two grpo calls' runs the same work (the steps and rounds may differ: each run's steps after
@@ -405,7 +416,7 @@ def earlier_grpo_runs(opts, device: str | None) -> dict[str, list[dict]]:
     --grpo-rounds 0 and no GPU here, than the first file's): timings compare only on one kind of device. The
     workload is the one each call saved (``grpo.workload``, its parsed options), so no command line is re-parsed."""
     runs: dict[str, list[dict]] = {}
-    for path in opts.grpo_earlier:
+    for call, path in enumerate(opts.grpo_earlier, 1):
         saved = json.loads(Path(path).read_text())
         grpo = saved.get("grpo")
         then = grpo.get("workload") if isinstance(grpo, dict) else None
@@ -427,7 +438,7 @@ def earlier_grpo_runs(opts, device: str | None) -> dict[str, list[dict]]:
             raise ValueError(f"--grpo-earlier {path}: ran on {ran_on!r}, not {device!r}: compare timings on one kind "
                              f"of device")
         for label, label_runs in found.items():
-            runs.setdefault(label, []).extend(label_runs)
+            runs.setdefault(label, []).extend(tag_rounds(label_runs, call))
     return runs
 
 
@@ -511,7 +522,8 @@ def part_grpo(opts) -> None:
     if opts.grpo_earlier:
         device = torch.cuda.get_device_name() if opts.grpo_rounds and torch.cuda.is_available() else None
         earlier = earlier_grpo_runs(opts, device)
-        pooled = {label: earlier.get(label, []) + label_runs for label, label_runs in runs.items()}
+        this_call = len(opts.grpo_earlier) + 1
+        pooled = {label: earlier.get(label, []) + tag_rounds(label_runs, this_call) for label, label_runs in runs.items()}
         results["earlier_calls"] = list(opts.grpo_earlier)
         print(f"   pooled with {len(opts.grpo_earlier)} earlier call(s): "
               + ", ".join(f"{label} {len(earlier.get(label, []))} run(s)" for label in runs), flush=True)
@@ -525,17 +537,18 @@ def part_grpo(opts) -> None:
         step_median, gen_median, sync_median = (statistics.median(v) for v in (step, gen, sync))
         # within each run (one worker on the host as it was then) the same rollout, timed again: a spread past
         # ROLLOUT_DRIFT means the machine changed speed mid-run, and that round's ratio does not measure FP8
-        spreads = {}  # round (1-based, earlier calls' runs first) -> (fastest, slowest) timed rollout
+        spreads = {}  # round (1-based, or pooled runs' tag) -> (fastest, slowest) timed rollout
         for index, run in enumerate(arm_runs, 1):
             own = pooled_after([without_profiled_step(run)], "generate_s", opts.grpo_warmup) if "error" not in run \
                 else []
             if own and max(own) > ROLLOUT_DRIFT * min(own):
-                spreads[index] = (min(own), max(own))
+                spreads[run.get("round", index)] = (min(own), max(own))  # pooled: "<call>.<round in it>"
         if spreads:
             lo, hi = min(v[0] for v in spreads.values()), max(v[1] for v in spreads.values())
+            tagged = " (call.round)" if any("round" in r for r in arm_runs) else ""
             where, whose = (("this run", "its ratios do") if len(arm_runs) == 1 else
-                            (f"round {next(iter(spreads))}", "that round's ratios do") if len(spreads) == 1 else
-                            ("rounds " + ", ".join(map(str, spreads)), "those rounds' ratios do"))
+                            (f"round {next(iter(spreads))}{tagged}", "that round's ratios do") if len(spreads) == 1
+                            else ("rounds " + ", ".join(map(str, spreads)) + tagged, "those rounds' ratios do"))
             drifted[arm] = (f"   !! {arm}: its timed rollouts took {lo:.3f}-{hi:.3f} s within {where} "
                             f"(x{max(h / f for f, h in spreads.values()):.2f}): the machine's speed changed "
                             f"mid-run, so {whose} not measure FP8; rerun before quoting them")

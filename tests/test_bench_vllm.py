@@ -1219,6 +1219,24 @@ def test_grpo_earlier_pools_calls_into_rounds_and_refuses_other_work_or_devices(
         bench_vllm.parse_args(["--parts", "grpo", "--grpo-earlier", str(tmp_path / "missing.json")])
 
 
+def test_grpo_earlier_pairs_rounds_by_call_when_an_arm_missed_one(monkeypatch, tmp_path, capsys):
+    """Three earlier calls, the second without its FP8 run: round ratios pair each FP8 run with the BF16 run of its own
+    call (by position the third call's FP8 run would pair with the second call's BF16 run), and the round the FP8 arm
+    missed reads "-"."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(vllm_common, "RESULTS", {})
+    files = [_earlier_call(tmp_path / "a.json", {"fp8": [9.0, 5.0, 1.0, 1.0], "bf16": [9.0, 5.0, 1.5, 1.5]}),
+             _earlier_call(tmp_path / "b.json", {"bf16": [9.0, 5.0, 3.0, 3.0]}),
+             _earlier_call(tmp_path / "c.json", {"fp8": [9.0, 5.0, 2.0, 2.0], "bf16": [9.0, 5.0, 2.2, 2.2]})]
+    bench_vllm.part_grpo(bench_vllm.parse_args(["--parts", "grpo", "--grpo-rounds", "0", "--grpo-layers", "8",
+                                                "--grpo-earlier", ",".join(files)]))
+    grpo = vllm_common.RESULTS["grpo"]
+    assert grpo["bf16_over_fp8_step_by_round"] == [pytest.approx(1.5), None, pytest.approx(1.1)]
+    assert "step ratio bf16 / fp8 round by round: 1.50x, -, 1.10x" in capsys.readouterr().out
+    untagged = [{"step_s": [1.0, 2.0]}, {"step_s": [1.0, 4.0]}]  # one call's runs: paired by position
+    assert bench_vllm.round_ratios(untagged, [{"step_s": [1.0, 1.0]}] * 2, 1) == [2.0, 4.0]
+
+
 def test_paired_ratio_interval_is_a_t_interval_on_the_log_ratios():
     """Three rounds whose log-ratios are 0.1, 0.2, 0.3 (mean 0.2, standard deviation 0.1): geometric mean e^0.2 and
     e^(0.2 -+ 4.303 * 0.1 / sqrt(3)); a missing round is left out, one round gives no interval, a ratio <= 0 is refused,
