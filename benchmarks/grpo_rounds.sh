@@ -65,7 +65,7 @@ while ((added < MAX_ROUNDS)); do
     if [[ ! -s $ROUNDS/$n/bench_vllm.json ]]; then
         echo "grpo_rounds: round $n wrote no results (exit $status); its log ends:"
         tail -n 30 "$ROUNDS/$n/log.txt"
-        rmdir "$ROUNDS/$n" 2>/dev/null || mv "$ROUNDS/$n" "$ROUNDS/failed-$n-$(date +%s)"
+        mv "$ROUNDS/$n" "$ROUNDS/failed-$n-$(date +%s)"  # kept for its log, out of the round numbering
         exit 1
     fi
     # the round's summary: its tables and the paired ratios over every round so far

@@ -35,7 +35,11 @@ SCRIPT = Path(__file__).resolve().with_name("bench_vllm.py")
 
 def pooled_after(runs: list[dict], key: str, skip: int) -> list[float]:
     """Every run's ``key`` measurements after its first ``skip`` (compilation, graph capture, autotuning), pooled;
-    all of a run's when it has no more."""
+    all of a run's when it has no more. ``key="train"``: each such step less its rollout and sync (the training part;
+    none when the three lists differ in length)."""
+    if key == "train":
+        parts = [pooled_after(runs, k, skip) for k in ("step_s", "generate_s", "sync_s")]
+        return [t - g - y for t, g, y in zip(*parts)] if len({len(v) for v in parts}) == 1 else []
     return [v for run in runs for v in (run[key][skip:] if len(run[key]) > skip else run[key])]
 
 
@@ -370,14 +374,7 @@ def round_ratios(base_runs: list[dict], arm_runs: list[dict], warmup: int, key: 
     (``"round"``, as part_grpo tags pooled runs: call and round within it) pair by tag, one ratio per baseline round;
     untagged runs pair by position. None where either run failed, has no step, or the arm did not run that round."""
     def median_step(run):
-        if "error" in run:
-            return None
-        run = without_profiled_step(run)
-        if key == "train":
-            parts = [pooled_after([run], k, warmup) for k in ("step_s", "generate_s", "sync_s")]
-            steps = [t - g - y for t, g, y in zip(*parts)] if len({len(v) for v in parts}) == 1 else []
-        else:
-            steps = pooled_after([run], key, warmup)
+        steps = pooled_after([without_profiled_step(run)], key, warmup) if "error" not in run else []
         return statistics.median(steps) if steps else None
 
     if all("round" in r for r in [*base_runs, *arm_runs]):
@@ -410,8 +407,8 @@ def grpo_workload(opts) -> dict:
 def earlier_grpo_runs(opts, device: str | None) -> dict[str, list[dict]]:
     """--grpo-earlier: per arm label, the runs of earlier calls (each file an earlier call's $OUT/bench_vllm.json), in
     the files' order, to pool with this call's. A device call lasts at most 10 minutes, about one round of three arms
-    at 8 layers; calls that each run every arm once, in one order, pool into rounds that the round-by-round ratios
-    pair as one run would. Refused, naming the file and the option: a file without grpo runs, a file whose workload
+    at 8 layers; each run comes tagged "<call>.<round in it>" (``tag_rounds``), by which the round-by-round ratios
+    pair an arm's runs with the baseline's of the same call and round. Refused, naming the file and the option: a file without grpo runs, a file whose workload
     (``GRPO_WORKLOAD``) differs from this call's, and files from another device than this call's (or, with
     --grpo-rounds 0 and no GPU here, than the first file's): timings compare only on one kind of device. The
     workload is the one each call saved (``grpo.workload``, its parsed options), so no command line is re-parsed."""
@@ -537,12 +534,10 @@ def part_grpo(opts) -> None:
         step_median, gen_median, sync_median = (statistics.median(v) for v in (step, gen, sync))
         # within each run (one worker on the host as it was then) the same rollout, timed again: a spread past
         # ROLLOUT_DRIFT means the machine changed speed mid-run, and that round's ratio does not measure FP8
-        spreads = {}  # round (1-based, or pooled runs' tag) -> (fastest, slowest) timed rollout
-        for index, run in enumerate(arm_runs, 1):
-            own = pooled_after([without_profiled_step(run)], "generate_s", opts.grpo_warmup) if "error" not in run \
-                else []
-            if own and max(own) > ROLLOUT_DRIFT * min(own):
-                spreads[run.get("round", index)] = (min(own), max(own))  # pooled: "<call>.<round in it>"
+        # each run's timed rollouts, by its round (1-based, or pooled runs' tag "<call>.<round in it>")
+        rollouts = {run.get("round", index): pooled_after([without_profiled_step(run)], "generate_s", opts.grpo_warmup)
+                    for index, run in enumerate(arm_runs, 1) if "error" not in run}
+        spreads = {r: (min(v), max(v)) for r, v in rollouts.items() if v and max(v) > ROLLOUT_DRIFT * min(v)}
         if spreads:
             lo, hi = min(v[0] for v in spreads.values()), max(v[1] for v in spreads.values())
             tagged = " (call.round)" if any("round" in r for r in arm_runs) else ""
@@ -552,8 +547,7 @@ def part_grpo(opts) -> None:
             drifted[arm] = (f"   !! {arm}: its timed rollouts took {lo:.3f}-{hi:.3f} s within {where} "
                             f"(x{max(h / f for f, h in spreads.values()):.2f}): the machine's speed changed "
                             f"mid-run, so {whose} not measure FP8; rerun before quoting them")
-        medians = [statistics.median(v) for v in
-                   (pooled_after([without_profiled_step(r)], "generate_s", opts.grpo_warmup) for r in ok) if v]
+        medians = [statistics.median(v) for v in rollouts.values() if v]
         if len(medians) > 1 and max(medians) > ROLLOUT_DRIFT * min(medians):  # steady runs on a host that moved
             between[arm] = (f"   ~ {arm}: its runs' median rollouts went from {min(medians):.3f} to "
                             f"{max(medians):.3f} s from round to round (x{max(medians) / min(medians):.2f}): the "
@@ -566,7 +560,7 @@ def part_grpo(opts) -> None:
                                     f"{100 * STEAL_WARN:.1f}%): it ran on a contended host, so this run's ratios do "
                                     f"not measure FP8; rerun before quoting them")
         # the rest of each step: log-probs, loss, backward, optimizer (one rollout and one sync per step)
-        train = [t - g - y for t, g, y in zip(step, gen, sync)] if len(step) == len(gen) == len(sync) else []
+        train = pooled_after(ok, "train", opts.grpo_warmup)
         train_median = statistics.median(train) if train else None
         startup = [r["startup_s"] for r in ok if "startup_s" in r]
         results[arm] = {"runs": runs[arm], "timed_steps": len(step), "step_median_s": step_median,
