@@ -68,8 +68,8 @@ while ((added < MAX_ROUNDS)); do
         mv "$ROUNDS/$n" "$ROUNDS/failed-$n-$(date +%s)"  # kept for its log, out of the round numbering
         exit 1
     fi
-    # the round's summary: its tables and the paired ratios over every round so far
-    grep -E '^\||paired over|round by round|!!' "$ROUNDS/$n/log.txt"
+    # the round's summary: its tables, the paired ratios over every round so far, its warnings and notes
+    grep -E '^\||paired over|round by round|!!|^   ~ ' "$ROUNDS/$n/log.txt"
     echo "grpo_rounds: round $n done after $(($(date +%s) - T0)) s (exit $status)"
     last=$n added=$((added + 1))
 done
