@@ -53,6 +53,8 @@ PTX_PATTERNS = {
     "cvt_e4m3": r"cvt\.rn\.satfinite\.e4m3x2\.f32",  # hardware fp32 -> e4m3fn, round to nearest even, saturating
     "div_rn": r"div\.rn\.f32",  # IEEE division (numerics._block_scale / _scaled_codes: tl.math.div_rn)
     "div_inexact": r"div\.(full|approx)\.f32",  # what Triton's plain `/` gives: not the reference's division
+    "max_nan": r"\bmax\.NaN\.f32",  # a max that keeps NaN (numerics._abs_max's reduction)
+    "min_f32": r"\bmin(\.\w+)*\.f32",  # an fp32 min: a clamp (tl.clamp lowers to a min and a max)
     "wgmma_e4m3": r"wgmma\.mma_async\.\S*\.e4m3\.e4m3",  # Hopper FP8 tensor cores
     "mma_sync": r"\bmma\.sync",  # the pre-Hopper MMA (an FP8 dot below BLOCK_M 64 upcasts to f16 on it)
     "atom": r"\batom\.global",  # the non-finite counters' atomic add

@@ -163,6 +163,30 @@ def test_quantizers_use_the_hardware_e4m3_cast_and_ieee_division(kernel):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["_quantize_1x128_kernel", "_quantize_128x1_kernel"])
+def test_division_free_twins_spend_three_instructions_per_code(kernel):
+    """numerics._codes and _abs_max_lean, the DIV_FREE twins of the two activation quantizers (CALCLIP_DIV_FREE=1):
+    a twin's amax is one NaN-keeping max per element (max.NaN.f32; no NaN-to-Inf select per element), its codes have
+    no clamp (no fp32 min: the e4m3 cast's saturation does it, the quotient being <= 448.0001) and no division per
+    code (the scale and its reciprocal only: at most half the dividing config's divisions on the same tile). The
+    dividing defaults keep their clamp and per-element select (_scaled_codes) until a GPU has timed the twins."""
+    rows = _compiled(kernel)
+    divisions: dict[tuple, dict[bool, int]] = {}
+    for r in rows:
+        twin = "DIV_FREE=True" in r["config"]
+        if twin:
+            assert r["ptx"]["max_nan"] > 0 and r["ptx"]["min_f32"] == 0, (r["case"], r["config"], r["ptx"])
+        else:
+            assert r["ptx"]["max_nan"] == 0 and r["ptx"]["min_f32"] > 0, (r["case"], r["config"], r["ptx"])
+        tile = (r["case"], r["config"].replace("DIV_FREE=True", "DIV_FREE=False"))
+        divisions.setdefault(tile, {})[twin] = r["ptx"]["div_rn"]
+    pairs = {tile: d for tile, d in divisions.items() if len(d) == 2}
+    assert pairs, "no DIV_FREE twin shares a tile with a dividing config"
+    for tile, d in pairs.items():
+        assert 0 < 2 * d[True] <= d[False], (tile, d)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", sorted(QUANTIZERS - {"_fp8_linear_fused_quant_kernel"}))
 def test_quantizers_store_their_codes_vectorized(kernel):
     """No one-byte global store but the requantizer's non-finite flag: every code store is vectorized, at the ragged

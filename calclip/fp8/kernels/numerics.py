@@ -10,6 +10,8 @@ software (``_e4m3fn_bits``); the GPU tests check that this software encoder equa
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -17,6 +19,8 @@ from calclip.fp8.config import FP8_E4M3_MAX
 from calclip.fp8.reference import AMAX_FLOOR
 
 # Constants used inside kernels must be tl.constexpr globals (Triton rejects plain Python globals in @jit code).
+# Triton reads TRITON_INTERPRET when @triton.jit decorates, at import: so does this module.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 # fp32 bit fields for the exact power-of-two round-up of a scale (reference.round_scale_up_to_pow2).
@@ -38,6 +42,23 @@ def _abs_max(x, axis: tl.constexpr):
     """max |x| along ``axis``, +Inf if any element is NaN or +-Inf: one reduction gives both the amax and the
     non-finite test (``amax == inf``). NaN is mapped to Inf first because a max reduction may drop NaN."""
     return tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=axis)
+
+
+@triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _abs_max_lean(x, axis: tl.constexpr):
+    """``_abs_max`` (the same values) in one instruction per element: compiled, the reduction's max keeps NaN
+    (sm_90 ``max.NaN.f32``, the abs folded in) and a NaN result becomes +Inf once per block, not per element. The
+    interpreter runs a reduction with a combine function of its own element by element in Python (~28x slower), so
+    there this is ``_abs_max``."""
+    if _INTERPRETED:
+        return _abs_max(x, axis)
+    amax = tl.reduce(tl.abs(x), axis, _max_keeping_nan)
+    return tl.where(amax == amax, amax, float("inf"))
 
 
 @triton.jit
@@ -71,25 +92,29 @@ def _reciprocal(scale):
 
 @triton.jit
 def _codes(x, scale, recip, nonfinite, DIV_FREE: tl.constexpr):
-    """``_scaled_codes`` (one IEEE division per element), or with DIV_FREE the same values from ``recip`` =
-    ``_reciprocal(scale)`` and Markstein's correction, two FMAs per element:
+    """The activation quantizers' codes (1x128, 128x1): ``_scaled_codes`` (one IEEE division per element, clamped,
+    NaN blocks selected), or with DIV_FREE the same codes in three instructions per element, for a ``scale`` from
+    ``_block_scale`` of x's own block (|x| <= its amax) and ``recip`` = ``_reciprocal(scale)``:
 
-        q0 = RN(x * recip)     r = fma(-scale, q0, x)  (exact)     q = fma(r, recip, q0) = RN(x / scale)
+        q0 = RN(x * recip)     e = fma(scale, q0, -x) = -(x - scale * q0)  (exact)     q = fma(-e, recip, q0)
 
-    with x's sign put back (the FMAs give +0 for x = -0). Equal to RN(x / scale) for every normal x, and for
-    subnormal x (the residual underflows) within an fp32 ulp of a quotient far below e4m3's smallest step, so the
-    e4m3 codes are the same (benchmarks/check_markstein.py: 1.9e9 pairs, amax from AMAX_FLOOR to 1e38, e4m3
-    midpoints +-3 ulps, every code equal; exact on the H200 in the fused 1x128 + 128x1 quantizer, since removed).
-    An H200 sweep measured the per-element divisions as ~80% of that fused quantizer's gap to copy bandwidth, but in
-    the production 1x128 and 128x1 kernels on an H100 the step ran slower than the division (quantize.py), so their
-    autotune tables keep dividing tiles only and ``CALCLIP_DIV_FREE=1`` puts DIV_FREE twins in front; unused,
-    ``recip`` is dead code the compiler drops (sm_90: the dividing configs' div.rn count is one per code and scale)."""
+    - q = RN(x / scale) for every normal x (Markstein's correction), and for subnormal x within an fp32 ulp of a
+      quotient far below e4m3's smallest step, so the e4m3 codes are the same (benchmarks/check_markstein.py: 1.9e9
+      pairs, amax from AMAX_FLOOR to 1e38, e4m3 midpoints +-3 ulps, every code equal);
+    - the residual is taken negated so that x = -0 gives -0 (q0 = -0, e = +0, q = -0 + -0) with no sign fix-up (the
+      codes of -0 and +0 differ: 0x80 / 0x00);
+    - no clamp: |q| <= 448 / (1 - 2**-24) < 448.0001, which the e4m3fn cast (hardware satfinite, or
+      ``_e4m3fn_bits``) rounds to 448 as the clamp would have;
+    - no per-element NaN select: a non-finite block's scale is NaN, so are its reciprocal and every q.
+
+    The twins' first formulation (a sign fix-up, a clamp and a select: ~10 instructions per element) ran slower than
+    the division on an H100 (quantize.py), so the autotune tables keep dividing tiles only and ``CALCLIP_DIV_FREE=1``
+    puts DIV_FREE twins in front; unused, ``recip`` is dead code the compiler drops (sm_90: the dividing configs'
+    div.rn count is one per code and scale)."""
     if DIV_FREE:
+        # ``v * -1.0``, not ``-v``: Triton lowers a float's unary minus to 0 - v, which turns -0 into +0
         q0 = x * recip
-        q = tl.fma(tl.fma(-scale, q0, x), recip, q0)
-        sign = x.to(tl.int32, bitcast=True) & -2147483648
-        q = ((q.to(tl.int32, bitcast=True) & 2147483647) | sign).to(tl.float32, bitcast=True)
-        return tl.where(nonfinite, float("nan"), tl.clamp(q, -_FP8_MAX, _FP8_MAX))
+        return tl.fma(tl.fma(scale, q0, x * -1.0) * -1.0, recip, q0)
     return _scaled_codes(x, scale, nonfinite)
 
 

@@ -25,7 +25,9 @@ from calclip.fp8.kernels.launch import (
     _as_float_input, _bucket, _ceil_div, _check_2d, _check_block, _check_device, _codes_out, _counter_operands,
     _Tuned,
 )
-from calclip.fp8.kernels.numerics import _abs_max, _block_scale, _codes, _reciprocal, _scaled_codes, _store_codes
+from calclip.fp8.kernels.numerics import (
+    _abs_max, _abs_max_lean, _block_scale, _codes, _reciprocal, _scaled_codes, _store_codes,
+)
 from calclip.fp8.reference import check_out_rows, zero_group_scale
 
 
@@ -45,7 +47,7 @@ def _quantize_1x128_groups(x_ptr, q_ptr, s_ptr, rows, first_group, R, K, NB, str
     cols = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
     mask = (rows[:, None, None] < R) & (cols < K)  # ragged last group and ragged last row tile
     x = tl.load(x_ptr + rows[:, None, None] * stride_xr + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = _abs_max(x, 2)  # [BLOCK_R, GROUPS]
+    amax = _abs_max_lean(x, 2) if DIV_FREE else _abs_max(x, 2)  # [BLOCK_R, GROUPS]
     nonfinite = amax == float("inf")
     scale = _block_scale(amax, nonfinite, POW2)
     codes = _codes(x, scale[:, :, None], _reciprocal(scale)[:, :, None], nonfinite[:, :, None], DIV_FREE)
@@ -111,7 +113,10 @@ def _quantize_1x128_kernel(
 # bench_quant.py, autotune off) the twins of the training tiles ran the 1x128 kernel at 89% of a device copy against
 # 92-94% dividing, the 128x1 at 50-51% against 61-63%, and the 1.5B / 7B model steps no faster. CALCLIP_DIV_FREE=1
 # puts each training default's twin in front of its table (read at import; part of the compile caches' key): the
-# switch another GPU's A/B runs with.
+# switch another GPU's A/B runs with. Those timings are of the twins' first numerics; since the eighteenth session
+# (2026-12-07) a twin also takes its amax with a NaN-keeping max and its codes in three instructions per element
+# (numerics._codes, _abs_max_lean; sm_90 SASS per element: 1x128 ~15 against the dividing default's ~30, 128x1 ~31
+# against ~43), not yet timed.
 DIV_FREE_DEFAULT = os.environ.get("CALCLIP_DIV_FREE", "0") == "1"
 
 
@@ -262,15 +267,16 @@ def _quantize_128x1_kernel(
     POW2: tl.constexpr, SOFT_FP8: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
     DIV_FREE: tl.constexpr,  # codes by numerics._codes' division-free step (every config names it; same codes)
+    K_FIRST: tl.constexpr,  # grid axis 0 walks column tiles (programs launched together read whole rows), not groups
 ):
     """One program: one group of GROUP rows x BLOCK_K columns; reduces over rows, stores codes transposed."""
-    pid_m = tl.program_id(0)
+    pid_m, pid_k = (tl.program_id(1), tl.program_id(0)) if K_FIRST else (tl.program_id(0), tl.program_id(1))
     rows = (pid_m * GROUP + tl.arange(0, GROUP)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    cols = (pid_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
     mask = (rows[:, None] < M) & (cols[None, :] < K)  # ragged last row group and column tile
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    amax = _abs_max(x, 0)  # [BLOCK_K]
+    amax = _abs_max_lean(x, 0) if DIV_FREE else _abs_max(x, 0)  # [BLOCK_K]
     nonfinite = amax == float("inf")
     scale = _block_scale(amax, nonfinite, POW2)
     codes = tl.where(rows[:, None] < M, _codes(x, scale[None, :], _reciprocal(scale)[None, :], nonfinite[None, :],
@@ -280,15 +286,26 @@ def _quantize_128x1_kernel(
     tl.store(s_ptr + pid_m * stride_sb + cols * stride_sk, scale, mask=cols < K)
 
 
-_QUANT_128X1_DEFAULT = triton.Config({"BLOCK_K": 64, "DIV_FREE": False}, num_warps=8)
-_QUANT_128X1_DIV_FREE = triton.Config({"BLOCK_K": 64, "DIV_FREE": True}, num_warps=8)
-_QUANT_128X1_DIV_FREE_TWINS = [_QUANT_128X1_DIV_FREE, triton.Config({"BLOCK_K": 128, "DIV_FREE": True}, num_warps=8)]
+def _tile_128x1(block_k: int, warps: int, *, div_free: bool = False, k_first: bool = False) -> triton.Config:
+    return triton.Config({"BLOCK_K": block_k, "DIV_FREE": div_free, "K_FIRST": k_first}, num_warps=warps)
+
+
+# K_FIRST (eighteenth session, not yet timed): the default grid launches the row groups of one column tile together,
+# each program reading 128-byte pieces of 128 rows; K_FIRST launches a row group's column tiles together, so programs
+# resident at once read whole rows (about 6 MiB contiguous at 8192 x 4096). The autotuner may pick it; the codes are
+# the same.
+_QUANT_128X1_DEFAULT = _tile_128x1(64, 8)
+_QUANT_128X1_DIV_FREE = _tile_128x1(64, 8, div_free=True)
+_QUANT_128X1_DIV_FREE_TWINS = [_QUANT_128X1_DIV_FREE, _tile_128x1(128, 8, div_free=True),
+                               _tile_128x1(64, 8, div_free=True, k_first=True)]
 _QUANT_128X1_CONFIGS = _default_first([
     _QUANT_128X1_DEFAULT,
-    triton.Config({"BLOCK_K": 32, "DIV_FREE": False}, num_warps=4),
-    triton.Config({"BLOCK_K": 64, "DIV_FREE": False}, num_warps=4),
-    triton.Config({"BLOCK_K": 128, "DIV_FREE": False}, num_warps=8),
-    triton.Config({"BLOCK_K": 128, "DIV_FREE": False}, num_warps=16),
+    _tile_128x1(32, 4),
+    _tile_128x1(64, 4),
+    _tile_128x1(128, 8),
+    _tile_128x1(128, 16),
+    _tile_128x1(64, 8, k_first=True),
+    _tile_128x1(128, 8, k_first=True),
 ], _QUANT_128X1_DIV_FREE)
 _quantize_128x1_tuned = _Tuned(_quantize_128x1_kernel, _QUANT_128X1_CONFIGS, key=["K", "M_BUCKET"])
 
@@ -316,7 +333,8 @@ def quantize_128x1(x: Tensor, *, block: int = BLOCK, pow2: bool = False,
     if x.numel() == 0:
         return q_t.t(), s
     _quantize_128x1_tuned.launch(
-        lambda meta: (nb, _ceil_div(k, meta["BLOCK_K"])), (k, _bucket(m), x.dtype), soft_fp8,
+        lambda meta: (_ceil_div(k, meta["BLOCK_K"]), nb) if meta["K_FIRST"] else (nb, _ceil_div(k, meta["BLOCK_K"])),
+        (k, _bucket(m), x.dtype), soft_fp8,
         x, _codes_out(q_t, soft_fp8), s, m, k, m_codes, x.stride(0), x.stride(1), s.stride(0), s.stride(1),
         _bucket(m),
         POW2=pow2, SOFT_FP8=soft_fp8, GROUP=block)
