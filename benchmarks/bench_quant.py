@@ -1,11 +1,15 @@
 """Quantization kernels vs a device copy moving the same number of bytes.
 
-    python benchmarks/bench_quant.py [--quick]
+    python benchmarks/bench_quant.py [--quick] [--configs]
 
 A quantizer reads its input (BF16, 2 bytes/element) and writes FP8 codes (1 byte/element) plus FP32 scales.
 The baseline is ``dst.copy_(src)`` on uint8 buffers sized so that copy's traffic (read + write) equals the
 quantizer's. GB/s counts read + write bytes. Target (docs/benchmarks.md, Kernels): each kernel >= 90% of copy bandwidth.
 The torch reference quantizer is timed at one shape to show what the kernels replace.
+
+--configs: also every config the 1x128 and 128x1 launchers may launch (their autotune tables and the division-free
+twins that CALCLIP_DIV_FREE=1 puts first), each pinned, at the quick shapes, in two interleaved passes (the faster of
+the two kept): each config's share of copy bandwidth and its speed against the table's default, from one run.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+
+import contextlib
 
 from _common import fmt_ms, header, rotating, safe_bench, table, try_import
 
@@ -41,9 +47,78 @@ QUICK = {("1x128", (8192, 4096)), ("1x128", (8192, 14336)), ("128x1", (8192, 409
          ("128x128", (14336, 4096))}
 
 
+def config_label(config) -> str:
+    """A config as the --configs table names it: its meta-parameters that are set (True or a number), and warps."""
+    parts = [k if v is True else f"{k}={v}" for k, v in config.kwargs.items() if v is not False]
+    return " ".join([*parts, f"warps={config.num_warps}"])
+
+
+def pinned_configs(quantize) -> dict[str, list[tuple[str, object, object]]]:
+    """kind -> [(label, launcher, config)]: every config a launcher's table holds, then its division-free twins not
+    already there (CALCLIP_DIV_FREE=1 puts them first), the table's default first."""
+    tables = {"1x128": (quantize._quantize_1x128_tuned, quantize._QUANT_1X128_CONFIGS,
+                        quantize._QUANT_1X128_DIV_FREE_TWINS),
+              "128x1": (quantize._quantize_128x1_tuned, quantize._QUANT_128X1_CONFIGS,
+                        quantize._QUANT_128X1_DIV_FREE_TWINS)}
+    out = {}
+    for kind, (tuned, configs, twins) in tables.items():
+        seen, rows = set(), []
+        for config in [*configs, *twins]:
+            label = config_label(config)
+            if label not in seen:
+                seen.add(label)
+                rows.append((label, tuned, config))
+        out[kind] = rows
+    return out
+
+
+@contextlib.contextmanager
+def pinned(tuned, config):
+    """Launches of ``tuned`` take ``config`` (as CALCLIP_TRITON_AUTOTUNE=0 takes the default) until the block ends."""
+    from calclip.fp8.kernels import launch
+
+    saved = launch._AUTOTUNE, tuned._default_launch
+    launch._AUTOTUNE, tuned._default_launch = False, (config.kwargs, config.all_kwargs())
+    try:
+        yield
+    finally:
+        launch._AUTOTUNE, tuned._default_launch = saved
+
+
+def bench_configs(tk, quantize) -> None:
+    """--configs: each pinned config's time at the quick 1x128 / 128x1 shapes, two interleaved passes."""
+    rows = []
+    for kind, configs in pinned_configs(quantize).items():
+        fn = {"1x128": tk.quantize_1x128, "128x1": tk.quantize_128x1}[kind]
+        for k_kind, shape in sorted(QUICK):
+            if k_kind != kind:
+                continue
+            traffic = traffic_bytes(kind, shape, in_bytes=2)
+            nxt_x = rotating(lambda _: torch.randn(shape, device="cuda", dtype=torch.bfloat16), traffic)
+            half = traffic // 2
+            src, dst = torch.empty(half, device="cuda", dtype=torch.uint8), torch.empty(half, device="cuda",
+                                                                                        dtype=torch.uint8)
+            t_copy = safe_bench(lambda: dst.copy_(src))
+            best: dict[str, float] = {}
+            for _ in range(2):
+                for label, tuned, config in configs:
+                    with pinned(tuned, config):
+                        t = safe_bench(lambda: fn(nxt_x(), gemm_layout=True))
+                    if t is not None:
+                        best[label] = min(best.get(label, t), t)
+            default = best.get(configs[0][0])
+            for label, _, _ in configs:
+                t = best.get(label)
+                rows.append([kind, "x".join(map(str, shape)), label, fmt_ms(t),
+                             "-" if t is None or t_copy is None else f"{100 * t_copy / t:.0f}%",
+                             "-" if t is None or default is None else f"{default / t:.3f}x"])
+    table(["kind", "shape", "config (pinned)", "kernel ms", "of copy", "vs the default"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--configs", action="store_true", help="also time every 1x128 / 128x1 config, pinned")
     args = parser.parse_args()
     header("bench_quant: quantization kernels vs device copy of the same bytes")
     tk = try_import("calclip.fp8.kernels")
@@ -84,6 +159,8 @@ def main() -> None:
         if t_ref and t_tk:
             print(f"torch reference quantize_1x128 8192x4096 on GPU: {t_ref:.3f} ms, Triton {t_tk:.3f} ms "
                   f"({t_ref / t_tk:.1f}x faster)")
+    if args.configs:
+        bench_configs(tk, try_import("calclip.fp8.kernels.quantize"))
 
 
 if __name__ == "__main__":
