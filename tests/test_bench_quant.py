@@ -19,7 +19,8 @@ from calclip.fp8.kernels import launch, quantize  # noqa: E402
 def test_every_table_config_and_each_division_free_twin_is_timed_once_default_first():
     listed = bench_quant.pinned_configs(quantize)
     for kind, table, twins in (("1x128", quantize._QUANT_1X128_CONFIGS, quantize._QUANT_1X128_DIV_FREE_TWINS),
-                               ("128x1", quantize._QUANT_128X1_CONFIGS, quantize._QUANT_128X1_DIV_FREE_TWINS)):
+                               ("128x1", quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_CANDIDATES,
+                                quantize._QUANT_128X1_DIV_FREE_TWINS)):
         labels = [label for label, _, _ in listed[kind]]
         assert len(labels) == len(set(labels))
         assert labels[0] == bench_quant.config_label(table[0])
@@ -35,7 +36,8 @@ def test_pinning_launches_that_config_then_restores_the_launchers_choice(monkeyp
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tuned = quantize._quantize_128x1_tuned
     before = (launch._AUTOTUNE, tuned._default_launch)
-    k_first = next(c for c in quantize._QUANT_128X1_CONFIGS if c.kwargs["K_FIRST"])
+    k_first = next(c for c in quantize._QUANT_128X1_CANDIDATES if c.kwargs["K_FIRST"])
+    assert not any(c.kwargs["K_FIRST"] for c in quantize._QUANT_128X1_CONFIGS)  # off the table until a GPU ran it
     seen = []
     original = launch._Tuned.launch
 

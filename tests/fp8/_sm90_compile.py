@@ -231,7 +231,7 @@ def _dtype_pow2_and_ragged_cases(configs, build):
 
 
 def _cases_quantize_128x1_kernel():
-    configs = quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_DIV_FREE_TWINS
+    configs = quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_DIV_FREE_TWINS + quantize._QUANT_128X1_CANDIDATES
     yield from _dtype_pow2_and_ragged_cases(configs, _quantize_128x1)
 
 

@@ -41,6 +41,7 @@ TABLES = {"quantize_1x128": quantize._QUANT_1X128_CONFIGS,
 TWINS = {"quantize_1x128": quantize._QUANT_1X128_DIV_FREE_TWINS,
          "quantize_1x128 counting": quantize._QUANT_1X128_DIV_FREE_TWINS,
          "quantize_128x1": quantize._QUANT_128X1_DIV_FREE_TWINS}
+CANDIDATES = {"quantize_128x1": quantize._QUANT_128X1_CANDIDATES}
 DIV_FREE = [(name, config) for name, twins in TWINS.items() for config in twins]
 
 
@@ -100,11 +101,12 @@ def _quantize(name: str, x: torch.Tensor, pow2: bool):
 
 def test_the_twins_stay_off_the_autotune_tables_and_each_twins_a_tile_the_table_has():
     """Measured slower than the dividing tiles on an H100 (quantize.py), the twins are not autotune choices: no
-    table holds one unless CALCLIP_DIV_FREE=1 put it there. Each twin is a training tile of its table, the same
-    meta-parameters with DIV_FREE set."""
+    table holds one unless CALCLIP_DIV_FREE=1 put it there. Each twin is a training tile of its table (or of its
+    candidates, bench_quant.py --configs), the same meta-parameters with DIV_FREE set."""
     for name, table in TABLES.items():
-        assert not any(c.kwargs["DIV_FREE"] for c in table), name
-        plain = {(tuple(sorted((k, v) for k, v in c.kwargs.items() if k != "DIV_FREE")), c.num_warps) for c in table}
+        assert not any(c.kwargs["DIV_FREE"] for c in [*table, *CANDIDATES.get(name, [])]), name
+        tiles = [*table, *CANDIDATES.get(name, [])]
+        plain = {(tuple(sorted((k, v) for k, v in c.kwargs.items() if k != "DIV_FREE")), c.num_warps) for c in tiles}
         for twin in TWINS[name]:
             assert twin.kwargs["DIV_FREE"] is True, (name, twin)
             tile = tuple(sorted((k, v) for k, v in twin.kwargs.items() if k != "DIV_FREE"))

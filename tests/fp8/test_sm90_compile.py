@@ -39,13 +39,14 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H100_MAX_SHARED_PER_BLOCK = 232448  # bytes: Hopper's opt-in maximum per block (module docstring)
 
 # Every config each kernel can be launched with: its autotune tables (the first entry is the default config the
-# interpreter, CALCLIP_TRITON_AUTOTUNE=0 and torch.compile without autotuning launch), and the division-free twins
-# CALCLIP_DIV_FREE=1 puts in front.
+# interpreter, CALCLIP_TRITON_AUTOTUNE=0 and torch.compile without autotuning launch), the division-free twins
+# CALCLIP_DIV_FREE=1 puts in front, and the candidates bench_quant.py --configs pins.
 TABLES = {
     "_quantize_1x128_kernel": quantize._QUANT_1X128_CONFIGS + quantize._QUANT_1X128_COUNT_CONFIGS
     + quantize._QUANT_1X128_DIV_FREE_TWINS,
     "_zero_token_rows_kernel": quantize._ZERO_ROWS_CONFIGS,
-    "_quantize_128x1_kernel": quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_DIV_FREE_TWINS,
+    "_quantize_128x1_kernel": quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_DIV_FREE_TWINS
+    + quantize._QUANT_128X1_CANDIDATES,
     "_quantize_128x128_kernel": quantize._QUANT_128X128_CONFIGS,
     "_requantize_128x128_kernel": quantize._QUANT_128X128_CONFIGS,
     "_fp8_block_gemm_kernel": block_gemm._GEMM_CONFIGS,

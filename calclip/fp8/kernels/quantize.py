@@ -290,23 +290,23 @@ def _tile_128x1(block_k: int, warps: int, *, div_free: bool = False, k_first: bo
     return triton.Config({"BLOCK_K": block_k, "DIV_FREE": div_free, "K_FIRST": k_first}, num_warps=warps)
 
 
-# K_FIRST (eighteenth session, not yet timed): the default grid launches the row groups of one column tile together,
-# each program reading 128-byte pieces of 128 rows; K_FIRST launches a row group's column tiles together, so programs
-# resident at once read whole rows (about 6 MiB contiguous at 8192 x 4096). The autotuner may pick it; the codes are
-# the same.
 _QUANT_128X1_DEFAULT = _tile_128x1(64, 8)
 _QUANT_128X1_DIV_FREE = _tile_128x1(64, 8, div_free=True)
-_QUANT_128X1_DIV_FREE_TWINS = [_QUANT_128X1_DIV_FREE, _tile_128x1(128, 8, div_free=True),
-                               _tile_128x1(64, 8, div_free=True, k_first=True)]
 _QUANT_128X1_CONFIGS = _default_first([
     _QUANT_128X1_DEFAULT,
     _tile_128x1(32, 4),
     _tile_128x1(64, 4),
     _tile_128x1(128, 8),
     _tile_128x1(128, 16),
-    _tile_128x1(64, 8, k_first=True),
-    _tile_128x1(128, 8, k_first=True),
 ], _QUANT_128X1_DIV_FREE)
+# Candidates: configs no GPU has yet run, kept off the autotune table (so no launch picks them) until one has tested
+# and timed them; bench_quant.py --configs pins them, the CPU tests pin them against the reference, the sm_90 compile
+# test compiles them. K_FIRST (2026-12-07, eighteenth session): the default grid launches the row groups of one column
+# tile together, each program reading 128-byte pieces of 128 rows; K_FIRST launches a row group's column tiles
+# together, so the programs resident at once read whole rows (about 6 MiB contiguous at 8192 x 4096). Same codes.
+_QUANT_128X1_CANDIDATES = [_tile_128x1(64, 8, k_first=True), _tile_128x1(128, 8, k_first=True)]
+_QUANT_128X1_DIV_FREE_TWINS = [_QUANT_128X1_DIV_FREE, _tile_128x1(128, 8, div_free=True),
+                               _tile_128x1(64, 8, div_free=True, k_first=True)]
 _quantize_128x1_tuned = _Tuned(_quantize_128x1_kernel, _QUANT_128X1_CONFIGS, key=["K", "M_BUCKET"])
 
 
