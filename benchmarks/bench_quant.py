@@ -19,8 +19,6 @@ import argparse
 
 import torch
 
-import contextlib
-
 from _common import fmt_ms, header, rotating, safe_bench, table, try_import
 
 TARGET = 0.90
@@ -46,6 +44,17 @@ CASES = [
 ]
 QUICK = {("1x128", (8192, 4096)), ("1x128", (8192, 14336)), ("128x1", (8192, 4096)), ("128x1", (8192, 14336)),
          ("128x128", (14336, 4096))}
+
+
+def inputs_and_copy_ms(kind: str, shape: tuple[int, ...]):
+    """(next input: rotating BF16 inputs of ``shape``, the baseline: a device copy moving a ``kind`` quantizer's bytes
+    at that shape, ms or None)."""
+    traffic = traffic_bytes(kind, shape, in_bytes=2)
+    nxt_x = rotating(lambda _: torch.randn(shape, device="cuda", dtype=torch.bfloat16), traffic)
+    half = traffic // 2
+    nxt_copy = rotating(lambda _: (torch.randint(0, 255, (half,), device="cuda", dtype=torch.uint8),
+                                   torch.empty(half, device="cuda", dtype=torch.uint8)), traffic)
+    return nxt_x, safe_bench(lambda: (lambda p: p[1].copy_(p[0]))(nxt_copy()))
 
 
 def config_label(config) -> str:
@@ -75,19 +84,6 @@ def pinned_configs(quantize) -> dict[str, list[tuple[str, object, object]]]:
     return out
 
 
-@contextlib.contextmanager
-def pinned(tuned, config):
-    """Launches of ``tuned`` take ``config`` (as CALCLIP_TRITON_AUTOTUNE=0 takes the default) until the block ends."""
-    from calclip.fp8.kernels import launch
-
-    saved = launch._AUTOTUNE, tuned._default_launch
-    launch._AUTOTUNE, tuned._default_launch = False, (config.kwargs, config.all_kwargs())
-    try:
-        yield
-    finally:
-        launch._AUTOTUNE, tuned._default_launch = saved
-
-
 def bench_configs(tk, quantize) -> None:
     """--configs: each pinned config's time at the quick 1x128 / 128x1 shapes, two interleaved passes."""
     rows = []
@@ -96,16 +92,11 @@ def bench_configs(tk, quantize) -> None:
         for k_kind, shape in sorted(QUICK):
             if k_kind != kind:
                 continue
-            traffic = traffic_bytes(kind, shape, in_bytes=2)
-            nxt_x = rotating(lambda _: torch.randn(shape, device="cuda", dtype=torch.bfloat16), traffic)
-            half = traffic // 2
-            src, dst = torch.empty(half, device="cuda", dtype=torch.uint8), torch.empty(half, device="cuda",
-                                                                                        dtype=torch.uint8)
-            t_copy = safe_bench(lambda: dst.copy_(src))
+            nxt_x, t_copy = inputs_and_copy_ms(kind, shape)
             best: dict[str, float] = {}
             for _ in range(2):
                 for label, tuned, config in configs:
-                    with pinned(tuned, config):
+                    with tuned.pinned(config):
                         t = safe_bench(lambda: fn(nxt_x(), gemm_layout=True))
                     if t is not None:
                         best[label] = min(best.get(label, t), t)
@@ -135,11 +126,7 @@ def main() -> None:
             continue
         print(f"-- {kind} {shape}", flush=True)
         traffic = traffic_bytes(kind, shape, in_bytes=2)
-        nxt_x = rotating(lambda _: torch.randn(shape, device="cuda", dtype=torch.bfloat16), traffic)
-        half = traffic // 2
-        nxt_copy = rotating(lambda _: (torch.randint(0, 255, (half,), device="cuda", dtype=torch.uint8),
-                                       torch.empty(half, device="cuda", dtype=torch.uint8)), traffic)
-        t_copy = safe_bench(lambda: (lambda p: p[1].copy_(p[0]))(nxt_copy()))
+        nxt_x, t_copy = inputs_and_copy_ms(kind, shape)
         fn = fns[kind]
         t_q = safe_bench(lambda: fn(nxt_x()))
         t_q_pow2 = safe_bench(lambda: fn(nxt_x(), pow2=True))

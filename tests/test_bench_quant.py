@@ -1,5 +1,5 @@
-"""benchmarks/bench_quant.py --configs: which configs it times, and that pinning one launches exactly that config
-and gives the launcher back its own choice afterwards (the timing itself needs a GPU)."""
+"""benchmarks/bench_quant.py --configs: which configs it times, and that pinning one (``launch._Tuned.pinned``)
+launches exactly that config and gives the launcher back its own choice afterwards (the timing itself needs a GPU)."""
 
 import sys
 from pathlib import Path
@@ -48,7 +48,7 @@ def test_pinning_launches_that_config_then_restores_the_launchers_choice(monkeyp
 
     monkeypatch.setattr(launch._Tuned, "launch", spy)
     x = torch.randn(300, 200).to(torch.bfloat16).to(device)
-    with bench_quant.pinned(tuned, k_first):
+    with tuned.pinned(k_first):
         q, s = quantize.quantize_128x1(x, gemm_layout=True)
     assert (launch._AUTOTUNE, tuned._default_launch) == before
     assert seen == [(False, k_first.kwargs, (4, 3))]  # 200 columns / 64 on grid axis 0, then 3 row groups

@@ -138,16 +138,13 @@ def test_the_environment_switch_makes_the_division_free_twins_the_defaults():
                                   pytest.param("bf16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name,config", DIV_FREE, ids=[f"{n}-{'-'.join(f'{k}{v}' for k, v in c.kwargs.items())}"
                                                        f"-w{c.num_warps}" for n, c in DIV_FREE])
-def test_division_free_codes_equal_the_reference(name, config, data, pow2, exact_fma, monkeypatch):
-    from calclip.fp8.kernels import launch
-
-    monkeypatch.setattr(launch, "_AUTOTUNE", False)  # on a GPU too: launch this config, not the autotuner's choice
-    monkeypatch.setattr(TUNED[name], "_default_launch", (config.kwargs, config.all_kwargs()))
+def test_division_free_codes_equal_the_reference(name, config, data, pow2, exact_fma):
     x = {"midpoints": lambda: _blocks_on_midpoints(256, seed=int(pow2)), "special": lambda: _special(256),
          "bf16": lambda: (torch.randn(256, 512) * 3).to(torch.bfloat16)}[data]()
     if name == "quantize_128x1":
         x = x.t().contiguous()  # its blocks run down the columns: the same adversarial values per block
-    (q, s), (q_ref, s_ref) = _quantize(name, x.to(DEVICE), pow2)
+    with TUNED[name].pinned(config):  # on a GPU too: launch this config, not the autotuner's choice
+        (q, s), (q_ref, s_ref) = _quantize(name, x.to(DEVICE), pow2)
     q = q[: q_ref.shape[0]] if name == "quantize_128x1" else q  # gemm_layout pads the 128x1 codes' rows
     assert q.dtype == FP8_DTYPE and q.shape == q_ref.shape and s.shape == s_ref.shape
     same_s = (s.cpu().contiguous().view(torch.int32) == s_ref.contiguous().view(torch.int32)) | \
@@ -158,13 +155,13 @@ def test_division_free_codes_equal_the_reference(name, config, data, pow2, exact
     assert int(differ.sum()) == 0, f"{int(differ.sum())} of {a.numel()} codes differ"
 
 
-def test_the_interpreters_own_fma_would_not_do(monkeypatch):
+def test_the_interpreters_own_fma_would_not_do():
     """Why the fixture: with the interpreter's twice-rounded fma the division-free codes differ from the reference
     on the midpoint blocks (so the test above, on CPU, checks the GPU's arithmetic, not the interpreter's)."""
     if not INTERPRET:
         pytest.skip("the interpreter's fma only")
     name, config = next((n, c) for n, c in DIV_FREE if n == "quantize_1x128")
-    monkeypatch.setattr(quantize._quantize_1x128_tuned, "_default_launch", (config.kwargs, config.all_kwargs()))
     x = _blocks_on_midpoints(256, seed=0)
-    (q, _), (q_ref, _) = _quantize(name, x, False)
+    with quantize._quantize_1x128_tuned.pinned(config):
+        (q, _), (q_ref, _) = _quantize(name, x, False)
     assert int((q.view(torch.uint8) != q_ref.view(torch.uint8)).sum()) > 0

@@ -120,16 +120,15 @@ _128X1_PINNED = quantize._QUANT_128X1_CONFIGS + quantize._QUANT_128X1_CANDIDATES
 
 @pytest.mark.parametrize("config", _128X1_PINNED, ids=[f"{'-'.join(f'{k}{v}' for k, v in c.kwargs.items())}"
                                                        f"-w{c.num_warps}" for c in _128X1_PINNED])
-def test_every_128x1_tile_and_grid_order_matches_reference(config, monkeypatch):
+def test_every_128x1_tile_and_grid_order_matches_reference(config):
     """Each config the autotuner may pick for the 128x1 quantizer, and each candidate, pinned (the interpreter and
     CALCLIP_TRITON_AUTOTUNE=0 launch only the default): every tile width and both grid orders (K_FIRST walks column
     tiles on grid axis 0) give the reference's codes and scales, at ragged rows and columns and on a NaN block."""
-    monkeypatch.setattr(launch, "_AUTOTUNE", False)  # on a GPU too: launch this config, not the autotuner's choice
-    monkeypatch.setattr(quantize._quantize_128x1_tuned, "_default_launch", (config.kwargs, config.all_kwargs()))
     x = _wide_range((200, 300), torch.bfloat16, seed=5).t().contiguous()  # [300, 200]: 3 row groups, 2-7 tiles
     x[140, 7] = float("nan")
-    _assert_matches_reference("quantize_128x1", x)
-    q, s = quantize.quantize_128x1(x, gemm_layout=True)
+    with quantize._quantize_128x1_tuned.pinned(config):  # on a GPU too: this config, not the autotuner's choice
+        _assert_matches_reference("quantize_128x1", x)
+        q, s = quantize.quantize_128x1(x, gemm_layout=True)
     q_ref, s_ref = ref.quantize_128x1(x.cpu())
     assert _codes_equal(q[:300].cpu(), q_ref) == 0 and not bool(q[300:].cpu().view(torch.uint8).any())
     assert _scales_equal(s.cpu(), s_ref)

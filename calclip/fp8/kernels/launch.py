@@ -21,6 +21,7 @@ The underscore names are private to ``calclip.fp8.kernels``: its modules share t
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -124,6 +125,19 @@ class _Tuned:
         # what torch.compile records (wrap_triton): the configs to tune over, or the default alone
         self.traced = self.autotuner if _AUTOTUNE else triton.autotune(
             configs=[self.default], key=key, restore_value=restore_value)(kernel)
+
+    @contextlib.contextmanager
+    def pinned(self, config: triton.Config):
+        """Until the block ends, this launcher's eager launches take ``config``, as CALCLIP_TRITON_AUTOTUNE=0 takes the
+        default (it turns autotuning off for every launcher meanwhile): what a benchmark timing one config
+        (``bench_quant.py --configs``) or a test checking one does. Not for torch.compile's traces (``traced``)."""
+        global _AUTOTUNE
+        saved = _AUTOTUNE, self._default_launch
+        _AUTOTUNE, self._default_launch = False, (config.kwargs, config.all_kwargs())
+        try:
+            yield
+        finally:
+            _AUTOTUNE, self._default_launch = saved
 
     def launch(self, grid, key: tuple, soft_fp8: bool, *args, **kwargs) -> None:
         """grid: meta-parameter dict -> launch grid; key: the autotune key values plus the input dtypes.
