@@ -291,7 +291,7 @@ def decode_section(opts) -> None:
                                                  do_sample=False, pad_token_id=0,
                                                  logits_processor=LogitsProcessorList([clock]), **extra)
                         seconds, steps = clock.decode_seconds()
-                        last[arm] = out[:, opts.prompt:]
+                        last[arm] = out[:, opts.prompt:]  # noqa: F821
                         return {"tok_s": batch * steps / seconds, "ms_step": seconds / steps * 1e3}
 
                     def build():
@@ -308,11 +308,11 @@ def decode_section(opts) -> None:
                 interleave(list(arms.values()), opts.repeats)
 
                 def agree(a: str, b: str) -> str:
-                    return (f"{float((last[a] == last[b]).float().mean()) * 100:.1f}%" if a in last and b in last
-                            else "-")
+                    return (f"{float((last[a] == last[b]).float().mean()) * 100:.1f}%"  # noqa: F821
+                            if a in last and b in last else "-")  # noqa: F821
 
                 def ratio(a: str, b: str) -> str:
-                    return paired_ratio(arms[a], arms[b], "tok_s") if a in arms and b in arms else "-"
+                    return paired_ratio(arms[a], arms[b], "tok_s") if a in arms and b in arms else "-"  # noqa: F821
 
                 rows.append([name, str(batch), setting]
                             + [cell(arms[a], "tok_s", 0) if a in arms else "-" for a in ARMS]
@@ -323,6 +323,7 @@ def decode_section(opts) -> None:
                                agree("FP8", "fused"), agree("fused", "grouped"), agree("FP8", "frozen")])
                 # Each row as soon as it is measured: a device call cut by its time limit keeps the rows done.
                 print("row: | " + " | ".join(rows[-1]) + " |", flush=True)
+                # ruff checks the closures above as if they ran after this del: their noqa F821 (astral-sh/ruff#9858)
                 del arms, last
         del models, base
         free_memory()

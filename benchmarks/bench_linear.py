@@ -6,8 +6,8 @@ One timed call = y = layer(x); y.backward(dy) with x.requires_grad (forward GEMM
 activation / gradient quantizations, bias off). "fp8" reuses the cached quantized weight (training: one
 weight quantization per optimizer step, amortised over gradient-accumulation micro-batches); "fp8+wq" drops
 the cache before every call (the weight is re-quantized each time: the worst case, no accumulation).
-Target (docs/benchmarks.md, Kernels): >= 1.35x BF16 at M=8192, K=4096, N=14336. Also prints the backend each GEMM resolves to.
-If calclip.fp8.linear cannot be imported, the same three FP8 GEMMs + quantizations are timed from the
+Target (docs/benchmarks.md, Kernels): >= 1.35x BF16 at M=8192, K=4096, N=14336. Also prints the backend each GEMM
+resolves to. If calclip.fp8.linear cannot be imported, the same three FP8 GEMMs + quantizations are timed from the
 kernels directly ("kernels" column) so the hardware numbers still come out.
 """
 

@@ -249,7 +249,8 @@ def table(all_results: dict, failures: dict, args) -> str:
     warmup = _warmup_steps(args.steps)
     single = all_results.get("single")
     base_tps = throughput(single[0], warmup)[1] if single else None
-    rows = ["| mode | GPUs | s/step | tokens/s | vs 1 GPU | peak GiB/GPU (max rank) | loss (last) | max abs d loss vs 1 GPU"
+    rows = ["| mode | GPUs | s/step | tokens/s | vs 1 GPU | peak GiB/GPU (max rank) | loss (last)"
+            " | max abs d loss vs 1 GPU"
             " | calib/low, high (last) | max abs d bound vs 1 GPU | max abs d bound vs ddp"
             " | checks (bounds equal on all ranks, sharding) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -293,7 +294,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=540, help="seconds per mode")
     parser.add_argument("--resume", action="store_true",
                         help="reuse the modes an earlier run with the same --out finished (run modes in several calls)")
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shape, 4 steps, modes single, ddp and (with deepspeed) zero3 over gloo")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, tiny shape, 4 steps, modes single, ddp and (with deepspeed) zero3 over gloo")
     args = parser.parse_args()
     if args.worker:
         run_worker(args)

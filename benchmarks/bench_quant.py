@@ -133,7 +133,10 @@ def main() -> None:
         frac = None if t_copy is None or t_q is None else t_copy / t_q
         if frac is not None:
             worst = frac if worst is None else min(worst, frac)
-        gbs = (lambda t: "-" if t is None else f"{traffic / t / 1e6:.0f}")
+
+        def gbs(t):
+            return "-" if t is None else f"{traffic / t / 1e6:.0f}"
+
         rows.append([kind, "x".join(map(str, shape)), f"{traffic / 1e6:.0f}", fmt_ms(t_copy), gbs(t_copy),
                      fmt_ms(t_q), gbs(t_q), "-" if frac is None else f"{100 * frac:.0f}%",
                      "-" if t_q_pow2 is None or t_copy is None else f"{100 * t_copy / t_q_pow2:.0f}%"])

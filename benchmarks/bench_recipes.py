@@ -1,7 +1,7 @@
 """Each FP8 recipe (``fp8_recipe``: blockwise, rowwise, tensorwise) against BF16, in one run.
 
-Speed: model-level fwd+bwd+AdamW step of a random-weight Llama (the model rows of docs/benchmarks.md: 8 layers hidden 2048
-intermediate 8192, and 4 layers hidden 4096 intermediate 14336; 8 x 2048 tokens, bf16 weights, fused AdamW,
+Speed: model-level fwd+bwd+AdamW step of a random-weight Llama (the model rows of docs/benchmarks.md: 8 layers hidden
+2048 intermediate 8192, and 4 layers hidden 4096 intermediate 14336; 8 x 2048 tokens, bf16 weights, fused AdamW,
 HF causal-LM loss; LM head and embeddings BF16 in every arm), eager and torch.compile'd. Every arm has its own
 model built from the same seed; arms are interleaved (round r runs each arm's steps in turn) and each arm's
 median step over the rounds is reported, with the ratio BF16 / arm in the same mode (> 1: faster than BF16).
@@ -103,7 +103,8 @@ def speed(opts, device) -> None:
     for row_text in opts.rows:
         row = _parse_row(row_text)
         print(f"\n== speed: Llama {row[0]} layers, hidden {row[1]}, intermediate {row[2]}, heads {row[1] // 128} "
-              f"(MHA), vocab {opts.vocab}; {opts.batch}x{opts.seq} tokens, {dtype}, AdamW(fused={device.type == 'cuda'})"
+              f"(MHA), vocab {opts.vocab}; {opts.batch}x{opts.seq} tokens, {dtype}, "
+              f"AdamW(fused={device.type == 'cuda'})"
               f"; {opts.rounds} rounds x {opts.steps} steps after {opts.warmup} warm-up steps ==", flush=True)
         ids = torch.randint(0, opts.vocab, (opts.batch, opts.seq), device=device,
                             generator=torch.Generator(device).manual_seed(0))
@@ -250,8 +251,8 @@ def noise(opts, device) -> None:
             policy = _convert(copy.deepcopy(base), arm)
 
             def logps(shadow: bool):
-                with bf16_shadow(policy) if shadow else _nullcontext():
-                    return _batched_logps(policy, sequences, attention_mask, prompt_len, opts.chunk)
+                with bf16_shadow(policy) if shadow else _nullcontext():  # noqa: F821
+                    return _batched_logps(policy, sequences, attention_mask, prompt_len, opts.chunk)  # noqa: F821
 
             old_q, old_b = logps(False), logps(True)
             optimizer = torch.optim.AdamW(policy.parameters(), lr=opts.lr)
@@ -275,12 +276,14 @@ def noise(opts, device) -> None:
         share_b = ((neg & (torch.exp(new_b - old_b) < low)).sum() / neg.sum()).item()
         tmpe = token_mult_prob_error(new_q, new_b, mask).item()
         tmpe_before = token_mult_prob_error(old_q, old_b, mask).item()
-        rows.append([arm, f"{tmpe_before:.4f}", f"{tmpe:.4f}", f"{share_q:.4f}", f"{share_b:.4f}", f"{log_r_q.std().item():.4f}",
-                     f"{log_r_b.std().item():.4f}", f"{time.perf_counter() - started:.1f} s"])
+        rows.append([arm, f"{tmpe_before:.4f}", f"{tmpe:.4f}", f"{share_q:.4f}", f"{share_b:.4f}",
+                     f"{log_r_q.std().item():.4f}", f"{log_r_b.std().item():.4f}",
+                     f"{time.perf_counter() - started:.1f} s"])
         print(f"   {arm}: done in {time.perf_counter() - started:.1f} s", flush=True)
+        # ruff checks logps above as if it ran after this del: its noqa F821 (astral-sh/ruff#9858)
         del policy, optimizer
-    table(["arm", "tmpe FP8 vs shadow, before", "after updates", "A<0 below 1-eps FP8", "A<0 below 1-eps shadow", "std log r FP8",
-            "std log r shadow", "time / error"], rows)
+    table(["arm", "tmpe FP8 vs shadow, before", "after updates", "A<0 below 1-eps FP8", "A<0 below 1-eps shadow",
+           "std log r FP8", "std log r shadow", "time / error"], rows)
     print("('bf16' has no FP8 layers: its shadow is itself. tmpe: 1.0 perfect, < 1.03-1.05 acceptable.)")
 
 

@@ -31,9 +31,10 @@ Sections (``--only``), each printed (and flushed) as soon as it is done:
   between CUDA events recorded by a logits processor after the first and the last token (prefill excluded).
 - ``trainer``: ``bench_trainer_step.py``'s default config through its own functions: median optimizer-step
   time of CalibratedGRPOTrainer runs (HF generate inside), BF16 vs FP8.
-- ``smollm``: ``calclip train`` equivalents (``calclip.cli.arguments.parse_train_args`` + ``calclip.cli.train.build_trainer``) on the
-  embedded SmolLM2-135M-Instruct with configs/bf16_static.yaml and configs/fp8_calibrated.yaml, fp32 master
-  weights (``--model_dtype float32``, bf16 autocast: the target's setting); ratio FP8/BF16 time, as the target states it.
+- ``smollm``: ``calclip train`` equivalents (``calclip.cli.arguments.parse_train_args`` +
+  ``calclip.cli.train.build_trainer``) on the embedded SmolLM2-135M-Instruct with configs/bf16_static.yaml and
+  configs/fp8_calibrated.yaml, fp32 master weights (``--model_dtype float32``, bf16 autocast: the target's setting);
+  ratio FP8/BF16 time, as the target states it.
 
 Method: arms are interleaved (A B C A B C ...) over ``--repeats`` rounds after a warm-up per arm; medians over
 rounds with the [min-max] spread; ratios are the median of the per-round ratios (arms of one round ran
@@ -43,7 +44,7 @@ trainer and smollm sections interleave whole short runs (``--run-rounds``). Comp
 graph count and graph breaks, and are flagged when they recompile while being timed. Any arm that fails prints
 its error and shows "err"; the other arms go on. torchao is optional: its columns show "-" when it cannot be
 imported or built (it needs sm_90).
-"""
+"""  # noqa: E501 - line 1 is argparse's description (__doc__.splitlines()[0]), line 6 a command to copy
 
 from __future__ import annotations
 
@@ -421,9 +422,9 @@ def layer_section(opts, sizes: Sizes) -> None:
         def arm_of(module: nn.Module, compiled: str | None = None):
             def build():
                 def step():
-                    x, dy = nxt()
+                    x, dy = nxt()  # noqa: F821
                     x.grad = None
-                    base.weight.grad = None
+                    base.weight.grad = None  # noqa: F821
                     module(x).backward(dy)
 
                 if compiled:
@@ -441,13 +442,16 @@ def layer_section(opts, sizes: Sizes) -> None:
 
         arms: dict[str, Arm] = {"BF16": setup_arm("BF16", arm_of(base))}
         if opts.compile_peers:
-            arms["BF16 compile"] = compiled_arm("BF16 compile", lambda: base)
-        arms["FP8 eager"] = setup_arm("FP8 eager", lambda: arm_of(FP8BlockLinear.from_linear(base, Fp8Config()))())
-        arms["FP8 compile"] = compiled_arm("FP8 compile", lambda: FP8BlockLinear.from_linear(base, Fp8Config()))
+            arms["BF16 compile"] = compiled_arm("BF16 compile", lambda: base)  # noqa: F821
+        arms["FP8 eager"] = setup_arm("FP8 eager",
+                                      lambda: arm_of(FP8BlockLinear.from_linear(base, Fp8Config()))())  # noqa: F821
+        arms["FP8 compile"] = compiled_arm("FP8 compile",
+                                           lambda: FP8BlockLinear.from_linear(base, Fp8Config()))  # noqa: F821
         if peer is not None:
-            arms["torchao"] = setup_arm("torchao", lambda: arm_of(peer[0].from_float(base))())
+            arms["torchao"] = setup_arm("torchao", lambda: arm_of(peer[0].from_float(base))())  # noqa: F821
             if opts.compile_peers:
-                arms["torchao compile"] = compiled_arm("torchao compile", lambda: peer[0].from_float(base))
+                arms["torchao compile"] = compiled_arm("torchao compile",
+                                                       lambda: peer[0].from_float(base))  # noqa: F821
         interleave(list(arms.values()), opts.repeats)
         names = list(arms)
         bf16 = arms["BF16"]
@@ -459,6 +463,7 @@ def layer_section(opts, sizes: Sizes) -> None:
         print("   row: " + " | ".join(f"{a} {cell(arms[a], 'wall')} ms" for a in names) + " | "
               + " | ".join(f"BF16/{a} {paired_ratio(bf16, arms[a], 'wall')}" for a in names if a != "BF16"),
               flush=True)
+        # ruff checks the closures above as if they ran after this del: their noqa F821 (astral-sh/ruff#9858)
         del arms, base, nxt
         free_memory()
     print(f"\n### layer: forward+backward per call (ms, median [min-max] of {opts.repeats} rounds of "
@@ -512,8 +517,9 @@ def build_row_model(row: ModelRow, vocab: int, device, seed: int = 0) -> nn.Modu
 
     config = getattr(transformers, ROW_ARCHS[row.arch])(
         vocab_size=vocab, hidden_size=row.hidden, intermediate_size=row.intermediate, num_hidden_layers=row.layers,
-        num_attention_heads=row.heads, num_key_value_heads=row.kv_heads, head_dim=row.head_dim or row.hidden // row.heads,
-        max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        num_attention_heads=row.heads, num_key_value_heads=row.kv_heads,
+        head_dim=row.head_dim or row.hidden // row.heads, max_position_embeddings=4096, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     with torch.device(device):
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -692,12 +698,12 @@ def model_section(opts, sizes: Sizes) -> None:
                 tally = info.setdefault(name, {})
 
                 def step(shorter: int = 0):
-                    ids = batches[counter["i"] % len(batches)]
+                    ids = batches[counter["i"] % len(batches)]  # noqa: F821
                     counter["i"] += 1
                     cut = min(shorter, ids.shape[1] // 2)  # --tiny's 32 tokens: 16
                     training_loss(forward, ids[:, :ids.shape[1] - cut] if cut else ids).backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    optimizer.step()  # noqa: F821
+                    optimizer.zero_grad(set_to_none=True)  # noqa: F821
 
                 sync(device)
                 before = torch.cuda.memory_allocated() if cuda else 0
@@ -765,6 +771,7 @@ def model_section(opts, sizes: Sizes) -> None:
             free_memory()
             print_solo_peaks(row, batch, keys, opts)
             arms = base = optimizer = None
+        # ruff checks step above as if it ran after this del: its noqa F821 (astral-sh/ruff#9858)
         del arms, base, optimizer, batches, makers
         free_memory()
     print_model_summary(results, sizes, opts)
@@ -781,7 +788,8 @@ def print_model_row(row: ModelRow, batch: int, sizes: Sizes, arms: dict[str, Arm
         arm, tally = arms.get(name), info.get(name, {})
         compiled = "graphs" in tally
         rows.append([name, cell(arm, "ms", 1), "1.00x" if name == "BF16" else paired_ratio(bf16, arm, "ms"),
-                     "-" if fastest is None else paired_ratio(fastest, arm, "ms"), cell(arm, "peak", 2), f"{tally['first_s']:.1f}" if "first_s" in tally else "-",
+                     "-" if fastest is None else paired_ratio(fastest, arm, "ms"), cell(arm, "peak", 2),
+                     f"{tally['first_s']:.1f}" if "first_s" in tally else "-",
                      f"{tally['warmup_s']:.1f}" if "warmup_s" in tally else "-",
                      f"{tally['graphs']} / {tally['breaks']} / {tally['recompiled']}" if compiled else "-"])
     print(f"\n### model {row.label}: fwd+bwd+AdamW(fused) step, {batch}x{sizes.seq} tokens, vocab {sizes.vocab} "
@@ -1238,7 +1246,8 @@ def parse_args(argv=None):
     parser.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; "
                         "aot_eager with --tiny)")
     parser.add_argument("--layer-shapes", default=None,
-                        help="layer rows as MxKxN,... (default: docs/benchmarks.md's three; the --tiny ones with --tiny)")
+                        help="layer rows as MxKxN,... (default: docs/benchmarks.md's three; the --tiny ones with "
+                        "--tiny)")
     parser.add_argument("--models", default=None,
                         help="model rows, comma-separated: a named architecture (" + ", ".join(NAMED_MODELS)
                         + "; NAME:LAYERS or NAME:LAYERS:BATCH to change its layers / sequences), "
@@ -1252,8 +1261,8 @@ def parse_args(argv=None):
                         "same model with a speed lever changed, beside the default FP8 arms; a value with ';' is a "
                         "tuple (keep_patterns=lm_head;self_attn keeps the attention projections in BF16)")
     parser.add_argument("--fp8-options-b", default=None, metavar="KEY=VALUE,...",
-                        help="Fp8Config fields of the FP8B arms (fp8y, fp8yc, fp8yr): a second variant beside FP8+ in the "
-                        "same interleaved run, e.g. resident_dgrad_codes=true")
+                        help="Fp8Config fields of the FP8B arms (fp8y, fp8yc, fp8yr): a second variant beside FP8+ in "
+                        "the same interleaved run, e.g. resident_dgrad_codes=true")
     parser.add_argument("--peak-per-process", action="store_true",
                         help="model section: after each row, each arm's peak memory measured in a process of its own")
     parser.add_argument("--solo-peak", default=None, help=argparse.SUPPRESS)  # print_solo_peaks' child processes
@@ -1275,8 +1284,9 @@ def parse_args(argv=None):
                         help="also time torch.compile'd BF16 and torchao arms (layer, model): more compile time")
     parser.add_argument("--trainer-runs", default="bf16_static,fp8_static",
                         help="runs compared (first = baseline): bench_trainer_step's bf16_static, fp8_static, "
-                        "fp8_calibrated, and bf16_/fp8_ + compile (torch_compile=True), graphed_gen (compile_generation=True), "
-                        "graphed_gen_fresh (the same with keep_generation_cache=False), compile_all (both)")
+                        "fp8_calibrated, and bf16_/fp8_ + compile (torch_compile=True), "
+                        "graphed_gen (compile_generation=True), graphed_gen_fresh (the same with "
+                        "keep_generation_cache=False), compile_all (both)")
     parser.add_argument("--seq-len", type=int, default=None, metavar="TOKENS",
                         help="the model rows' tokens per sequence (default 2048; 32 with --tiny). An odd length, e.g. "
                              "2047 at 4 sequences (8188 tokens, not a multiple of 16), is a trainer's ragged "

@@ -81,8 +81,8 @@ def model_builder(tokenizer, *, layers: int, hidden: int, intermediate: int):
     return model_fn
 
 
-def timed_steps(trainer_cls, config_cls, *, model_fn, tokenizer, dataset, reward, overrides, steps, warmup, completion_length,
-                warmup_times: list[float] | None = None):
+def timed_steps(trainer_cls, config_cls, *, model_fn, tokenizer, dataset, reward, overrides, steps, warmup,
+                completion_length, warmup_times: list[float] | None = None):
     """Train ``steps + warmup`` optimizer steps; return (the last ``steps`` step times, last logged metrics, model).
     ``overrides`` are config fields and win over the defaults below (e.g. ``bf16=False`` on CPU); the warm-up steps'
     times are appended to ``warmup_times`` when given."""
@@ -164,12 +164,15 @@ def main():
         )
         fb = _fwd_bwd_time(model, len(tokenizer), batch=16, seq=opts.fwd_seq)
         results[name] = dict(step_s=statistics.median(step_times), steps=step_times, fwd_bwd_s=fb,
-                             peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None, last_log=metrics)
+                             peak_mem_gib=(torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
+                                           else None),
+                             last_log=metrics)
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        print(f"{name}: median step {results[name]['step_s']:.3f} s, fwd+bwd [16x{opts.fwd_seq}] {fb * 1e3:.1f} ms", flush=True)
+        print(f"{name}: median step {results[name]['step_s']:.3f} s, "
+              f"fwd+bwd [16x{opts.fwd_seq}] {fb * 1e3:.1f} ms", flush=True)
 
     base = results["bf16_static"]
     print(f"\nLlama {opts.layers} layers, hidden {opts.hidden}, intermediate {opts.intermediate}, "

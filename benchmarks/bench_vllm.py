@@ -79,7 +79,8 @@ built from configs.
 
 Code: this file is the command line, the child processes (one per part, model and engine) and their merged results;
 the parts live beside it in vllm_mismatch.py (ops, mismatch), vllm_decode.py (decode, decode_profile, hf_decode) and
-vllm_grpo.py (grpo), all built on vllm_common.py (the environment vLLM reads at import, models, engines, shared helpers).
+vllm_grpo.py (grpo), all built on vllm_common.py (the environment vLLM reads at import, models, engines, shared
+helpers).
 """
 
 from __future__ import annotations

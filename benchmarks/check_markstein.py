@@ -70,7 +70,8 @@ def e4m3(q: np.ndarray) -> np.ndarray:
 
 
 def e4m3_midpoints() -> np.ndarray:
-    values = sorted({(1 + k / 8) * 2.0 ** e for e in range(-6, 9) for k in range(8)} | {k * 2.0 ** -9 for k in range(8)})
+    values = sorted({(1 + k / 8) * 2.0 ** e for e in range(-6, 9) for k in range(8)}
+                    | {k * 2.0 ** -9 for k in range(8)})
     v = np.array([x for x in values if x <= E4M3_MAX], F64)
     return (v[1:] + v[:-1]) / 2
 

@@ -17,7 +17,7 @@ transformers compiles the decode step with CUDA graphs; CUPTI still reports the 
 wall ms per decode step, summed kernel ms per decode step (their ratio says how host-bound the step is), then the
 top kernels by GPU time. One warm-up generate per arm (compilation, autotuning), then one profiled generate; a
 probe, not a benchmark: arms are not interleaved and there is one round.
-"""
+"""  # noqa: E501 - line 1 is argparse's description (__doc__.splitlines()[0])
 from __future__ import annotations
 
 import argparse

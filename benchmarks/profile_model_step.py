@@ -1,5 +1,6 @@
 """Where one model training step's GPU time goes: GEMMs (BF16 / FP8), FP8 quantizers, attention, optimizer, fused
-elementwise (norms, RoPE, SiLU, loss), copies, other; BF16 compiled against calclip FP8 compiled (the model rows of docs/benchmarks.md).
+elementwise (norms, RoPE, SiLU, loss), copies, other; BF16 compiled against calclip FP8 compiled (the model rows of
+docs/benchmarks.md).
 
 bench_speed.py's model rows say how fast a step is; this says where the time goes, from torch.profiler's CUDA kernel
 names, so one GPU run tells which speed lever to pull (a quantizer share larger than the GEMM time FP8 saves, say):
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
         model = makers[key]()
 
         def step():
-            bs.training_loss(model, ids).backward()
+            bs.training_loss(model, ids).backward()  # noqa: F821
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -225,6 +226,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         print(f"   {name}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
         results[name] = profile_arm(step, opts.steps, device)
+        # ruff checks step above as if it ran after this del: its noqa F821 (astral-sh/ruff#9858)
         del model
         bs.free_memory()
     print_report(results, opts.steps, opts.top)

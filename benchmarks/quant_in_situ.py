@@ -72,7 +72,8 @@ def traffic(kind: str, tokens: int, width: int) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-1.5b", help="bench_speed.py --models syntax (one model)")
-    parser.add_argument("--variants", action="store_true", help="also without the counter (the default configs: a separate run with "
+    parser.add_argument("--variants", action="store_true",
+                        help="also without the counter (the default configs: a separate run with "
                         "CALCLIP_TRITON_AUTOTUNE=0)")
     parser.add_argument("--tiny", action="store_true", help="CPU: print the call list and the bytes, time nothing")
     opts = parser.parse_args(argv)

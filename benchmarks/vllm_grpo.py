@@ -408,10 +408,11 @@ def earlier_grpo_runs(opts, device: str | None) -> dict[str, list[dict]]:
     """--grpo-earlier: per arm label, the runs of earlier calls (each file an earlier call's $OUT/bench_vllm.json), in
     the files' order, to pool with this call's. A device call lasts at most 10 minutes, about one round of three arms
     at 8 layers; each run comes tagged "<call>.<round in it>" (``tag_rounds``), by which the round-by-round ratios
-    pair an arm's runs with the baseline's of the same call and round. Refused, naming the file and the option: a file without grpo runs, a file whose workload
-    (``GRPO_WORKLOAD``) differs from this call's, and files from another device than this call's (or, with
-    --grpo-rounds 0 and no GPU here, than the first file's): timings compare only on one kind of device. The
-    workload is the one each call saved (``grpo.workload``, its parsed options), so no command line is re-parsed."""
+    pair an arm's runs with the baseline's of the same call and round. Refused, naming the file and the option: a file
+    without grpo runs, a file whose workload (``GRPO_WORKLOAD``) differs from this call's, and files from another device
+    than this call's (or, with --grpo-rounds 0 and no GPU here, than the first file's): timings compare only on one kind
+    of device. The workload is the one each call saved (``grpo.workload``, its parsed options), so no command line is
+    re-parsed."""
     runs: dict[str, list[dict]] = {}
     for call, path in enumerate(opts.grpo_earlier, 1):
         saved = json.loads(Path(path).read_text())
@@ -422,8 +423,8 @@ def earlier_grpo_runs(opts, device: str | None) -> dict[str, list[dict]]:
                              f"from --parts grpo)")
         for name, now in grpo_workload(opts).items():
             if name not in then or then[name] != now:
-                raise ValueError(f"--grpo-earlier {path}: --{name.replace('_', '-')} was {then.get(name, 'not saved')!r}"
-                                 f", this call's is {now!r}: not the same work")
+                raise ValueError(f"--grpo-earlier {path}: --{name.replace('_', '-')} was "
+                                 f"{then.get(name, 'not saved')!r}, this call's is {now!r}: not the same work")
         found = {label: result["runs"] for label, result in grpo.items()
                  if isinstance(result, dict) and isinstance(result.get("runs"), list) and result["runs"]}
         if not found:
@@ -520,7 +521,8 @@ def part_grpo(opts) -> None:
         device = torch.cuda.get_device_name() if opts.grpo_rounds and torch.cuda.is_available() else None
         earlier = earlier_grpo_runs(opts, device)
         this_call = len(opts.grpo_earlier) + 1
-        pooled = {label: earlier.get(label, []) + tag_rounds(label_runs, this_call) for label, label_runs in runs.items()}
+        pooled = {label: earlier.get(label, []) + tag_rounds(label_runs, this_call)
+                  for label, label_runs in runs.items()}
         results["earlier_calls"] = list(opts.grpo_earlier)
         print(f"   pooled with {len(opts.grpo_earlier)} earlier call(s): "
               + ", ".join(f"{label} {len(earlier.get(label, []))} run(s)" for label in runs), flush=True)

@@ -392,8 +392,8 @@ def part_mismatch(opts) -> None:
                 from calclip.rollout.vllm_sync import sync_fp8_weights
 
                 for arm, llm in engines.items():
-                    sync = (lambda llm=llm: sync_bf16(llm, base)) if arm == "BF16" else (
-                        lambda llm=llm, arm=arm: sync_fp8_weights(llm, arm_policy[arm]))
+                    sync = (lambda llm=llm: sync_bf16(llm, base)) if arm == "BF16" else (  # noqa: F821
+                        lambda llm=llm, arm=arm: sync_fp8_weights(llm, arm_policy[arm]))  # noqa: F821
                     sync_ms[arm] = timed_ms(sync)
             for arm, llm in engines.items():
                 fp8 = arm != "BF16"
@@ -437,6 +437,7 @@ def part_mismatch(opts) -> None:
         for llm in list(engines.values()):
             shutdown(llm)
         engines.clear()
+        # ruff checks the sync lambdas above as if they ran after this del: their noqa F821 (astral-sh/ruff#9858)
         del base, policy, policies, arm_policy
         gc.collect()
         if torch.cuda.is_available():

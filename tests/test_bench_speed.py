@@ -270,7 +270,8 @@ def test_parse_fp8_options_types():
         "decode_fused_max_m": None, "fuse_producers": True}
     assert bench_speed.parse_fp8_options("gemm=scaled_mm") == {"gemm": "scaled_mm"}
     assert bench_speed.parse_fp8_options(None) == {}
-    assert bench_speed.parse_fp8_options("keep_patterns=lm_head;self_attn") == {"keep_patterns": ("lm_head", "self_attn")}
+    assert (bench_speed.parse_fp8_options("keep_patterns=lm_head;self_attn")
+            == {"keep_patterns": ("lm_head", "self_attn")})
     assert bench_speed.parse_fp8_options("keep_patterns=lm_head;") == {"keep_patterns": ("lm_head",)}
     with pytest.raises(ValueError, match="keep_patterns"):  # one string is not a sequence of regexes
         bench_speed.parse_fp8_options("keep_patterns=lm_head")

@@ -115,7 +115,8 @@ def test_the_reader_sees_deferred_relative_and_named_imports(tmp_path):
     for path, text in {
         "__init__.py": "",
         "a/__init__.py": "from pkg.a.inner import thing\n",
-        "a/inner.py": "import os\n\ndef thing():\n    from pkg.b import other  # deferred\n    import trl\n    return other\n",
+        "a/inner.py": "import os\n\ndef thing():\n    from pkg.b import other  # deferred\n    import trl\n"
+                      "    return other\n",
         "b/__init__.py": "from .mod import other\n",
         "b/mod.py": "def other():\n    from ..a import inner\n    return inner\n",
         "c.py": '_LAZY = {"X": "pkg.b.mod", "doc": "pkg.b.mod is a module"}\n',

@@ -37,5 +37,7 @@ def test_quantizer_bytes_by_hand_for_one_small_layer():
     outs = 256 + 128 * 2 + 256 + 512 * 2 + 256
     assert b.quant_bytes["x"] == 2 * 3 * 128 * ins
     assert b.quant_bytes["dy"] == 2 * 3 * 128 * outs
-    assert b.quant_bytes["weights"] == 2 * 3 * sum(k * n for k, n in budget_probe.layer_linears(256, 512, 2, 1, 128).values())
-    assert sum(b.gemm_flops.values()) == 3 * 2 * 128 * sum(k * n for k, n in budget_probe.layer_linears(256, 512, 2, 1, 128).values())
+    assert b.quant_bytes["weights"] == 2 * 3 * sum(
+        k * n for k, n in budget_probe.layer_linears(256, 512, 2, 1, 128).values())
+    assert sum(b.gemm_flops.values()) == 3 * 2 * 128 * sum(
+        k * n for k, n in budget_probe.layer_linears(256, 512, 2, 1, 128).values())

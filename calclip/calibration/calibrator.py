@@ -214,7 +214,8 @@ class ClipCalibrator:
         not change. Returns the masked tokens left out for a non-finite or non-positive value (over all ranks)."""
         if ratio_bf16 is None:
             if self.schedule != "every_step":
-                raise RuntimeError(f"FP8-only tokens feed the 'every_step' refit; this calibrator uses {self.schedule!r}")
+                raise RuntimeError("FP8-only tokens feed the 'every_step' refit; this calibrator uses "
+                                   f"{self.schedule!r}")
             (rq,), adv, num_nonfinite = _select_tokens(mask, advantages, ratio_fp8)
             adv, rq, num_nonfinite = self._gather(adv, rq, num_nonfinite=num_nonfinite)
             if self._alpha is not None or self._balance_p is not None or self._beta is not None:

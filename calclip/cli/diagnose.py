@@ -124,7 +124,8 @@ def diagnose(argv: list[str] | None = None) -> dict:
     # exaggerate the spread); four copies so the batch has more than one row.
     input_ids = tokenizer(DIAGNOSE_TEXT, return_tensors="pt")["input_ids"][:, : options.seq_len].repeat(4, 1)
     if options.model == "tiny":  # a random model has no data distribution: random ids are as good as text
-        input_ids = torch.randint(0, model.config.vocab_size, (4, options.seq_len), generator=torch.Generator().manual_seed(0))
+        input_ids = torch.randint(0, model.config.vocab_size, (4, options.seq_len),
+                                  generator=torch.Generator().manual_seed(0))
     started = time.perf_counter()
     spread = fp8_logratio_spread(model, input_ids)
     print(f"\nFP8 (blocks 128x128 / 1x128) vs unquantized shadow, model {options.model!r}, "
@@ -158,7 +159,8 @@ def _diagnose_plot(model, tokenizer, options) -> dict:
                             lr=options.lr, eps_low=options.epsilon, eps_high=options.epsilon, title=title)
     print(f"\nmoved policy ({options.update_steps} AdamW steps, lr {options.lr:g}; {result['tokens_neg']} A<0 and "
           f"{result['tokens_pos']} A>0 tokens, {time.perf_counter() - started:.1f} s):")
-    print(f"  std of log r             FP8 {result['log_ratio_std_fp8']:.4f}, BF16 shadow {result['log_ratio_std_bf16']:.4f}")
+    print(f"  std of log r             FP8 {result['log_ratio_std_fp8']:.4f}, "
+          f"BF16 shadow {result['log_ratio_std_bf16']:.4f}")
     print(f"  calibrated bounds        L {result['low']:.4f}, H {result['high']:.4f}")
     print(f"  A<0 dropped (r < bound)  FP8 at 1-eps {result['neg_low_frac_fp8_static']:.1%}, BF16 at 1-eps "
           f"{result['neg_low_frac_bf16']:.1%}, FP8 at L {result['neg_low_frac_fp8']:.1%}")

@@ -23,7 +23,8 @@ def _compact_progress_callback_class():
         shown = (("reward", "reward"), ("entropy", "entropy"), ("calib/low", "low"), ("calib/high", "high"))
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(total=state.max_steps, desc="train", dynamic_ncols=True) if state.is_world_process_zero else None
+            self.bar = (tqdm(total=state.max_steps, desc="train", dynamic_ncols=True) if state.is_world_process_zero
+                        else None)
             self.latest = {}
 
         def on_step_end(self, args, state, control, **kwargs):

@@ -419,8 +419,9 @@ def render_report(root: Path, record: dict, runs: list[Run], windows: list[Windo
                   f"(two-sided alpha {ALPHA:g}, normal approximation).", "",
                   contrasts_table(record, runs, primary, partial), ""]
     lines += ["## Degenerated runs", "",
-              f"A finished run degenerated when, over the last quarter of its steps, its mean completion length exceeds "
-              f"{DEGENERATE_LENGTH:g} tokens or its mean share of repeated n-grams exceeds {DEGENERATE_REPEAT:g}.", "",
+              "A finished run degenerated when, over the last quarter of its steps, its mean completion length "
+              f"exceeds {DEGENERATE_LENGTH:g} tokens or its mean share of repeated n-grams exceeds "
+              f"{DEGENERATE_REPEAT:g}.", "",
               degenerate_table(record, runs), ""]
     lines += ["## Per seed", "", "Each counted run's window mean (the numbers behind the ± above), for the metrics "
               "where one seed can drift or garble on its own.", ""]

@@ -5,8 +5,9 @@ A run folder holds ``command.json`` (the train argv), ``train.log`` (stdout+stde
 A run whose status is ``finished`` is skipped; any other run resumes from its last complete checkpoint (one that
 ``calclip.run.checkpoint.checkpoint_problem`` passes, the rule every resume uses: every file present and whole,
 ``trainer_state.json``'s step agreeing with the folder and with calclip's state) or starts over. Up to ``parallel``
-processes run at once (several share one GPU, or are spread over ``gpus``). With a time limit, or on SIGTERM, running processes get
-SIGTERM: they save a checkpoint after the current step and exit (`EXIT_STOPPED`), so the next call continues.
+processes run at once (several share one GPU, or are spread over ``gpus``). With a time limit, or on SIGTERM, running
+processes get SIGTERM: they save a checkpoint after the current step and exit (`EXIT_STOPPED`), so the next call
+continues.
 """
 
 from __future__ import annotations
@@ -238,7 +239,8 @@ def run_grid(
     for spec in specs:
         if is_finished(spec.directory):
             status = read_status(spec.directory)
-            outcomes[spec.label] = RunOutcome(FINISHED, 0, status.get("steps", spec.max_steps), status.get("wall_s", 0.0))
+            outcomes[spec.label] = RunOutcome(FINISHED, 0, status.get("steps", spec.max_steps),
+                                              status.get("wall_s", 0.0))
         else:
             pending.append(spec)
     if len(pending) < len(specs):

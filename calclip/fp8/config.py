@@ -209,19 +209,19 @@ class Fp8Config:
         shape: the fused kernel redoes the quantization in each N tile (docs/usage.md, Fused decode).
         An int N > 0: eager and compiled calls of up to N rows on CUDA (compiled calls record the triton op
         ``calclip::fp8_linear_decode``), and eager CPU calls under TRITON_INTERPRET=1 (the tests).
-    decode_group_siblings (experimental): in eager fused decode calls, run the sibling linears that read one input (a decoder
-        layer's q_proj/k_proj/v_proj, gate_proj/up_proj) as ONE launch over their stacked codes: 4 launches per
+    decode_group_siblings (experimental): in eager fused decode calls, run the sibling linears that read one input (a
+        decoder layer's q_proj/k_proj/v_proj, gate_proj/up_proj) as ONE launch over their stacked codes: 4 launches per
         Llama-style layer instead of 7 (``calclip.fp8.siblings``). Same codes, scales and output bits; the
         non-finite count's total is the same, all of it on the first sibling. Off by default until measured on
         a GPU. Needs the fused decode (``decode_fused_max_m`` not 0) and the blockwise recipe.
     scaled_mm_row_scales: None (default: on wherever it applies, i.e. the blockwise recipe with gemm "auto" or
-        "scaled_mm"; ``Fp8Config.row_scales`` resolves it), True, or False. On: on the H200, run the forward and dgrad GEMMs whose
-        contraction dim is a multiple of 128 but not of 512 (Qwen2.5-1.5B's down projection, K = 8960; its gate/up
-        and k/v dgrad; Qwen2.5-0.5B's every linear) on torch._scaled_mm with the weight's 128x128 scales repeated per
-        row, instead of calclip's Triton GEMM: cuBLAS returns wrong results for a 128x128 scale whose K/128 is not a
-        multiple of 4, not for one scale per row (``calclip.fp8.gemm``). Same codes and scales, so the same products,
-        summed in cuBLAS' order; costs one small copy of the weight's scales per call. Faster on the H200 where
-        it applies (docs/benchmarks.md, FP8 at real model shapes: the Qwen2.5-1.5B-dims model row, compiled);
+        "scaled_mm"; ``Fp8Config.row_scales`` resolves it), True, or False. On: on the H200, run the forward and dgrad
+        GEMMs whose contraction dim is a multiple of 128 but not of 512 (Qwen2.5-1.5B's down projection, K = 8960; its
+        gate/up and k/v dgrad; Qwen2.5-0.5B's every linear) on torch._scaled_mm with the weight's 128x128 scales
+        repeated per row, instead of calclip's Triton GEMM: cuBLAS returns wrong results for a 128x128 scale whose K/128
+        is not a multiple of 4, not for one scale per row (``calclip.fp8.gemm``). Same codes and scales, so the same
+        products, summed in cuBLAS' order; costs one small copy of the weight's scales per call. Faster on the H200
+        where it applies (docs/benchmarks.md, FP8 at real model shapes: the Qwen2.5-1.5B-dims model row, compiled);
         7B/8B dims have no such GEMM (every K/128 a multiple of 4), so nothing changes there.
     refresh_graph: on CUDA, once every FP8 layer of a converted model has its code buffers, re-quantize all of them
         after an optimizer step by one CUDA-graph replay instead of three launches per layer (``calclip.fp8.

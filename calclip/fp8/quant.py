@@ -153,7 +153,8 @@ def requantize_128x128_(w: Tensor, q: Tensor, s: Tensor, bad: Tensor, *,
     """Refresh a weight's code buffers in place: q, s = quantize_128x128(w), bad (bool []) = a scale is NaN, and,
     when ``transposed`` = (qt, st) is given, qt = q.t(), st = s.t() (contiguous). On CUDA one Triton launch writes
     the codes, scales and flag and a second one W^T's (FP8BlockLinear's weight refresh; the unfused sequence is
-    eight launches); elsewhere the quantizer's outputs are copied in. Either way the buffers keep their storage and their autograd versions move."""
+    eight launches); elsewhere the quantizer's outputs are copied in. Either way the buffers keep their storage and
+    their autograd versions move."""
     fn = _triton_impl(w, "requantize_128x128_", block)
     if fn is not None:
         qt, st = transposed if transposed is not None else (None, None)

@@ -23,7 +23,7 @@ import os
 import warnings
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from calclip.fp8 import quant
 

@@ -38,7 +38,8 @@ def default_model_dir() -> Path:
         )
     if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(
-            "loading the default GGUF model needs the package 'gguf': pip install \"calclip[demo]\" (or pip install gguf)"
+            "loading the default GGUF model needs the package 'gguf': pip install \"calclip[demo]\" "
+            "(or pip install gguf)"
         )
     directory = Path(next(iter(spec.submodule_search_locations)))
     if not (directory / DEFAULT_GGUF_FILE).is_file():

@@ -88,8 +88,8 @@ class DirectSync:
     def verify(self, params: Mapping[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]) -> bool:
         """Compare ``params`` (the engine model's ``named_parameters()``, just loaded by vLLM from the same weights)
         with ``named_tensors`` (a second pass of the sync stream) under that layout (module docstring), one tensor
-        at a time (a shard waits only until the shards before it in the fused order have passed: in HF's parameter order,
-        never). Sets and returns ``verified``; on a difference, ``reason`` names the first tensor and how."""
+        at a time (a shard waits only until the shards before it in the fused order have passed: in HF's parameter
+        order, never). Sets and returns ``verified``; on a difference, ``reason`` names the first tensor and how."""
         self.slots, self.verified, self.reason = None, False, None
         slots: dict[str, Slot] = {}
         fused_rows: dict[str, tuple[str, list[int | None]]] = {}  # target -> (fused name, rows of each shard seen)

@@ -419,7 +419,8 @@ def engine_fp8_mismatches(vllm_model: nn.Module, policy: nn.Module) -> list[str]
             continue
         got = rows_view(got.data)
         got = got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got
-        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype or not torch.equal(got, want.to(got.device)):
+        if (tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype
+                or not torch.equal(got, want.to(got.device))):
             bad.append(f"{name}: engine {got.dtype} {tuple(got.shape)}, trainer {want.dtype} {tuple(want.shape)}")
     return bad
 
@@ -694,9 +695,9 @@ def engine_speed_kwargs(*, kv_cache_dtype: str = "auto", async_scheduling: bool 
 
 
 # The process-wide cache directories vLLM 0.24 moves to its own compile cache when an engine compiles
-# (``InductorAdaptor.initialize_cache``: ``<VLLM_CACHE_ROOT>/torch_compile_cache/<hash>/rank_<r>_<dp>``, the hash covering
-# the model's path and config): Inductor's (FX graphs, AOTAutograd, autotuning) and Triton's (compiled kernels, and
-# the autotuning timings ``triton.autotune(cache_results=True)`` keeps there).
+# (``InductorAdaptor.initialize_cache``: ``<VLLM_CACHE_ROOT>/torch_compile_cache/<hash>/rank_<r>_<dp>``, the hash
+# covering the model's path and config): Inductor's (FX graphs, AOTAutograd, autotuning) and Triton's (compiled kernels,
+# and the autotuning timings ``triton.autotune(cache_results=True)`` keeps there).
 COMPILE_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 

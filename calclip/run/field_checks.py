@@ -5,9 +5,10 @@
   AdamW constants, batch and accumulation sizes, sampling parameters, beta) lie in their meaningful range;
 - ``resume_flag``: ``resume_from_checkpoint`` normalized to what ``Trainer.train`` takes.
 
-calclip's own fields are range-checked in ``CalibratedGRPOConfig._validate_calclip_fields``. The YAML loader and the command line hand values through unconverted where a dataclass field has no single type
-(``TrlParser`` reads ``resume_from_checkpoint: true`` from YAML as a bool, ``--resume_from_checkpoint true`` as a
-string), so the values are normalized or refused here rather than deep inside ``train()``.
+calclip's own fields are range-checked in ``CalibratedGRPOConfig._validate_calclip_fields``. The YAML loader and the
+command line hand values through unconverted where a dataclass field has no single type (``TrlParser`` reads
+``resume_from_checkpoint: true`` from YAML as a bool, ``--resume_from_checkpoint true`` as a string), so the values are
+normalized or refused here rather than deep inside ``train()``.
 """
 
 from __future__ import annotations

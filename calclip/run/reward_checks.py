@@ -94,7 +94,8 @@ def exclude_nonfinite_rewards(rewards_per_func: Tensor) -> tuple[Tensor, Tensor]
     as it is and not counted.
     """
     if rewards_per_func.dim() != 2:
-        raise ValueError(f"rewards_per_func must be [completions, reward functions], got {tuple(rewards_per_func.shape)}")
+        raise ValueError("rewards_per_func must be [completions, reward functions], "
+                         f"got {tuple(rewards_per_func.shape)}")
     infinite = torch.isinf(rewards_per_func)  # [N, F]
     rows = infinite.any(dim=1, keepdim=True)
     return torch.where(rows, torch.nan, rewards_per_func), infinite.sum(dim=0)

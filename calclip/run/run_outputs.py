@@ -1,11 +1,11 @@
 """What a `calclip train` run leaves for whoever supervises it (``calclip compare``, a cluster script): the per-run
 metrics file, and the exit status of a run that a SIGTERM stopped after a checkpoint (``run_callbacks``).
 
-The metrics file: one JSON line per logged optimizer step. Keys are the trainer's own log names (docs/DESIGN.md "Metric names", TRL's where calclip adds none); a metric not
-logged at a step is ``null`` (reward exists only on generating steps, the FP8-static and BF16-shadow drop shares
-only on shadow-calibration steps); a non-finite value is kept (written as NaN/Infinity, which Python's json and
-pandas read back), so a collapse shows. ``time`` is wall seconds since training began, resumed runs continuing
-the clock of the step they resumed from.
+The metrics file: one JSON line per logged optimizer step. Keys are the trainer's own log names (docs/DESIGN.md "Metric
+names", TRL's where calclip adds none); a metric not logged at a step is ``null`` (reward exists only on generating
+steps, the FP8-static and BF16-shadow drop shares only on shadow-calibration steps); a non-finite value is kept (written
+as NaN/Infinity, which Python's json and pandas read back), so a collapse shows. ``time`` is wall seconds since training
+began, resumed runs continuing the clock of the step they resumed from.
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ class ScriptArguments:
         metadata={"help": "Local JSON/JSONL/parquet/CSV file (or save_to_disk folder) with a 'prompt' column and the "
                   "columns the task's rewards read ('answer' for arithmetic). Unset: the task generates prompts."},
     )
-    # TRL's ScriptArguments dataset fields, same names and meaning (calclip.tasks.prompts loads them as trl/scripts/grpo.py).
+    # TRL's ScriptArguments dataset fields, same names and meaning (calclip.tasks.prompts loads them as
+    # trl/scripts/grpo.py).
     dataset_name: str | None = field(
         default=None,
         metadata={"help": "Dataset for datasets.load_dataset: a hub id or a local folder/file; its rows need a "

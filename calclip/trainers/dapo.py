@@ -175,7 +175,8 @@ class CalibratedDAPOTrainer(CalibratedGRPOTrainer):
         # Refill prompts differ across processes (each process draws whole groups of its own).
         self._refill_rng = random.Random(f"{self.args.seed}-{self.accelerator.process_index}")
         if self._dynamic_sampling_enabled and isinstance(self.train_dataset, torch.utils.data.IterableDataset):
-            raise ValueError("dynamic_sampling needs a map-style train_dataset (an IterableDataset cannot be resampled)")
+            raise ValueError("dynamic_sampling needs a map-style train_dataset "
+                             "(an IterableDataset cannot be resampled)")
 
     @property
     def _dynamic_sampling_enabled(self) -> bool:
@@ -230,7 +231,8 @@ class CalibratedDAPOTrainer(CalibratedGRPOTrainer):
         merged = concat_batches(kept_parts + dropped_parts, pad_token_id=pad_token_id)
         output = select_rows(merged, torch.arange(target))
         local_kept = int(kept_per_process[self.accelerator.process_index])
-        underfilled = self.accelerator.gather(torch.tensor([max(target - local_kept, 0)], device=self.accelerator.device))
+        underfilled = self.accelerator.gather(torch.tensor([max(target - local_kept, 0)],
+                                                           device=self.accelerator.device))
 
         loss_mask = output["completion_mask"]
         if "tool_mask" in output:

@@ -74,10 +74,10 @@ tokens whose BF16 shadow ratio is below 1 - epsilon, i.e. what BF16 training wou
 bounds, 0 below the minimum, with ``calib/pool_neg_tokens``), ``calib/bf16_low_clipped_tokens``, ``oos/*`` (moved
 mini-batches: A<0 tokens and those below the bound in force; shadow mini-batches: the same beside BF16's drops at
 1 - epsilon, ``oos/drop_recall``, ``oos/drop_precision``; calclip.calibration.drops), ``time/bf16_shadow``,
-``mismatch/token_mult_prob_error``, ``mismatch/kl_k3`` and
-``mismatch/gap_gt_1nat_frac`` (old vs rollout log-probs; the last the share of tokens more than 1 nat apart),
-``mismatch/max_abs_logp_diff`` (the largest such gap of the logging window, every rank's tokens), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``, ``entropy/neg_adv``,
-``entropy/spike``, ``fp8/nonfinite_tokens`` (tokens whose FP8 linear output was non-finite),
+``mismatch/token_mult_prob_error``, ``mismatch/kl_k3`` and ``mismatch/gap_gt_1nat_frac`` (old vs rollout log-probs; the
+last the share of tokens more than 1 nat apart), ``mismatch/max_abs_logp_diff`` (the largest such gap of the logging
+window, every rank's tokens), ``mismatch/fp8_bf16_token_mult_prob_error`` (shadow steps), ``tis/*``, ``entropy``,
+``entropy/neg_adv``, ``entropy/spike``, ``fp8/nonfinite_tokens`` (tokens whose FP8 linear output was non-finite),
 ``loss/nonfinite_tokens``, ``reward/nonfinite_count``, ``grad/nonfinite_skipped`` (share of optimizer steps skipped
 for non-finite gradients), ``completions/repeat_ngram_frac``; and TRL's ``clip_ratio/*``, ``kl``,
 ``policy_loss``, ``aux_loss``. TRL's metrics keep TRL's names and reductions (token-weighted global means,
@@ -301,7 +301,8 @@ class CalibratedGRPOTrainer(LossMetrics, GRPOTrainer):
         if fp8_vllm:
             self._start_fp8_vllm()
         self.calibrator = self._build_calibrator()
-        self._starvation = StarvationWatch(args.calibration_min_tokens, needs_positive=args.calibration_upper != "fixed")
+        self._starvation = StarvationWatch(args.calibration_min_tokens,
+                                           needs_positive=args.calibration_upper != "fixed")
         self.spike_detector = EntropySpikeDetector(
             window=args.entropy_spike_window, warmup=args.entropy_spike_warmup, z_threshold=args.entropy_spike_z
         )
@@ -480,7 +481,8 @@ class CalibratedGRPOTrainer(LossMetrics, GRPOTrainer):
             args.compile_layers, device_type=self.accelerator.device.type, fp8=args.fp8,
             torch_compile=args.torch_compile, compile_generation=args.compile_generation,
             # transformers 5.2x renamed it activation_checkpointing (and keeps both names in step)
-            gradient_checkpointing=bool(getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing),
+            gradient_checkpointing=bool(getattr(args, "activation_checkpointing", False)
+                                        or args.gradient_checkpointing),
             sharded=self._params_sharded(), fp8_backward=args.fp8_backward)
         policy = self.accelerator.unwrap_model(self.model)
         if on and args.compile_layers is None and not repeated_blocks(policy):

@@ -15,7 +15,8 @@ STEPS = 6
 SHAPES = {0: (3, 7), 1: (5, 4)}  # [B, T] per rank: ragged token counts on purpose
 # min_tokens 15: a rank alone never has enough A<0 tokens in one step (~10 of its 20-21 tokens), both ranks together
 # sometimes do and sometimes not, so the pool spans ranks and, at times, steps. Rails open, so the bounds move.
-CALIBRATOR = dict(schedule="every_step", interval=2, ema=0.2, min_tokens=15, low_rails=(0.0, 1.0), high_rails=(1.0, 10.0))
+CALIBRATOR = dict(schedule="every_step", interval=2, ema=0.2, min_tokens=15, low_rails=(0.0, 1.0),
+                  high_rails=(1.0, 10.0))
 TIMEOUT_S = 120
 
 

@@ -16,7 +16,6 @@ from calclip.calibration import (
 )
 from calclip.calibration.calibrator import POOL_LIMIT_FACTOR
 from calclip.calibration.pool import StarvationWatch
-from calclip.losses import clipped_surrogate
 from tests.fixtures import flat_calibration_tokens
 
 EPS = 0.2

@@ -169,13 +169,15 @@ def test_finished_runs_are_skipped_and_a_killed_run_resumes(comparison, capsys):
     capsys.readouterr()
     assert _compare(folder, "--arms", GOOD_ARMS) == command.EXIT_OK
     out = capsys.readouterr().out
-    assert "1 of 2 runs already finished: skipped" in out and "started bf16_static/seed0 (resume from checkpoint-1)" in out
+    assert ("1 of 2 runs already finished: skipped" in out
+            and "started bf16_static/seed0 (resume from checkpoint-1)" in out)
     assert (folder / "fp8_calibrated" / "seed0" / "train.log").read_text() == fp8_log  # not run again
     attempts = re.findall(r"=== attempt .*: (.*) ===", (killed / "train.log").read_text())
     assert attempts == ["start", "resume from checkpoint-1"]
     rows = metrics.read_metrics(killed / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2] and rows[0] == step1  # step 1 kept, step 2 re-run
-    assert runner.read_status(killed)["status"] == "finished" and (killed / "checkpoint-2" / "trainer_state.json").exists()
+    assert (runner.read_status(killed)["status"] == "finished"
+            and (killed / "checkpoint-2" / "trainer_state.json").exists())
 
 
 def test_a_folder_brought_back_without_checkpoints_takes_more_seeds_elsewhere(comparison, tmp_path, capsys):

@@ -441,7 +441,8 @@ def test_command_refuses_bad_input_before_running(tmp_path, capsys):
     cases = [
         (["--arms", "bf16_static,fp8_stattic"], "unknown arm(s) 'fp8_stattic'; valid arms: bf16_static"),
         (["--arms", "fp8_static", "--clip_mode", "calibrated"], "--clip_mode is an arm field (set by fp8_static)"),
-        (["--arms", "fp8_static", "--output_dir", "x"], "--output_dir is set by calclip compare per run (use --output-dir)"),
+        (["--arms", "fp8_static", "--output_dir", "x"],
+         "--output_dir is set by calclip compare per run (use --output-dir)"),
         (["--arms", "fp8_static", "--seeds", "0,x"], "--seeds: 'x' is not an integer"),
         (["--arms", "fp8_static", "--parallel", "0"], "--parallel must be >= 1"),
         # abbreviations and dashed spellings of the fields compare sets per run pass no guard
@@ -489,7 +490,8 @@ def test_the_evidence_config_leaves_the_arm_fields_to_the_arms():
     raw = yaml.safe_load(path.read_text())
     assert not set(raw) & arms.arm_fields(list(arms.PRESETS.values()))
     script_args, args = parse_train_args(["--config", str(path)])
-    # The evidence runs' setting (docs/evidence.md): the embedded model, >= 300 optimizer steps; resumes land on generation-cycle ends.
+    # The evidence runs' setting (docs/evidence.md): the embedded model, >= 300 optimizer steps; resumes land on
+    # generation-cycle ends.
     assert script_args.model_name_or_path == "default" and args.max_steps >= 300
     assert args.save_steps % (args.steps_per_generation * args.num_iterations) == 0
 

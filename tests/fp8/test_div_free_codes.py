@@ -1,7 +1,8 @@
 """The quantizers' division-free codes (``numerics._codes`` with DIV_FREE, twins of the 1x128 and 128x1 kernels'
-training tiles that ``CALCLIP_DIV_FREE=1`` makes the defaults) == the reference, bit for bit, on the inputs where a one-ulp quotient error would
-show: values on e4m3 rounding midpoints times the block scale and 1-3 fp32 ulps either side, -0.0, quotients in
-e4m3's subnormal range and fp32 subnormals, NaN/Inf blocks, floored and near-fp32-max scales, power-of-two scales.
+training tiles that ``CALCLIP_DIV_FREE=1`` makes the defaults) == the reference, bit for bit, on the inputs where a
+one-ulp quotient error would show: values on e4m3 rounding midpoints times the block scale and 1-3 fp32 ulps either
+side, -0.0, quotients in e4m3's subnormal range and fp32 subnormals, NaN/Inf blocks, floored and near-fp32-max scales,
+power-of-two scales.
 
 Each DIV_FREE config is launched through the production launcher (``quantize_1x128`` / ``quantize_128x1``, the
 config set as the launcher's default). On CUDA the FMAs are the hardware's. Triton's interpreter computes

@@ -79,7 +79,8 @@ def test_quantization_config_fields_read_by_transformers_and_vllm():
     assert qc["modules_to_not_convert"] == qc["ignored_layers"] == ["lm_head", "model.layers.0.mlp.down_proj"]
     hf = transformers.FineGrainedFP8Config.from_dict(dict(qc))
     assert hf.quant_method == "fp8" and list(hf.weight_block_size) == [128, 128]
-    assert hf.activation_scheme == "dynamic" and hf.modules_to_not_convert == ["lm_head", "model.layers.0.mlp.down_proj"]
+    assert (hf.activation_scheme == "dynamic"
+            and hf.modules_to_not_convert == ["lm_head", "model.layers.0.mlp.down_proj"])
     # vLLM Fp8Config.from_config: "fp8" in quant_method; block quant needs dynamic activations and 2 dims.
     assert "fp8" in qc["quant_method"] and len(qc["weight_block_size"]) == 2
 

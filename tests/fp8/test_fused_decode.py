@@ -659,8 +659,8 @@ def _traced_op(call: str, rows: int = 64) -> tuple[list[str], list[str]]:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(root), os.environ.get(
         "PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _TRACE_OP.replace("CALL", call).replace("ROWS", str(rows))], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _TRACE_OP.replace("CALL", call).replace("ROWS", str(rows))], env=env,
+                          capture_output=True, text=True, timeout=300)
     found = {}
     for line in done.stdout.splitlines():
         head, _, rest = line.partition(" ")

@@ -40,8 +40,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_dynamo")]  # tests
 # 2 x 256 tokens: 512 rows, a multiple of 128, so every weight gradient runs on cuBLAS as in training; a layer's
 # forward + backward takes milliseconds at every family's dims.
 TOKENS = (2, 256)
-# Compiled (Inductor, ~20-30 s each): the family that crashed (K = 18944, then the chunked counting quantizer), the one whose
-# down projection runs the Triton GEMM (K = 8960), and SmolLM2's ragged 576.
+# Compiled (Inductor, ~20-30 s each): the family that crashed (K = 18944, then the chunked counting quantizer), the one
+# whose down projection runs the Triton GEMM (K = 8960), and SmolLM2's ragged 576.
 COMPILED = ("qwen2.5-7b", "qwen2.5-1.5b", "smollm2-135m")
 IS_SM90 = torch.cuda.get_device_capability()[0] == 9
 

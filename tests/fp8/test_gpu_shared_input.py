@@ -80,5 +80,5 @@ def test_shared_equals_alone_eager_and_compiled_on_gpu():
                 p.grad.nan_to_num_()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    assert all(g._pending is None for g in {l._fp8_share for l in model.modules()
-                                            if isinstance(l, FP8BlockLinear) and l._fp8_share is not None})
+    assert all(g._pending is None for g in {m._fp8_share for m in model.modules()
+                                            if isinstance(m, FP8BlockLinear) and m._fp8_share is not None})

@@ -67,7 +67,8 @@ def test_matches_float64_recipe_exactly():
     torch.testing.assert_close(d(y), d(dequantize_1x128(*quantize_1x128(x))) @ w_dq.t() + d(fp8.bias.detach()),
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d(dx), d(dequantize_1x128(*quantize_1x128(dy))) @ w_dq, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(d(dw), d(dequantize_128x1(*quantize_128x1(dy))).t() @ d(dequantize_128x1(*quantize_128x1(x))),
+    torch.testing.assert_close(d(dw),
+                               d(dequantize_128x1(*quantize_128x1(dy))).t() @ d(dequantize_128x1(*quantize_128x1(x))),
                                rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(db, dy.sum(0))
 
@@ -447,8 +448,8 @@ def test_padded_128x1_codes_are_provably_16_aligned_under_dynamic_token_counts()
 
 
 def test_wgrad_dispatch_of_padded_codes_guards_nothing_on_a_symbolic_token_count():
-    """The wgrad GEMM's backend choice (gemm.scaled_mm_supports: cuBLAS needs K % 128 == 0) read the token count M; under
-    compile_layers' dynamic shapes that installed a guard on M mod 128, one more recompile class per layer. Over
+    """The wgrad GEMM's backend choice (gemm.scaled_mm_supports: cuBLAS needs K % 128 == 0) read the token count M;
+    under compile_layers' dynamic shapes that installed a guard on M mod 128, one more recompile class per layer. Over
     wgrad_rows(M) rows K is provably a multiple of 128: no guard, and cuBLAS stays eligible at every count."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv

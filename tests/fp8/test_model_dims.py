@@ -81,7 +81,8 @@ def linear_shapes(f: Family) -> dict[str, tuple[int, int]]:
 
 
 # Training forwards (1, 4 and 8 sequences of 2048 tokens, and a ragged count: its wgrad contracts over the 128x1 codes'
-# reference.wgrad_rows(3000) = 3072 token rows, zero codes past 3000) and no-grad decode rows (1 token up to the fused decode's 256-row limit, 257 just past it).
+# reference.wgrad_rows(3000) = 3072 token rows, zero codes past 3000) and no-grad decode rows (1 token up to the fused
+# decode's 256-row limit, 257 just past it).
 TRAIN_TOKENS = (2048, 8192, 16384, 3000)
 DECODE_ROWS = (1, 7, 64, 256, 257)
 H200_SMS = 132
@@ -211,9 +212,9 @@ def _expected_backend(a_blocks: str, b_blocks: str, m: int, n: int, k: int, out_
     docs/scaled_mm_layouts.md and calclip.fp8.gemm's docstring (not from gemm.py's code): split-K for few-row forward
     layouts whose output tiles leave multiprocessors idle; torch._scaled_mm where its layout pair is computed correctly
     (bf16 out, every dim a multiple of 16, M > 256 after zero rows appended up to one, K of 128, each scale's leading
-    dimension of 4: the rows of a 1x128 operand, K / 128 of a 128x128 one); with row scales, a 128x128 b whose only obstacle is K / 128 runs as a 1x128 b; else
-    Triton (so every weight gradient of fp32 master weights: torch._scaled_mm's blockwise path is measured for bf16
-    output only)."""
+    dimension of 4: the rows of a 1x128 operand, K / 128 of a 128x128 one); with row scales, a 128x128 b whose only
+    obstacle is K / 128 runs as a 1x128 b; else Triton (so every weight gradient of fp32 master weights:
+    torch._scaled_mm's blockwise path is measured for bf16 output only)."""
     tk = pytest.importorskip("calclip.fp8.kernels")
     forward_layout = (a_blocks, b_blocks) == ("1x128", "128x128")
     if forward_layout and 0 < m <= 256 and tk.splitk_splits(m, n, k, H200_SMS) > 1:

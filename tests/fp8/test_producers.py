@@ -323,7 +323,8 @@ def test_config_and_dequantize():
 def test_compiled_layers_record_the_producer_ops_and_equal_eager():
     """compile_repeated_blocks (aot_eager: the ops, their fakes and registered backward as Inductor sees them): each
     layer's graph records the two norm ops and the multiply op, q/k/v, gate/up and down_proj take the registered codes
-    (fp8_linear_forward_codes) and nothing quantizes them again; logits and gradients equal the eager unfused model's."""
+    (fp8_linear_forward_codes) and nothing quantizes them again; logits and gradients equal the eager unfused
+    model's."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from calclip.fp8 import compile_repeated_blocks

@@ -138,7 +138,8 @@ def test_roundtrip_error_bound_and_layout_consistency():
     qr, sr = quantize_1x128(m.t())
     assert st.shape == (3, 70) and torch.equal(st, sr.t())
     assert torch.equal(qt.view(torch.uint8), qr.t().view(torch.uint8))
-    assert torch.all((dequantize_128x1(qt, st) - m).abs() <= m.abs() * 2.0**-4 + st.repeat_interleave(128, 0)[:300] * 2.0**-10)
+    assert torch.all((dequantize_128x1(qt, st) - m).abs()
+                     <= m.abs() * 2.0**-4 + st.repeat_interleave(128, 0)[:300] * 2.0**-10)
     # a 128x128 block's scale is the largest 1x128 scale of its rows (same amax, monotone rounding)
     w = torch.randn(260, 390)
     _, sw = quantize_128x128(w)
@@ -146,7 +147,8 @@ def test_roundtrip_error_bound_and_layout_consistency():
     pad = torch.nn.functional.pad(srow, (0, 0, 0, 384 - 260))
     assert torch.equal(sw, pad.reshape(3, 128, 4).amax(1))
     s_full = sw.repeat_interleave(128, 0).repeat_interleave(128, 1)[:260, :390]
-    assert torch.all((dequantize_128x128(*quantize_128x128(w)) - w).abs() <= torch.maximum(w.abs() * 2.0**-4, s_full * 2.0**-10))
+    assert torch.all((dequantize_128x128(*quantize_128x128(w)) - w).abs()
+                     <= torch.maximum(w.abs() * 2.0**-4, s_full * 2.0**-10))
 
 
 def test_bf16_input_matches_fp32_upcast():
@@ -175,7 +177,8 @@ def test_emulated_gemm_all_layouts_vs_float64(m, n, k):
     ]
     for (qa, sa, qb, sb, ga, gb), ref in cases:
         for backend in gemm.BACKENDS:  # on CPU every backend resolves to the emulation
-            assert gemm.resolve_backend(backend, qa, qb, out_dtype=torch.float32, a_blocks=ga, b_blocks=gb) == "emulated"
+            assert (gemm.resolve_backend(backend, qa, qb, out_dtype=torch.float32, a_blocks=ga, b_blocks=gb)
+                    == "emulated")
         y = gemm.fp8_block_gemm(qa, sa, qb, sb, out_dtype=torch.float32, backend="auto", a_blocks=ga, b_blocks=gb)
         assert y.shape == ref.shape and y.dtype == torch.float32
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)

@@ -55,8 +55,8 @@ TABLES = {
     "_fp8_linear_fused_quant_kernel": fused_decode._FUSED_CONFIGS,
     "_producer_quantize_kernel": producers._PRODUCER_CONFIGS,
 }
-QUANTIZERS = {"_quantize_1x128_kernel", "_quantize_128x1_kernel", "_quantize_128x128_kernel", "_requantize_128x128_kernel",
-              "_fp8_linear_fused_quant_kernel", "_producer_quantize_kernel"}
+QUANTIZERS = {"_quantize_1x128_kernel", "_quantize_128x1_kernel", "_quantize_128x128_kernel",
+              "_requantize_128x128_kernel", "_fp8_linear_fused_quant_kernel", "_producer_quantize_kernel"}
 FP8_GEMMS = {"_fp8_block_gemm_kernel", "_fp8_splitk_gemm_kernel", "_fp8_linear_fused_quant_kernel"}
 
 # (kernel, config) -> the most spill-store bytes any of its cases had on sm_90 with Triton 3.6 / ptxas 12.8

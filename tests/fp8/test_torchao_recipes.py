@@ -303,8 +303,8 @@ def _step_gain_ratio(recipe, power_of_two_scales):
 # on a rounding tie between two e4m3 codes (1 in 16 bf16 values, 2.7% of SmolLM2's weights); any update, however
 # small, moves it off the tie in its own direction and its code by a whole e4m3 step, all of them along the
 # gradient. Measured gain ratios over model seeds 0-5, every recipe: exact scales 0.5-12.2, power-of-two scales
-# 33.6-41.0; seed 0 (used here): 2.6-2.8 and 33.6-34.2. (SmolLM2-135M: token-mult-prob-error FP8 vs shadow
-# 1.87 -> 111.7 after one step under torchao's own rowwise recipe, measured by a one-off probe now in git history at 8843ffb.)
+# 33.6-41.0; seed 0 (used here): 2.6-2.8 and 33.6-34.2. (SmolLM2-135M: token-mult-prob-error FP8 vs shadow 1.87 -> 111.7
+# after one step under torchao's own rowwise recipe, measured by a one-off probe now in git history at 8843ffb.)
 EXACT_SCALES_MAX_GAIN_RATIO = 15.0
 POW2_SCALES_MIN_GAIN_RATIO = 25.0
 

@@ -3,8 +3,8 @@
 Runs on CUDA normally. On a CPU machine it runs the same kernels under Triton's interpreter when
 ``TRITON_INTERPRET=1`` is set and triton is installed (small sizes); otherwise every test skips with the reason.
 Under the interpreter the kernels encode e4m3fn bits in software (the interpreter's own fp8 cast truncates,
-see ``calclip.fp8.kernels.numerics``' docstring); ``test_software_e4m3_encoder_equals_hardware_cast`` ties that encoder to the
-GPU's cast, so interpreter results stand for GPU results.
+see ``calclip.fp8.kernels.numerics``' docstring); ``test_software_e4m3_encoder_equals_hardware_cast`` ties that encoder
+to the GPU's cast, so interpreter results stand for GPU results.
 
     TRITON_INTERPRET=1 python -m pytest -q tests/fp8/test_triton.py     # CPU
     python -m pytest -q tests/fp8/test_triton.py                         # CUDA
@@ -608,8 +608,8 @@ def test_kernels_compile_for_sm90_without_a_gpu():
                       quantize._QUANT_1X128_DEFAULT)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
     count_types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": i32, "K": i32,
-                   "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32, "count_ptr": "*i64",
-                   "weight_bad_ptr": "*i1"}
+                   "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32, "R_BUCKET": i32,
+                   "count_ptr": "*i64", "weight_bad_ptr": "*i1"}
     # the counting launch: the plain table's tiles, plus the rare re-read of earlier groups and the atomic add; no
     # config may spill registers (the whole-row tiles it replaced did, at K = 18944)
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -628,13 +628,15 @@ def test_kernels_compile_for_sm90_without_a_gpu():
                                           check=True).stderr
                 assert " 0 bytes spill stores" in info, (config, info)
     compile_ptx(quantize._quantize_128x1_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": i32,
-                "K": i32, "M_CODES": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32, "M_BUCKET": i32},
+                "K": i32, "M_CODES": i32, "stride_xm": i32, "stride_xk": i32, "stride_sb": i32, "stride_sk": i32,
+                "M_BUCKET": i32},
                 quant, quantize._QUANT_128X1_DEFAULT)
     compile_ptx(quantize._quantize_128x128_kernel, {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "N": i32,
                 "K": i32, "NBK": i32, "stride_wn": i32, "stride_wk": i32}, quant, quantize._QUANT_128X128_DEFAULT)
     requant_types = {"w_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bad_ptr": "*u8", "N": i32, "K": i32,
                      "NBK": i32, "stride_wn": i32, "stride_wk": i32}
-    ptx = compile_ptx(quantize._requantize_128x128_kernel, requant_types, quant, quantize._QUANT_128X128_DEFAULT)  # refresh
+    ptx = compile_ptx(quantize._requantize_128x128_kernel, requant_types, quant,
+                      quantize._QUANT_128X128_DEFAULT)  # refresh
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ptx.count("st.global") > 0
     soft = compile_ptx(quantize._quantize_1x128_kernel, {"x_ptr": "*fp16", "q_ptr": "*u8", "s_ptr": "*fp32", "R": i32,
                        "K": i32, "NB": i32, "stride_xr": i32, "stride_sr": i32, "stride_sg": i32,

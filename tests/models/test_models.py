@@ -39,7 +39,8 @@ def test_default_gguf_is_smollm2_architecture():
 def test_missing_default_package_names_the_install_command(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == models.DEFAULT_MODEL_PACKAGE else real_find_spec(name, *a)
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == models.DEFAULT_MODEL_PACKAGE else real_find_spec(name, *a)
     )
     with pytest.raises(ModuleNotFoundError) as error:
         models.default_model_dir()
@@ -65,7 +66,8 @@ def test_hub_id_reaches_transformers_with_revision_and_kwargs(monkeypatch):
     monkeypatch.setattr(transformers, "AutoTokenizer", Recorder("tokenizer"))
     monkeypatch.setattr(transformers, "AutoModelForCausalLM", Recorder("model"))
     model, tokenizer = models.load_model(
-        "Qwen/Qwen2.5-1.5B-Instruct", dtype=torch.bfloat16, revision="v1", trust_remote_code=True, attn_implementation="sdpa"
+        "Qwen/Qwen2.5-1.5B-Instruct", dtype=torch.bfloat16, revision="v1", trust_remote_code=True,
+        attn_implementation="sdpa"
     )
     assert calls == [
         ("tokenizer", "Qwen/Qwen2.5-1.5B-Instruct", {"revision": "v1", "trust_remote_code": True}),

@@ -76,7 +76,8 @@ def test_config_refuses_a_bad_threshold(tmp_path):
     for bad in (0, -1.0, "high"):
         with pytest.raises(ValueError, match="mismatch_dump_threshold"):
             tiny_training_args(CalibratedGRPOConfig, tmp_path, mismatch_dump_threshold=bad)
-    assert tiny_training_args(CalibratedGRPOConfig, tmp_path, mismatch_dump_threshold=None).mismatch_dump_threshold is None
+    assert tiny_training_args(CalibratedGRPOConfig, tmp_path,
+                              mismatch_dump_threshold=None).mismatch_dump_threshold is None
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ def test_no_callback_without_wandb(tmp_path):
 def test_merged_concatenates_the_step_micro_batches():
     callback = RatioHistogramCallback()
     mask = torch.ones(2, 2)
-    callback.record(split_ratios(torch.tensor([[0.5, 1.0], [2.0, 4.0]]), torch.ones(2, 2), torch.tensor([-1.0, 1.0]), mask))
+    callback.record(split_ratios(torch.tensor([[0.5, 1.0], [2.0, 4.0]]), torch.ones(2, 2), torch.tensor([-1.0, 1.0]),
+                                 mask))
     callback.record(split_ratios(torch.tensor([[0.25, 1.0]]), torch.ones(1, 2), torch.tensor([-1.0]), torch.ones(1, 2)))
     merged = callback.merged()
     assert sorted(merged) == sorted(histogram_keys())

@@ -143,7 +143,8 @@ def test_trainer_keeps_one_cache_across_rollouts(tokenizer, tmp_path):
     for key in ("loss", "completions/mean_length", "reward"):
         assert logged(trainer, key) == logged(fresh, key), key
     assert all(math.isfinite(v) for v in logged(trainer, "loss"))
-    assert tiny_trainer(tmp_path / "off", tokenizer=tokenizer, fp8=True)._generation_cache is None  # compile_generation only
+    # compile_generation only
+    assert tiny_trainer(tmp_path / "off", tokenizer=tokenizer, fp8=True)._generation_cache is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")

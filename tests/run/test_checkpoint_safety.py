@@ -161,7 +161,8 @@ def test_a_state_saved_under_other_clip_settings_starts_a_fresh_calibration(trai
     folder = _checkpoint_with(tmp_path, state)
     with pytest.warns(UserWarning, match=rf"changed calibration settings \[.*'{name}'.*discarded"):
         trainer._load_optimizer_and_scheduler(folder)
-    assert not trainer.calibrator.calibrated and trainer.calibrator.bounds == tuple(trainer.args.calibration_init_bounds)
+    assert (not trainer.calibrator.calibrated
+            and trainer.calibrator.bounds == tuple(trainer.args.calibration_init_bounds))
     assert trainer.calibrator.needs_calibration(state["calibrator"]["step"])  # a calibration is due at once
 
 
@@ -239,6 +240,6 @@ def test_a_spike_detector_ahead_of_the_checkpoint_step_is_refused(trainer, tmp_p
             trainer._load_optimizer_and_scheduler(folder)
             assert trainer.spike_detector.state_dict()[field] == value
         else:
-            with pytest.raises(CalclipStateError, match=rf"spike_detector.{field} \({value}\) is beyond the checkpoint's "
-                                                        r"global_step \(2\)"):
+            with pytest.raises(CalclipStateError, match=rf"spike_detector.{field} \({value}\) is beyond the "
+                                                        r"checkpoint's global_step \(2\)"):
                 trainer._load_optimizer_and_scheduler(folder)

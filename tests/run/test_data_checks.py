@@ -34,7 +34,8 @@ def _trainer(rows, reward_funcs=digit_share_reward, eval_rows=None, **overrides)
 
 @pytest.mark.parametrize(
     "prompt",
-    ["", "   ", [], [{"role": "user", "content": ""}], [{"role": "system", "content": " "}, {"role": "user", "content": ""}]],
+    ["", "   ", [], [{"role": "user", "content": ""}],
+     [{"role": "system", "content": " "}, {"role": "user", "content": ""}]],
     ids=["empty", "blank", "no_messages", "empty_message", "blank_messages"],
 )
 def test_empty_prompt_fails_at_construction_naming_row_and_column(prompt):

@@ -190,7 +190,8 @@ def test_resume_from_checkpoint_true_from_yaml_and_command_line(saved_run, tmp_p
                         received.append(resume_from_checkpoint))  # fmt: skip
     config = tmp_path / "run.yaml"
     config.write_text(f"output_dir: {run}\nmodel_name_or_path: tiny\nnum_train_examples: 8\nmax_steps: 4\n"
-                      "per_device_train_batch_size: 4\nnum_generations: 4\nmax_completion_length: 8\nsave_final_model: false\n"
+                      "per_device_train_batch_size: 4\nnum_generations: 4\nmax_completion_length: 8\n"
+                      "save_final_model: false\n"
                       "report_to: none\nuse_cpu: true\nresume_from_checkpoint: true\n")  # fmt: skip
     for extra in ([], ["--resume_from_checkpoint", "true"], ["--resume_from_checkpoint", "True"]):
         with warnings.catch_warnings():

@@ -26,4 +26,5 @@ def test_read_last_step_and_truncate(tmp_path):
     assert run_outputs.last_step(path) == 2  # the last complete line
     run_outputs.truncate_metrics(path, 2)
     assert [(row["step"], row["reward"]) for row in run_outputs.read_metrics(path)] == [(1, 0.1), (2, 9.0)]
-    assert run_outputs.last_step(tmp_path / "missing.jsonl") == 0 and run_outputs.read_metrics(tmp_path / "missing") == []
+    assert (run_outputs.last_step(tmp_path / "missing.jsonl") == 0
+            and run_outputs.read_metrics(tmp_path / "missing") == [])

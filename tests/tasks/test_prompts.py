@@ -16,7 +16,8 @@ def write_split(folder, split, rows):
 
 
 def arithmetic_rows(start, count):
-    return [{"prompt": [{"role": "user", "content": f"{i} + 1 = ?"}], "answer": i + 1} for i in range(start, start + count)]
+    return [{"prompt": [{"role": "user", "content": f"{i} + 1 = ?"}], "answer": i + 1}
+            for i in range(start, start + count)]
 
 
 @pytest.fixture

@@ -97,7 +97,8 @@ def test_task_registry():
     assert len(task.reward_weights) == len(task.reward_funcs)
     ds = task.build_dataset(8, seed=1)
     assert len(ds) == 8 and set(ds.column_names) == {"prompt", "answer"}
-    with pytest.raises(ValueError, match=r"task must be one of \['arithmetic', 'arithmetic_small', 'arithmetic_format'\], got 'arithmetc'"):
+    with pytest.raises(ValueError, match=r"task must be one of \['arithmetic', 'arithmetic_small', "
+                                         r"'arithmetic_format'\], got 'arithmetc'"):
         get_task("arithmetc")
     small = get_task("arithmetic_small").build_dataset(40, seed=0)
     assert all(-9 <= a <= 18 for a in small["answer"])

@@ -216,8 +216,9 @@ def main(out_dir: Path) -> None:
     record["generate_synced_gpus"] = synced_gpus_seen
 
     record["fp8_checks"] = {
-        "sharding": checker[0].sharding, "cache_weights": checker[0].cache_weights, "num_checked": checker[0].num_checked,
-        "max_abs_diff": checker[0].max_abs_diff, "num_layers": len(checker[0].layers),
+        "sharding": checker[0].sharding, "cache_weights": checker[0].cache_weights,
+        "num_checked": checker[0].num_checked, "max_abs_diff": checker[0].max_abs_diff,
+        "num_layers": len(checker[0].layers),
     }  # fmt: skip
     record["final_bounds"] = calibrator.bounds
     torch.save(record, out_dir / f"rank{rank}.pt")

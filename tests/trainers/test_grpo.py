@@ -318,7 +318,8 @@ def test_fp8_decode_fused_max_m_reaches_every_fp8_layer(tokenizer, tmp_path):
 def test_fp8_decode_group_siblings_groups_the_policys_q_k_v_and_gate_up(tokenizer, tmp_path):
     """The trainer field becomes Fp8Config.decode_group_siblings: every decoder layer's q/k/v and gate/up form
     sibling groups (calclip.fp8.siblings); off by default."""
-    default = [m for m in make_trainer(tokenizer, tmp_path / "default").model.modules() if isinstance(m, FP8BlockLinear)]
+    default = [m for m in make_trainer(tokenizer, tmp_path / "default").model.modules()
+               if isinstance(m, FP8BlockLinear)]
     assert default and all(m._fp8_group is None for m in default)
     model = make_trainer(tokenizer, tmp_path / "on", fp8_decode_group_siblings=True).model
     groups = {id(m._fp8_group): m._fp8_group for m in model.modules() if isinstance(m, FP8BlockLinear)

@@ -41,7 +41,8 @@ TIMEOUT_S = 400
 
 def _launch(mode: str, out_dir: Path) -> list[dict]:
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate" / f"{mode}.yaml"),
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(REPO / "configs/accelerate" / f"{mode}.yaml"),
         "--num_processes", str(WORLD_SIZE), "--main_process_port", str(free_port()), "--mixed_precision", "no",
         str(WORKER), str(out_dir),
     ]  # fmt: skip

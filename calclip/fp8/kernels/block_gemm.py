@@ -39,7 +39,8 @@ def _fp8_block_gemm_step(acc, a_ptrs, b_ptrs, sa_ptrs, sb_ptrs, k0, K,
 
 @triton.jit
 def _fp8_block_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr,  # a [M, K], b [N, K] e4m3fn, c [M, N]; sa [M or M/128, KB], sb [N or N/128, KB]
+    # a [M, K], b [N, K] e4m3fn, c [M, N]; sa [M or M/128, KB], sb [N or N/128, KB]
+    a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_sam, stride_sak, stride_sbn, stride_sbk,

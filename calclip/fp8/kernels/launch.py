@@ -163,8 +163,8 @@ class _Tuned:
 # Triton's JITFunction.run re-binds and re-specializes every argument, looks the kernel up and checks globals on
 # every call: host time on every launch, the largest part of FP8BlockLinear's host time on the
 # H200 host (docs/benchmarks-log.md). Once a launch has compiled, later launches with the same specialization call
-# the compiled kernel's C launcher directly. The key holds everything Triton specializes on: each tensor's dtype and 16-byte
-# alignment, each int's ==1 / %16 / 64-bit class, the constexpr values and the launch options.
+# the compiled kernel's C launcher directly. The key holds everything Triton specializes on: each tensor's dtype and
+# 16-byte alignment, each int's ==1 / %16 / 64-bit class, the constexpr values and the launch options.
 _FAST_LAUNCH = os.environ.get("CALCLIP_TRITON_FAST_LAUNCH", "1") != "0"
 _compiled_launches: dict[tuple, tuple] = {}
 
