@@ -8,7 +8,7 @@ quantizer's. GB/s counts read + write bytes. Target (docs/benchmarks.md, Kernels
 The torch reference quantizer is timed at one shape to show what the kernels replace.
 
 --configs: also every config the 1x128 and 128x1 launchers may launch (their autotune tables, the 128x1 candidates
-kept off its table until a GPU has run them, and the division-free twins that CALCLIP_DIV_FREE=1 puts first), each
+kept off its table, and the division-free twins, the first of which leads each table unless CALCLIP_DIV_FREE=0), each
 pinned, at the quick shapes, in two interleaved passes (the faster of the two kept): each config's share of copy
 bandwidth and its speed against the table's default, from one run.
 """
@@ -65,8 +65,8 @@ def config_label(config) -> str:
 
 def pinned_configs(quantize) -> dict[str, list[tuple[str, object, object]]]:
     """kind -> [(label, launcher, config)]: every config a launcher's table holds, then its candidates (configs kept
-    off the table until a GPU has run them) and its division-free twins not already there (CALCLIP_DIV_FREE=1 puts
-    them first), the table's default first."""
+    off the table) and its division-free twins not already there (on a GPU the first leads the table unless
+    CALCLIP_DIV_FREE=0), the table's default first."""
     tables = {"1x128": (quantize._quantize_1x128_tuned, quantize._QUANT_1X128_CONFIGS,
                         quantize._QUANT_1X128_DIV_FREE_TWINS),
               "128x1": (quantize._quantize_128x1_tuned,

@@ -196,7 +196,7 @@ POW2S = (False, True)
 def _cases_quantize_1x128_kernel():
     for pow2 in POW2S:
         for x in X_DTYPES:
-            # (the division-free twins: what CALCLIP_DIV_FREE=1 launches)
+            # (the division-free twins: each table's default on a GPU)
             for config in quantize._QUANT_1X128_CONFIGS + quantize._QUANT_1X128_DIV_FREE_TWINS:
                 yield f"plain {DTYPE_NAMES[x]} pow2={pow2}", config, _quantize_1x128(x, TRAIN, K_IN, pow2, False, 1)
             # counting launches (FP8BlockLinear's forward): one linear (bool flag) or a shared input's members

@@ -39,8 +39,9 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H100_MAX_SHARED_PER_BLOCK = 232448  # bytes: Hopper's opt-in maximum per block (module docstring)
 
 # Every config each kernel can be launched with: its autotune tables (the first entry is the default config the
-# interpreter, CALCLIP_TRITON_AUTOTUNE=0 and torch.compile without autotuning launch), the division-free twins
-# CALCLIP_DIV_FREE=1 puts in front, and the candidates bench_quant.py --configs pins.
+# interpreter, CALCLIP_TRITON_AUTOTUNE=0 and torch.compile without autotuning launch), the division-free twins (on a
+# GPU a twin leads each activation quantizer's table; imported here, under the interpreter, the tables hold the
+# dividing tiles only), and the candidates bench_quant.py --configs pins.
 TABLES = {
     "_quantize_1x128_kernel": quantize._QUANT_1X128_CONFIGS + quantize._QUANT_1X128_COUNT_CONFIGS
     + quantize._QUANT_1X128_DIV_FREE_TWINS,
@@ -166,11 +167,11 @@ def test_quantizers_use_the_hardware_e4m3_cast_and_ieee_division(kernel):
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["_quantize_1x128_kernel", "_quantize_128x1_kernel"])
 def test_division_free_twins_spend_three_instructions_per_code(kernel):
-    """numerics._codes and _abs_max_lean, the DIV_FREE twins of the two activation quantizers (CALCLIP_DIV_FREE=1):
+    """numerics._codes and _abs_max_lean, the DIV_FREE twins of the two activation quantizers (their defaults on a GPU):
     a twin's amax is one NaN-keeping max per element (max.NaN.f32; no NaN-to-Inf select per element), its codes have
     no clamp (no fp32 min: the e4m3 cast's saturation does it, the quotient being <= 448.0001) and no division per
     code (the scale and its reciprocal only: at most half the dividing config's divisions on the same tile). The
-    dividing defaults keep their clamp and per-element select (_scaled_codes) until a GPU has timed the twins."""
+    dividing tiles keep their clamp and per-element select (_scaled_codes)."""
     rows = _compiled(kernel)
     divisions: dict[tuple, dict[bool, int]] = {}
     for r in rows:

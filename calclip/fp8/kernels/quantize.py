@@ -109,25 +109,29 @@ def _quantize_1x128_kernel(
         tl.atomic_add(count_ptr, n_bad.to(tl.int64), mask=n_bad > 0)
 
 
-# The division-free codes (numerics._codes: the same codes) are not in the autotune tables: on an H100 (2026-12-06,
-# bench_quant.py, autotune off) the twins of the training tiles ran the 1x128 kernel at 89% of a device copy against
-# 92-94% dividing, the 128x1 at 50-51% against 61-63%, and the 1.5B / 7B model steps no faster. CALCLIP_DIV_FREE=1
-# puts each training default's twin in front of its table (read at import; part of the compile caches' key): the
-# switch another GPU's A/B runs with. Those timings are of the twins' first numerics; since the eighteenth session
-# (2026-12-07) a twin also takes its amax with a NaN-keeping max and its codes in three instructions per element
-# (numerics._codes, _abs_max_lean; sm_90 SASS per element: 1x128 ~15 against the dividing default's ~30, 128x1 ~31
-# against ~43), not yet timed.
-DIV_FREE_DEFAULT = os.environ.get("CALCLIP_DIV_FREE", "0") == "1"
+# The division-free codes (numerics._codes: the same codes, three instructions per code and a NaN-keeping amax) lead
+# the 1x128 and 128x1 tables: on an H100 (2026-12-07, nineteenth session, bench_quant.py --configs, autotune off) the
+# 128x1 twin ran at 81-83% of a device copy against the dividing default's 62-63% (1.31x), the 1x128 twins at 96-97%
+# against 93-95% (1.01-1.04x), and the Qwen2.5-1.5B step by layer took 91.8-94.1 ms against 95.3-96.4 (three
+# alternating process pairs; 7B: 66.9-68.1 against 67.5-68.3). The rest of each table stays dividing (autotune
+# candidates; their twins are untimed). The twins' first form (a sign fix-up, a clamp, a per-element select) had run
+# slower than dividing (2026-12-06). CALCLIP_DIV_FREE=0 (read at import; part of the compile caches' key) leaves the
+# dividing tiles alone in the tables: the A/B switch. Under Triton's interpreter (CPU tests) the tables stay dividing
+# too: its tl.fma computes a * b + c with two roundings, not the GPU's single-rounding fma.rn.f32 that Markstein's
+# step needs (tests/fp8/test_div_free_codes.py gives the interpreter an exact FMA to test the twins on CPU).
+DIV_FREE_DEFAULT = (os.environ.get("CALCLIP_DIV_FREE", "1") != "0"
+                    and os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 def _default_first(configs: list[triton.Config], div_free_twin: triton.Config) -> list[triton.Config]:
-    """``configs`` (its default first), with ``div_free_twin`` in front under CALCLIP_DIV_FREE=1."""
+    """``configs`` (dividing tiles, default first) with ``div_free_twin`` in front, unless CALCLIP_DIV_FREE=0."""
     return [div_free_twin, *configs] if DIV_FREE_DEFAULT else configs
 
 
 _QUANT_1X128_DEFAULT = triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": False}, num_warps=8)
 _QUANT_1X128_DIV_FREE = triton.Config({"BLOCK_R": 16, "GROUPS": 4, "DIV_FREE": True}, num_warps=8)
-# division-free twins of the 1x128 training tiles (off the tables; tests/fp8/test_div_free_codes.py pins their codes)
+# division-free twins of the 1x128 training tiles (the first leads the tables; tests/fp8/test_div_free_codes.py pins
+# their codes)
 _QUANT_1X128_DIV_FREE_TWINS = [_QUANT_1X128_DIV_FREE,
                                triton.Config({"BLOCK_R": 32, "GROUPS": 2, "DIV_FREE": True}, num_warps=8)]
 _QUANT_1X128_CONFIGS = _default_first([
