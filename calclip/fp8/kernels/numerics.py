@@ -19,8 +19,10 @@ from calclip.fp8.config import FP8_E4M3_MAX
 from calclip.fp8.reference import AMAX_FLOOR
 
 # Constants used inside kernels must be tl.constexpr globals (Triton rejects plain Python globals in @jit code).
-# Triton reads TRITON_INTERPRET when @triton.jit decorates, at import: so does this module.
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Triton reads TRITON_INTERPRET when @triton.jit decorates, at import: so does this module (INTERPRETED: for the
+# launchers' import-time choices too).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = tl.constexpr(INTERPRETED)
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 # fp32 bit fields for the exact power-of-two round-up of a scale (reference.round_scale_up_to_pow2).
